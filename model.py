@@ -1,0 +1,363 @@
+"""A Kimi-K2-shaped mixture-of-experts transformer, in miniature and at full size.
+
+Composer 2.5 is RL on top of Moonshot's Kimi K2.5 (1.04T total / 32B active parameters), which has the
+DeepSeek-V3 architecture: multi-head latent attention (MLA), a first dense layer, then MoE layers with
+many small routed experts, top-k sigmoid routing with an auxiliary-loss-free balancing bias, and one
+shared expert. Sources: DeepSeek-V3 technical report (arXiv 2412.19437) and its inference/model.py;
+Kimi K2 technical report (arXiv 2507.20534) and config.json. Simplifications: no YaRN rope scaling,
+no multi-token prediction head, no expert groups (Kimi K2 uses n_group=1 anyway).
+
+Two layout choices serve the optimizer (muon.py) and the sharding (mesh.py):
+- expert weights are stacked, one tensor per projection, [num_experts, out, in];
+- per-head attention projections are 3D [n_head, head_dim, in] (or [n_head, out, head_dim] for wo),
+  used through einsum, so a head's block is a plain slice and Muon orthogonalizes it per head.
+
+    python model.py            # parameter counts of every preset (kimi-k2 on the meta device) + a forward
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# -----------------------------------------------------------------------------
+# Byte-level tokenizer: 256 byte values plus a few special tokens for chat / tool-use transcripts.
+
+SPECIALS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|end|>"]
+TOKEN = {name: 256 + i for i, name in enumerate(SPECIALS)}
+VOCAB_SIZE = 256 + len(SPECIALS)  # 264
+
+
+def encode(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def decode(ids) -> str:
+    out, buf = [], bytearray()
+    for i in ids:
+        i = int(i)
+        if i < 256:
+            buf.append(i)
+            continue
+        out.append(buf.decode("utf-8", errors="replace"))
+        buf = bytearray()
+        out.append(SPECIALS[i - 256] if i - 256 < len(SPECIALS) else f"<|{i}|>")
+    out.append(buf.decode("utf-8", errors="replace"))
+    return "".join(out)
+
+
+# -----------------------------------------------------------------------------
+# Config and presets
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = VOCAB_SIZE
+    dim: int = 128
+    n_layer: int = 4
+    n_dense_layers: int = 1  # the first layers use a dense SwiGLU FFN instead of MoE
+    n_head: int = 4
+    # multi-head latent attention (MLA)
+    q_lora_rank: int = 64  # 0 = plain query projection
+    kv_lora_rank: int = 32  # the compressed K/V latent that is cached (and, under CP, gathered)
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 16  # rope part; its key is shared by all heads
+    v_head_dim: int = 32
+    # feed-forward
+    dense_hidden: int = 384
+    num_experts: int = 16
+    top_k: int = 2
+    moe_hidden: int = 128
+    n_shared_experts: int = 1
+    route_scale: float = 1.0
+    aux_loss_coef: float = 0.0  # switch-transformer balance loss; 0 = auxiliary-loss-free only
+    bias_update_rate: float = 1e-3  # DeepSeek-V3's gamma for the selection-only bias
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+
+
+PRESETS = {
+    # the CPU default: ~3.5M parameters, ~0.7M active
+    "tiny": ModelConfig(),
+    # one GPU / a patient CPU: ~0.2B parameters
+    "small": ModelConfig(dim=512, n_layer=8, n_head=8, q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64,
+                         qk_rope_head_dim=32, v_head_dim=64, dense_hidden=1536, num_experts=32, top_k=4,
+                         moe_hidden=256, max_seq_len=1024),
+    # the real shape (Kimi K2 config.json): build it on the meta device
+    "kimi-k2": ModelConfig(vocab_size=163840, dim=7168, n_layer=61, n_dense_layers=1, n_head=64, q_lora_rank=1536,
+                           kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                           dense_hidden=18432, num_experts=384, top_k=8, moe_hidden=2048, n_shared_experts=1,
+                           route_scale=2.827, max_seq_len=131072, rope_theta=50000.0),
+}
+
+
+# -----------------------------------------------------------------------------
+# Building blocks
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
+
+
+def rope_tables(pos, dim, theta):
+    """cos/sin for integer positions pos [T] (global positions, so a context-parallel slice stays right)."""
+    inv_freq = theta ** (-torch.arange(0, dim, 2, device=pos.device, dtype=torch.float32) / dim)  # [dim/2]
+    freqs = pos.float()[:, None] * inv_freq[None]  # [T, dim/2]
+    return freqs.cos(), freqs.sin()
+
+
+def apply_rope(x, cos, sin):
+    """x [B, H, T, D]; rotate-half form of RoPE."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
+
+
+class MLA(nn.Module):
+    """Multi-head latent attention: K and V come from one small latent c_kv [B, T, kv_lora_rank] plus a
+    single shared rope key, which is what gets cached (and gathered under context parallelism)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        H, qk_head = cfg.n_head, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        self.cfg = cfg
+        if cfg.q_lora_rank:
+            self.wq_a = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+            self.wq_b = nn.Parameter(torch.empty(H, qk_head, cfg.q_lora_rank))  # per head [qk_head, q_lora]
+        else:
+            self.wq = nn.Parameter(torch.empty(H, qk_head, cfg.dim))  # per head [qk_head, dim]
+        self.wkv_a = nn.Linear(cfg.dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps)
+        self.wkv_b = nn.Parameter(torch.empty(H, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank))
+        self.wo = nn.Parameter(torch.empty(H, cfg.dim, cfg.v_head_dim))  # per head [dim, v_head]
+        self.scale = qk_head ** -0.5
+
+    def forward(self, x, cos, sin):
+        cfg = self.cfg
+        B, T, C = x.shape
+        H, nope, rope = cfg.n_head, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        if cfg.q_lora_rank:
+            q = torch.einsum("btr,hdr->bhtd", self.q_norm(self.wq_a(x)), self.wq_b)  # [B, H, T, nope+rope]
+        else:
+            q = torch.einsum("btc,hdc->bhtd", x, self.wq)
+        q_nope, q_pe = q.split([nope, rope], dim=-1)
+        c_kv, k_pe = self.wkv_a(x).split([cfg.kv_lora_rank, rope], dim=-1)  # [B, T, kv_lora], [B, T, rope]
+        kv = torch.einsum("btr,hdr->bhtd", self.kv_norm(c_kv), self.wkv_b)  # [B, H, T, nope+v]
+        k_nope, v = kv.split([nope, cfg.v_head_dim], dim=-1)
+        k_pe = apply_rope(k_pe[:, None], cos, sin).expand(B, H, T, rope)  # one rope key shared by all heads
+        q = torch.cat([q_nope, apply_rope(q_pe, cos, sin)], dim=-1)
+        k = torch.cat([k_nope, k_pe], dim=-1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)  # [B, H, T, v]
+        return torch.einsum("bhtv,hcv->btc", y, self.wo)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)  # gate
+        self.w3 = nn.Linear(dim, hidden, bias=False)  # up
+        self.w2 = nn.Linear(hidden, dim, bias=False)  # down
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def grouped_mm_ok(x, w):
+    """torch._grouped_mm runs on CPU (any float dtype) and on CUDA for bf16 on sm90+ with 16-byte aligned
+    strides; elsewhere we take the per-expert loop."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.device.type == "cpu":
+        return True
+    return (x.device.type == "cuda" and x.dtype == w.dtype == torch.bfloat16 and
+            torch.cuda.get_device_capability(x.device)[0] >= 9 and x.size(-1) % 8 == 0 and w.size(-2) % 8 == 0)
+
+
+def expert_mm(x, w, counts, offs):
+    """Grouped matmul: rows of x [N, in] are sorted by expert, counts [E] rows each; w [E, out, in] -> [N, out]."""
+    if grouped_mm_ok(x, w):
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    return torch.cat([xe @ w[e].T for e, xe in enumerate(x.split(counts.tolist()))])
+
+
+class MoE(nn.Module):
+    """Token-choice top-k routing over stacked experts, DeepSeek-V3 style: sigmoid scores, a selection-only
+    bias for auxiliary-loss-free balancing (updated outside autograd from per-expert token counts),
+    normalised top-k gates times route_scale, an optional switch auxiliary loss and shared expert(s)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        E, D, Hd = cfg.num_experts, cfg.dim, cfg.moe_hidden
+        self.router = nn.Linear(D, E, bias=False)
+        self.w1 = nn.Parameter(torch.empty(E, Hd, D))  # gate  [E, out, in]
+        self.w3 = nn.Parameter(torch.empty(E, Hd, D))  # up    [E, out, in]
+        self.w2 = nn.Parameter(torch.empty(E, D, Hd))  # down  [E, out, in]
+        self.shared = SwiGLU(D, Hd * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        self.register_buffer("expert_bias", torch.zeros(E))  # used for selection only, never in the gate values
+        self.register_buffer("tokens_per_expert", torch.zeros(E), persistent=False)  # since the last bias update
+
+    def forward(self, x):
+        cfg = self.cfg
+        B, T, C = x.shape
+        x = x.reshape(-1, C)  # [N, C]
+        scores = torch.sigmoid(self.router(x).float())  # [N, E]
+        _, idx = torch.topk(scores + self.expert_bias, cfg.top_k, dim=-1)  # [N, k]: the bias picks experts...
+        gates = scores.gather(1, idx)  # ...but the gate values are the unbiased scores
+        gates = gates / gates.sum(-1, keepdim=True) * cfg.route_scale
+        counts = torch.bincount(idx.flatten(), minlength=cfg.num_experts)  # [E]
+        with torch.no_grad():
+            self.tokens_per_expert += counts
+        aux = x.new_zeros(())
+        if cfg.aux_loss_coef > 0 and self.training:  # switch loss: E * sum_e f_e * P_e
+            f = counts.float() / idx.numel()
+            P = (scores / scores.sum(-1, keepdim=True)).mean(0)
+            aux = cfg.aux_loss_coef * cfg.num_experts * (f * P).sum()
+        # group the N*k (token, expert) pairs by expert, run each expert on its contiguous rows, scatter back
+        order = idx.flatten().argsort(stable=True)  # [N*k]
+        token = order // cfg.top_k
+        offs = counts.cumsum(0).to(torch.int32)
+        xs = x[token]  # [N*k, C], sorted by expert
+        h = F.silu(expert_mm(xs, self.w1, counts, offs)) * expert_mm(xs, self.w3, counts, offs)
+        ys = expert_mm(h, self.w2, counts, offs) * gates.flatten()[order, None].type_as(x)
+        out = torch.zeros_like(x).index_add_(0, token, ys)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out.view(B, T, C), aux
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = MLA(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn = SwiGLU(cfg.dim, cfg.dense_hidden) if layer_id < cfg.n_dense_layers else MoE(cfg)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        h = self.ffn(self.ffn_norm(x))
+        h, aux = h if isinstance(h, tuple) else (h, x.new_zeros(()))
+        return x + h, aux
+
+
+# -----------------------------------------------------------------------------
+# The model
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if self.embed.weight.device.type != "meta":
+            self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self):
+        """N(0, init_std) everywhere, output projections scaled down by sqrt(2 n_layer) (GPT-2), norms at 1."""
+        std = self.cfg.init_std
+        for name, p in self.named_parameters():
+            if p.ndim == 1:
+                p.fill_(1.0)
+            elif name.endswith(("wo", "w2", "w2.weight")):
+                p.normal_(0.0, std / math.sqrt(2 * self.cfg.n_layer))
+            else:
+                p.normal_(0.0, std)
+        for m in self.moe_layers():
+            m.expert_bias.zero_()
+            m.tokens_per_expert.zero_()
+
+    def moe_layers(self):
+        return [m for m in self.modules() if isinstance(m, MoE)]
+
+    def forward(self, idx, targets=None, pos=None, reduction="mean"):
+        """idx [B, T] token ids; pos [T] global positions (default 0..T-1); targets [B, T] with -100 = ignore.
+        Returns (logits [B, T, V], loss or None); loss includes the switch auxiliary loss when enabled."""
+        B, T = idx.shape
+        if pos is None:
+            pos = torch.arange(T, device=idx.device)
+        cos, sin = rope_tables(pos, self.cfg.qk_rope_head_dim, self.cfg.rope_theta)
+        x = self.embed(idx)  # [B, T, C]
+        aux = x.new_zeros(())
+        for layer in self.layers:
+            x, a = layer(x, cos, sin)
+            aux = aux + a
+        logits = self.lm_head(self.norm(x)).float()  # [B, T, V]
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100,
+                               reduction=reduction)
+        return logits, loss + aux if reduction == "mean" else loss
+
+    @torch.no_grad()
+    def update_router_bias(self):
+        """Auxiliary-loss-free balancing (DeepSeek-V3 sec. 2.1.2): after each optimizer step, nudge each
+        expert's selection bias by -rate*sign(load - mean load). Returns the load balance of the counted
+        tokens, mean over MoE layers of max_load / mean_load (1.0 = perfect), and resets the counts.
+        Under data parallelism the counts must be summed over ranks first (mesh.py)."""
+        balance = []
+        for m in self.moe_layers():
+            load = m.tokens_per_expert
+            if load.sum() == 0:
+                continue
+            mean = load.mean()
+            m.expert_bias += m.cfg.bias_update_rate * torch.sign(mean - load)
+            balance.append((load.max() / mean).item())
+            load.zero_()
+        return sum(balance) / len(balance) if balance else 1.0
+
+
+# -----------------------------------------------------------------------------
+# Accounting: parameter counts and FLOPs (work on the meta device)
+
+
+def param_counts(model: Transformer):
+    """(total, active): active counts what one token touches: every dense weight, the lm_head, one row of the
+    embedding table, and top_k of num_experts routed experts (the shared expert is always active)."""
+    cfg = model.cfg
+    total = sum(p.numel() for p in model.parameters())
+    routed = sum(p.numel() for m in model.moe_layers() for p in (m.w1, m.w2, m.w3))
+    embed = model.embed.weight.numel()
+    active = total - embed + cfg.dim - routed + routed * cfg.top_k // cfg.num_experts
+    return total, active
+
+
+def flops_per_token(model: Transformer, T: int):
+    """Training FLOPs per token (forward + backward = 3x forward): 6 per active matmul weight plus attention
+    scores and values (6 * n_layer * n_head * T * (qk_head + v_head), no causal discount, like nanoGPT)."""
+    cfg = model.cfg
+    _, active = param_counts(model)
+    matmul_params = active - cfg.dim - sum(p.numel() for p in model.parameters() if p.ndim == 1)
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    return 6 * matmul_params + 6 * cfg.n_layer * cfg.n_head * T * (qk + cfg.v_head_dim)
+
+
+if __name__ == "__main__":
+    import time
+    for name, cfg in PRESETS.items():
+        t0 = time.perf_counter()
+        with torch.device("meta"):
+            m = Transformer(cfg)
+        total, active = param_counts(m)
+        print(f"{name:8s} total {total / 1e9:9.4f}B  active {active / 1e9:8.4f}B  "
+              f"layers {cfg.n_layer} experts {cfg.num_experts} top-{cfg.top_k}  (built on meta in "
+              f"{time.perf_counter() - t0:.2f}s)")
+    print("Kimi K2 published: total 1.04T, active 32B")
+    torch.manual_seed(0)
+    model = Transformer(PRESETS["tiny"])
+    idx = torch.tensor([encode("def forward(self, x):")])
+    logits, loss = model(idx[:, :-1], idx[:, 1:])
+    print(f"tiny forward: logits {tuple(logits.shape)}, loss {loss.item():.3f} (ln V = {math.log(VOCAB_SIZE):.3f})")
