@@ -2,8 +2,8 @@
 
     python -m pytest -q test_all.py
 """
+import copy
 import json
-import math
 import os
 import subprocess
 import sys
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import model as M
+from muon import CLASSIC, POLAR_EXPRESS, Muon, msign, ns_band, param_groups
 
 HERE = Path(__file__).resolve().parent
 
@@ -132,6 +133,235 @@ def test_switch_aux_loss_reaches_the_router():
     assert loss.item() > plain.item()  # same weights (same seed), plus a positive balance term
     loss.backward()
     assert m.layers[1].ffn.router.weight.grad.abs().sum() > 0
+
+
+# -----------------------------------------------------------------------------
+# muon.py
+
+
+def _grads(shapes, steps, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(*s, generator=g) for s in shapes] for _ in range(steps)]
+
+
+def _run(opt, params, grads):
+    for gs in grads:
+        for p, gr in zip(params, gs):
+            p.grad = gr.clone()
+        opt.step()
+
+
+def _random_with_spectrum(s, m, n, gen):
+    """G = U diag(s) V^T with orthonormal U [m, k], V [n, k], k = len(s)."""
+    k = len(s)
+    U, _ = torch.linalg.qr(torch.randn(m, k, generator=gen, dtype=torch.float64))
+    V, _ = torch.linalg.qr(torch.randn(n, k, generator=gen, dtype=torch.float64))
+    return (U * s) @ V.T
+
+
+# -----------------------------------------------------------------------------
+# parity with torch.optim.Muon
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("adjust_lr_fn", ["original", "match_rms_adamw"])
+def test_matches_torch_muon(nesterov, adjust_lr_fn):
+    # square, wide, tall, and two of one shape (so one NS call holds a batch of 2)
+    shapes = [(32, 32), (16, 48), (48, 16), (24, 40), (24, 40)]
+    torch.manual_seed(0)
+    ours = [torch.randn(*s) for s in shapes]
+    ref = [p.clone() for p in ours]
+    kw = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
+    grads = _grads(shapes, 5)
+    _run(Muon(ours, ns_dtype=torch.bfloat16, **kw), ours, grads)
+    _run(torch.optim.Muon(ref, **kw), ref, grads)
+    for p, r in zip(ours, ref):
+        torch.testing.assert_close(p, r, atol=1e-5, rtol=0)
+    # the comparison is not vacuous: the params moved by much more than the tolerance
+    torch.manual_seed(0)
+    start = [torch.randn(*s) for s in shapes]
+    assert min((p - s).abs().max().item() for p, s in zip(ours, start)) > 1e-2
+
+
+def test_stacked_equals_separate():
+    E, m, n = 4, 24, 40
+    torch.manual_seed(1)
+    stacked = torch.randn(E, m, n)
+    separate = [stacked[e].clone() for e in range(E)]
+    grads = _grads([(E, m, n)], 4, seed=3)
+    kw = dict(lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw", ns_dtype=torch.float32)
+    _run(Muon([stacked], **kw), [stacked], grads)
+    _run(Muon(separate, **kw), separate, [[g[0][e] for e in range(E)] for g in grads])
+    assert torch.equal(stacked, torch.stack(separate))
+
+
+def test_stacked_equals_torch_per_slice():
+    # a [H, head_dim, in] tensor with bf16 NS equals torch.optim.Muon on H separate 2D params
+    H, m, n = 3, 16, 48
+    torch.manual_seed(2)
+    stacked = torch.randn(H, m, n)
+    ref = [stacked[h].clone() for h in range(H)]
+    grads = _grads([(H, m, n)], 3, seed=4)
+    _run(Muon([stacked], lr=0.02, ns_dtype=torch.bfloat16), [stacked], grads)
+    _run(torch.optim.Muon(ref, lr=0.02), ref, [[g[0][h] for h in range(H)] for g in grads])
+    torch.testing.assert_close(stacked, torch.stack(ref), atol=1e-5, rtol=0)
+
+
+# -----------------------------------------------------------------------------
+# Newton-Schulz properties
+
+
+@pytest.mark.parametrize("name,coeffs", [("classic", CLASSIC), ("polar_express", POLAR_EXPRESS)])
+@pytest.mark.parametrize("m,n", [(32, 32), (24, 64), (64, 24)])
+def test_singular_values_in_band(name, coeffs, m, n):
+    gen = torch.Generator().manual_seed(5)
+    k = min(m, n)
+    for trial in range(3):
+        s = torch.logspace(-2, 0, k, dtype=torch.float64)[torch.randperm(k, generator=gen)]
+        G = _random_with_spectrum(s, m, n, gen) * (10.0 ** (trial - 1))  # scale must not matter
+        lo = (s.min() / s.norm()).item()  # smallest singular value after Frobenius normalisation
+        band = ns_band(coeffs, lo)
+        sv = torch.linalg.svdvals(msign(G.float(), coeffs, dtype=torch.float32).double())
+        assert sv.min().item() >= band[0] - 1e-3, (name, sv.min().item(), band)
+        assert sv.max().item() <= band[1] + 1e-3, (name, sv.max().item(), band)
+
+
+def test_polar_express_band_is_tighter():
+    for lo in [1e-1, 1e-2, 1e-3]:
+        c_lo, c_hi = ns_band(CLASSIC, lo)
+        p_lo, p_hi = ns_band(POLAR_EXPRESS, lo)
+        assert p_hi - p_lo < c_hi - c_lo, lo
+        assert p_lo > c_lo, lo
+
+
+def test_scale_and_transpose_invariance():
+    torch.manual_seed(6)
+    G = torch.randn(3, 2, 24, 40)  # two leading batch dims
+    for coeffs in (CLASSIC, POLAR_EXPRESS):
+        O = msign(G, coeffs, dtype=torch.float32)
+        assert O.shape == G.shape
+        torch.testing.assert_close(msign(7.5 * G, coeffs, dtype=torch.float32), O, atol=1e-5, rtol=0)
+        torch.testing.assert_close(msign(G.mT, coeffs, dtype=torch.float32), O.mT, atol=1e-5, rtol=0)
+
+
+def test_per_matrix_normalisation():
+    torch.manual_seed(7)
+    G1, G2 = torch.randn(32, 48), 1000.0 * torch.randn(32, 48)
+    O = msign(torch.stack([G1, G2]), CLASSIC, dtype=torch.float32)
+    torch.testing.assert_close(O[0], msign(G1, CLASSIC, dtype=torch.float32), atol=1e-6, rtol=0)
+    torch.testing.assert_close(O[1], msign(G2, CLASSIC, dtype=torch.float32), atol=1e-6, rtol=0)
+    # negative control: dividing by the norm of the whole batch leaves G1 ~1e-3 in size, and
+    # the iteration cannot lift it to ~1: the check above would catch that normalisation
+    X = torch.stack([G1, G2])
+    X = X / X.norm()
+    for a, b, c in CLASSIC:
+        A = X @ X.mT
+        X = a * X + (b * A + c * A @ A) @ X
+    assert (X[0] - O[0]).abs().max() > 0.1
+    assert torch.linalg.svdvals(O[0]).min() > 0.5
+
+
+def test_msign_does_not_modify_input():
+    G = torch.randn(16, 16, dtype=torch.bfloat16)
+    G0 = G.clone()
+    msign(G, CLASSIC, dtype=torch.bfloat16)  # G already in the compute dtype: X aliases G at first
+    assert torch.equal(G, G0)
+
+
+def test_bf16_params_momentum_not_corrupted():
+    # torch.optim.Muon with bf16 params and nesterov=False divides the momentum buffer in place
+    p = torch.randn(16, 32, dtype=torch.bfloat16)
+    opt = Muon([p], lr=0.02, nesterov=False, momentum=0.9)
+    g = torch.randn(16, 32, dtype=torch.bfloat16)
+    p.grad = g.clone()
+    opt.step()
+    torch.testing.assert_close(opt.state[p]["momentum_buffer"], (0.1 * g.float()).bfloat16())
+
+
+# -----------------------------------------------------------------------------
+# state, groups, AdamW, validation
+
+
+def test_state_dict_round_trip():
+    shapes = [(3, 16, 24), (24, 16), (16,)]
+    torch.manual_seed(8)
+    params = [torch.randn(*s) for s in shapes]
+    groups = [dict(params=params[:2]), dict(params=params[2:], algorithm="adamw", lr=0.01)]
+    opt = Muon(groups, lr=0.02, adjust_lr_fn="match_rms_adamw", ns_schedule="polar_express")
+    grads = _grads(shapes, 4, seed=9)
+    _run(opt, params, grads[:2])
+    sd = copy.deepcopy(opt.state_dict())
+    params2 = [p.clone() for p in params]
+    groups2 = [dict(params=params2[:2]), dict(params=params2[2:], algorithm="adamw", lr=0.5)]
+    opt2 = Muon(groups2)  # different hyperparameters: load_state_dict must restore them
+    opt2.load_state_dict(sd)
+    assert opt2.param_groups[1]["algorithm"] == "adamw" and opt2.param_groups[1]["lr"] == 0.01
+    assert opt2.param_groups[0]["ns_schedule"] == "polar_express"
+    _run(opt, params, grads[2:])
+    _run(opt2, params2, grads[2:])
+    for p, q in zip(params, params2):
+        assert torch.equal(p, q)
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 16)
+        self.attn_w = torch.nn.Parameter(torch.randn(4, 8, 16))  # [n_head, head_dim, in]
+        self.experts_w1 = torch.nn.Parameter(torch.randn(3, 32, 16))  # [E, out, in]
+        self.proj = torch.nn.Linear(16, 16)  # weight -> Muon, bias -> AdamW
+        self.router = torch.nn.Linear(16, 3, bias=False)
+        self.norm = torch.nn.RMSNorm(16)
+        self.lm_head = torch.nn.Linear(16, 50, bias=False)
+
+
+def test_param_groups_split():
+    model = _Tiny()
+    muon_g, adamw_g = param_groups(model.named_parameters(), lr=0.02, weight_decay=0.1)
+    name = {id(p): n for n, p in model.named_parameters()}
+    assert sorted(name[id(p)] for p in muon_g["params"]) == ["attn_w", "experts_w1", "proj.weight"]
+    assert sorted(name[id(p)] for p in adamw_g["params"]) == [
+        "embed.weight", "lm_head.weight", "norm.weight", "proj.bias", "router.weight"]
+    assert adamw_g["algorithm"] == "adamw" and adamw_g["lr"] == 0.02 and adamw_g["weight_decay"] == 0.1
+    Muon(param_groups(model.named_parameters(), lr=0.02, weight_decay=0.1), adjust_lr_fn="match_rms_adamw")
+
+
+def test_adamw_group_matches_torch_adamw():
+    shapes = [(50, 16), (16,), (3, 16)]
+    torch.manual_seed(10)
+    ours = [torch.randn(*s) for s in shapes]
+    ref = [p.clone() for p in ours]
+    grads = _grads(shapes, 5, seed=11)
+    _run(Muon([dict(params=ours, algorithm="adamw")], lr=0.01, weight_decay=0.1, betas=(0.9, 0.95),
+              adamw_eps=1e-8), ours, grads)
+    _run(torch.optim.AdamW(ref, lr=0.01, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8), ref, grads)
+    for p, r in zip(ours, ref):
+        torch.testing.assert_close(p, r, atol=1e-7, rtol=0)
+
+
+def test_closure_and_validation():
+    p = torch.randn(8, 8, requires_grad=True)
+    opt = Muon([p], lr=0.02)
+
+    def closure():
+        loss = (p**2).sum()
+        loss.backward()
+        return loss
+
+    p0 = p.detach().clone()
+    loss = opt.step(closure)
+    assert torch.equal(loss, (p0**2).sum()) and not torch.equal(p.detach(), p0)
+    with pytest.raises(ValueError, match=r"\(8,\)"):
+        Muon([torch.randn(8)])
+    with pytest.raises(ValueError):
+        Muon([torch.randn(8, 8)], lr=-1.0)
+    with pytest.raises(ValueError):
+        Muon([torch.randn(8, 8)], adjust_lr_fn="bogus")
+    with pytest.raises(ValueError):
+        Muon([dict(params=[torch.randn(8)], algorithm="sgd")])
+    with pytest.raises(ValueError):
+        Muon([torch.randn(8, 8)], ns_schedule="fast")
+    Muon([dict(params=[torch.randn(8)], algorithm="adamw")])  # 1-D is fine for AdamW
 
 
 # -----------------------------------------------------------------------------

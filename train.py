@@ -34,7 +34,7 @@ parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
 g = parser.add_argument_group("model")
 g.add_argument("--preset", default="tiny", help=f"model size, one of {list(PRESETS)}")
 g = parser.add_argument_group("run")
-g.add_argument("--steps", type=int, default=600, help="optimizer steps in total (a resumed run stops here too)")
+g.add_argument("--steps", type=int, default=500, help="optimizer steps in total (a resumed run stops here too)")
 g.add_argument("--batch-size", type=int, default=16, help="sequences per step")
 g.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (at most the preset's max_seq_len)")
 g.add_argument("--lr", type=float, default=4e-3,
@@ -149,7 +149,7 @@ if args.resume:
     if not ckpt_path.exists():
         die(f"--resume: no checkpoint at {ckpt_path}")
     try:
-        ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
+        ckpt = torch.load(ckpt_path, map_location=device, weights_only=True)  # tensors and plain data, no pickled code
         if ckpt["config"] != asdict(cfg):
             die(f"--resume: {ckpt_path} holds a different model (preset {ckpt['args']['preset']!r}, "
                 f"vocab {ckpt['config']['vocab_size']}) than this run ({args.preset!r}, vocab {cfg.vocab_size})")
@@ -195,12 +195,16 @@ def measure_matmul_peak():
 
 @torch.no_grad()
 def evaluate():
-    """Mean validation loss over a fixed set of batches, so evaluations at different steps compare."""
+    """Mean loss over a fixed set of batches of each split (nanoGPT's estimate_loss), so evaluations at
+    different steps compare. -> (train_loss, val_loss)"""
     model.eval()
-    gen = torch.Generator().manual_seed(0)
-    losses = [model(*get_batch(val_data, gen))[1].item() for _ in range(args.eval_batches)]
+    losses = []
+    for data in (train_data, val_data):
+        gen = torch.Generator().manual_seed(0)
+        losses.append(sum(model(*get_batch(data, gen))[1].item() for _ in range(args.eval_batches)) /
+                      args.eval_batches)
     model.train()
-    return sum(losses) / len(losses)
+    return losses
 
 
 def save_checkpoint(step):
@@ -229,9 +233,9 @@ print(f"preset {args.preset}: {total / 1e6:.2f}M parameters, {active / 1e6:.2f}M
       f"{len(train_data):,} train / {len(val_data):,} val tokens | {device} | "
       f"matmul peak {peak / 1e9:.1f} GFLOP/s")
 if start_step == 0:
-    val_loss = evaluate()
-    print(f"step {0:5d} | val loss {val_loss:.4f}")
-    metrics.write(json.dumps({"step": 0, "val_loss": val_loss}) + "\n")
+    train_loss, val_loss = evaluate()
+    print(f"step {0:5d} | train loss {train_loss:.4f} | val loss {val_loss:.4f}")
+    metrics.write(json.dumps({"step": 0, "loss": train_loss, "val_loss": val_loss}) + "\n")
 else:
     print(f"resumed from {ckpt_path} at step {start_step}")
 
@@ -261,8 +265,8 @@ for step in range(start_step + 1, args.steps + 1):
               f"load max/mean {balance:.2f}")
         t_log, n_log = time.perf_counter(), 0
     if step % args.eval_every == 0 or step == args.steps:
-        record["val_loss"] = evaluate()
-        print(f"step {step:5d} | val loss {record['val_loss']:.4f}")
+        record["train_loss_eval"], record["val_loss"] = evaluate()
+        print(f"step {step:5d} | train loss {record['train_loss_eval']:.4f} | val loss {record['val_loss']:.4f}")
         save_checkpoint(step)
         t_log = time.perf_counter()  # evaluation and saving are not training time
     metrics.write(json.dumps(record) + "\n")
