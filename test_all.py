@@ -106,6 +106,9 @@ def test_router_bias_selects_but_does_not_weigh():
         moe.expert_bias[3] = 10.0
         moe(x)
     assert moe.tokens_per_expert[3] == 14 and moe.tokens_per_expert.sum() == 28
+    with torch.no_grad():
+        moe.eval()(x)  # evaluation and sampling are not counted: only training tokens steer the bias
+    assert moe.tokens_per_expert.sum() == 28
     assert "expert_bias" not in dict(m.named_parameters())  # never trained by gradient
 
 
@@ -426,6 +429,7 @@ def test_train_bad_input_is_one_clear_line(tmp_path):
         "no text found": ["--data", str(tmp_path / "empty")],
         "corrupt or unreadable": ["--resume", "--out", str(tmp_path / "bad" / "out")],
         "no checkpoint": ["--resume", "--out", str(tmp_path / "nothing")],
+        "GiB of weights, gradients and optimizer state": ["--preset", "kimi-k2"],
     }
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = {k: subprocess.Popen([sys.executable, str(HERE / "train.py"), *v], stdout=subprocess.PIPE,

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from model import PRESETS, VOCAB_SIZE, ModelConfig, Transformer, flops_per_token, param_counts
+from model import PRESETS, ModelConfig, Transformer, flops_per_token, param_counts
 from muon import Muon, param_groups
 
 # -----------------------------------------------------------------------------
@@ -122,7 +122,7 @@ train_data, val_data = load_tokens(args.data)
 for name, d in (("training", train_data), ("validation", val_data)):
     if len(d) < args.seq_len + 2:
         die(f"--data: the {name} split has {len(d)} tokens, fewer than --seq-len + 2 = {args.seq_len + 2}")
-vocab_size = max(VOCAB_SIZE, int(train_data.max()) + 1, int(val_data.max()) + 1)
+vocab_size = max(cfg.vocab_size, int(train_data.max()) + 1, int(val_data.max()) + 1)
 if vocab_size != cfg.vocab_size:  # a .bin from another tokenizer (e.g. GPT-2's 50257): widen the embedding
     cfg = ModelConfig(**{**asdict(cfg), "vocab_size": vocab_size})
 
@@ -137,6 +137,16 @@ def get_batch(data, gen):
 # -----------------------------------------------------------------------------
 # Model and optimizer
 
+with torch.device("meta"):  # count first: a preset that cannot fit gets one line, not an out-of-memory crash
+    total, active = param_counts(Transformer(cfg))
+need = 16 * total  # bytes: fp32 weights, gradients and up to two optimizer states (AdamW's m and v)
+if device.type == "cuda":
+    available = torch.cuda.mem_get_info(device)[0]
+else:
+    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") if hasattr(os, "sysconf") else need
+if need > available:
+    die(f"preset {args.preset} has {total / 1e9:.1f}B parameters: ~{need / 2**30:,.0f} GiB of weights, gradients "
+        f"and optimizer state, more than the {available / 2**30:,.0f} GiB free on {device}")
 torch.manual_seed(args.seed)
 model = Transformer(cfg).to(device)
 optimizer = Muon(param_groups(model.named_parameters(), lr=args.lr, weight_decay=args.weight_decay),
@@ -225,7 +235,6 @@ if args.resume and metrics_path.exists():
     kept = [ln for ln in metrics_path.read_text().splitlines() if ln and json.loads(ln)["step"] <= start_step]
 metrics = open(metrics_path, "w")
 metrics.writelines(ln + "\n" for ln in kept)
-total, active = param_counts(model)
 tokens_per_step = args.batch_size * args.seq_len
 flops_per_step = flops_per_token(model, args.seq_len) * tokens_per_step
 peak = measure_matmul_peak()
