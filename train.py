@@ -143,7 +143,8 @@ need = 16 * total  # bytes: fp32 weights, gradients and up to two optimizer stat
 if device.type == "cuda":
     available = torch.cuda.mem_get_info(device)[0]
 else:
-    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") if hasattr(os, "sysconf") else need
+    pages = os.sysconf("SC_AVPHYS_PAGES") if "SC_AVPHYS_PAGES" in getattr(os, "sysconf_names", {}) else None
+    available = pages * os.sysconf("SC_PAGE_SIZE") if pages else need  # unknown (macOS, Windows): try it
 if need > available:
     die(f"preset {args.preset} has {total / 1e9:.1f}B parameters: ~{need / 2**30:,.0f} GiB of weights, gradients "
         f"and optimizer state, more than the {available / 2**30:,.0f} GiB free on {device}")
@@ -159,7 +160,7 @@ if args.resume:
     if not ckpt_path.exists():
         die(f"--resume: no checkpoint at {ckpt_path}")
     try:
-        ckpt = torch.load(ckpt_path, map_location=device, weights_only=True)  # tensors and plain data, no pickled code
+        ckpt = torch.load(ckpt_path, map_location=device, weights_only=True)  # plain data, no pickled code
         if ckpt["config"] != asdict(cfg):
             die(f"--resume: {ckpt_path} holds a different model (preset {ckpt['args']['preset']!r}, "
                 f"vocab {ckpt['config']['vocab_size']}) than this run ({args.preset!r}, vocab {cfg.vocab_size})")
