@@ -11,6 +11,9 @@ Two layout choices serve the optimizer (muon.py) and the sharding (mesh.py):
 - expert weights are stacked, one tensor per projection, [num_experts, out, in];
 - per-head attention projections are 3D [n_head, head_dim, in] (or [n_head, out, head_dim] for wo),
   used through einsum, so a head's block is a plain slice and Muon orthogonalizes it per head.
+Two parallel paths switch on when train.py shards the model: expert parallelism (the expert weights are
+DTensors sharded over the EP group; tokens travel to their experts and back by all-to-all) and context
+parallelism (MLA.cp_group set; each rank holds a chunk of the sequence and gathers the compressed K/V latent).
 
     python model.py            # parameter counts of every preset (kimi-k2 on the meta device) + a forward
 """
@@ -18,8 +21,11 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 # -----------------------------------------------------------------------------
 # Byte-level tokenizer: 256 byte values plus a few special tokens for chat / tool-use transcripts.
@@ -123,7 +129,12 @@ def apply_rope(x, cos, sin):
 
 class MLA(nn.Module):
     """Multi-head latent attention: K and V come from one small latent c_kv [B, T, kv_lora_rank] plus a
-    single shared rope key, which is what gets cached (and gathered under context parallelism)."""
+    single shared rope key, which is what gets cached and, under context parallelism, gathered.
+
+    Context parallelism (cp_group set): each rank holds T/cp consecutive tokens of every sequence. Gathering
+    the latent and rope key costs kv_lora_rank + qk_rope_head_dim numbers a token (576 for Kimi K2), against
+    n_head * (qk_head + v_head) = 40960 for the expanded K and V, so we gather the latent and let every rank
+    expand it with wkv_b (recomputing the up-projection is cheaper than moving 71x more bytes)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -140,8 +151,10 @@ class MLA(nn.Module):
         self.wkv_b = nn.Parameter(torch.empty(H, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank))
         self.wo = nn.Parameter(torch.empty(H, cfg.dim, cfg.v_head_dim))  # per head [dim, v_head]
         self.scale = qk_head ** -0.5
+        self.cp_group = None  # set by train.py for context parallelism
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, pos):
+        """x [B, T, C]; pos [T] global positions of these tokens."""
         cfg = self.cfg
         B, T, C = x.shape
         H, nope, rope = cfg.n_head, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
@@ -150,13 +163,22 @@ class MLA(nn.Module):
         else:
             q = torch.einsum("btc,hdc->bhtd", x, self.wq)
         q_nope, q_pe = q.split([nope, rope], dim=-1)
-        c_kv, k_pe = self.wkv_a(x).split([cfg.kv_lora_rank, rope], dim=-1)  # [B, T, kv_lora], [B, T, rope]
-        kv = torch.einsum("btr,hdr->bhtd", self.kv_norm(c_kv), self.wkv_b)  # [B, H, T, nope+v]
+        q = torch.cat([q_nope, apply_rope(q_pe, *rope_tables(pos, rope, cfg.rope_theta))], dim=-1)
+        kv_a, k_pos = self.wkv_a(x), pos  # [B, T, kv_lora + rope]
+        if self.cp_group is not None:  # -> [B, S, kv_lora + rope], S = T * cp, in sequence order
+            kv_a = funcol.all_gather_tensor_autograd(kv_a.contiguous(), gather_dim=1, group=self.cp_group)
+            k_pos = funcol.all_gather_tensor(pos, gather_dim=0, group=self.cp_group)
+        S = kv_a.size(1)
+        c_kv, k_pe = kv_a.split([cfg.kv_lora_rank, rope], dim=-1)
+        kv = torch.einsum("bsr,hdr->bhsd", self.kv_norm(c_kv), self.wkv_b)  # [B, H, S, nope+v]
         k_nope, v = kv.split([nope, cfg.v_head_dim], dim=-1)
-        k_pe = apply_rope(k_pe[:, None], cos, sin).expand(B, H, T, rope)  # one rope key shared by all heads
-        q = torch.cat([q_nope, apply_rope(q_pe, cos, sin)], dim=-1)
-        k = torch.cat([k_nope, k_pe], dim=-1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)  # [B, H, T, v]
+        k_pe = apply_rope(k_pe[:, None], *rope_tables(k_pos, rope, cfg.rope_theta))  # one rope key for all heads
+        k = torch.cat([k_nope, k_pe.expand(B, H, S, rope)], dim=-1)
+        if self.cp_group is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)  # [B, H, T, v]
+        else:  # causal by global position: a query sees the keys at or before it, wherever they were computed
+            mask = k_pos[None, :] <= pos[:, None]  # [T, S]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         return torch.einsum("bhtv,hcv->btc", y, self.wo)
 
 
@@ -189,19 +211,58 @@ def expert_mm(x, w, counts, offs):
     return torch.cat([xe @ w[e].T for e, xe in enumerate(x.split(counts.tolist()))])
 
 
+class GroupedExperts(nn.Module):
+    """num_experts SwiGLU experts as three stacked weights [E, out, in], run as grouped matmuls.
+
+    Expert parallelism: when train.py has sharded the weights over the EP group (DTensors, Shard(0): rank i
+    holds experts [i*E/ep, (i+1)*E/ep)), the token copies travel to the rank that holds their expert by
+    all_to_all_single (uneven splits: dropless, no capacity factor) and come back the same way. Torch's
+    functional collectives carry autograd, so each gradient returns to the rank its token came from."""
+
+    def __init__(self, num_experts, dim, hidden):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden, dim))  # gate  [E, out, in]
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))  # up    [E, out, in]
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))  # down  [E, out, in]
+
+    def forward(self, xs, counts):
+        """xs [M, C]: token copies sorted by expert; counts [E]: rows per expert. -> [M, C] in the same order."""
+        if not isinstance(self.w1, DTensor):
+            return self.swiglu(xs, counts, self.w1, self.w3, self.w2)
+        group, ep = self.w1.device_mesh.get_group(), self.w1.device_mesh.size()
+        w1, w3, w2 = self.w1.to_local(), self.w3.to_local(), self.w2.to_local()  # [E/ep, out, in]
+        E_local = w1.size(0)
+        # tell every peer how many rows it gets for each of its local experts: [ep * E_local], (source, expert)
+        recv = torch.empty_like(counts)
+        dist.all_to_all_single(recv, counts, group=group)
+        recv = recv.view(ep, E_local)
+        send_splits, recv_splits = counts.view(ep, E_local).sum(1).tolist(), recv.sum(1).tolist()
+        x_recv = funcol.all_to_all_single_autograd(xs, recv_splits, send_splits, group)  # [R, C] by (source, expert)
+        # regroup the received rows by local expert for the grouped matmul, then restore (source, expert) order
+        expert_of_row = torch.arange(E_local, device=xs.device).repeat(ep).repeat_interleave(recv.flatten())
+        order = expert_of_row.argsort(stable=True)
+        y = self.swiglu(x_recv[order], recv.sum(0), w1, w3, w2)[order.argsort()]
+        return funcol.all_to_all_single_autograd(y, send_splits, recv_splits, group)  # [M, C] back home
+
+    @staticmethod
+    def swiglu(xs, counts, w1, w3, w2):
+        offs = counts.cumsum(0).to(torch.int32)
+        h = F.silu(expert_mm(xs, w1, counts, offs)) * expert_mm(xs, w3, counts, offs)
+        return expert_mm(h, w2, counts, offs)
+
+
 class MoE(nn.Module):
     """Token-choice top-k routing over stacked experts, DeepSeek-V3 style: sigmoid scores, a selection-only
     bias for auxiliary-loss-free balancing (updated outside autograd from per-expert token counts),
-    normalised top-k gates times route_scale, an optional switch auxiliary loss and shared expert(s)."""
+    normalised top-k gates times route_scale, an optional switch auxiliary loss and shared expert(s).
+    The auxiliary loss, when enabled, is computed over each rank's own tokens."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         E, D, Hd = cfg.num_experts, cfg.dim, cfg.moe_hidden
         self.router = nn.Linear(D, E, bias=False)
-        self.w1 = nn.Parameter(torch.empty(E, Hd, D))  # gate  [E, out, in]
-        self.w3 = nn.Parameter(torch.empty(E, Hd, D))  # up    [E, out, in]
-        self.w2 = nn.Parameter(torch.empty(E, D, Hd))  # down  [E, out, in]
+        self.experts = GroupedExperts(E, D, Hd)
         self.shared = SwiGLU(D, Hd * cfg.n_shared_experts) if cfg.n_shared_experts else None
         self.register_buffer("expert_bias", torch.zeros(E))  # used for selection only, never in the gate values
         self.register_buffer("tokens_per_expert", torch.zeros(E), persistent=False)  # since the last bias update
@@ -222,13 +283,10 @@ class MoE(nn.Module):
             f = counts.float() / idx.numel()
             P = (scores / scores.sum(-1, keepdim=True)).mean(0)
             aux = cfg.aux_loss_coef * cfg.num_experts * (f * P).sum()
-        # group the N*k (token, expert) pairs by expert, run each expert on its contiguous rows, scatter back
+        # group the N*k (token, expert) pairs by expert, run the experts, scatter back weighted by the gates
         order = idx.flatten().argsort(stable=True)  # [N*k]
         token = order // cfg.top_k
-        offs = counts.cumsum(0).to(torch.int32)
-        xs = x[token]  # [N*k, C], sorted by expert
-        h = F.silu(expert_mm(xs, self.w1, counts, offs)) * expert_mm(xs, self.w3, counts, offs)
-        ys = expert_mm(h, self.w2, counts, offs) * gates.flatten()[order, None].type_as(x)
+        ys = self.experts(x[token], counts) * gates.flatten()[order, None].type_as(x)  # [N*k, C]
         out = torch.zeros_like(x).index_add_(0, token, ys)
         if self.shared is not None:
             out = out + self.shared(x)
@@ -243,8 +301,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn = SwiGLU(cfg.dim, cfg.dense_hidden) if layer_id < cfg.n_dense_layers else MoE(cfg)
 
-    def forward(self, x, cos, sin):
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x, pos):
+        x = x + self.attn(self.attn_norm(x), pos)
         h = self.ffn(self.ffn_norm(x))
         h, aux = h if isinstance(h, tuple) else (h, x.new_zeros(()))
         return x + h, aux
@@ -284,16 +342,16 @@ class Transformer(nn.Module):
         return [m for m in self.modules() if isinstance(m, MoE)]
 
     def forward(self, idx, targets=None, pos=None, reduction="mean"):
-        """idx [B, T] token ids; pos [T] global positions (default 0..T-1); targets [B, T] with -100 = ignore.
+        """idx [B, T] token ids; pos [T] global positions (default 0..T-1; a context-parallel rank passes its
+        chunk's); targets [B, T] with -100 = ignore.
         Returns (logits [B, T, V], loss or None); loss includes the switch auxiliary loss when enabled."""
         B, T = idx.shape
         if pos is None:
             pos = torch.arange(T, device=idx.device)
-        cos, sin = rope_tables(pos, self.cfg.qk_rope_head_dim, self.cfg.rope_theta)
         x = self.embed(idx)  # [B, T, C]
         aux = x.new_zeros(())
         for layer in self.layers:
-            x, a = layer(x, cos, sin)
+            x, a = layer(x, pos)
             aux = aux + a
         logits = self.lm_head(self.norm(x)).float()  # [B, T, V]
         if targets is None:
@@ -303,21 +361,22 @@ class Transformer(nn.Module):
         return logits, loss + aux if reduction == "mean" else loss
 
     @torch.no_grad()
-    def update_router_bias(self):
+    def update_router_bias(self, group=None):
         """Auxiliary-loss-free balancing (DeepSeek-V3 sec. 2.1.2): after each optimizer step, nudge each
-        expert's selection bias by -rate*sign(load - mean load). Returns the load balance of the counted
-        tokens, mean over MoE layers of max_load / mean_load (1.0 = perfect), and resets the counts.
-        Under data parallelism the counts must be summed over ranks first (mesh.py)."""
-        balance = []
-        for m in self.moe_layers():
-            load = m.tokens_per_expert
-            if load.sum() == 0:
-                continue
-            mean = load.mean()
-            m.expert_bias += m.cfg.bias_update_rate * torch.sign(mean - load)
-            balance.append((load.max() / mean).item())
-            load.zero_()
-        return sum(balance) / len(balance) if balance else 1.0
+        expert's selection bias by -rate*sign(load - mean load). The loads are summed over `group` (all ranks
+        that route tokens) first, so every rank moves its bias the same way. Returns the load balance, mean
+        over MoE layers of max_load / mean_load (1.0 = perfect), and resets the counts."""
+        moes = self.moe_layers()
+        if not moes:
+            return 1.0
+        loads = torch.stack([m.tokens_per_expert for m in moes])  # [L, E]
+        if group is not None:
+            dist.all_reduce(loads, group=group)
+        mean = loads.mean(-1, keepdim=True).clamp(min=1)
+        for m, load, mu in zip(moes, loads, mean):
+            m.expert_bias += m.cfg.bias_update_rate * torch.sign(mu - load)
+            m.tokens_per_expert.zero_()
+        return (loads.max(-1, keepdim=True).values / mean).mean().item()
 
 
 # -----------------------------------------------------------------------------
@@ -329,7 +388,7 @@ def param_counts(model: Transformer):
     embedding table, and top_k of num_experts routed experts (the shared expert is always active)."""
     cfg = model.cfg
     total = sum(p.numel() for p in model.parameters())
-    routed = sum(p.numel() for m in model.moe_layers() for p in (m.w1, m.w2, m.w3))
+    routed = sum(p.numel() for m in model.moe_layers() for p in m.experts.parameters())
     embed = model.embed.weight.numel()
     active = total - embed + cfg.dim - routed + routed * cfg.top_k // cfg.num_experts
     return total, active

@@ -20,6 +20,7 @@ import math
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 # -----------------------------------------------------------------------------
 # Newton-Schulz schedules: one (a, b, c) per iteration, x -> a x + b x^3 + c x^5 on singular values.
@@ -222,16 +223,23 @@ class Muon(torch.optim.Optimizer):
                 key = (tuple(p.shape[-2:]), p.dtype, p.device,
                        tuple(self._schedule(g)), g["eps"], ns_dtype)
                 buckets.setdefault(key, []).append((p, g, update))
-        # 2) one batched Newton-Schulz per bucket, split back, apply torch.optim.Muon's update
+        # 2) one batched Newton-Schulz per bucket, split back, apply torch.optim.Muon's update.
+        #    A sharded update (a DTensor under FSDP2) is gathered whole first, since NS needs complete
+        #    matrices, and each rank keeps its own shard of the result: exact, but every rank holds and
+        #    orthogonalizes every matrix. The sharded-Muon issue replaces this with batched all-to-alls.
         for (shape, _, _, coeffs, eps, ns_dtype), items in buckets.items():
-            X = torch.cat([u.reshape(-1, *shape) for _, _, u in items])  # [sum of batch, m, n]
+            X = torch.cat([(u.full_tensor() if isinstance(u, DTensor) else u).reshape(-1, *shape)
+                           for _, _, u in items])  # [sum of batch, m, n]
             chunk = max(1, self.ns_chunk_bytes // (4 * shape[0] * shape[1]))
             O = torch.cat([msign(x, coeffs, eps=eps, dtype=ns_dtype) for x in X.split(chunk)])
             sizes = [u.numel() // (shape[0] * shape[1]) for _, _, u in items]
             for (p, g, _), o in zip(items, O.split(sizes)):
+                o = o.view(p.shape)
+                if isinstance(p, DTensor):  # every rank has all of o: take the local shard, no communication
+                    o = distribute_tensor(o, p.device_mesh, p.placements, src_data_rank=None)
                 lr = g["lr"]
                 p.mul_(1 - lr * g["weight_decay"])  # decoupled decay uses the unadjusted lr
-                p.add_(o.view(p.shape), alpha=-adjust_lr(lr, g["adjust_lr_fn"], p.shape))
+                p.add_(o, alpha=-adjust_lr(lr, g["adjust_lr_fn"], p.shape))
         return loss
 
     def _adamw(self, g):

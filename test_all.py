@@ -39,7 +39,7 @@ def test_kimi_k2_shape_on_meta_matches_published_counts():
     assert abs(active / 32e9 - 1) < 0.02, active
     # the layout the optimizer relies on: stacked experts [E, out, in], per-head attention blocks
     moe = m.layers[1].ffn
-    assert tuple(moe.w1.shape) == (384, 2048, 7168) and tuple(moe.w2.shape) == (384, 7168, 2048)
+    assert tuple(moe.experts.w1.shape) == (384, 2048, 7168) and tuple(moe.experts.w2.shape) == (384, 7168, 2048)
     assert isinstance(m.layers[0].ffn, M.SwiGLU) and isinstance(moe, M.MoE)
     attn = m.layers[0].attn
     assert tuple(attn.wq_b.shape) == (64, 192, 1536) and tuple(attn.wo.shape) == (64, 7168, 128)
@@ -85,7 +85,7 @@ def test_grouped_mm_and_loop_fallback_agree(monkeypatch):
         m.zero_grad()
         logits, loss = m(x[:, :-1], x[:, 1:])
         loss.backward()
-        out[path] = (logits.detach(), m.layers[1].ffn.w1.grad.clone(), m.layers[2].ffn.w2.grad.clone())
+        out[path] = (logits.detach(), m.layers[1].ffn.experts.w1.grad.clone(), m.layers[2].ffn.experts.w2.grad.clone())
     for a, b in zip(out["grouped"], out["loop"]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert out["grouped"][1].abs().sum() > 0
@@ -412,8 +412,10 @@ def test_train_reads_text_folders_and_bin_files(tmp_path):
 
 def test_train_bad_input_is_one_clear_line(tmp_path):
     (tmp_path / "empty").mkdir()
-    (tmp_path / "bad" / "out").mkdir(parents=True)
-    (tmp_path / "bad" / "out" / "ckpt.pt").write_bytes(b"not a checkpoint at all")
+    bad = tmp_path / "bad" / "out" / "step-00000010"
+    bad.mkdir(parents=True)
+    (bad / ".metadata").write_bytes(b"not a checkpoint at all")
+    (bad / "meta.json").write_text(json.dumps({"step": 10, "config": M.ModelConfig().__dict__, "args": {}}))
     cases = {
         "unknown preset": ["--preset", "huge"],
         "must be positive": ["--steps", "0"],
@@ -424,6 +426,7 @@ def test_train_bad_input_is_one_clear_line(tmp_path):
         "corrupt or unreadable": ["--resume", "--out", str(tmp_path / "bad" / "out")],
         "no checkpoint": ["--resume", "--out", str(tmp_path / "nothing")],
         "GiB of weights, gradients and optimizer state": ["--preset", "kimi-k2"],
+        "ep(3) = 3 does not divide world size 1": ["--ep", "3"],
     }
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = {k: subprocess.Popen([sys.executable, str(HERE / "train.py"), *v], stdout=subprocess.PIPE,
@@ -433,3 +436,124 @@ def test_train_bad_input_is_one_clear_line(tmp_path):
         assert p.returncode == 2, (expected, stderr)
         assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1, (expected, stderr)
         assert stderr.startswith("error: ") and expected in stderr, (expected, stderr)
+
+
+# -----------------------------------------------------------------------------
+# mesh.py and train.py under torchrun: real gloo process groups on CPU, compared with one process
+
+
+def test_layout_arithmetic_and_errors_name_every_factor():
+    from mesh import LayoutError, describe, make_layout
+    L = make_layout(8, cp=2, ep=8, num_experts=16, seq_len=32, batch_size=8)
+    assert (L.dp_replicate, L.dp_shard, L.cp, L.ep_replicate, L.ep_shard, L.ep) == (1, 4, 2, 1, 1, 8)
+    assert L.shared_mesh_world() == 16  # the seed's example: one shared mesh needs 16 ranks, two meshes need 8
+    assert [L.coords(r) for r in (0, 1, 2, 7)] == [(0, 0), (0, 1), (1, 0), (3, 1)]  # (dp_rank, cp_rank)
+    assert "cp=[0, 1]" in describe(L, [0])[0] and "ep=[0, 1, 2, 3, 4, 5, 6, 7]" in describe(L, [0])[0]
+    H = make_layout(8, dp_replicate=2, ep=2, ep_replicate=2)
+    assert (H.dp_shard, H.ep_shard) == (4, 2)
+    bad = {
+        "dp_replicate(2) * cp(3) = 6 does not divide world size 8": dict(dp_replicate=2, cp=3),
+        "ep(4) must divide dp_shard(2) * cp(1) = 2": dict(dp_replicate=4, ep=4),
+        "num_experts(20) is not divisible by ep(8)": dict(ep=8, num_experts=20),
+        "seq_len(30) is not divisible by cp(4)": dict(cp=4, seq_len=30),
+        "batch_size(6) is not divisible by dp_replicate(1) * dp_shard(8) = 8": dict(batch_size=6),
+    }
+    for expected, kw in bad.items():
+        with pytest.raises(LayoutError) as e:
+            make_layout(8, **kw)
+        assert expected in str(e.value), (expected, str(e.value))
+
+
+def test_mesh_demo_prints_both_meshes_for_a_large_world():
+    r = subprocess.run([sys.executable, str(HERE / "mesh.py"), "--world", "2048", "--dp-replicate", "4", "--cp", "2",
+                        "--ep", "64", "--num-experts", "384"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "rank    0 | dense dp_replicate=[0, 512, 1024, 1536]" in r.stdout and "ep=[0, 1, ..., 63]" in r.stdout
+    r = subprocess.run([sys.executable, str(HERE / "mesh.py"), "--world", "8", "--cp", "2", "--ep", "8"],
+                       capture_output=True, text=True, timeout=60)
+    assert "needs at least dp_replicate(1) * cp(2) * ep(8) = 16 ranks" in r.stdout
+
+
+def torchrun(world, *flags):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launcher = [] if world == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
+    r = subprocess.run([sys.executable, *launcher, str(HERE / "train.py"), *flags], capture_output=True, text=True,
+                       env=env, timeout=240)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return r
+
+
+PAR_RUN = ["--batch-size", "8", "--seq-len", "32", "--eval-batches", "1", "--log-every", "1", "--warmup", "40"]
+
+
+@pytest.fixture(scope="module")
+def par_data(tmp_path_factory):
+    """A fixed token file, so that edits to the project's sources (the default corpus) do not move the test."""
+    path = tmp_path_factory.mktemp("data") / "train.bin"
+    text = " ".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(3000))
+    np.frombuffer(text.encode(), dtype=np.uint8).astype(np.uint16).tofile(path)
+    return path
+
+
+def final_params(out):
+    """The parameters in a run's newest DCP checkpoint, loaded into one plain (unsharded) model."""
+    import torch.distributed.checkpoint as dcp
+    ckpt = sorted(out.glob("step-*"))[-1]
+    state = {"model": M.Transformer(M.ModelConfig()).state_dict()}
+    dcp.load(state, checkpoint_id=ckpt, no_dist=True)
+    return state["model"]
+
+
+@pytest.fixture(scope="module")
+def single_process(par_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("w1")
+    torchrun(1, *PAR_RUN, "--steps", "4", "--eval-every", "4", "--data", str(par_data), "--out", str(out))
+    return read_metrics(out), final_params(out)
+
+
+@pytest.mark.parametrize("world,flags", [(2, []), (4, ["--dp-replicate", "2"]), (4, ["--ep", "4"]),
+                                         (4, ["--cp", "2", "--ep", "4"]), (8, ["--cp", "2", "--ep", "8"])],
+                         ids=["W2-fsdp", "W4-hsdp", "W4-ep4", "W4-cp2-ep4", "W8-cp2-ep8"])
+def test_parallel_layout_matches_single_process(world, flags, par_data, single_process, tmp_path):
+    rows, params = single_process
+    torchrun(world, *PAR_RUN, *flags, "--steps", "4", "--eval-every", "4", "--data", str(par_data),
+             "--out", str(tmp_path))
+    rows_w = read_metrics(tmp_path)
+    assert [r["step"] for r in rows_w] == [r["step"] for r in rows]
+    np.testing.assert_allclose([r["loss"] for r in rows_w], [r["loss"] for r in rows], rtol=1e-5)
+    np.testing.assert_allclose(rows_w[-1]["val_loss"], rows[-1]["val_loss"], rtol=1e-5)
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.05  # the runs did move
+    params_w = final_params(tmp_path)
+    for name, p in params.items():
+        torch.testing.assert_close(params_w[name], p, rtol=1e-4, atol=2e-5, msg=lambda m: f"{name}: {m}")
+    expert = "layers.1.ffn.experts.w1"
+    assert (params[expert] - M.Transformer(M.ModelConfig()).state_dict()[expert]).abs().max() > 1e-3
+
+
+def test_checkpoint_resumes_at_another_world_size(par_data, single_process, tmp_path):
+    """Stopped at step 2 with W=2 (pure FSDP), resumed with W=4 (CP=2, EP=4): steps 3 and 4 give the losses
+    of the uninterrupted single-process run (the warmup spans all steps, so the lr schedule agrees)."""
+    torchrun(2, *PAR_RUN, "--steps", "2", "--eval-every", "2", "--data", str(par_data), "--out", str(tmp_path))
+    r = torchrun(4, *PAR_RUN, "--cp", "2", "--ep", "4", "--steps", "4", "--eval-every", "4", "--resume",
+                 "--data", str(par_data), "--out", str(tmp_path))
+    assert "resumed from" in r.stdout
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    np.testing.assert_allclose([r["loss"] for r in rows], [r["loss"] for r in single_process[0]], rtol=1e-5)
+
+
+def test_bad_layout_stops_every_rank_with_one_line(tmp_path):
+    """Workers started as torchrun starts them (RANK, WORLD_SIZE, ...): each prints the same single line and
+    exits 2 before any collective, so no rank is left waiting."""
+    procs = []
+    for rank in range(4):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "4",
+               "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29531"}
+        procs.append(subprocess.Popen([sys.executable, str(HERE / "train.py"), "--cp", "2", "--ep", "3",
+                                       "--out", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, env=env))
+    for p in procs:
+        _, stderr = p.communicate(timeout=120)
+        assert p.returncode == 2 and stderr.strip().splitlines() == [
+            "error: layout: ep_replicate(1) * ep(3) = 3 does not divide world size 4, so ep_shard = "
+            "world / (ep_replicate * ep) is not an integer"], stderr

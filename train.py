@@ -1,29 +1,41 @@
-"""Train the Kimi-K2-shaped MoE (model.py) with Muon (muon.py): continued pretraining on byte-level text.
+"""Train the Kimi-K2-shaped MoE (model.py) with Muon (muon.py), from one CPU process to torchrun on many nodes.
 
-The script reads top to bottom: flags, data, model, optimizer, loop, checkpoint. With no arguments it trains
-the `tiny` preset in under three minutes on a laptop CPU, on text every Python install has (this project's
-sources and the standard library's, ~4.7 MB of code: nothing to download);
+The script reads top to bottom: flags, processes and meshes, data, model and sharding, optimizer, loop,
+checkpoints. With no arguments it trains the `tiny` preset in about two minutes on a laptop CPU, on text every
+Python install has (this project's sources and the standard library's, ~4.7 MB of code: nothing to download);
 `--data` takes a folder of text files or a pre-tokenized uint16 .bin file (nanoGPT's format) for real runs.
-The RL stage (grpo.py, feedback.py) and torchrun (mesh.py) are wired in by later issues.
+Under torchrun the same code shards dense weights with FSDP2/HSDP on the dense mesh and expert weights on the
+expert mesh (mesh.py), with expert parallelism (--ep) and context parallelism (--cp) folded onto the same ranks.
+The RL stage (grpo.py, feedback.py) is wired in by a later issue.
 
-    python train.py                                   # tiny preset, CPU, ~2-3 minutes
-    python train.py --preset small --steps 2000 --data DIR --out out-small
-    python train.py --resume                          # continue from out/ckpt.pt
+    python train.py                                            # tiny preset, CPU, ~2 minutes
+    torchrun --nproc_per_node=4 train.py --cp 2 --ep 4         # 4 processes: FSDP x CP=2, EP=4 (gloo on CPU)
+    torchrun --nproc_per_node=8 train.py --dp-replicate 2 --ep 4
+    python train.py --resume                                   # continue from the newest checkpoint in out/
 """
 import argparse
 import json
+import logging
 import math
 import os
+import shutil
 import sys
 import sysconfig
 import time
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
-from model import PRESETS, ModelConfig, Transformer, flops_per_token, param_counts
+from mesh import LayoutError, build_meshes, init_distributed, make_layout
+from model import PRESETS, ModelConfig, MoE, Transformer, flops_per_token, param_counts
 from muon import Muon, param_groups
 
 # -----------------------------------------------------------------------------
@@ -35,31 +47,49 @@ g = parser.add_argument_group("model")
 g.add_argument("--preset", default="tiny", help=f"model size, one of {list(PRESETS)}")
 g = parser.add_argument_group("run")
 g.add_argument("--steps", type=int, default=500, help="optimizer steps in total (a resumed run stops here too)")
-g.add_argument("--batch-size", type=int, default=16, help="sequences per step")
+g.add_argument("--batch-size", type=int, default=16, help="global batch in sequences, whatever the layout")
 g.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (at most the preset's max_seq_len)")
 g.add_argument("--lr", type=float, default=4e-3,
                help="peak learning rate for both groups: Muon uses adjust_lr_fn='match_rms_adamw' so one "
                     "AdamW-style lr serves the matrices and the embeddings/head/router/norms alike")
 g.add_argument("--weight-decay", type=float, default=0.1, help="decoupled weight decay")
+g.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm to this (0: off)")
 g.add_argument("--warmup", type=int, default=30, help="linear warmup steps, then cosine decay to 10%%")
 g.add_argument("--seed", type=int, default=1337, help="seeds the weights and the data order")
 g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
+g = parser.add_argument_group("parallelism (torchrun; the shard degrees follow from the world size)")
+g.add_argument("--dp-replicate", type=int, default=1, help="dense-weight replicas (HSDP); dp_shard = world/(dp_replicate*cp)")
+g.add_argument("--cp", type=int, default=1, help="context parallelism: each sequence split over this many ranks")
+g.add_argument("--ep", type=int, default=1, help="expert parallelism: experts split over this many ranks")
+g.add_argument("--ep-replicate", type=int, default=1, help="expert-weight replicas; ep_shard = world/(ep_replicate*ep)")
 g = parser.add_argument_group("data and output")
 g.add_argument("--data", default=None,
                help="a folder of text files or a uint16 .bin token file (val.bin beside it is used for "
                     "validation if present); default: this project's and Python's standard library's sources")
-g.add_argument("--out", default="out", help="folder for metrics.jsonl and ckpt.pt")
-g.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt")
+g.add_argument("--out", default="out", help="folder for metrics.jsonl and the checkpoints (step-NNNNNNNN/)")
+g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in OUT")
 g.add_argument("--log-every", type=int, default=20, help="steps between progress lines")
-g.add_argument("--eval-every", type=int, default=200, help="steps between validation evaluations")
+g.add_argument("--eval-every", type=int, default=200, help="steps between validation evaluations and checkpoints")
 g.add_argument("--eval-batches", type=int, default=8, help="batches per validation evaluation")
 args = parser.parse_args()
 
+# -----------------------------------------------------------------------------
+# Checks, processes and meshes. Every check runs before the process group exists and sees the same flags on
+# every rank, so a bad layout stops all ranks with the same line instead of leaving some waiting forever.
+
+world_size = int(os.environ.get("WORLD_SIZE", "1"))
+is_rank0 = int(os.environ.get("RANK", "0")) == 0
+
 
 def die(msg):
-    """Bad input ends the run with one line naming the problem and exit code 2, never a traceback."""
-    print(f"error: {msg}", file=sys.stderr)
+    """Bad input ends the run on every rank with one line naming the problem and exit code 2."""
+    print(f"error: {msg}", file=sys.stderr, flush=True)
     sys.exit(2)
+
+
+def print0(*a):
+    if is_rank0:
+        print(*a, flush=True)
 
 
 if args.preset not in PRESETS:
@@ -72,11 +102,18 @@ if args.seq_len > cfg.max_seq_len:
     die(f"--seq-len {args.seq_len} exceeds the {args.preset} preset's context of {cfg.max_seq_len} tokens")
 if args.lr <= 0:
     die(f"--lr must be positive, got {args.lr}")
-if args.device == "auto":
-    args.device = "cuda" if torch.cuda.is_available() else "cpu"
 if args.device == "cuda" and not torch.cuda.is_available():
     die("--device cuda but no CUDA device is available")
-device = torch.device(args.device)
+try:
+    layout = make_layout(world_size, args.dp_replicate, args.cp, args.ep, args.ep_replicate,
+                         num_experts=cfg.num_experts, seq_len=args.seq_len, batch_size=args.batch_size)
+except LayoutError as e:
+    die(f"layout: {e}")
+
+rank, local_rank, world_size, device = init_distributed(None if args.device == "auto" else args.device)
+dense_mesh, expert_mesh, dense_fsdp_mesh, expert_fsdp_mesh = build_meshes(layout, device.type)
+dp_rank, cp_rank = layout.coords(rank)
+B_local, T_local = args.batch_size // layout.dp, args.seq_len // layout.cp  # this rank's share of the batch
 
 # -----------------------------------------------------------------------------
 # Data: one long stream of token ids; the last 10% (or val.bin) is held out for validation
@@ -127,56 +164,83 @@ if vocab_size != cfg.vocab_size:  # a .bin from another tokenizer (e.g. GPT-2's 
     cfg = ModelConfig(**{**asdict(cfg), "vocab_size": vocab_size})
 
 
-def get_batch(data, gen):
-    """B random windows of T+1 tokens -> inputs [B, T], targets [B, T] (nanoGPT's sampler)."""
-    ix = torch.randint(len(data) - args.seq_len - 1, (args.batch_size,), generator=gen).tolist()
-    xy = torch.from_numpy(np.stack([data[i:i + args.seq_len + 1] for i in ix]).astype(np.int64)).to(device)
-    return xy[:, :-1], xy[:, 1:]
+def get_batch(data, seed):
+    """The global batch is B random windows drawn from `seed` alone, so every layout sees the same data; this
+    rank reads its B/dp sequences and its T/cp chunk of each. -> inputs, targets [B_local, T_local], pos [T_local]"""
+    ix = torch.randint(len(data) - args.seq_len - 1, (args.batch_size,),
+                       generator=torch.Generator().manual_seed(seed)).tolist()
+    t0 = cp_rank * T_local
+    rows = [data[i + t0:i + t0 + T_local + 1] for i in ix[dp_rank * B_local:(dp_rank + 1) * B_local]]
+    xy = torch.from_numpy(np.stack(rows).astype(np.int64)).to(device)
+    return xy[:, :-1], xy[:, 1:], torch.arange(t0, t0 + T_local, device=device)
 
 
 # -----------------------------------------------------------------------------
-# Model and optimizer
+# Model, sharding and optimizer
 
 with torch.device("meta"):  # count first: a preset that cannot fit gets one line, not an out-of-memory crash
     total, active = param_counts(Transformer(cfg))
-need = 16 * total  # bytes: fp32 weights, gradients and up to two optimizer states (AdamW's m and v)
+need = 16 * total / world_size  # bytes a rank: fp32 weights, gradients and up to two optimizer states, sharded
 if device.type == "cuda":
     available = torch.cuda.mem_get_info(device)[0]
 else:
     pages = os.sysconf("SC_AVPHYS_PAGES") if "SC_AVPHYS_PAGES" in getattr(os, "sysconf_names", {}) else None
-    available = pages * os.sysconf("SC_PAGE_SIZE") if pages else need  # unknown (macOS, Windows): try it
+    available = pages * os.sysconf("SC_PAGE_SIZE") / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) \
+        if pages else need  # unknown (macOS, Windows): try it
 if need > available:
     die(f"preset {args.preset} has {total / 1e9:.1f}B parameters: ~{need / 2**30:,.0f} GiB of weights, gradients "
-        f"and optimizer state, more than the {available / 2**30:,.0f} GiB free on {device}")
-torch.manual_seed(args.seed)
+        f"and optimizer state per rank, more than the {available / 2**30:,.0f} GiB free on {device}")
+torch.manual_seed(args.seed)  # every rank builds the same full model, then keeps its shards
 model = Transformer(cfg).to(device)
+
+if world_size > 1:
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+    for block in model.layers:
+        block.attn.cp_group = dense_mesh["cp"].get_group() if layout.cp > 1 else None
+        if isinstance(block.ffn, MoE):
+            experts = block.ffn.experts
+            if layout.ep > 1:  # expert parallelism: rank i of the EP group keeps experts [i*E/ep, (i+1)*E/ep)
+                for name, p in list(experts.named_parameters()):
+                    experts.register_parameter(name, nn.Parameter(
+                        distribute_tensor(p.data, expert_mesh["ep"], [Shard(0)], src_data_rank=None)))
+            # FSDP over the ranks that hold the same experts; on dim 1 when there are fewer experts than ranks
+            dim = 0 if cfg.num_experts // layout.ep >= layout.ep_shard else 1
+            fully_shard(experts, mesh=expert_fsdp_mesh, shard_placement_fn=lambda p, d=dim: Shard(d))
+            # Each expert's gradient already sums the tokens of the whole EP group (the all-to-all carries them
+            # home), and FSDP averages over the world/ep ranks holding that expert: dividing by world, not by
+            # world/ep, keeps it the mean over the global batch (the "EP factor" bug of other stacks).
+            experts.set_gradient_divide_factor(world_size)
+        fully_shard(block, mesh=dense_fsdp_mesh)
+    fully_shard(model, mesh=dense_fsdp_mesh)
+    for m in model.modules():  # gloo has no AVG or PREMUL_SUM reductions: sum, then divide
+        if hasattr(m, "set_force_sum_reduction_for_comms") and device.type == "cpu":
+            m.set_force_sum_reduction_for_comms(True)
+
 optimizer = Muon(param_groups(model.named_parameters(), lr=args.lr, weight_decay=args.weight_decay),
                  adjust_lr_fn="match_rms_adamw")
-train_gen = torch.Generator().manual_seed(args.seed)
-start_step = 0
-out = Path(args.out)
-ckpt_path = out / "ckpt.pt"
-if args.resume:
-    if not ckpt_path.exists():
-        die(f"--resume: no checkpoint at {ckpt_path}")
-    try:
-        ckpt = torch.load(ckpt_path, map_location=device, weights_only=True)  # plain data, no pickled code
-        if ckpt["config"] != asdict(cfg):
-            die(f"--resume: {ckpt_path} holds a different model (preset {ckpt['args']['preset']!r}, "
-                f"vocab {ckpt['config']['vocab_size']}) than this run ({args.preset!r}, vocab {cfg.vocab_size})")
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        train_gen.set_state(ckpt["train_gen"])
-        start_step = ckpt["step"]
-    except SystemExit:
-        raise
-    except Exception as e:  # truncated file, not a torch checkpoint, missing keys, wrong shapes
-        die(f"--resume: checkpoint {ckpt_path} is corrupt or unreadable ({type(e).__name__}: "
-            f"{str(e).splitlines()[0][:160] if str(e) else 'no details'})")
-    if start_step >= args.steps:
-        die(f"--resume: the checkpoint is already at step {start_step} >= --steps {args.steps}")
 for group in optimizer.param_groups:
-    group.setdefault("initial_lr", group["lr"])
+    group["initial_lr"] = group["lr"]
+
+
+def clip_grad_norm(max_norm):
+    """Clip by the global gradient norm over parameters that live on two meshes: a sum of squares per mesh
+    (one all-reduce each, as a DTensor resolves its partial sum), then combined. -> the norm before clipping"""
+    by_mesh = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
+    total_sq = torch.zeros((), device=device)
+    for grads in by_mesh.values():
+        sq = sum(g.float().pow(2).sum() for g in grads)
+        total_sq += sq.full_tensor() if isinstance(sq, DTensor) else sq
+    norm = total_sq.sqrt().item()
+    if max_norm > 0 and norm > max_norm:
+        for grads in by_mesh.values():
+            for g in grads:
+                g.mul_(max_norm / (norm + 1e-6))
+    return norm
 
 
 def lr_factor(step):
@@ -185,6 +249,27 @@ def lr_factor(step):
         return (step + 1) / args.warmup
     progress = (step - args.warmup) / max(1, args.steps - args.warmup)
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def mean_over_ranks(x):
+    """A float averaged over all ranks (each holds an equal share of tokens); as is at world size 1."""
+    if world_size == 1:
+        return x
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.item() / world_size
+
+
+@torch.no_grad()
+def evaluate():
+    """Mean loss over a fixed set of batches of each split (nanoGPT's estimate_loss), so evaluations at
+    different steps and layouts compare. -> (train_loss, val_loss)"""
+    model.eval()
+    losses = [mean_over_ranks(sum(model(*xy[:2], pos=xy[2])[1].item()
+                                  for xy in (get_batch(data, 10**9 + i) for i in range(args.eval_batches)))
+                              / args.eval_batches) for data in (train_data, val_data)]
+    model.train()
+    return losses
 
 
 def measure_matmul_peak():
@@ -204,50 +289,101 @@ def measure_matmul_peak():
     return best
 
 
-@torch.no_grad()
-def evaluate():
-    """Mean loss over a fixed set of batches of each split (nanoGPT's estimate_loss), so evaluations at
-    different steps compare. -> (train_loss, val_loss)"""
-    model.eval()
-    losses = []
-    for data in (train_data, val_data):
-        gen = torch.Generator().manual_seed(0)
-        losses.append(sum(model(*get_batch(data, gen))[1].item() for _ in range(args.eval_batches)) /
-                      args.eval_batches)
-    model.train()
-    return losses
+# -----------------------------------------------------------------------------
+# Checkpoints: torch.distributed.checkpoint (DCP) writes every rank's shards into one folder a step, which loads
+# at any world size and layout. Atomic: written as step-N.tmp, renamed when complete, older ones removed after.
+
+out = Path(args.out)
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # DCP in one process: intended
+
+
+def checkpoints():
+    return sorted(p for p in out.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
+
+
+def barrier():
+    if world_size > 1:
+        dist.barrier()
 
 
 def save_checkpoint(step):
-    """Atomic: write a temporary file, then rename over the old one, so a crash never leaves half a file."""
-    tmp = ckpt_path.with_suffix(".tmp")
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                "config": asdict(cfg), "args": vars(args), "train_gen": train_gen.get_state()}, tmp)
-    os.replace(tmp, ckpt_path)
+    path, tmp = out / f"step-{step:08d}", out / f"step-{step:08d}.tmp"
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp, no_dist=world_size == 1)
+    if is_rank0:
+        (tmp / "meta.json").write_text(json.dumps({"step": step, "config": asdict(cfg), "args": vars(args)}))
+        if path.exists():  # left by an earlier run in the same folder
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+        for old in checkpoints():
+            if old != path:
+                shutil.rmtree(old)
+    barrier()
 
+
+start_step = 0
+if args.resume:
+    found = checkpoints()
+    if not found:
+        die(f"--resume: no checkpoint in {out} (expected a step-NNNNNNNN folder)")
+    path = found[-1]
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        if meta["config"] != asdict(cfg):
+            die(f"--resume: {path} holds a different model (preset {meta['args']['preset']!r}, vocab "
+                f"{meta['config']['vocab_size']}) than this run ({args.preset!r}, vocab {cfg.vocab_size})")
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        logging.disable(logging.ERROR)  # DCP logs tracebacks of what it cannot read; we report it in one line
+        dcp.load(state, checkpoint_id=path, no_dist=world_size == 1)  # reshards: any writer layout loads
+        logging.disable(logging.NOTSET)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        start_step = meta["step"]
+    except SystemExit:
+        raise
+    except (Exception, CheckpointException) as e:  # missing or truncated files, not a checkpoint, wrong shapes
+        msg = str(e).strip().splitlines()[-1][:160] if str(e).strip() else "no details"
+        die(f"--resume: checkpoint {path} is corrupt or unreadable ({type(e).__name__}: {msg})")
+    if start_step >= args.steps:
+        die(f"--resume: the checkpoint is already at step {start_step} >= --steps {args.steps}")
+    for group in optimizer.param_groups:  # the schedule comes from this run's flags
+        group["initial_lr"] = args.lr
 
 # -----------------------------------------------------------------------------
 # Training loop
 
-out.mkdir(parents=True, exist_ok=True)
 metrics_path = out / "metrics.jsonl"
-kept = []  # on resume keep the records up to the checkpoint's step: steps after it are about to be redone
-if args.resume and metrics_path.exists():
-    kept = [ln for ln in metrics_path.read_text().splitlines() if ln and json.loads(ln)["step"] <= start_step]
-metrics = open(metrics_path, "w")
-metrics.writelines(ln + "\n" for ln in kept)
+if is_rank0:
+    out.mkdir(parents=True, exist_ok=True)
+    kept = []  # on resume keep the records up to the checkpoint's step: steps after it are about to be redone
+    if args.resume and metrics_path.exists():
+        kept = [ln for ln in metrics_path.read_text().splitlines() if ln and json.loads(ln)["step"] <= start_step]
+    metrics = open(metrics_path, "w")
+    metrics.writelines(ln + "\n" for ln in kept)
+barrier()
 tokens_per_step = args.batch_size * args.seq_len
 flops_per_step = flops_per_token(model, args.seq_len) * tokens_per_step
-peak = measure_matmul_peak()
-print(f"preset {args.preset}: {total / 1e6:.2f}M parameters, {active / 1e6:.2f}M active | "
-      f"{len(train_data):,} train / {len(val_data):,} val tokens | {device} | "
-      f"matmul peak {peak / 1e9:.1f} GFLOP/s")
+peak = measure_matmul_peak()  # per rank
+world_group = dist.group.WORLD if world_size > 1 else None
+print0(f"preset {args.preset}: {total / 1e6:.2f}M parameters, {active / 1e6:.2f}M active | "
+       f"{len(train_data):,} train / {len(val_data):,} val tokens | {world_size} x {device} "
+       f"({torch.get_num_threads()} threads each) | dense mesh (dp_replicate={layout.dp_replicate}, "
+       f"dp_shard={layout.dp_shard}, cp={layout.cp}) expert mesh (ep_replicate={layout.ep_replicate}, "
+       f"ep_shard={layout.ep_shard}, ep={layout.ep}) | matmul peak {peak / 1e9:.1f} GFLOP/s a rank")
+
+
+def log(record):
+    if is_rank0:
+        metrics.write(json.dumps(record) + "\n")
+        metrics.flush()
+
+
 if start_step == 0:
     train_loss, val_loss = evaluate()
-    print(f"step {0:5d} | train loss {train_loss:.4f} | val loss {val_loss:.4f}")
-    metrics.write(json.dumps({"step": 0, "loss": train_loss, "val_loss": val_loss}) + "\n")
+    print0(f"step {0:5d} | train loss {train_loss:.4f} | val loss {val_loss:.4f}")
+    log({"step": 0, "loss": train_loss, "val_loss": val_loss})
 else:
-    print(f"resumed from {ckpt_path} at step {start_step}")
+    print0(f"resumed from {checkpoints()[-1]} at step {start_step}")
 
 model.train()
 t_log, n_log = time.perf_counter(), 0
@@ -255,31 +391,32 @@ for step in range(start_step + 1, args.steps + 1):
     t0 = time.perf_counter()
     for group in optimizer.param_groups:
         group["lr"] = group["initial_lr"] * lr_factor(step - 1)
-    x, y = get_batch(train_data, train_gen)
-    _, loss = model(x, y)
+    x, y, pos = get_batch(train_data, args.seed * 1_000_003 + step)
+    _, loss = model(x, y, pos=pos)  # mean over this rank's tokens; FSDP averages the gradients over ranks
     loss.backward()
+    grad_norm = clip_grad_norm(args.grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    balance = model.update_router_bias()  # max/mean expert load of this step, then nudge the biases
-    loss = loss.item()  # syncs the device, so the timing below is real
+    balance = model.update_router_bias(world_group)  # loads summed over all ranks, then every bias nudged alike
+    loss = mean_over_ranks(loss.item())  # .item() syncs the device, so the timing below is real
     if not math.isfinite(loss):
         die(f"loss became {loss} at step {step}; lower --lr (now {args.lr})")
     dt = time.perf_counter() - t0
-    record = {"step": step, "loss": loss, "lr": optimizer.param_groups[0]["lr"], "ms": 1000 * dt,
-              "balance": balance}
+    record = {"step": step, "loss": loss, "lr": optimizer.param_groups[0]["lr"], "grad_norm": grad_norm,
+              "ms": 1000 * dt, "balance": balance}
     n_log += 1
     if step % args.log_every == 0 or step == args.steps:
         elapsed = (time.perf_counter() - t_log) / n_log
-        print(f"step {step:5d} | loss {loss:.4f} | {1000 * elapsed:6.1f} ms/step | "
-              f"{tokens_per_step / elapsed:8.0f} tok/s | MFU {100 * flops_per_step / elapsed / peak:5.1f}% | "
-              f"load max/mean {balance:.2f}")
+        print0(f"step {step:5d} | loss {loss:.4f} | {1000 * elapsed:6.1f} ms/step | "
+               f"{tokens_per_step / elapsed / world_size:8.0f} tok/s a rank | "
+               f"MFU {100 * flops_per_step / elapsed / (peak * world_size):5.1f}% | load max/mean {balance:.2f}")
         t_log, n_log = time.perf_counter(), 0
     if step % args.eval_every == 0 or step == args.steps:
         record["train_loss_eval"], record["val_loss"] = evaluate()
-        print(f"step {step:5d} | train loss {record['train_loss_eval']:.4f} | val loss {record['val_loss']:.4f}")
+        print0(f"step {step:5d} | train loss {record['train_loss_eval']:.4f} | val loss {record['val_loss']:.4f}")
         save_checkpoint(step)
         t_log = time.perf_counter()  # evaluation and saving are not training time
-    metrics.write(json.dumps(record) + "\n")
-    metrics.flush()
-metrics.close()
-print(f"done: {args.steps} steps, checkpoint {ckpt_path}, metrics {metrics_path}")
+    log(record)
+print0(f"done: {args.steps} steps, checkpoint {checkpoints()[-1]}, metrics {metrics_path}")
+if world_size > 1:
+    dist.destroy_process_group()

@@ -1,0 +1,167 @@
+"""Two device meshes over one world: a narrow one for dense weights, a wide one for experts.
+
+Composer 2.5 shards non-expert weights with a narrow FSDP/HSDP layout (often within a node) and expert
+weights, which hold most parameters and most Muon work, with a wider expert-sharding layout. Because the two
+layouts are separate meshes over the same ranks, parallel dimensions that one shared mesh would have to
+multiply can overlap instead: context parallelism (CP) lives in the dense mesh, expert parallelism (EP) in
+the expert mesh, and CP=2 with EP=8 runs on 8 GPUs rather than 16. Megatron-Core calls this "parallel
+folding" (arXiv 2504.14960); torchtitan's ParallelDims is the model for the checks.
+
+    dense mesh   (dp_replicate, dp_shard, cp)   = torch.arange(world).view(dp_replicate, dp_shard, cp)
+    expert mesh  (ep_replicate, ep_shard, ep)   = torch.arange(world).view(ep_replicate, ep_shard, ep)
+
+The innermost dim holds neighbouring ranks (one node), so CP's K/V gathers and EP's all-to-alls stay local.
+ep must divide dp_shard * cp, so an EP group never leaves one dense replica.
+
+    python mesh.py --world 8 --cp 2 --ep 8        # print both meshes' groups; no processes launched
+"""
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+class LayoutError(ValueError):
+    """An impossible layout; the message names every factor."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    world: int
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    ep_replicate: int = 1
+    ep_shard: int = 1
+    ep: int = 1
+
+    def dense_grid(self):  # [dp_replicate, dp_shard, cp] of global ranks
+        return torch.arange(self.world).view(self.dp_replicate, self.dp_shard, self.cp)
+
+    def expert_grid(self):  # [ep_replicate, ep_shard, ep] of global ranks
+        return torch.arange(self.world).view(self.ep_replicate, self.ep_shard, self.ep)
+
+    @property
+    def dp(self):  # data-parallel degree: how many ways the global batch of sequences is split
+        return self.dp_replicate * self.dp_shard
+
+    def coords(self, rank):
+        """rank -> (dp_rank, cp_rank): which slice of the batch and which chunk of the sequence it holds."""
+        r, s, c = (self.dense_grid() == rank).nonzero()[0].tolist()
+        return r * self.dp_shard + s, c
+
+    def shared_mesh_world(self):
+        """Fewest ranks one shared mesh needs for these degrees: with ep as a dim of its own beside cp, it is
+        at least dp_replicate * cp * ep (dp_shard = 1). The seed's example: cp 2, ep 8 -> 16."""
+        return self.dp_replicate * self.cp * self.ep
+
+
+def make_layout(world, dp_replicate=1, cp=1, ep=1, ep_replicate=1, num_experts=None, seq_len=None,
+                batch_size=None):
+    """The shard degrees follow from the world size; raises LayoutError naming every factor."""
+    for name, v in (("world size", world), ("dp_replicate", dp_replicate), ("cp", cp), ("ep", ep),
+                    ("ep_replicate", ep_replicate)):
+        if v < 1:
+            raise LayoutError(f"{name} must be >= 1, got {v}")
+    if world % (dp_replicate * cp):
+        raise LayoutError(f"dp_replicate({dp_replicate}) * cp({cp}) = {dp_replicate * cp} does not divide "
+                          f"world size {world}, so dp_shard = world / (dp_replicate * cp) is not an integer")
+    dp_shard = world // (dp_replicate * cp)
+    if world % (ep_replicate * ep):
+        raise LayoutError(f"ep_replicate({ep_replicate}) * ep({ep}) = {ep_replicate * ep} does not divide "
+                          f"world size {world}, so ep_shard = world / (ep_replicate * ep) is not an integer")
+    ep_shard = world // (ep_replicate * ep)
+    if (dp_shard * cp) % ep:
+        raise LayoutError(f"ep({ep}) must divide dp_shard({dp_shard}) * cp({cp}) = {dp_shard * cp}: experts fold "
+                          f"into one dense replica's ranks (world {world} = dp_replicate({dp_replicate}) * "
+                          f"dp_shard({dp_shard}) * cp({cp}))")
+    if num_experts is not None and num_experts % ep:
+        raise LayoutError(f"num_experts({num_experts}) is not divisible by ep({ep})")
+    if seq_len is not None and seq_len % cp:
+        raise LayoutError(f"seq_len({seq_len}) is not divisible by cp({cp})")
+    if batch_size is not None and batch_size % (dp_replicate * dp_shard):
+        raise LayoutError(f"batch_size({batch_size}) is not divisible by dp_replicate({dp_replicate}) * "
+                          f"dp_shard({dp_shard}) = {dp_replicate * dp_shard} data-parallel ranks")
+    return Layout(world, dp_replicate, dp_shard, cp, ep_replicate, ep_shard, ep)
+
+
+# -----------------------------------------------------------------------------
+# Processes and meshes
+
+
+def init_distributed(device_type=None):
+    """-> (rank, local_rank, world_size, device). torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; without them this
+    is one process, no process group, and every collective is skipped. nccl/cuda with a GPU, else gloo/cpu."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                device_id=device if device.type == "cuda" else None)
+    return rank, local_rank, world_size, device
+
+
+def build_meshes(layout: Layout, device_type: str):
+    """The dense and expert DeviceMesh (None, None at world size 1), plus the meshes FSDP2 shards on:
+    dense: (dp_replicate, dp_shard*cp) -- HSDP, CP ranks shard the dense weights too (torchtitan's dp_shard_cp);
+    expert: (ep_replicate, ep_shard) -- HSDP across the ranks that hold the same experts."""
+    if layout.world == 1:
+        return None, None, None, None
+    from torch.distributed.device_mesh import DeviceMesh
+    L = layout
+    dense_fsdp = DeviceMesh(device_type, L.dense_grid().view(L.dp_replicate, L.dp_shard * L.cp),
+                            mesh_dim_names=("dp_replicate", "dp_shard_cp"))
+    dense = dense_fsdp._unflatten("dp_shard_cp", (L.dp_shard, L.cp), ("dp_shard", "cp"))  # same grid, 3 dims
+    expert = DeviceMesh(device_type, L.expert_grid(), mesh_dim_names=("ep_replicate", "ep_shard", "ep"))
+    return dense, expert, dense_fsdp, expert["ep_replicate", "ep_shard"]
+
+
+def groups_of(grid, dim, rank):
+    """The ranks sharing every coordinate of `rank` except along `dim` of the grid."""
+    moved = grid.movedim(dim, -1).reshape(-1, grid.size(dim))
+    return moved[(moved == rank).any(-1)][0].tolist()
+
+
+def _short(ranks):
+    return str(ranks) if len(ranks) <= 8 else f"[{ranks[0]}, {ranks[1]}, ..., {ranks[-1]}] ({len(ranks)} ranks)"
+
+
+def describe(layout: Layout, ranks=None):
+    """One line per rank: its groups along each dim of both meshes (pure arithmetic on the grids)."""
+    dense, expert = layout.dense_grid(), layout.expert_grid()
+    lines = []
+    for rank in ranks if ranks is not None else range(layout.world):
+        d = " ".join(f"{n}={_short(groups_of(dense, i, rank))}" for i, n in enumerate(("dp_replicate", "dp_shard", "cp")))
+        e = " ".join(f"{n}={_short(groups_of(expert, i, rank))}" for i, n in enumerate(("ep_replicate", "ep_shard", "ep")))
+        lines.append(f"rank {rank:4d} | dense {d} | expert {e}")
+    return lines
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description="Print the dense and expert meshes of a layout (no processes launched).")
+    p.add_argument("--world", type=int, default=8, help="total ranks (GPUs)")
+    p.add_argument("--dp-replicate", type=int, default=1, help="dense replicas (HSDP); dp_shard = world/(dp_replicate*cp)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel degree (sequence split)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (experts split)")
+    p.add_argument("--ep-replicate", type=int, default=1, help="expert replicas; ep_shard = world/(ep_replicate*ep)")
+    p.add_argument("--num-experts", type=int, default=None, help="checked for divisibility by ep")
+    p.add_argument("--show", type=int, default=16, help="print the groups of the first N ranks (0: all)")
+    a = p.parse_args()
+    try:
+        L = make_layout(a.world, a.dp_replicate, a.cp, a.ep, a.ep_replicate, a.num_experts)
+    except LayoutError as e:
+        sys.exit(f"error: {e}")
+    print(f"world {L.world}: dense mesh (dp_replicate={L.dp_replicate}, dp_shard={L.dp_shard}, cp={L.cp}), "
+          f"expert mesh (ep_replicate={L.ep_replicate}, ep_shard={L.ep_shard}, ep={L.ep})")
+    shown = range(L.world if a.show == 0 else min(a.show, L.world))
+    print("\n".join(describe(L, shown)))
+    if len(shown) < L.world:
+        print(f"... {L.world - len(shown)} more ranks (--show 0 prints all)")
+    print(f"one shared mesh, with ep a dim of its own beside cp, needs at least dp_replicate({L.dp_replicate}) * "
+          f"cp({L.cp}) * ep({L.ep}) = {L.shared_mesh_world()} ranks; the two meshes run these degrees on {L.world}")
