@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class LayoutError(ValueError):
@@ -108,9 +109,11 @@ def init_distributed(device_type=None):
 
 
 def build_meshes(layout: Layout, device_type: str):
-    """The dense and expert DeviceMesh (None, None at world size 1), plus the meshes FSDP2 shards on:
+    """The dense and expert DeviceMesh (all None at world size 1), plus the meshes FSDP2 shards on:
     dense: (dp_replicate, dp_shard*cp) -- HSDP, CP ranks shard the dense weights too (torchtitan's dp_shard_cp);
-    expert: (ep_replicate, ep_shard) -- HSDP across the ranks that hold the same experts."""
+    expert: (ep_replicate, ep_shard) -- HSDP across the ranks that hold the same experts.
+    The 2-D dense mesh is built first from the explicit grid and unflattened into (dp_replicate, dp_shard, cp),
+    so both views share one set of process groups."""
     if layout.world == 1:
         return None, None, None, None
     from torch.distributed.device_mesh import DeviceMesh
@@ -119,7 +122,44 @@ def build_meshes(layout: Layout, device_type: str):
                             mesh_dim_names=("dp_replicate", "dp_shard_cp"))
     dense = dense_fsdp._unflatten("dp_shard_cp", (L.dp_shard, L.cp), ("dp_shard", "cp"))  # same grid, 3 dims
     expert = DeviceMesh(device_type, L.expert_grid(), mesh_dim_names=("ep_replicate", "ep_shard", "ep"))
-    return dense, expert, dense_fsdp, expert["ep_replicate", "ep_shard"]
+    # without replicas, a 1-D FSDP mesh: a 2-D one would all-reduce every gradient over a group of one
+    dense_fsdp = dense_fsdp if L.dp_replicate > 1 else dense_fsdp["dp_shard_cp"]
+    expert_fsdp = expert["ep_replicate", "ep_shard"] if L.ep_replicate > 1 else expert["ep_shard"]
+    return dense, expert, dense_fsdp, expert_fsdp
+
+
+class CommCounter(TorchDispatchMode):
+    """Counts, on this rank, the calls and bytes of each kind of collective that passes the dispatcher: c10d ops
+    (FSDP2's all-gathers and reduce-scatters), functional collectives (EP all-to-all, CP gathers, DTensor
+    redistributes) and their backward passes. Bytes are the full buffer of the collective: the gathered output of
+    an all-gather, the unreduced input of a reduce-scatter, what this rank sends in an all-to-all, the tensor of
+    an all-reduce (a ring moves (W-1)/W of that per rank).
+
+        with CommCounter() as comm: ...one training step...
+        comm.bytes  # {"all_gather": ..., "reduce_scatter": ..., "all_to_all": ..., "all_reduce": ...}"""
+
+    KINDS = (("reduce_scatter", "reduce_scatter"), ("all_to_all", "all_to_all"), ("alltoall", "all_to_all"),
+             ("gather", "all_gather"), ("allreduce", "all_reduce"), ("all_reduce", "all_reduce"),
+             ("broadcast", "broadcast"))
+
+    def __init__(self):
+        super().__init__()
+        self.bytes, self.calls = {}, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._overloadpacket.__name__
+        kind = next((k for key, k in self.KINDS if key in name), None)
+        if func.namespace in ("c10d", "_c10d_functional") and kind is not None:
+            def size(a):  # bytes of a tensor or of the tensors in a (nested) list
+                if isinstance(a, torch.Tensor):
+                    return a.numel() * a.element_size()
+                return sum(size(x) for x in a) if isinstance(a, (list, tuple)) else 0
+            n = max(size(a) for a in args)  # the larger side: output of a gather, input of a reduce-scatter
+            if func.namespace == "_c10d_functional" and kind == "all_gather":
+                n *= args[1]  # functional all-gather gets only the shard, and the group size
+            self.bytes[kind] = self.bytes.get(kind, 0) + n
+            self.calls[kind] = self.calls.get(kind, 0) + 1
+        return func(*args, **(kwargs or {}))
 
 
 def groups_of(grid, dim, rank):

@@ -14,6 +14,7 @@ The RL stage (grpo.py, feedback.py) is wired in by a later issue.
     python train.py --resume                                   # continue from the newest checkpoint in out/
 """
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -34,7 +35,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from mesh import LayoutError, build_meshes, init_distributed, make_layout
+from mesh import CommCounter, LayoutError, build_meshes, init_distributed, make_layout
 from model import PRESETS, ModelConfig, MoE, Transformer, flops_per_token, param_counts
 from muon import Muon, param_groups
 
@@ -71,6 +72,8 @@ g.add_argument("--resume", action="store_true", help="continue from the newest c
 g.add_argument("--log-every", type=int, default=20, help="steps between progress lines")
 g.add_argument("--eval-every", type=int, default=200, help="steps between validation evaluations and checkpoints")
 g.add_argument("--eval-batches", type=int, default=8, help="batches per validation evaluation")
+g.add_argument("--count-comm", action="store_true",
+               help="count the calls and bytes of every collective in the second step and print them")
 args = parser.parse_args()
 
 # -----------------------------------------------------------------------------
@@ -212,11 +215,10 @@ if world_size > 1:
             # home), and FSDP averages over the world/ep ranks holding that expert: dividing by world, not by
             # world/ep, keeps it the mean over the global batch (the "EP factor" bug of other stacks).
             experts.set_gradient_divide_factor(world_size)
+            if device.type == "cpu":  # gloo lacks the PREMUL_SUM reduction a custom factor uses: sum, then divide
+                experts.set_force_sum_reduction_for_comms(True)
         fully_shard(block, mesh=dense_fsdp_mesh)
     fully_shard(model, mesh=dense_fsdp_mesh)
-    for m in model.modules():  # gloo has no AVG or PREMUL_SUM reductions: sum, then divide
-        if hasattr(m, "set_force_sum_reduction_for_comms") and device.type == "cpu":
-            m.set_force_sum_reduction_for_comms(True)
 
 optimizer = Muon(param_groups(model.named_parameters(), lr=args.lr, weight_decay=args.weight_decay),
                  adjust_lr_fn="match_rms_adamw")
@@ -392,12 +394,19 @@ for step in range(start_step + 1, args.steps + 1):
     for group in optimizer.param_groups:
         group["lr"] = group["initial_lr"] * lr_factor(step - 1)
     x, y, pos = get_batch(train_data, args.seed * 1_000_003 + step)
-    _, loss = model(x, y, pos=pos)  # mean over this rank's tokens; FSDP averages the gradients over ranks
-    loss.backward()
-    grad_norm = clip_grad_norm(args.grad_clip)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    balance = model.update_router_bias(world_group)  # loads summed over all ranks, then every bias nudged alike
+    comm = CommCounter() if args.count_comm and step == start_step + 2 else contextlib.nullcontext()
+    with comm:
+        _, loss = model(x, y, pos=pos)  # mean over this rank's tokens; FSDP averages the gradients over ranks
+        loss.backward()
+        grad_norm = clip_grad_norm(args.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        balance = model.update_router_bias(world_group)  # loads summed over all ranks, every bias nudged alike
+    if isinstance(comm, CommCounter):
+        kinds = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
+        stats = [mean_over_ranks(float(d.get(k, 0))) for d in (comm.bytes, comm.calls) for k in kinds]
+        print0(f"step {step:5d} | communication a rank, mean over ranks: " + ", ".join(
+            f"{k} {b / 2**20:.2f} MiB in {c:.0f} calls" for k, b, c in zip(kinds, stats[:4], stats[4:])))
     loss = mean_over_ranks(loss.item())  # .item() syncs the device, so the timing below is real
     if not math.isfinite(loss):
         die(f"loss became {loss} at step {step}; lower --lr (now {args.lr})")
