@@ -511,7 +511,7 @@ def single_process(par_data, tmp_path_factory):
     return read_metrics(out), final_params(out)
 
 
-@pytest.mark.parametrize("world,flags", [(2, []), (4, ["--dp-replicate", "2"]), (4, ["--ep", "4"]),
+@pytest.mark.parametrize("world,flags", [(2, []), (4, ["--dp-replicate", "2", "--ep-replicate", "2"]), (4, ["--ep", "4"]),
                                          (4, ["--cp", "2", "--ep", "4"]), (8, ["--cp", "2", "--ep", "8"])],
                          ids=["W2-fsdp", "W4-hsdp", "W4-ep4", "W4-cp2-ep4", "W8-cp2-ep8"])
 def test_parallel_layout_matches_single_process(world, flags, par_data, single_process, tmp_path):
@@ -522,12 +522,27 @@ def test_parallel_layout_matches_single_process(world, flags, par_data, single_p
     assert [r["step"] for r in rows_w] == [r["step"] for r in rows]
     np.testing.assert_allclose([r["loss"] for r in rows_w], [r["loss"] for r in rows], rtol=1e-5)
     np.testing.assert_allclose(rows_w[-1]["val_loss"], rows[-1]["val_loss"], rtol=1e-5)
+    # the gradient norm spans both meshes: dense and expert shards each reduce on their own, then combine
+    np.testing.assert_allclose([r["grad_norm"] for r in rows_w[1:]], [r["grad_norm"] for r in rows[1:]], rtol=1e-4)
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.05  # the runs did move
     params_w = final_params(tmp_path)
     for name, p in params.items():
         torch.testing.assert_close(params_w[name], p, rtol=1e-4, atol=2e-5, msg=lambda m: f"{name}: {m}")
     expert = "layers.1.ffn.experts.w1"
     assert (params[expert] - M.Transformer(M.ModelConfig()).state_dict()[expert]).abs().max() > 1e-3
+
+
+def test_expert_weights_shard_on_dim1_when_experts_are_fewer_than_ranks(par_data, tmp_path):
+    """2 experts, EP=2 on 4 ranks: each rank holds 1 expert and the expert-shard group has 2 ranks, so FSDP
+    shards the expert weights on dim 1; the run still matches one process."""
+    rows = {}
+    for world, flags in ((1, []), (4, ["--ep", "2"])):
+        out = tmp_path / f"w{world}"
+        r = torchrun(world, *PAR_RUN, *flags, "--num-experts", "2", "--steps", "3", "--eval-every", "3",
+                     "--data", str(par_data), "--out", str(out))
+        rows[world] = [row["loss"] for row in read_metrics(out)]
+    assert "1 experts a rank, FSDP Shard(1)" in r.stdout
+    np.testing.assert_allclose(rows[4], rows[1], rtol=1e-5)
 
 
 def test_checkpoint_resumes_at_another_world_size(par_data, single_process, tmp_path):

@@ -46,6 +46,7 @@ parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 g = parser.add_argument_group("model")
 g.add_argument("--preset", default="tiny", help=f"model size, one of {list(PRESETS)}")
+g.add_argument("--num-experts", type=int, default=None, help="routed experts per MoE layer (default: the preset's)")
 g = parser.add_argument_group("run")
 g.add_argument("--steps", type=int, default=500, help="optimizer steps in total (a resumed run stops here too)")
 g.add_argument("--batch-size", type=int, default=16, help="global batch in sequences, whatever the layout")
@@ -98,6 +99,10 @@ def print0(*a):
 if args.preset not in PRESETS:
     die(f"unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}")
 cfg: ModelConfig = PRESETS[args.preset]
+if args.num_experts is not None:
+    if not cfg.top_k <= args.num_experts:
+        die(f"--num-experts {args.num_experts} is fewer than the {args.preset} preset's top-{cfg.top_k} routing")
+    cfg = ModelConfig(**{**asdict(cfg), "num_experts": args.num_experts})
 for flag in ("steps", "batch_size", "seq_len", "log_every", "eval_every", "eval_batches"):
     if getattr(args, flag) <= 0:
         die(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
@@ -196,6 +201,8 @@ if need > available:
 torch.manual_seed(args.seed)  # every rank builds the same full model, then keeps its shards
 model = Transformer(cfg).to(device)
 
+# FSDP shards the experts over the ranks that hold the same ones: on dim 1 when there are fewer experts than ranks
+expert_shard_dim = 0 if cfg.num_experts // layout.ep >= layout.ep_shard else 1
 if world_size > 1:
     from torch import nn
     from torch.distributed.fsdp import fully_shard
@@ -208,14 +215,14 @@ if world_size > 1:
                 for name, p in list(experts.named_parameters()):
                     experts.register_parameter(name, nn.Parameter(
                         distribute_tensor(p.data, expert_mesh["ep"], [Shard(0)], src_data_rank=None)))
-            # FSDP over the ranks that hold the same experts; on dim 1 when there are fewer experts than ranks
-            dim = 0 if cfg.num_experts // layout.ep >= layout.ep_shard else 1
-            fully_shard(experts, mesh=expert_fsdp_mesh, shard_placement_fn=lambda p, d=dim: Shard(d))
+            fully_shard(experts, mesh=expert_fsdp_mesh, shard_placement_fn=lambda p: Shard(expert_shard_dim))
             # Each expert's gradient already sums the tokens of the whole EP group (the all-to-all carries them
             # home), and FSDP averages over the world/ep ranks holding that expert: dividing by world, not by
             # world/ep, keeps it the mean over the global batch (the "EP factor" bug of other stacks).
             experts.set_gradient_divide_factor(world_size)
-            if device.type == "cpu":  # gloo lacks the PREMUL_SUM reduction a custom factor uses: sum, then divide
+            if device.type == "cpu" and layout.ep_shard > 1:
+                # gloo lacks the PREMUL_SUM reduction a custom factor uses: sum, then divide. Not with a
+                # shard group of one: FSDP (torch 2.13) would then divide twice, once without reducing.
                 experts.set_force_sum_reduction_for_comms(True)
         fully_shard(block, mesh=dense_fsdp_mesh)
     fully_shard(model, mesh=dense_fsdp_mesh)
@@ -371,7 +378,8 @@ print0(f"preset {args.preset}: {total / 1e6:.2f}M parameters, {active / 1e6:.2f}
        f"{len(train_data):,} train / {len(val_data):,} val tokens | {world_size} x {device} "
        f"({torch.get_num_threads()} threads each) | dense mesh (dp_replicate={layout.dp_replicate}, "
        f"dp_shard={layout.dp_shard}, cp={layout.cp}) expert mesh (ep_replicate={layout.ep_replicate}, "
-       f"ep_shard={layout.ep_shard}, ep={layout.ep}) | matmul peak {peak / 1e9:.1f} GFLOP/s a rank")
+       f"ep_shard={layout.ep_shard}, ep={layout.ep}), {cfg.num_experts // layout.ep} experts a rank, FSDP "
+       f"Shard({expert_shard_dim}) | matmul peak {peak / 1e9:.1f} GFLOP/s a rank")
 
 
 def log(record):
