@@ -286,15 +286,15 @@ def measure_matmul_peak():
     n = 4096 if device.type == "cuda" else 512
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     best = 0.0
-    for _ in range(5):
+    for _ in range(10):
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for _ in range(4):
+        for _ in range(8):
             a @ b
         if device.type == "cuda":
             torch.cuda.synchronize()
-        best = max(best, 2 * n ** 3 * 4 / (time.perf_counter() - t0))
+        best = max(best, 2 * n ** 3 * 8 / (time.perf_counter() - t0))
     return best
 
 
@@ -378,8 +378,8 @@ print0(f"preset {args.preset}: {total / 1e6:.2f}M parameters, {active / 1e6:.2f}
        f"{len(train_data):,} train / {len(val_data):,} val tokens | {world_size} x {device} "
        f"({torch.get_num_threads()} threads each) | dense mesh (dp_replicate={layout.dp_replicate}, "
        f"dp_shard={layout.dp_shard}, cp={layout.cp}) expert mesh (ep_replicate={layout.ep_replicate}, "
-       f"ep_shard={layout.ep_shard}, ep={layout.ep}), {cfg.num_experts // layout.ep} experts a rank, FSDP "
-       f"Shard({expert_shard_dim}) | matmul peak {peak / 1e9:.1f} GFLOP/s a rank")
+       f"ep_shard={layout.ep_shard}, ep={layout.ep})" + (f", {cfg.num_experts // layout.ep} experts a rank, FSDP "
+       f"Shard({expert_shard_dim})" if world_size > 1 else "") + f" | matmul peak {peak / 1e9:.1f} GFLOP/s a rank")
 
 
 def log(record):
