@@ -17,9 +17,14 @@ Run the CPU benchmark (ours vs torch.optim.Muon, NS vs matmul throughput):
 """
 
 import math
+import os
+import sys
+import time
+from collections import deque
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 # -----------------------------------------------------------------------------
@@ -124,6 +129,72 @@ def param_groups(named_params, lr, weight_decay, adamw_lr=None, adamw_weight_dec
 
 
 # -----------------------------------------------------------------------------
+# Sharded Muon: whole matrices from FSDP2 shards
+
+
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _split_mesh_dims(p):
+    """The mesh dims whose placement splits one of p's two matrix dims. Shards of a batch dim (FSDP's Shard(0)
+    of [E, out, in] experts or [H, d, in] heads, EP's Shard(0)) leave whole matrices on every rank."""
+    return [i for i, pl in enumerate(p.placements) if pl.is_shard() and pl.dim % p.ndim >= p.ndim - 2]
+
+
+class _A2ATask:
+    """One bucket of split matrices: same global shape, placements and mesh; the matrices are cut along one
+    matrix dim over a shard group of W ranks, torch.chunk style (FSDP2's and DTensor's): pieces of c = ceil(S/W),
+    the tail ones shorter or empty. One all_to_all_single hands every rank k = ceil(M/W) whole matrices (the
+    count padded to a multiple of W, short pieces padded to c with zeros), NS runs on them, and a second
+    all_to_all_single returns each piece to its owner. Replicas (HSDP's Replicate dim) each do this within
+    their own shard group and compute the same result: redundant NS, but no traffic across replicas, which
+    typically sit on different nodes, to save a factor dp_replicate of a small, already-sharded compute."""
+
+    def __init__(self, ns, items, mesh_dim):
+        p = items[0][0]
+        self.ns, self.items = ns, items
+        mesh = p.device_mesh
+        self.group, self.W, self.rank = mesh.get_group(mesh_dim), mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
+        self.rows = p.placements[mesh_dim].dim % p.ndim == p.ndim - 2  # split rows, else columns (work on .mT)
+        self.S, self.other = (p.shape[-2], p.shape[-1]) if self.rows else (p.shape[-1], p.shape[-2])
+        self.c = -(-self.S // self.W)
+        self.mine = min(self.c, max(0, self.S - self.rank * self.c))  # rows of each matrix this rank holds
+        self.counts = [math.prod(u.shape[:-2]) for _, _, u in items]  # matrices per parameter
+        self.M = sum(self.counts)
+        self.k = -(-self.M // self.W)  # whole matrices each rank owns for NS
+        self.nbytes = self.k * self.W * self.c * self.other * items[0][2].element_size()
+
+    def send(self):
+        X = torch.cat([(u if self.rows else u.mT).reshape(n, self.mine, self.other)
+                       for (_, _, u), n in zip(self.items, self.counts)])  # [M, mine, other]
+        buf = X.new_zeros(self.k * self.W, self.c, self.other)  # block s (k matrices) goes to rank s
+        buf[:self.M, :self.mine] = X
+        self.recv = torch.empty_like(buf)
+        self.work = dist.all_to_all_single(self.recv, buf, group=self.group, async_op=True)
+
+    def whole_matrices(self):
+        """[k, m, n]: the received pieces (piece s came from rank s) joined, padding cut off."""
+        R = self.recv.view(self.W, self.k, self.c, self.other).transpose(0, 1)
+        R = R.reshape(self.k, self.W * self.c, self.other)[:, :self.S]
+        return R if self.rows else R.mT
+
+    def send_back(self, O):
+        O = O if self.rows else O.mT  # [k, S, other]
+        buf = O.new_zeros(self.k, self.W * self.c, self.other)
+        buf[:, :self.S] = O
+        buf = buf.view(self.k, self.W, self.c, self.other).transpose(0, 1).contiguous()  # piece s -> rank s
+        self.back = torch.empty_like(buf)
+        self.work = dist.all_to_all_single(self.back, buf, group=self.group, async_op=True)
+
+    def updates(self):
+        """This rank's piece of every orthogonalized matrix, shaped like each parameter's local shard."""
+        O = self.back.view(self.k * self.W, self.c, self.other)[:self.M, :self.mine]
+        for (_, _, u), o in zip(self.items, O.split(self.counts)):
+            yield o.reshape(u.shape) if self.rows else o.reshape(u.mT.shape).mT
+
+
+# -----------------------------------------------------------------------------
 # The optimizer
 
 
@@ -138,7 +209,7 @@ class Muon(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
                  ns_coefficients=(3.4445, -4.775, 2.0315), eps=1e-7, ns_steps=5,
                  adjust_lr_fn=None, ns_schedule=None, ns_dtype=None,
-                 betas=(0.9, 0.95), adamw_eps=1e-8, ns_chunk_bytes=4 << 20):
+                 betas=(0.9, 0.95), adamw_eps=1e-8, ns_chunk_bytes=4 << 20, max_inflight_bytes=256 << 20):
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
                         adjust_lr_fn=adjust_lr_fn, ns_schedule=ns_schedule, ns_dtype=ns_dtype,
@@ -147,6 +218,9 @@ class Muon(torch.optim.Optimizer):
         # NS runs on chunks of at most this many (fp32-sized) bytes of matrices: a bucket of hundreds of
         # experts as one bmm falls out of cache and runs ~1.5x slower on CPU than 4 MiB chunks
         self.ns_chunk_bytes = ns_chunk_bytes
+        # sharded parameters: all-to-all bytes launched ahead of the NS that consumes them, the memory spent on
+        # overlapping communication with compute; 0 turns overlap off (one transfer at a time)
+        self.max_inflight_bytes = max_inflight_bytes
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
@@ -200,14 +274,16 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # 1) momentum, then bucket the updates: one msign call per (matrix shape, dtype, device,
-        #    NS settings). This key is also what a sharded path would group on.
+        self.stats = {"ns_flops": 0, "a2a_bytes": 0, "a2a_wait_s": 0.0, "ns_s": 0.0, "peak_buffer_bytes": 0}
+        # 1) momentum on the local shards (the state is sharded like the parameter), then bucket the updates:
+        #    plain tensors by matrix shape, so all same-shaped matrices share one batched NS; DTensors by
+        #    (global shape, placements, mesh), so a bucket's shards line up for one all-to-all.
         buckets = {}
         for g in self.param_groups:
             if g["algorithm"] == "adamw":
                 self._adamw(g)
                 continue
-            mu = g["momentum"]
+            mu, coeffs = g["momentum"], tuple(self._schedule(g))
             for p in g["params"]:
                 if p.grad is None:
                     continue
@@ -216,31 +292,93 @@ class Muon(torch.optim.Optimizer):
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - mu)
-                update = p.grad.lerp(buf, mu) if g["nesterov"] else buf  # msign never writes to it
-                ns_dtype = g["ns_dtype"] or default_ns_dtype(p.device)
-                key = (tuple(p.shape[-2:]), p.dtype, p.device,
-                       tuple(self._schedule(g)), g["eps"], ns_dtype)
+                grad, buf = _local(p.grad), _local(state["momentum_buffer"])
+                buf.lerp_(grad, 1 - mu)
+                update = grad.lerp(buf, mu) if g["nesterov"] else buf  # msign never writes to it
+                ns = (coeffs, g["eps"], g["ns_dtype"] or default_ns_dtype(p.device))
+                if isinstance(p, DTensor):
+                    key = (tuple(p.shape), tuple(p.placements), p.device_mesh, p.dtype, ns)
+                else:
+                    key = (tuple(p.shape[-2:]), p.dtype, p.device, ns)
                 buckets.setdefault(key, []).append((p, g, update))
-        # 2) one batched Newton-Schulz per bucket, split back, apply torch.optim.Muon's update.
-        #    A sharded update (a DTensor under FSDP2) is gathered whole first, since NS needs complete
-        #    matrices, and each rank keeps its own shard of the result: exact, but every rank holds and
-        #    orthogonalizes every matrix. The sharded-Muon issue replaces this with batched all-to-alls.
-        for (shape, _, _, coeffs, eps, ns_dtype), items in buckets.items():
-            X = torch.cat([(u.full_tensor() if isinstance(u, DTensor) else u).reshape(-1, *shape)
-                           for _, _, u in items])  # [sum of batch, m, n]
-            chunk = max(1, self.ns_chunk_bytes // (4 * shape[0] * shape[1]))
-            O = torch.cat([msign(x, coeffs, eps=eps, dtype=ns_dtype) for x in X.split(chunk)])
-            sizes = [u.numel() // (shape[0] * shape[1]) for _, _, u in items]
-            for (p, g, _), o in zip(items, O.split(sizes)):
-                o = o.view(p.shape)
-                if isinstance(p, DTensor):  # every rank has all of o: take the local shard, no communication
-                    o = distribute_tensor(o, p.device_mesh, p.placements, src_data_rank=None)
-                lr = g["lr"]
-                p.mul_(1 - lr * g["weight_decay"])  # decoupled decay uses the unadjusted lr
-                p.add_(o, alpha=-adjust_lr(lr, g["adjust_lr_fn"], p.shape))
+        # 2) Newton-Schulz. Buckets whose shards hold whole matrices (plain tensors; experts or heads sharded
+        #    on a batch dim) run locally. Buckets whose matrices are split go through the all-to-all pipeline.
+        local, split = [], []
+        for key, items in buckets.items():
+            p = items[0][0]
+            dims = _split_mesh_dims(p) if isinstance(p, DTensor) else []
+            if not dims:
+                local.append((key[-1], items))
+            elif len(dims) == 1:
+                split.append(_A2ATask(key[-1], items, dims[0]))
+            else:  # a matrix dim split over two mesh dims (no layout of ours does this): gather it whole
+                local.append((key[-1], [(q, g, DTensor.from_local(u, q.device_mesh, q.placements, shape=q.shape,
+                                                                  stride=q.stride()).full_tensor())
+                                        for q, g, u in items]))
+        overlap = self.max_inflight_bytes > 0  # 0: one transfer at a time, nothing overlapped (a baseline)
+        inflight, done = deque(), []
+        next_task = self._launch(split, inflight, 0) if overlap else 0  # transfers travel while local NS runs
+        for (coeffs, eps, ns_dtype), items in local:
+            shape = items[0][2].shape[-2:]
+            O = self._msign(torch.cat([u.reshape(-1, *shape) for _, _, u in items]), coeffs, eps, ns_dtype)
+            for (p, g, u), o in zip(items, O.split([u.numel() // shape.numel() for _, _, u in items])):
+                if o.numel() != _local(p).numel():  # gathered whole above: keep this rank's shard
+                    o = distribute_tensor(o.view(p.shape), p.device_mesh, p.placements, src_data_rank=None)
+                self._apply(p, g, _local(o).view_as(_local(p)))
+        if not overlap:
+            next_task = self._launch(split, inflight, 0)
+        while inflight:
+            task = inflight.popleft()
+            self._wait(task)
+            if overlap:
+                next_task = self._launch(split, inflight, next_task)  # the next group travels during this NS
+            task.send_back(self._msign(task.whole_matrices(), *task.ns))
+            done.append(task)
+            self.stats["peak_buffer_bytes"] = max(self.stats["peak_buffer_bytes"],
+                                                  sum(3 * t.nbytes for t in list(inflight) + done))
+            if not overlap:
+                self._wait(task)
+                next_task = self._launch(split, inflight, next_task)
+        for task in done:
+            self._wait(task)
+            for (p, g, _), o in zip(task.items, task.updates()):
+                self._apply(p, g, o)
         return loss
+
+    def _wait(self, task):
+        t0 = time.perf_counter()
+        task.work.wait()
+        self.stats["a2a_wait_s"] += time.perf_counter() - t0
+
+    def _launch(self, tasks, inflight, i):
+        """Start the all-to-alls of tasks[i:] while the bytes of transfers not yet turned into NS work stay
+        under max_inflight_bytes (at least one is always in flight). -> index of the next task to launch."""
+        while i < len(tasks) and (not inflight or sum(t.nbytes for t in inflight) + tasks[i].nbytes
+                                  <= self.max_inflight_bytes):
+            tasks[i].send()
+            self.stats["a2a_bytes"] += 2 * tasks[i].nbytes  # there, and back after NS
+            inflight.append(tasks[i])
+            i += 1
+        return i
+
+    def _msign(self, X, coeffs, eps, ns_dtype):
+        """Batched NS on X [B, m, n], in chunks of at most ns_chunk_bytes (fp32-sized) to stay in cache."""
+        m, n = X.shape[-2:]
+        t0 = time.perf_counter()
+        chunk = max(1, self.ns_chunk_bytes // (4 * m * n))
+        O = torch.cat([msign(x, coeffs, eps=eps, dtype=ns_dtype) for x in X.split(chunk)]) if len(X) else X
+        self.stats["ns_s"] += time.perf_counter() - t0
+        self.stats["ns_flops"] += len(X) * len(coeffs) * (4 * min(m, n) ** 2 * max(m, n) + 2 * min(m, n) ** 3)
+        return O
+
+    @staticmethod
+    def _apply(p, g, o):
+        """torch.optim.Muon's update on this rank's shard: decoupled decay, then the scaled orthogonal step."""
+        lr = g["lr"]
+        adjusted = adjust_lr(lr, g["adjust_lr_fn"], p.shape)  # a DTensor's shape is the global one
+        p = _local(p)
+        p.mul_(1 - lr * g["weight_decay"])  # decoupled decay uses the unadjusted lr
+        p.add_(o.view_as(p), alpha=-adjusted)
 
     def _adamw(self, g):
         """torch.optim.AdamW's single-tensor update (decoupled decay, bias-corrected)."""
@@ -330,15 +468,156 @@ def _bench_ns(shapes, repeats, max_batch, coefficients=CLASSIC):
     return rows
 
 
+def _dist_bench_worker(rank, world, port, preset, repeats, results):
+    """One rank of the sharded benchmark: the preset's Muon matrices as FSDP2 leaves them (Shard(0) over all
+    ranks; world 1: plain tensors), one thread, timed steps with and without communication overlap."""
+    import os
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard
+    torch.set_num_threads(1)
+    if world > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        mesh = DeviceMesh("cpu", torch.arange(world))
+    gen = torch.Generator().manual_seed(0)
+    params = []
+    for shape in _preset_matrices(preset):
+        p, grad = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+        if world > 1:
+            p, grad = (distribute_tensor(t, mesh, [Shard(0)], src_data_rank=None) for t in (p, grad))
+        p.grad = grad
+        params.append(p)
+    row = {}
+    for name, inflight in (("serial", 0), ("overlap", 256 << 20)):
+        opt = Muon(params, lr=0.02, adjust_lr_fn="match_rms_adamw", ns_dtype=torch.float32, max_inflight_bytes=inflight)
+        opt.step()  # state allocation and warm-up
+        row[name] = _median_time(opt.step, repeats, warmup=0)
+        row[name + "_wait"] = opt.stats["a2a_wait_s"]
+    row.update({k: opt.stats[k] for k in ("ns_flops", "a2a_bytes", "peak_buffer_bytes")})
+    if world > 1:
+        rows = [None] * world
+        dist.all_gather_object(rows, row)
+        dist.destroy_process_group()
+    else:
+        rows = [row]
+    if rank == 0:
+        results.put(rows)
+
+
+def dist_bench(preset, worlds, repeats):
+    import torch.multiprocessing as mp
+    print(f"\n[{preset}] sharded Muon step, FSDP2 layout (Shard(0) on all ranks), gloo, 1 thread a rank, "
+          f"{os.cpu_count()} cores, median of {repeats}:")
+    print(f"  {'W':>2} {'step ms':>8} {'vs W=1':>7} {'no-overlap ms':>13} {'comm hidden':>11} "
+          f"{'NS GFLOP/rank':>13} {'of total':>8} {'a2a MiB/rank':>12} {'buffers MiB':>11}")
+    base = total = None
+    for world in worlds:
+        q = mp.get_context("spawn").SimpleQueue()
+        mp.start_processes(_dist_bench_worker, args=(world, 29500 + world, preset, repeats, q), nprocs=world,
+                           start_method="spawn")
+        rows = q.get()
+        step, serial = max(r["overlap"] for r in rows), max(r["serial"] for r in rows)
+        base = base or step
+        total = total or sum(r["ns_flops"] for r in rows)
+        flops = max(r["ns_flops"] for r in rows)
+        waits = [(r["serial_wait"], r["overlap_wait"]) for r in rows]
+        hidden = 1 - sum(w for _, w in waits) / max(1e-9, sum(s for s, _ in waits))
+        print(f"  {world:2d} {step * 1e3:8.1f} {step / base:6.2f}x {serial * 1e3:13.1f} "
+              f"{(f'{hidden:.0%}' if world > 1 else '-'):>11} {flops / 1e9:13.2f} {flops / total:8.2f} "
+              f"{max(r['a2a_bytes'] for r in rows) / 2**20:12.2f} {max(r['peak_buffer_bytes'] for r in rows) / 2**20:11.2f}")
+
+
+def plan(shapes, gpus, dense_shard, ep, tflops, a2a_gbps, ns_steps=5, bytes_per_elem=2, num_experts=None):
+    """Analytic time of one sharded Muon step, with train.py's layout: dense matrices FSDP-sharded on dim 0 over
+    `dense_shard` ranks (dp_shard * cp) and replicated gpus/dense_shard times, each replica computing its NS;
+    experts [E, out, in] split over `ep` ranks, each rank's E/ep FSDP-sharded over ep_shard = gpus/ep ranks, on
+    dim 0 when E/ep >= ep_shard (whole matrices: local NS) else dim 1 (all-to-all). Like the optimizer, a
+    bucket is all parameters of one shape, so a rank owns ceil(matrices / group) of it. shapes: [(name, shape)].
+    -> rows (one per bucket) and totals; time per GPU is FLOPs / tflops and bytes (sent + received) / a2a_gbps."""
+    buckets = {}
+    for name, shape in shapes:  # bucket names like attn.wq_a, experts.w1, shared.w2
+        short = ".".join([x for x in name.split(".") if x != "weight"][-2:])
+        buckets.setdefault((".experts." in name, tuple(shape)), []).append(short)
+    rows = []
+    for (expert, shape), names in buckets.items():
+        n = len(names)
+        m, k = sorted(shape[-2:])
+        f1 = ns_steps * (4 * m * m * k + 2 * m ** 3)  # one matrix
+        matrices, mat_bytes = n * math.prod(shape[:-2]), math.prod(shape[-2:]) * bytes_per_elem
+        if expert:
+            E_local, group = shape[0] // ep, gpus // ep
+            local = E_local >= group
+            own = n * -(-E_local // group) if local else -(-n * E_local // group)
+            per_rank_matrices = n * E_local
+        else:
+            group, local = dense_shard, len(shape) == 3  # per-head weights: FSDP's Shard(0) splits heads
+            own = n * -(-shape[0] // group) if local else -(-matrices // group)
+            per_rank_matrices = matrices
+        gb = 0.0 if local or group == 1 else 2 * per_rank_matrices * mat_bytes / group * (group - 1) / group / 1e9
+        rows.append(dict(name="/".join(dict.fromkeys(names)), shape=shape, expert=expert, matrices=matrices,
+                         path="local" if local or group == 1 else "a2a", tflop=matrices * f1 / 1e12,
+                         tflop_gpu=own * f1 / 1e12, gb_gpu=gb))
+    compute = sum(r["tflop_gpu"] for r in rows) / tflops
+    comm = sum(r["gb_gpu"] for r in rows) / a2a_gbps
+    fill = min((r["gb_gpu"] / a2a_gbps for r in rows if r["path"] == "a2a"), default=0.0)
+    # overlapped: while one bucket is orthogonalized the next one's transfer is in flight, so the step costs
+    # the larger of the two plus the first (smallest) transfer, which nothing can hide
+    return rows, dict(compute_s=compute, comm_s=comm, serial_s=compute + comm, overlap_s=max(compute, comm) + fill)
+
+
+def print_plan(a):
+    from model import PRESETS, Transformer  # lazy, like _preset_matrices
+    with torch.device("meta"):
+        model = Transformer(PRESETS[a.preset])
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon_group, _ = param_groups(model.named_parameters(), lr=0.02, weight_decay=0.1)
+    shapes = [(names[id(p)], tuple(p.shape)) for p in muon_group["params"]]
+    ds, ep = min(a.dense_shard, a.gpus), min(a.ep, a.gpus)
+    if ds % ep:
+        sys.exit(f"error: ep({ep}) must divide the dense shard group dp_shard*cp ({ds}), as in mesh.py")
+    rows, t = plan(shapes, a.gpus, ds, ep, a.tflops, a.a2a_gbps)
+    print(f"[{a.preset}] sharded Muon on {a.gpus} GPUs: dense FSDP groups of {ds} ({a.gpus // ds} replicas), "
+          f"experts ep={ep} x ep_shard={a.gpus // ep}; {a.tflops:g} TFLOP/s NS, {a.a2a_gbps:g} GB/s all-to-all a GPU")
+    print(f"  {'bucket':<20} {'shape':>18} {'matrices':>8} {'path':>5} {'NS TFLOP':>9} {'TFLOP/GPU':>10} {'GB/GPU':>7}")
+    for r in rows:
+        print(f"  {r['name']:<20} {str(list(r['shape'])):>18} {r['matrices']:8d} {r['path']:>5} {r['tflop']:9.1f} "
+              f"{r['tflop_gpu']:10.2f} {r['gb_gpu']:7.2f}")
+    ex = sum(r["tflop"] for r in rows if r["expert"]) / sum(r["tflop"] for r in rows)
+    print(f"  experts: {ex:.1%} of the NS FLOPs | per GPU: compute {t['compute_s']:.3f} s, all-to-all "
+          f"{t['comm_s']:.3f} s; serial {t['serial_s']:.3f} s, overlapped {t['overlap_s']:.3f} s")
+    g = ep  # the smallest cluster (same dense group and ep, more expert-shard ranks) that reaches 0.2 s
+    while g <= 1 << 16 and plan(shapes, g, ds, ep, a.tflops, a.a2a_gbps)[1]["overlap_s"] > 0.2:
+        g *= 2
+    print(f"  0.2 s (the seed's claim for a 1T model) needs {g if g <= 1 << 16 else 'more than 65536'} GPUs at "
+          f"{a.tflops:g} TFLOP/s achieved with this layout; at {a.gpus} GPUs the model gives "
+          f"{t['overlap_s'] / 0.2:.1f}x the claim")
+
+
 if __name__ == "__main__":
     import argparse
-    import os
     parser = argparse.ArgumentParser(description="Benchmark batched Muon against torch.optim.Muon on CPU.")
     parser.add_argument("--presets", nargs="+", default=["tiny", "small"], help="model presets (model.py)")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats per measurement (median)")
     parser.add_argument("--ns-max-batch", type=int, default=32, help="batch cap in the NS throughput table")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    g = parser.add_argument_group("--plan: analytic step time of sharded Muon on a cluster (nothing is run)")
+    g.add_argument("--plan", default=None, help="preset to plan for, e.g. kimi-k2")
+    g.add_argument("--gpus", type=int, default=512, help="GPUs in the job")
+    g.add_argument("--dense-shard", type=int, default=64, help="dense FSDP group, dp_shard*cp")
+    g.add_argument("--ep", type=int, default=64, help="expert-parallel degree")
+    g.add_argument("--tflops", type=float, default=400.0, help="achieved bf16 NS TFLOP/s a GPU (H100-class)")
+    g.add_argument("--a2a-gbps", type=float, default=50.0, help="all-to-all GB/s a GPU (one 400 Gb/s NIC)")
+    parser.add_argument("--world", type=int, nargs="+", default=None,
+                        help="instead: time the sharded step on these process counts (gloo), e.g. --world 1 2 4")
     args = parser.parse_args()
+    if args.world:
+        for name in args.presets:
+            dist_bench(name, args.world, args.repeats)
+        sys.exit(0)
+    if args.plan:
+        args.preset = args.plan
+        print_plan(args)
+        sys.exit(0)
     if args.threads:
         torch.set_num_threads(args.threads)
     # OpenMP threads wait at a barrier after every op: another busy process on the cores makes
