@@ -378,25 +378,24 @@ def read_metrics(out):
 SMALL_RUN = ["--batch-size", "4", "--seq-len", "32", "--log-every", "5", "--eval-batches", "2", "--warmup", "40"]
 
 
-def test_train_learns_and_resume_continues_exactly(tmp_path):
-    a, b = tmp_path / "a", tmp_path / "b"
-    r = run_train(*SMALL_RUN, "--steps", "40", "--eval-every", "20", "--out", str(a))
+def test_train_learns_and_resume_continues_exactly(tmp_path, par_data):
+    r = run_train(*SMALL_RUN, "--steps", "40", "--eval-every", "20", "--out", str(tmp_path / "learn"))
     assert r.returncode == 0, r.stderr
-    rows = read_metrics(a)
+    rows = read_metrics(tmp_path / "learn")  # the default corpus: this project's and the stdlib's sources
     assert [row["step"] for row in rows] == list(range(41))
     vals = [row["val_loss"] for row in rows if "val_loss" in row]
     assert len(vals) == 3 and vals[-1] < vals[0] - 0.5, vals  # validation loss clearly falls
     assert "MFU" in r.stdout and "load max/mean" in r.stdout
     # stop at 20, resume to 40: the same 40 losses as the uninterrupted run (warmup spans all steps, so the
-    # lr schedule does not depend on --steps here)
-    r = run_train(*SMALL_RUN, "--steps", "20", "--eval-every", "20", "--out", str(b))
-    assert r.returncode == 0, r.stderr
-    r = run_train(*SMALL_RUN, "--steps", "40", "--eval-every", "20", "--out", str(b), "--resume")
-    assert r.returncode == 0, r.stderr
+    # lr schedule does not depend on --steps here); fixed data, so edits to the sources cannot move it
+    a, b, data = tmp_path / "a", tmp_path / "b", ["--data", str(par_data)]
+    for flags, out in ((["--steps", "40"], a), (["--steps", "20"], b), (["--steps", "40", "--resume"], b)):
+        r = run_train(*SMALL_RUN, *flags, *data, "--eval-every", "20", "--out", str(out))
+        assert r.returncode == 0, r.stderr
     assert "resumed from" in r.stdout
-    rows_b = read_metrics(b)
+    rows_a, rows_b = read_metrics(a), read_metrics(b)
     assert [row["step"] for row in rows_b] == list(range(41))
-    np.testing.assert_allclose([r["loss"] for r in rows_b[1:]], [r["loss"] for r in rows[1:]], rtol=1e-5)
+    np.testing.assert_allclose([r["loss"] for r in rows_b[1:]], [r["loss"] for r in rows_a[1:]], rtol=1e-5)
 
 
 def test_train_reads_text_folders_and_bin_files(tmp_path):
@@ -646,6 +645,7 @@ def _sharded_muon_worker(rank, world, port, out):
     dist.all_gather_object(all_naive, naive_err)
     if rank == 0:
         out.put((errs, moved, {n: max(d[n] for d in all_naive) for n in names}, opt.stats))
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -436,4 +436,5 @@ for step in range(start_step + 1, args.steps + 1):
     log(record)
 print0(f"done: {args.steps} steps, checkpoint {checkpoints()[-1]}, metrics {metrics_path}")
 if world_size > 1:
+    dist.barrier()
     dist.destroy_process_group()
