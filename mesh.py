@@ -177,8 +177,10 @@ def describe(layout: Layout, ranks=None):
     dense, expert = layout.dense_grid(), layout.expert_grid()
     lines = []
     for rank in ranks if ranks is not None else range(layout.world):
-        d = " ".join(f"{n}={_short(groups_of(dense, i, rank))}" for i, n in enumerate(("dp_replicate", "dp_shard", "cp")))
-        e = " ".join(f"{n}={_short(groups_of(expert, i, rank))}" for i, n in enumerate(("ep_replicate", "ep_shard", "ep")))
+        d = " ".join(f"{n}={_short(groups_of(dense, i, rank))}"
+                     for i, n in enumerate(("dp_replicate", "dp_shard", "cp")))
+        e = " ".join(f"{n}={_short(groups_of(expert, i, rank))}"
+                     for i, n in enumerate(("ep_replicate", "ep_shard", "ep")))
         lines.append(f"rank {rank:4d} | dense {d} | expert {e}")
     return lines
 
@@ -186,7 +188,8 @@ def describe(layout: Layout, ranks=None):
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description="Print the dense and expert meshes of a layout (no processes launched).")
     p.add_argument("--world", type=int, default=8, help="total ranks (GPUs)")
-    p.add_argument("--dp-replicate", type=int, default=1, help="dense replicas (HSDP); dp_shard = world/(dp_replicate*cp)")
+    p.add_argument("--dp-replicate", type=int, default=1,
+                   help="dense replicas (HSDP); dp_shard = world/(dp_replicate*cp)")
     p.add_argument("--cp", type=int, default=1, help="context-parallel degree (sequence split)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (experts split)")
     p.add_argument("--ep-replicate", type=int, default=1, help="expert replicas; ep_shard = world/(ep_replicate*ep)")

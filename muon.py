@@ -533,7 +533,8 @@ def dist_bench(preset, worlds, repeats):
         hidden = 1 - sum(w for _, w in waits) / max(1e-9, sum(s for s, _ in waits))
         print(f"  {world:2d} {step * 1e3:8.1f} {step / base:6.2f}x {serial * 1e3:13.1f} "
               f"{(f'{hidden:.0%}' if world > 1 else '-'):>11} {flops / 1e9:13.2f} {flops / total:8.2f} "
-              f"{max(r['a2a_bytes'] for r in rows) / 2**20:12.2f} {max(r['peak_buffer_bytes'] for r in rows) / 2**20:11.2f}")
+              f"{max(r['a2a_bytes'] for r in rows) / 2**20:12.2f} "
+              f"{max(r['peak_buffer_bytes'] for r in rows) / 2**20:11.2f}")
 
 
 def plan(shapes, gpus, dense_shard, ep, tflops, a2a_gbps, ns_steps=5, bytes_per_elem=2, num_experts=None):

@@ -510,7 +510,8 @@ def single_process(par_data, tmp_path_factory):
     return read_metrics(out), final_params(out)
 
 
-@pytest.mark.parametrize("world,flags", [(2, []), (4, ["--dp-replicate", "2", "--ep-replicate", "2"]), (4, ["--ep", "4"]),
+@pytest.mark.parametrize("world,flags", [(2, []), (4, ["--dp-replicate", "2", "--ep-replicate", "2"]),
+                                         (4, ["--ep", "4"]),
                                          (4, ["--cp", "2", "--ep", "4"]), (8, ["--cp", "2", "--ep", "8"])],
                          ids=["W2-fsdp", "W4-hsdp", "W4-ep4", "W4-cp2-ep4", "W8-cp2-ep8"])
 def test_parallel_layout_matches_single_process(world, flags, par_data, single_process, tmp_path):
