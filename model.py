@@ -18,6 +18,7 @@ parallelism (MLA.cp_group set; each rank holds a chunk of the sequence and gathe
     python model.py            # parameter counts of every preset (kimi-k2 on the meta device) + a forward
 """
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -35,8 +36,14 @@ TOKEN = {name: 256 + i for i, name in enumerate(SPECIALS)}
 VOCAB_SIZE = 256 + len(SPECIALS)  # 264
 
 
-def encode(text: str) -> list[int]:
-    return list(text.encode("utf-8"))
+def encode(text: str, specials=False) -> list[int]:
+    """UTF-8 bytes; with specials=True the names in SPECIALS (e.g. "<|user|>") become their single tokens."""
+    if not specials:
+        return list(text.encode("utf-8"))
+    ids = []
+    for part in re.split("(" + "|".join(map(re.escape, SPECIALS)) + ")", text):
+        ids.extend([TOKEN[part]] if part in TOKEN else part.encode("utf-8"))
+    return ids
 
 
 def decode(ids) -> str:

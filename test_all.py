@@ -4,7 +4,10 @@
 """
 import copy
 import json
+import math
 import os
+import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +17,8 @@ import pytest
 import torch
 
 import model as M
+import tasks
+from tasks import MALFORMED, TOOLS, DifficultySampler, ToolEnv, corpus, gold_transcript, make_tool_task, render
 from muon import CLASSIC, POLAR_EXPRESS, Muon, msign, ns_band, param_groups
 
 HERE = Path(__file__).resolve().parent
@@ -666,3 +671,380 @@ def test_sharded_muon_equals_full_matrix_muon(world):
         assert naive[name] > 1e-3, (name, naive[name])
     assert naive["experts-dim0-local"] < 1e-5  # whole matrices per rank: local NS is the right thing there
     assert stats["a2a_bytes"] > 0
+
+
+# -----------------------------------------------------------------------------
+# grpo.py: the Dr. GRPO objective
+
+
+def _token_batch(adv, lengths, T=12):
+    """Leaf log-probs [N, T] with a policy mask covering the first `lengths[i]` tokens of row i."""
+    logp = torch.full((len(adv), T), -1.0, requires_grad=True)
+    mask = torch.zeros(len(adv), T)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    return logp, mask, torch.tensor(adv, dtype=torch.float32)
+
+
+def test_dr_grpo_advantages_and_normaliser():
+    from grpo import GRPOConfig, group_advantages, policy_loss
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0])
+    adv = group_advantages(r, 4)
+    torch.testing.assert_close(adv.view(2, 4).sum(-1), torch.zeros(2))
+    assert adv[0].item() == 0.5  # no division by the group's std (it would give 0.866)
+    cfg, norm = GRPOConfig(), 2 * 128
+    # at ratio 1 the gradient is REINFORCE's, -A / norm on every policy token, whatever the sequence length
+    logp, mask, a = _token_batch([1.0, 1.0], [10, 3])
+    loss, _ = policy_loss(logp, logp.detach(), logp.detach(), a, mask, cfg, norm)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, -a[:, None] * mask / norm)
+    assert logp.grad[0, 0] == logp.grad[1, 0]  # long and short sequences: the same per-token gradient
+    assert (logp.grad[mask == 0] == 0).all()  # prompt, tool output, padding: no gradient
+
+
+def test_clipped_tokens_get_no_gradient():
+    from grpo import GRPOConfig, policy_loss
+    cfg = GRPOConfig(eps_low=0.2, eps_high=0.28)
+    logp, mask, a = _token_batch([1.0, -1.0], [4, 4])
+    old = logp.detach() - torch.tensor([[math.log(1.5)], [math.log(0.5)]])  # ratios 1.5 (A>0) and 0.5 (A<0)
+    old[:, 2:] = logp.detach()[:, 2:]  # ratio 1 on the last two policy tokens: inside the clip range
+    loss, clip_frac = policy_loss(logp, old, old, a, mask, cfg, 100.0)
+    loss.backward()
+    assert (logp.grad[:, :2] == 0).all() and (logp.grad[:, 2:4] != 0).all()
+    assert clip_frac == 0.5
+
+
+def test_kl_estimators_match_the_exact_kl():
+    from grpo import kl_estimates
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    q = torch.tensor([0.25, 0.25, 0.25, 0.25])
+    exact = (p * (p / q).log()).sum()
+    x = torch.multinomial(p, 200_000, replacement=True, generator=torch.Generator().manual_seed(0))
+    est = kl_estimates(p.log()[x], q.log()[x])
+    for name in ("k1", "k3"):
+        assert abs(est[name].mean() - exact) < 0.01, (name, est[name].mean().item(), exact.item())
+    assert (est["k3"] >= 0).all()  # k3 is non-negative per sample, k1 is not
+    assert (est["k1"] < 0).any()
+
+
+class _ScriptedEnv:
+    """A two-turn environment for loss tests: the reply is fixed, the reward is given."""
+
+    def __init__(self, reward, turns=2):
+        self.r, self.left = reward, turns
+
+    def first_turns(self):
+        return [("user", "add 2 and 3 using tools: add")]
+
+    def step(self, text):
+        self.left -= 1
+        return ("5" if self.left else None), self.left == 0
+
+    def reward(self):
+        return self.r
+
+
+def test_equal_rewards_give_zero_gradient_and_summaries_share_the_reward():
+    from grpo import GRPOConfig, SUMMARY_REQUEST, batch, grpo_loss, rollout
+    torch.manual_seed(0)
+    model = M.Transformer(M.ModelConfig())
+    cfg = GRPOConfig(group_size=2, max_message_tokens=6, context_budget=40)
+    gen = torch.Generator().manual_seed(0)
+    trajs = rollout(model, [_ScriptedEnv(1.0, 3), _ScriptedEnv(1.0, 3)], cfg, gen)
+    loss, stats, _ = grpo_loss(model, trajs, cfg)
+    loss.backward()
+    assert all(p.grad is None or p.grad.abs().max() == 0 for p in model.parameters())  # A = 0 everywhere
+    # the 40-token budget forced a summary: a second segment, trained with the trajectory's reward
+    t = trajs[0]
+    assert len(t.segments) >= 2
+    first = t.segments[0]
+    request = M.encode(SUMMARY_REQUEST)
+    start = next(i for i in range(len(first.tokens)) if first.tokens[i:i + len(request)] == request)
+    assert not any(first.policy[start:start + len(request)])  # the inserted request is not trained
+    assert any(first.policy[start + len(request):])  # the summary after it is the policy's
+    assert t.segments[1].tokens[:len(t.prompt)] == t.prompt  # continues from prompt + summary
+    trajs[0].reward, trajs[1].reward = 1.0, 0.0
+    _, _, _, owner = batch(trajs)
+    assert (owner == 0).sum() == len([s for s in trajs[0].segments if any(s.policy)])
+    model.zero_grad()
+    loss, _, _ = grpo_loss(model, trajs, cfg)
+    loss.backward()
+    assert sum(p.grad.abs().sum() for p in model.parameters() if p.grad is not None) > 0
+
+
+def test_sampler_precision_and_truncated_importance_weights():
+    from grpo import GRPOConfig, fake_quantize, grpo_loss, rollout, token_logprobs
+    torch.manual_seed(0)
+    model = M.Transformer(M.ModelConfig())
+    envs = lambda: [_ScriptedEnv(1.0), _ScriptedEnv(0.0)]
+    same = GRPOConfig(group_size=2, max_message_tokens=6)
+    trajs = rollout(model, envs(), same, torch.Generator().manual_seed(0))
+    loss, _, _ = grpo_loss(model, trajs, same)
+    loss_no_tis, _, _ = grpo_loss(model, trajs, GRPOConfig(group_size=2, max_message_tokens=6, tis_cap=1e9))
+    assert loss.item() == loss_no_tis.item()  # identical precision: every importance weight is exactly 1
+    q = fake_quantize(model, 8)
+    w = next(p for n, p in q.named_parameters() if n.endswith("experts.w1"))
+    w0 = next(p for n, p in model.named_parameters() if n.endswith("experts.w1"))
+    assert 0 < (w - w0).abs().max() < 0.01 * w0.abs().max()  # 8-bit blocks: close, not equal
+    low = GRPOConfig(group_size=2, max_message_tokens=6, sampler_bits=8, tis_cap=1.5)
+    trajs = rollout(model, envs(), low, torch.Generator().manual_seed(0))
+    from grpo import batch
+    tokens, mask, sampler_logp, _ = batch(trajs)
+    with torch.no_grad():
+        w = (token_logprobs(model, tokens) - sampler_logp).exp()[mask]
+    assert (w != 1).any() and torch.allclose(w, torch.ones_like(w), atol=0.2)  # a small, real mismatch
+
+
+# -----------------------------------------------------------------------------
+# tasks.py: the tool-use task family
+
+def _replay(task, turns):
+    """Drive a ToolEnv with the assistant turns of a transcript; check every tool reply matches the transcript."""
+    env = ToolEnv(task, max_turns=8)
+    assert env.first_turns() == turns[:1]
+    for i, (role, text) in enumerate(turns[1:], start=1):
+        if role != "assistant":
+            continue
+        reply, done = env.step(text)
+        if reply is not None:
+            assert turns[i + 1] == ("tool", reply)
+    assert done
+    return env
+
+
+@pytest.mark.parametrize("difficulty", [1, 2, 3, 4])
+def test_gold_transcripts_earn_reward_one(difficulty):
+    rng = random.Random(difficulty)
+    for _ in range(50):
+        task = make_tool_task(rng, difficulty)
+        env = _replay(task, gold_transcript(task, rng, p_mistake=0.5))
+        assert env.reward() == 1.0
+        assert env.malformed == 0 and env.tool_calls == difficulty + env.tool_errors
+
+
+def test_gold_with_mistake_shows_error_then_recovers():
+    rng = random.Random(0)
+    task = make_tool_task(rng, 2)
+    turns = gold_transcript(task, rng, p_mistake=1.0)
+    errors = [t for r, t in turns if r == "tool" and t.startswith("error: tool not found")]
+    assert len(errors) == 1 and len(turns) == 1 + 2 * (task.difficulty + 1) + 1
+    env = _replay(task, turns)
+    assert env.tool_errors == 1 and env.reward() == 1.0
+
+
+def test_wrong_answer_gets_zero_and_no_answer_gets_zero():
+    task = make_tool_task(random.Random(1), 1)
+    env = ToolEnv(task)
+    assert env.step(f"answer {task.answer + 1}") == (None, True)
+    assert env.reward() == 0.0
+    env = ToolEnv(task, max_turns=2)  # runs out of turns without answering
+    name, a, b = task.plan[0]
+    assert env.step(f"call {name} {a} {b}")[1] is False
+    assert env.step(f"call {name} {a} {b}")[1] is True
+    assert env.reward() == 0.0
+    with pytest.raises(RuntimeError):
+        env.step("answer 0")
+
+
+def test_absent_tool_error_lists_available_tools():
+    task = tasks.ToolTask("tools: add, sub. compute add(3,4)", ["add", "sub"], 7, 1, [("add", 3, 4)])
+    env = ToolEnv(task)
+    reply, done = env.step("call mul 3 4")
+    assert reply == "error: tool not found: mul. available tools: add, sub" and not done
+    assert (env.tool_calls, env.tool_errors, env.malformed) == (1, 1, 0)
+    assert env.step("call add 3 4") == ("7", False)
+    assert env.step(" answer 7\n") == (None, True)  # surrounding whitespace is tolerated
+    assert env.reward() == 1.0 and (env.tool_calls, env.tool_errors) == (2, 1)
+
+
+@pytest.mark.parametrize("text", ["call add 3", "call add 3 4 5", "call add three 4", "CALL add 3 4", "answer",
+                                  "answer seven", "the answer is 7", ""])
+def test_malformed_messages_are_reported(text):
+    task = tasks.ToolTask("tools: add, sub. compute add(3,4)", ["add", "sub"], 7, 1, [("add", 3, 4)])
+    env = ToolEnv(task)
+    assert env.step(text) == (MALFORMED, False)
+    assert (env.malformed, env.tool_calls, env.tool_errors) == (1, 0, 0)
+    assert env.turns[-2:] == [("assistant", text), ("tool", MALFORMED)]
+
+
+def test_answer_reachable_with_offered_tools_via_plan():
+    rng = random.Random(2)
+    for _ in range(500):
+        d = rng.randint(1, tasks.MAX_DIFFICULTY)
+        task = make_tool_task(rng, d)
+        assert len(task.plan) == d == task.difficulty
+        assert 2 <= len(task.tools) <= len(TOOLS) - 1  # some tool is always absent
+        assert task.tools == [t for t in TOOLS if t in task.tools]  # canonical order: does not leak the plan
+        prev = None
+        for name, a, b in task.plan:
+            assert name in task.tools
+            assert prev is None or prev in (a, b)  # each call consumes the previous result
+            prev = TOOLS[name](a, b)
+            assert 0 <= prev <= 99
+        assert prev == task.answer
+        # The question's expression evaluates to the answer with the same tools.
+        expr = task.question.split("compute ", 1)[1]
+        assert eval(expr, {"__builtins__": {}}, {n: f for n, f in TOOLS.items()}) == task.answer
+        assert task.question.startswith(f"tools: {', '.join(task.tools)}. ")
+
+
+def test_make_tool_task_rejects_bad_difficulty():
+    with pytest.raises(ValueError):
+        make_tool_task(random.Random(0), 0)
+    with pytest.raises(ValueError):
+        make_tool_task(random.Random(0), tasks.MAX_DIFFICULTY + 1)
+
+
+def test_sampler_moves_up_on_success_and_down_on_failure():
+    s = DifficultySampler(window=16, up=0.8, down=0.2)
+    rng = random.Random(0)
+    assert s.level == 1 and all(s.sample(rng) == 1 for _ in range(20))
+    for _ in range(15):
+        s.update(1, 1.0)
+    assert s.level == 1  # not before a full window
+    s.update(1, 1.0)
+    assert s.level == 2
+    for _ in range(15):
+        s.update(2, 0.0)
+    assert s.level == 2
+    s.update(2, 0.0)
+    assert s.level == 1
+    assert s.pass_rate(1) is None  # cleared on return: level 1 must be re-earned, no instant bounce
+    # Sustained success climbs to the top and stays there.
+    for _ in range(16 * tasks.MAX_DIFFICULTY):
+        s.update(s.level, 1.0)
+    assert s.level == tasks.MAX_DIFFICULTY
+    levels = [s.sample(rng) for _ in range(2000)]
+    assert 0.7 < levels.count(s.level) / len(levels) < 0.8 and min(levels) == 1
+
+
+def test_sampler_middling_rate_holds_level():
+    s = DifficultySampler(window=16)
+    for _ in range(16):
+        s.update(1, 1.0)
+    for i in range(200):
+        s.update(2, float(i % 2))
+    assert s.level == 2
+
+
+def test_sampler_state_dict_roundtrip():
+    s = DifficultySampler(window=8)
+    for r in [1.0] * 8 + [0.0, 1.0, 1.0]:
+        s.update(s.level, r)
+    state = s.state_dict()
+    assert isinstance(state, dict) and state["level"] == 2 and state["results"]["2"] == [0.0, 1.0, 1.0]
+    t = DifficultySampler(window=8)
+    t.load_state_dict(state)
+    assert t.state_dict() == state
+    for _ in range(5):
+        s.update(2, 1.0)
+        t.update(2, 1.0)
+    assert s.level == t.level == 3
+
+
+def test_render_uses_exact_special_strings():
+    turns = [("user", "q"), ("assistant", "call add 1 2"), ("tool", "3"), ("assistant", "answer 3")]
+    assert render(turns) == ("<|user|>q<|end|><|assistant|>call add 1 2<|end|><|tool|>3<|end|>"
+                             "<|assistant|>answer 3<|end|>")
+
+
+def test_corpus_is_deterministic_per_seed():
+    a, b, c = corpus(50, seed=7), corpus(50, seed=7), corpus(50, seed=8)
+    assert a == b and a != c
+    lines = a.split("\n")
+    assert len(lines) == 50 and all(line.startswith("<|user|>tools: ") and line.endswith("<|end|>") for line in lines)
+    assert "error: tool not found" in a  # the default corpus teaches the error format
+
+
+def test_easy_episode_is_short():
+    rng = random.Random(3)
+    for _ in range(200):
+        task = make_tool_task(rng, 1)
+        text = render(gold_transcript(task, rng))
+        assert len(text.encode()) < 160
+    # Even the hardest level with one mistake fits the tiny model's 256-token context (a special is one token).
+    for _ in range(500):
+        task = make_tool_task(rng, tasks.MAX_DIFFICULTY)
+        text = render(gold_transcript(task, rng, p_mistake=1.0))
+        assert len(re.sub(r"<\|\w+\|>", "x", text).encode()) <= 256
+
+
+# -----------------------------------------------------------------------------
+# feedback.py: the hinted teacher
+
+
+class _ToolNotFoundEnv(_ScriptedEnv):
+    """Every reply says the called tool is absent, so every assistant message is a feedback target."""
+
+    def step(self, text):
+        self.left -= 1
+        return "error: tool not found: mul. available tools: add, sub", self.left == 0
+
+
+def _feedback_rollout(env_cls=_ToolNotFoundEnv):
+    from grpo import GRPOConfig, rollout
+    torch.manual_seed(0)
+    model = M.Transformer(M.ModelConfig())
+    cfg = GRPOConfig(group_size=2, max_message_tokens=6)
+    return model, cfg, rollout(model, [env_cls(1.0, 2), env_cls(0.0, 2)], cfg, torch.Generator().manual_seed(0))
+
+
+def test_feedback_rules_find_the_tool_not_found_turn():
+    from feedback import find_targets, tool_not_found
+    env = ToolEnv(make_tool_task(random.Random(0), 1))
+    absent = next(name for name in TOOLS if name not in env.task.tools)
+    reply, _ = env.step(f"call {absent} 1 2")
+    assert tool_not_found(reply) == "Reminder: Available tools: " + ", ".join(env.task.tools)
+    _, _, trajs = _feedback_rollout()
+    targets = find_targets(trajs[0])
+    assert len(targets) == 2 and all(name == "tool_not_found" for *_, name in targets)
+    seg, start, end, _, _ = targets[0]
+    assert all(trajs[0].segments[seg].policy[start:end]) and trajs[0].segments[seg].tokens[start - 1] == \
+        M.TOKEN["<|assistant|>"]
+
+
+def test_empty_hint_gives_zero_kl_and_gradient_and_only_the_target_moves():
+    from feedback import Feedback, FeedbackConfig
+    model, cfg, trajs = _feedback_rollout()
+    fb = Feedback(model, FeedbackConfig(), rules=[("empty", lambda reply: "")])
+    loss, stats = fb.loss(model, trajs, norm=100.0)
+    loss.backward()
+    assert stats["feedback_kl"] == 0.0 and stats["feedback_targets"] == 4
+    assert max(p.grad.abs().max().item() for p in model.parameters() if p.grad is not None) < 1e-7
+    # with the real rule: gradient reaches the student's logits at the target messages' positions only
+    model.zero_grad()
+    captured = []
+    def keep(module, inputs, out):  # the student's pass (the teacher's runs under no_grad); returns None
+        if out.requires_grad:
+            out.retain_grad()
+            captured.append(out)
+    hook = model.lm_head.register_forward_hook(keep)
+    fb = Feedback(model, FeedbackConfig())
+    loss, stats = fb.loss(model, trajs, norm=100.0)
+    hook.remove()
+    loss.backward()
+    assert stats["feedback_kl"] > 0
+    grad = captured[0].grad.abs().sum(-1)  # [targets, T]: the student batch (teacher ran under no_grad)
+    from feedback import find_targets
+    spans = [(start, end) for t in trajs for _, start, end, _, _ in find_targets(t)]
+    for row, (start, end) in zip(grad, spans):
+        inside = torch.zeros_like(row, dtype=torch.bool)
+        inside[start - 1:end - 1] = True
+        assert (row[inside] > 0).all() and (row[~inside] == 0).all()
+
+
+def test_sampled_estimator_matches_full_kl_in_expectation():
+    from feedback import message_kl
+    torch.manual_seed(0)
+    s_logits, t_logits = torch.randn(1, 6, requires_grad=True), torch.randn(1, 6)
+    full, full_kl = message_kl(s_logits, t_logits, None, "full")
+    g_full, = torch.autograd.grad(full.sum(), s_logits)
+    p = torch.softmax(s_logits.detach(), -1)[0]
+    g_exp, kl_exp = torch.zeros_like(s_logits), 0.0
+    for x in range(6):  # the expectation over the student's own samples, exactly
+        loss, kl = message_kl(s_logits, t_logits, torch.tensor([x]), "sampled")
+        g, = torch.autograd.grad(loss.sum(), s_logits)
+        g_exp += p[x] * g
+        kl_exp += p[x] * kl.item()
+    torch.testing.assert_close(g_exp, g_full, rtol=1e-5, atol=1e-6)
+    assert abs(kl_exp - full_kl.item()) < 1e-5 and full_kl.item() > 0

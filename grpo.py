@@ -1,0 +1,259 @@
+"""Dr. GRPO on multi-turn rollouts, with self-summarization and a low-precision sampler: the RL objective
+Composer 2 and 2.5 inherit.
+
+A group of G rollouts of the same task is sampled; each trajectory's advantage is its reward minus the group's
+mean reward, with no division by the group's std (Dr. GRPO, "Understanding R1-Zero-Like Training", arXiv
+2503.20783). Every token the policy wrote gets the PPO clipped-ratio loss with separate low/high epsilons
+(DAPO's clip-higher, arXiv 2503.14476); token losses are summed and divided by a constant (trajectories x the
+max generation length), not by each sequence's length. Only the policy's own tokens are trained: prompt, tool
+output and inserted requests are attended to but masked by a boolean mask built while sampling, never inferred
+from token ids. When a context passes its budget the model is asked to summarize, and the rollout continues
+from prompt + summary; every segment is trained with the trajectory's reward (Composer 2 report). Sampling may
+use a fake-quantised copy of the policy (8-bit blocks, like MXFP8); a truncated importance ratio between the
+trainer's and the sampler's log-probs corrects the mismatch (Yao et al. 2025, "truncated importance sampling").
+
+    python grpo.py          # one group of rollouts on the tool-use tasks with a fresh tiny model, and its loss
+"""
+import copy
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from model import TOKEN, Transformer, decode, encode
+
+
+@dataclass
+class GRPOConfig:
+    group_size: int = 8  # rollouts of the same task
+    temperature: float = 1.0
+    max_message_tokens: int = 32  # an assistant message is cut here
+    max_gen_tokens: int = 128  # L_max: the policy tokens a trajectory may write, and the loss's normaliser
+    context_budget: int = 224  # past this many tokens, the model is asked to summarize
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    kl_coef: float = 0.0  # 0: no reference policy needed
+    kl_estimator: str = "k1"  # "k1": folded into the reward; "k3": added to the loss
+    sampler_bits: int = 0  # 0: sample with the policy itself; 8: with 8-bit block-quantised weights
+    tis_cap: float = 2.0  # truncated importance sampling: weights min(pi_train / pi_sampler, cap)
+
+
+SUMMARY_REQUEST = "Context is full. Summarize what you know so far in one line."
+
+
+@dataclass
+class Segment:
+    """One training sequence: tokens [T], policy [T] (True where the policy sampled the token) and the sampler's
+    log-prob of each policy token (0 elsewhere)."""
+    tokens: list = field(default_factory=list)
+    policy: list = field(default_factory=list)
+    sampler_logp: list = field(default_factory=list)
+
+    def add(self, ids, policy=False, logps=None):
+        self.tokens += ids
+        self.policy += [policy] * len(ids)
+        self.sampler_logp += logps if logps is not None else [0.0] * len(ids)
+
+
+@dataclass
+class Trajectory:
+    segments: list
+    reward: float = 0.0
+    turns: list = field(default_factory=list)  # (role, text), what feedback rules read
+    env: object = None
+    prompt: list = field(default_factory=list)  # the first segment's opening tokens, where a summary restarts
+    written: int = 0  # policy tokens so far
+    done: bool = False
+    summarizing: bool = False  # the next message answers the summary request
+    spans: list = field(default_factory=list)  # (segment, start, end) of each assistant turn's policy tokens
+
+
+def turn_tokens(role, text):
+    return [TOKEN[f"<|{role}|>"]] + encode(text) + [TOKEN["<|end|>"]]
+
+
+# -----------------------------------------------------------------------------
+# Sampling
+
+
+def fake_quantize(model, bits=8, block=32):
+    """A copy of the model whose matrices are rounded to `bits`-bit integers with one scale per block of 32
+    values (MXFP8-like blocks; integer rounding stands in for the fp8 grid)."""
+    q = copy.deepcopy(model)
+    qmax = 2 ** (bits - 1) - 1
+    with torch.no_grad():
+        for p in q.parameters():
+            if p.ndim >= 2 and p.numel() % block == 0:
+                b = p.view(-1, block)
+                scale = b.abs().amax(-1, keepdim=True).clamp(min=1e-12) / qmax
+                b.copy_((b / scale).round().clamp(-qmax, qmax) * scale)
+    return q
+
+
+@torch.no_grad()
+def sample_messages(model, contexts, cfg, gen, limits=None):
+    """One assistant message for each context (a list of token lists), batched: full recompute of the padded
+    batch at every token, no KV cache (contexts are a few hundred tokens; the code stays short). Right padding
+    is safe under causal attention: a sequence's last real position never sees the pad after it.
+    limits: the most tokens each message may take (default cfg.max_message_tokens).
+    -> [(token ids incl. the closing <|end|>, log-probs)]"""
+    out = [([], []) for _ in contexts]
+    limits = limits or [cfg.max_message_tokens] * len(contexts)
+    live = [i for i in range(len(contexts)) if limits[i] > 0]
+    for _ in range(cfg.max_message_tokens):
+        if not live:
+            break
+        seqs = [contexts[i] + out[i][0] for i in live]
+        T = max(map(len, seqs))
+        idx = torch.tensor([s + [TOKEN["<|pad|>"]] * (T - len(s)) for s in seqs])
+        logits, _ = model(idx)
+        last = logits[torch.arange(len(seqs)), torch.tensor([len(s) - 1 for s in seqs])]  # [B, V]
+        logp = F.log_softmax(last / cfg.temperature, dim=-1)
+        tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)
+        for j, i in enumerate(live):
+            out[i][0].append(tok[j].item())
+            out[i][1].append(logp[j, tok[j]].item())
+        live = [i for i in live if out[i][0][-1] != TOKEN["<|end|>"] and len(out[i][0]) < limits[i]]
+    return out
+
+
+@torch.no_grad()
+def rollout(policy, envs, cfg, gen):
+    """Run one episode per env in lockstep until each ends or writes max_gen_tokens. -> [Trajectory]"""
+    sampler = fake_quantize(policy, cfg.sampler_bits) if cfg.sampler_bits else policy
+    was_training = policy.training
+    policy.eval(), sampler.eval()
+    trajs = []
+    for env in envs:
+        t = Trajectory([Segment()], turns=list(env.first_turns()), env=env)
+        for role, text in t.turns:
+            t.segments[0].add(turn_tokens(role, text))
+        t.prompt = list(t.segments[0].tokens)
+        trajs.append(t)
+    while True:
+        live = [t for t in trajs if not t.done]
+        if not live:
+            break
+        for t in live:  # the role token opening the message is the template's, not the policy's
+            t.segments[-1].add([TOKEN["<|assistant|>"]])
+        msgs = sample_messages(sampler, [t.segments[-1].tokens for t in live], cfg, gen,
+                               [min(cfg.max_message_tokens, cfg.max_gen_tokens - t.written) for t in live])
+        for t, (ids, logps) in zip(live, msgs):
+            start = len(t.segments[-1].tokens)
+            if not ids or ids[-1] != TOKEN["<|end|>"]:  # cut at its limit: close it (not a policy token)
+                t.segments[-1].add(ids, True, logps)
+                t.segments[-1].add([TOKEN["<|end|>"]])
+            else:
+                t.segments[-1].add(ids, True, logps)
+            t.written += len(ids)
+            text = decode([i for i in ids if i < 256])
+            if t.summarizing:  # the summary ends the segment; the next one starts from prompt + summary
+                t.summarizing = False
+                t.segments.append(Segment())
+                t.segments[-1].add(t.prompt + turn_tokens("assistant", text))
+                continue
+            t.turns.append(("assistant", text))
+            t.spans.append((len(t.segments) - 1, start, start + len(ids)))
+            reply, t.done = t.env.step(text)
+            if reply is not None:
+                t.turns.append(("tool", reply))
+                t.segments[-1].add(turn_tokens("tool", reply))
+            t.done = t.done or t.written >= cfg.max_gen_tokens
+            if not t.done and len(t.segments[-1].tokens) > cfg.context_budget:
+                t.segments[-1].add(turn_tokens("user", SUMMARY_REQUEST))  # environment text: never trained
+                t.summarizing = True
+    for t in trajs:
+        t.reward = float(t.env.reward())
+    policy.train(was_training)
+    return trajs
+
+
+# -----------------------------------------------------------------------------
+# The objective
+
+
+def group_advantages(rewards, group_size):
+    """Dr. GRPO: reward minus the group mean, no std division. rewards [N] in groups of consecutive G."""
+    r = rewards.view(-1, group_size)
+    return (r - r.mean(-1, keepdim=True)).view(-1)
+
+
+def token_logprobs(model, tokens):
+    """tokens [N, T] -> log-prob of each next token [N, T-1]."""
+    logits, _ = model(tokens[:, :-1])
+    return torch.gather(F.log_softmax(logits, -1), -1, tokens[:, 1:, None]).squeeze(-1)
+
+
+def kl_estimates(logp, ref_logp):
+    """Per-token estimators of KL(pi || ref) from samples of pi (Schulman, "Approximating KL divergence")."""
+    d = ref_logp - logp
+    return {"k1": -d, "k3": d.exp() - d - 1}
+
+
+def policy_loss(logp, old_logp, sampler_logp, adv, mask, cfg, norm):
+    """The Dr. GRPO token loss, summed and divided by the constant `norm`. logp (with grad), old_logp (the
+    trainer's log-probs when the batch was sampled), sampler_logp, mask: [N, T]; adv: [N].
+    Returns the loss and the fraction of policy tokens whose ratio was clipped."""
+    ratio = (logp - old_logp).exp()
+    tis = (old_logp - sampler_logp).exp().clamp(max=cfg.tis_cap)  # exactly 1 when sampler == trainer
+    a = adv[:, None]
+    per_token = -torch.minimum(ratio * a, ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * a) * tis
+    loss = (per_token * mask).sum() / norm
+    clipped = ((ratio < 1 - cfg.eps_low) | (ratio > 1 + cfg.eps_high)) & (mask > 0)
+    return loss, clipped.sum().item() / max(1, mask.sum().item())
+
+
+def batch(trajs):
+    """Segments as padded tensors: tokens [S, T], mask / sampler_logp [S, T-1] aligned with next-token
+    log-probs, and the trajectory index of each segment (a trajectory's segments share its reward)."""
+    segs = [(i, s) for i, t in enumerate(trajs) for s in t.segments if any(s.policy)]
+    T = max(len(s.tokens) for _, s in segs)
+    pad = lambda xs, v: xs + [v] * (T - len(xs))
+    tokens = torch.tensor([pad(s.tokens, TOKEN["<|pad|>"]) for _, s in segs])
+    mask = torch.tensor([pad(s.policy, False) for _, s in segs])[:, 1:]
+    sampler_logp = torch.tensor([pad(s.sampler_logp, 0.0) for _, s in segs])[:, 1:]
+    return tokens, mask, sampler_logp, torch.tensor([i for i, _ in segs])
+
+
+def grpo_loss(policy, trajs, cfg, ref=None, old_logp=None):
+    """L_RL for a list of trajectories (groups of cfg.group_size consecutive ones).
+    -> (loss, stats, old_logp); pass old_logp back in for further PPO epochs on the same batch."""
+    tokens, mask, sampler_logp, owner = batch(trajs)
+    logp = token_logprobs(policy, tokens)
+    if old_logp is None:
+        old_logp = logp.detach()
+    if not cfg.sampler_bits:  # the sampler was the policy itself: importance weights are exactly 1
+        sampler_logp = old_logp
+    rewards = torch.tensor([t.reward for t in trajs])
+    kl = torch.zeros_like(logp)
+    if cfg.kl_coef > 0:
+        with torch.no_grad():
+            ref_logp = token_logprobs(ref, tokens)
+        kl = kl_estimates(logp, ref_logp)[cfg.kl_estimator] * mask
+        if cfg.kl_estimator == "k1":  # folded into the reward, a constant for the gradient
+            rewards = rewards - cfg.kl_coef * torch.zeros(len(trajs)).index_add_(0, owner, kl.detach().sum(-1))
+    adv = group_advantages(rewards, cfg.group_size)[owner]
+    norm = len(trajs) * cfg.max_gen_tokens
+    loss, clip_frac = policy_loss(logp, old_logp, sampler_logp, adv, mask.float(), cfg, norm)
+    if cfg.kl_coef > 0 and cfg.kl_estimator == "k3":
+        loss = loss + cfg.kl_coef * kl.sum() / norm
+    stats = {"reward": rewards.mean().item(), "clip_frac": clip_frac, "kl": (kl.sum() / mask.sum()).item(),
+             "gen_tokens": mask.sum().item() / len(trajs)}
+    return loss, stats, old_logp
+
+
+if __name__ == "__main__":
+    import random
+    from model import PRESETS
+    from tasks import ToolEnv, make_tool_task
+    torch.manual_seed(0)
+    model = Transformer(PRESETS["tiny"])
+    cfg = GRPOConfig(group_size=4, sampler_bits=8)
+    task = make_tool_task(random.Random(0), 1)
+    trajs = rollout(model, [ToolEnv(task) for _ in range(cfg.group_size)], cfg, torch.Generator().manual_seed(0))
+    for t in trajs:
+        print(f"reward {t.reward:.0f} | {len(t.segments)} segment(s) | " +
+              " | ".join(f"{r}: {x[:24]!r}" for r, x in t.turns[:4]))
+    loss, stats, _ = grpo_loss(model, trajs, cfg)
+    print(f"loss {loss.item():.4f} | " + " | ".join(f"{k} {v:.3f}" for k, v in stats.items()))
