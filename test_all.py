@@ -431,6 +431,7 @@ def test_train_bad_input_is_one_clear_line(tmp_path):
         "no checkpoint": ["--resume", "--out", str(tmp_path / "nothing")],
         "GiB of weights, gradients and optimizer state": ["--preset", "kimi-k2"],
         "ep(3) = 3 does not divide world size 1": ["--ep", "3"],
+        "the RL stage needs": ["--stage", "rl", "--group-size", "1"],
     }
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = {k: subprocess.Popen([sys.executable, str(HERE / "train.py"), *v], stdout=subprocess.PIPE,
@@ -1048,3 +1049,15 @@ def test_sampled_estimator_matches_full_kl_in_expectation():
         kl_exp += p[x] * kl.item()
     torch.testing.assert_close(g_exp, g_full, rtol=1e-5, atol=1e-6)
     assert abs(kl_exp - full_kl.item()) < 1e-5 and full_kl.item() > 0
+
+
+def test_train_rl_stage_logs_reward_tool_errors_and_feedback(tmp_path):
+    r = run_train("--stage", "rl", "--rl-steps", "2", "--group-size", "2", "--tasks-per-step", "1",
+                  "--eval-batches", "1", "--log-every", "4", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    rows = [row for row in read_metrics(tmp_path) if row.get("stage") == "rl"]
+    assert [row["rl_step"] for row in rows] == [1, 2]
+    for row in rows:
+        assert {"reward", "tool_error_rate", "feedback_kl", "gen_tokens", "level"} <= set(row)
+        assert 0 <= row["reward"] <= 1 and row["gen_tokens"] <= 128  # the constant normaliser caps the length
+    assert "rl step" in r.stdout

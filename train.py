@@ -15,10 +15,12 @@ The RL stage (grpo.py, feedback.py) is wired in by a later issue.
 """
 import argparse
 import contextlib
+import copy
 import json
 import logging
 import math
 import os
+import random
 import shutil
 import sys
 import sysconfig
@@ -36,7 +38,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from mesh import CommCounter, LayoutError, build_meshes, init_distributed, make_layout
-from model import PRESETS, ModelConfig, MoE, Transformer, flops_per_token, param_counts
+import tasks
+from feedback import Feedback, FeedbackConfig
+from grpo import GRPOConfig, grpo_loss, rollout
+from model import PRESETS, ModelConfig, MoE, Transformer, encode, flops_per_token, param_counts
 from muon import Muon, param_groups
 
 # -----------------------------------------------------------------------------
@@ -73,6 +78,15 @@ g.add_argument("--resume", action="store_true", help="continue from the newest c
 g.add_argument("--log-every", type=int, default=20, help="steps between progress lines")
 g.add_argument("--eval-every", type=int, default=200, help="steps between validation evaluations and checkpoints")
 g.add_argument("--eval-batches", type=int, default=8, help="batches per validation evaluation")
+g = parser.add_argument_group("RL stage: Dr. GRPO with textual feedback on the tool-use tasks (one process for now)")
+g.add_argument("--stage", default="pretrain", choices=["pretrain", "rl", "both"],
+               help="pretrain only, RL only (from --resume or a fresh model), or pretrain then RL")
+g.add_argument("--rl-steps", type=int, default=40, help="RL optimizer steps")
+g.add_argument("--group-size", type=int, default=8, help="rollouts per task (the GRPO group)")
+g.add_argument("--tasks-per-step", type=int, default=2, help="tasks (groups) per RL step")
+g.add_argument("--rl-lr", type=float, default=1e-3, help="RL learning rate (both groups)")
+g.add_argument("--feedback-coef", type=float, default=0.1, help="lambda of the feedback KL (0: pure RL)")
+g.add_argument("--kl-coef", type=float, default=0.0, help="KL to the starting policy (k1, folded into the reward)")
 g.add_argument("--count-comm", action="store_true",
                help="count the calls and bytes of every collective in the second step and print them")
 args = parser.parse_args()
@@ -110,6 +124,10 @@ if args.seq_len > cfg.max_seq_len:
     die(f"--seq-len {args.seq_len} exceeds the {args.preset} preset's context of {cfg.max_seq_len} tokens")
 if args.lr <= 0:
     die(f"--lr must be positive, got {args.lr}")
+if args.stage != "pretrain" and world_size > 1:
+    die("--stage rl under torchrun is not wired yet: rollouts need a sampler copy outside FSDP; run RL in one process")
+if args.stage != "pretrain" and (args.rl_steps <= 0 or args.group_size < 2 or args.tasks_per_step <= 0):
+    die("the RL stage needs --rl-steps > 0, --group-size >= 2 and --tasks-per-step > 0")
 if args.device == "cuda" and not torch.cuda.is_available():
     die("--device cuda but no CUDA device is available")
 try:
@@ -132,7 +150,11 @@ def load_tokens(path):
     if path is None:  # text every Python install has: this project's sources and the standard library's
         here, stdlib = Path(__file__).resolve().parent, Path(sysconfig.get_paths()["stdlib"])
         files = sorted(here.glob("*.py")) + sorted(here.glob("*.md")) + sorted(stdlib.glob("*.py"))
-        return split(tokenize_files(files))
+        train, val = split(tokenize_files(files))
+        # plus transcripts of the tool-use tasks, so that RL starts from a model that knows the format
+        tools = [np.array(encode(tasks.corpus(n, seed=seed), specials=True), dtype=np.uint16)
+                 for n, seed in ((8000, 1), (800, 2))]
+        return np.concatenate([train, tools[0]]), np.concatenate([val, tools[1]])
     p = Path(path)
     if not p.exists():
         die(f"--data {path}: no such file or folder")
@@ -397,7 +419,7 @@ else:
 
 model.train()
 t_log, n_log = time.perf_counter(), 0
-for step in range(start_step + 1, args.steps + 1):
+for step in range(start_step + 1, args.steps + 1 if args.stage != "rl" else start_step + 1):
     t0 = time.perf_counter()
     for group in optimizer.param_groups:
         group["lr"] = group["initial_lr"] * lr_factor(step - 1)
@@ -434,6 +456,48 @@ for step in range(start_step + 1, args.steps + 1):
         save_checkpoint(step)
         t_log = time.perf_counter()  # evaluation and saving are not training time
     log(record)
+
+# -----------------------------------------------------------------------------
+# RL: groups of rollouts on tool-use tasks at the sampler's difficulty, Dr. GRPO + lambda * feedback KL
+
+if args.stage != "pretrain":
+    rl = GRPOConfig(group_size=args.group_size, kl_coef=args.kl_coef)
+    feedback = Feedback(model, FeedbackConfig(coef=args.feedback_coef))
+    reference = copy.deepcopy(model).requires_grad_(False) if args.kl_coef else None
+    difficulty, rng = tasks.DifficultySampler(), random.Random(args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+    for group in optimizer.param_groups:
+        group["lr"] = args.rl_lr
+    print0(f"RL: {args.rl_steps} steps x {args.tasks_per_step} tasks x {args.group_size} rollouts, "
+           f"feedback lambda {args.feedback_coef}, KL coef {args.kl_coef}")
+    for rl_step in range(1, args.rl_steps + 1):
+        t0 = time.perf_counter()
+        level = difficulty.sample(rng)
+        envs = [tasks.ToolEnv(task) for task in (tasks.make_tool_task(rng, level) for _ in range(args.tasks_per_step))
+                for _ in range(args.group_size)]
+        trajs = rollout(model, envs, rl, gen)
+        loss, stats, _ = grpo_loss(model, trajs, rl, ref=reference)
+        if args.feedback_coef:  # lambda = 0 leaves the RL loss exactly as it is
+            fb_loss, fb_stats = feedback.loss(model, trajs, norm=len(trajs) * rl.max_gen_tokens)
+            loss = loss + args.feedback_coef * fb_loss
+            stats.update(fb_stats)
+        loss.backward()
+        clip_grad_norm(args.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        feedback.update(model)
+        model.update_router_bias()
+        for t in trajs:
+            difficulty.update(level, t.reward)
+        calls = sum(e.tool_calls for e in envs)
+        record = {"stage": "rl", "rl_step": rl_step, "level": level, "ms": 1000 * (time.perf_counter() - t0),
+                  "tool_error_rate": sum(e.tool_errors for e in envs) / max(1, calls), **stats}
+        log(record)
+        if rl_step % max(1, args.log_every // 4) == 0 or rl_step == args.rl_steps:
+            print0(f"rl step {rl_step:4d} | level {level} | reward {stats['reward']:.3f} | tool errors "
+                   f"{record['tool_error_rate']:.3f} | feedback KL {stats.get('feedback_kl', 0):.4f} | "
+                   f"{stats['gen_tokens']:.0f} tokens | {record['ms']:.0f} ms")
+    save_checkpoint(args.steps + args.rl_steps)
 print0(f"done: {args.steps} steps, checkpoint {checkpoints()[-1]}, metrics {metrics_path}")
 if world_size > 1:
     dist.barrier()
