@@ -1,14 +1,15 @@
 """Train the Kimi-K2-shaped MoE (model.py) with Muon (muon.py), from one CPU process to torchrun on many nodes.
 
 The script reads top to bottom: flags, processes and meshes, data, model and sharding, optimizer, loop,
-checkpoints. With no arguments it trains the `tiny` preset in under three minutes on a laptop CPU, on text every
-Python install has (this project's sources and the standard library's, ~4.7 MB of code: nothing to download);
-`--data` takes a folder of text files or a pre-tokenized uint16 .bin file (nanoGPT's format) for real runs.
-Under torchrun the same code shards dense weights with FSDP2/HSDP on the dense mesh and expert weights on the
-expert mesh (mesh.py), with expert parallelism (--ep) and context parallelism (--cp) folded onto the same ranks.
-The RL stage (grpo.py, feedback.py) is wired in by a later issue.
+checkpoints, RL. With no arguments it trains the `tiny` preset in about two minutes on a laptop CPU, on text every
+Python install has (this project's sources and the standard library's, ~4.7 MB of code: nothing to download)
+plus transcripts of the tool-use tasks (tasks.py); `--data` takes a folder of text files or a pre-tokenized
+uint16 .bin file (nanoGPT's format) for real runs. Under torchrun the same code shards dense weights with
+FSDP2/HSDP on the dense mesh and expert weights on the expert mesh (mesh.py), with expert parallelism (--ep) and
+context parallelism (--cp) folded onto the same ranks. `--stage rl|both` adds Dr. GRPO with textual feedback
+(grpo.py, feedback.py) on the tool-use tasks, in one process for now.
 
-    python train.py                                            # tiny preset, CPU, ~2.5 minutes
+    python train.py                                            # tiny preset, CPU, ~2 minutes
     torchrun --nproc_per_node=4 train.py --cp 2 --ep 4         # 4 processes: FSDP x CP=2, EP=4 (gloo on CPU)
     torchrun --nproc_per_node=8 train.py --dp-replicate 2 --ep 4
     python train.py --resume                                   # continue from the newest checkpoint in out/
