@@ -376,7 +376,7 @@ if args.resume:
     except (Exception, CheckpointException) as e:  # missing or truncated files, not a checkpoint, wrong shapes
         msg = str(e).strip().splitlines()[-1][:160] if str(e).strip() else "no details"
         die(f"--resume: checkpoint {path} is corrupt or unreadable ({type(e).__name__}: {msg})")
-    if start_step >= args.steps:
+    if start_step >= args.steps and args.stage != "rl":
         die(f"--resume: the checkpoint is already at step {start_step} >= --steps {args.steps}")
     for group in optimizer.param_groups:  # the schedule comes from this run's flags
         group["initial_lr"] = args.lr
