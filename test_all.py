@@ -370,10 +370,12 @@ def test_closure_and_validation():
 # train.py, run as a user would: in a subprocess
 
 
-def run_train(*flags, cwd=HERE):
+def run_train(*flags, world=1):
+    """train.py as a user runs it: `python train.py` at world 1, torchrun (gloo on CPU) above."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(HERE / "train.py"), *flags], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=300)
+    launcher = [] if world == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
+    return subprocess.run([sys.executable, *launcher, str(HERE / "train.py"), *flags], capture_output=True,
+                          text=True, env=env, timeout=300)
 
 
 def read_metrics(out):
@@ -480,10 +482,7 @@ def test_mesh_demo_prints_both_meshes_for_a_large_world():
 
 
 def torchrun(world, *flags):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    launcher = [] if world == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
-    r = subprocess.run([sys.executable, *launcher, str(HERE / "train.py"), *flags], capture_output=True, text=True,
-                       env=env, timeout=240)
+    r = run_train(*flags, world=world)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     return r
 
