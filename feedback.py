@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from grpo import turn_tokens
+from grpo import rows as grpo_rows, turn_tokens
 from model import TOKEN
+from tasks import FORMAT_REMINDER, reminder
 
 
 @dataclass
@@ -36,12 +37,11 @@ class FeedbackConfig:
 
 def tool_not_found(reply):
     m = re.match(r"error: tool not found: \w+\. available tools: (.*)", reply or "")
-    return f"Reminder: Available tools: {m.group(1)}" if m else None
+    return reminder(m.group(1).split(", ")) if m else None
 
 
 def malformed(reply):
-    return "Reminder: reply with exactly 'call TOOL A B' or 'answer N'." if (reply or "").startswith(
-        "error: malformed") else None
+    return FORMAT_REMINDER if (reply or "").startswith("error: malformed") else None
 
 
 RULES = [("tool_not_found", tool_not_found), ("malformed", malformed)]
@@ -55,7 +55,7 @@ def find_targets(traj, rules=RULES):
         reply = traj.turns[i + 1][1] if i + 1 < len(traj.turns) and traj.turns[i + 1][0] == "tool" else None
         for name, rule in rules:
             hint = rule(reply)
-            if hint is not None and k < len(traj.spans):
+            if hint is not None and k < len(traj.spans) and traj.spans[k][1] < traj.spans[k][2]:  # not empty
                 targets.append((*traj.spans[k], hint, name))
                 break
     return targets
@@ -93,29 +93,40 @@ class Feedback:
             for t, p in zip(self.teacher.parameters(), policy.parameters()):
                 t.lerp_(p, 1 - self.cfg.ema_decay)
 
-    def loss(self, policy, trajs, norm):
+    def loss(self, policy, trajs, norm, logits=None, current=None):
         """-> (L_fb, stats). The hint goes in as a system turn right before the message's role token, so the
-        teacher's message tokens sit len(hint tokens) later than the student's: positions are shifted to match."""
+        teacher's message tokens sit len(hint tokens) later than the student's: positions are shifted to match.
+        logits: grpo_loss's [S, T-1, V] over grpo.batch(trajs); a target message is a prefix of its segment, so
+        under causal attention the student's logits are already there and cost no forward of their own.
+        current: a copy of the current policy that runs alone (under FSDP, the gathered sampler copy), for the
+        teacher's no-grad forward; default the policy itself."""
+        rows = {id(s): r for r, (_, s) in enumerate(grpo_rows(trajs))}
         students, teachers, spans = [], [], []
         counts = {name: 0 for name, _ in self.rules}
         for t in trajs:
             for seg, start, end, hint, name in find_targets(t, self.rules):
                 tokens = t.segments[seg].tokens
                 h = turn_tokens("system", hint) if hint else []
-                students.append(tokens[:end])
+                students.append((rows[id(t.segments[seg])], tokens[:end]))
                 teachers.append(tokens[:start - 1] + h + tokens[start - 1:end])  # start - 1: <|assistant|>
                 spans.append((start, end, len(h)))
                 counts[name] += 1
-        if not students:
-            zero = sum(p.sum() * 0 for p in policy.parameters())
-            return zero, {"feedback_kl": 0.0, "feedback_targets": 0, **counts}
         pad = lambda seqs: torch.tensor([s + [TOKEN["<|pad|>"]] * (max(map(len, seqs)) - len(s)) for s in seqs])
-        s_logits, _ = policy(pad(students))
-        with torch.no_grad():
-            t_logits, _ = (self.teacher or policy)(pad(teachers))
+        if not students:
+            zero = logits.sum() * 0 if logits is not None else sum(p.sum() * 0 for p in policy.parameters())
+            return zero, {"feedback_kl": 0.0, "feedback_targets": 0, **counts}
+        if logits is None:
+            s_logits, _ = policy(pad([s for _, s in students]))
+        else:
+            s_logits = logits[torch.tensor([r for r, _ in students])]
+        teacher = self.teacher or current or policy
+        was_training = teacher.training
+        with torch.no_grad():  # in eval mode: the teacher's pass must not count toward the router's expert loads
+            t_logits, _ = teacher.eval()(pad(teachers))
+        teacher.train(was_training)
         losses, kls = [], []
         for i, (start, end, h) in enumerate(spans):  # logits at position p predict token p + 1
-            tokens = torch.tensor(students[i][start:end])
+            tokens = torch.tensor(students[i][1][start:end])
             loss, kl = message_kl(s_logits[i, start - 1:end - 1], t_logits[i, start - 1 + h:end - 1 + h], tokens,
                                   self.cfg.estimator)
             losses.append(loss.sum())
@@ -141,14 +152,8 @@ if __name__ == "__main__":
     rng = random.Random(a.seed)
     # 1) a tiny model that knows the format: gold transcripts, some with a mistake (an absent tool, its error,
     #    the fix) and some with the reminder as a system turn before a call (always followed by a valid call)
-    docs = []
-    for _ in range(3000):
-        task = make_tool_task(rng, rng.randint(1, 2))
-        turns = gold_transcript(task, rng, p_mistake=0.3)
-        hinted = [("system", "Reminder: Available tools: " + ", ".join(task.tools))]
-        turns = [x for turn in turns for x in ((hinted + [turn]) if turn[0] == "assistant" and rng.random() < 0.3
-                                              and turn[1].startswith("call") else [turn])]
-        docs.append(encode(render(turns), specials=True))
+    docs = [encode(render(gold_transcript(make_tool_task(rng, rng.randint(1, 2)), rng, p_mistake=0.3, p_hint=0.3)),
+                   specials=True) for _ in range(3000)]
     data = torch.tensor([i for d in docs for i in d])
     model = Transformer(PRESETS["tiny"])
     opt = Muon(param_groups(model.named_parameters(), lr=4e-3, weight_decay=0.1), adjust_lr_fn="match_rms_adamw")
@@ -168,12 +173,12 @@ if __name__ == "__main__":
     valid = task.plan[0][0]
     first = [("user", task.question)]
     ctx = [tok for role, text in first for tok in turn_tokens(role, text)] + [TOKEN["<|assistant|>"]]
-    bad, good = encode(f"call {absent} 1 2") + [TOKEN["<|end|>"]], encode(f"call {valid} 1 2") + [TOKEN["<|end|>"]]
+    bad, good = encode(f"call {absent}(1,2)") + [TOKEN["<|end|>"]], encode(f"call {valid}(1,2)") + [TOKEN["<|end|>"]]
     seg = Segment()
     seg.add(ctx)
     seg.add(bad, policy=True, logps=[0.0] * len(bad))
     error = f"error: tool not found: {absent}. available tools: {', '.join(task.tools)}"
-    traj = Trajectory([seg], turns=first + [("assistant", f"call {absent} 1 2"), ("tool", error)],
+    traj = Trajectory([seg], turns=first + [("assistant", f"call {absent}(1,2)"), ("tool", error)],
                       spans=[(0, len(ctx), len(ctx) + len(bad))])
     hint = tool_not_found(error)
     offered = [n for n in TOOLS if n in task.tools]
@@ -182,7 +187,7 @@ if __name__ == "__main__":
     def p_tools(model, context):
         """P(the next call names each tool): the product of the name's byte probabilities after 'call '."""
         names = list(TOOLS)
-        seqs = [context + encode("call " + n + " ") for n in names]
+        seqs = [context + encode("call " + n + "(") for n in names]
         T = max(map(len, seqs))
         logits, _ = model(torch.tensor([q + [TOKEN["<|pad|>"]] * (T - len(q)) for q in seqs]))
         logp = logits.log_softmax(-1)

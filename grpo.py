@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from model import TOKEN, Transformer, decode, encode
+from model import TOKEN, KVCache, Transformer, decode, encode
 
 
 @dataclass
@@ -93,28 +93,30 @@ def fake_quantize(model, bits=8, block=32):
 
 @torch.no_grad()
 def sample_messages(model, contexts, cfg, gen, limits=None):
-    """One assistant message for each context (a list of token lists), batched: full recompute of the padded
-    batch at every token, no KV cache (contexts are a few hundred tokens; the code stays short). Right padding
-    is safe under causal attention: a sequence's last real position never sees the pad after it.
+    """One assistant message for each context (a list of token lists), batched, with MLA's KV cache: one
+    prefill of the right-padded contexts, then one token a row per call; finished rows feed padding.
     limits: the most tokens each message may take (default cfg.max_message_tokens).
     -> [(token ids incl. the closing <|end|>, log-probs)]"""
+    B, pad = len(contexts), TOKEN["<|pad|>"]
     out = [([], []) for _ in contexts]
-    limits = limits or [cfg.max_message_tokens] * len(contexts)
-    live = [i for i in range(len(contexts)) if limits[i] > 0]
-    for _ in range(cfg.max_message_tokens):
-        if not live:
-            break
-        seqs = [contexts[i] + out[i][0] for i in live]
-        T = max(map(len, seqs))
-        idx = torch.tensor([s + [TOKEN["<|pad|>"]] * (T - len(s)) for s in seqs])
-        logits, _ = model(idx)
-        last = logits[torch.arange(len(seqs)), torch.tensor([len(s) - 1 for s in seqs])]  # [B, V]
+    limits = torch.tensor(limits or [cfg.max_message_tokens] * B)
+    live = limits > 0  # [B]
+    cache = KVCache(model.cfg.n_layer, B)
+    lens = torch.tensor([len(c) for c in contexts])
+    idx = torch.tensor([c + [pad] * (int(lens.max()) - len(c)) for c in contexts])  # [B, T]
+    logits, _ = model(idx, pos=cache.advance(lens, idx.size(1)), cache=cache)
+    last = logits[torch.arange(B), lens - 1]  # [B, V]
+    for n in range(1, cfg.max_message_tokens + 1):
         logp = F.log_softmax(last / cfg.temperature, dim=-1)
-        tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)
-        for j, i in enumerate(live):
-            out[i][0].append(tok[j].item())
-            out[i][1].append(logp[j, tok[j]].item())
-        live = [i for i in live if out[i][0][-1] != TOKEN["<|end|>"] and len(out[i][0]) < limits[i]]
+        tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)  # [B]
+        for i in live.nonzero().flatten().tolist():
+            out[i][0].append(tok[i].item())
+            out[i][1].append(logp[i, tok[i]].item())
+        live &= (tok != TOKEN["<|end|>"]) & (limits > n)
+        if not live.any():
+            break
+        logits, _ = model(torch.where(live, tok, pad)[:, None], pos=cache.advance(live.long(), 1), cache=cache)
+        last = logits[:, 0]
     return out
 
 
@@ -152,6 +154,7 @@ def rollout(policy, envs, cfg, gen):
                 t.summarizing = False
                 t.segments.append(Segment())
                 t.segments[-1].add(t.prompt + turn_tokens("assistant", text))
+                t.done = t.written >= cfg.max_gen_tokens
                 continue
             t.turns.append(("assistant", text))
             t.spans.append((len(t.segments) - 1, start, start + len(ids)))
@@ -179,9 +182,8 @@ def group_advantages(rewards, group_size):
     return (r - r.mean(-1, keepdim=True)).view(-1)
 
 
-def token_logprobs(model, tokens):
-    """tokens [N, T] -> log-prob of each next token [N, T-1]."""
-    logits, _ = model(tokens[:, :-1])
+def token_logprobs(logits, tokens):
+    """logits [N, T-1, V] of a forward over tokens [N, T] minus its last -> log-prob of each next token [N, T-1]."""
     return torch.gather(F.log_softmax(logits, -1), -1, tokens[:, 1:, None]).squeeze(-1)
 
 
@@ -204,10 +206,15 @@ def policy_loss(logp, old_logp, sampler_logp, adv, mask, cfg, norm):
     return loss, clipped.sum().item() / max(1, mask.sum().item())
 
 
+def rows(trajs):
+    """The training sequences of a batch, in order: (trajectory index, segment) for each segment the policy wrote in."""
+    return [(i, s) for i, t in enumerate(trajs) for s in t.segments if any(s.policy)]
+
+
 def batch(trajs):
     """Segments as padded tensors: tokens [S, T], mask / sampler_logp [S, T-1] aligned with next-token
     log-probs, and the trajectory index of each segment (a trajectory's segments share its reward)."""
-    segs = [(i, s) for i, t in enumerate(trajs) for s in t.segments if any(s.policy)]
+    segs = rows(trajs)
     T = max(len(s.tokens) for _, s in segs)
     pad = lambda xs, v: xs + [v] * (T - len(xs))
     tokens = torch.tensor([pad(s.tokens, TOKEN["<|pad|>"]) for _, s in segs])
@@ -217,10 +224,12 @@ def batch(trajs):
 
 
 def grpo_loss(policy, trajs, cfg, ref=None, old_logp=None):
-    """L_RL for a list of trajectories (groups of cfg.group_size consecutive ones).
-    -> (loss, stats, old_logp); pass old_logp back in for further PPO epochs on the same batch."""
+    """L_RL for a list of trajectories (groups of cfg.group_size consecutive ones), one forward of the policy.
+    -> (loss, stats, old_logp, logits [S, T-1, V]); pass old_logp back in for further PPO epochs on the same
+    batch; the logits serve the feedback term's student without another forward."""
     tokens, mask, sampler_logp, owner = batch(trajs)
-    logp = token_logprobs(policy, tokens)
+    logits, _ = policy(tokens[:, :-1])
+    logp = token_logprobs(logits, tokens)
     if old_logp is None:
         old_logp = logp.detach()
     if not cfg.sampler_bits:  # the sampler was the policy itself: importance weights are exactly 1
@@ -229,7 +238,7 @@ def grpo_loss(policy, trajs, cfg, ref=None, old_logp=None):
     kl = torch.zeros_like(logp)
     if cfg.kl_coef > 0:
         with torch.no_grad():
-            ref_logp = token_logprobs(ref, tokens)
+            ref_logp = token_logprobs(ref(tokens[:, :-1])[0], tokens)
         kl = kl_estimates(logp, ref_logp)[cfg.kl_estimator] * mask
         if cfg.kl_estimator == "k1":  # folded into the reward, a constant for the gradient
             rewards = rewards - cfg.kl_coef * torch.zeros(len(trajs)).index_add_(0, owner, kl.detach().sum(-1))
@@ -240,7 +249,7 @@ def grpo_loss(policy, trajs, cfg, ref=None, old_logp=None):
         loss = loss + cfg.kl_coef * kl.sum() / norm
     stats = {"reward": rewards.mean().item(), "clip_frac": clip_frac, "kl": (kl.sum() / mask.sum()).item(),
              "gen_tokens": mask.sum().item() / len(trajs)}
-    return loss, stats, old_logp
+    return loss, stats, old_logp, logits
 
 
 if __name__ == "__main__":
@@ -255,5 +264,5 @@ if __name__ == "__main__":
     for t in trajs:
         print(f"reward {t.reward:.0f} | {len(t.segments)} segment(s) | " +
               " | ".join(f"{r}: {x[:24]!r}" for r, x in t.turns[:4]))
-    loss, stats, _ = grpo_loss(model, trajs, cfg)
+    loss, stats, _, _ = grpo_loss(model, trajs, cfg)
     print(f"loss {loss.item():.4f} | " + " | ".join(f"{k} {v:.3f}" for k, v in stats.items()))

@@ -122,9 +122,10 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(pos, dim, theta):
-    """cos/sin for integer positions pos [T] (global positions, so a context-parallel slice stays right)."""
+    """cos/sin [..., T, dim/2] for integer positions pos [..., T] (global positions, so a context-parallel slice
+    stays right)."""
     inv_freq = theta ** (-torch.arange(0, dim, 2, device=pos.device, dtype=torch.float32) / dim)  # [dim/2]
-    freqs = pos.float()[:, None] * inv_freq[None]  # [T, dim/2]
+    freqs = pos.float()[..., None] * inv_freq  # [..., T, dim/2]
     return freqs.cos(), freqs.sin()
 
 
@@ -143,10 +144,10 @@ class MLA(nn.Module):
     n_head * (qk_head + v_head) = 40960 for the expanded K and V, so we gather the latent and let every rank
     expand it with wkv_b (recomputing the up-projection is cheaper than moving 71x more bytes)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_id: int = 0):
         super().__init__()
         H, qk_head = cfg.n_head, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-        self.cfg = cfg
+        self.cfg, self.layer_id = cfg, layer_id
         if cfg.q_lora_rank:
             self.wq_a = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
             self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
@@ -160,8 +161,8 @@ class MLA(nn.Module):
         self.scale = qk_head ** -0.5
         self.cp_group = None  # set by train.py for context parallelism
 
-    def forward(self, x, pos):
-        """x [B, T, C]; pos [T] global positions of these tokens."""
+    def forward(self, x, pos, cache=None):
+        """x [B, T, C]; pos [T] global positions of these tokens, or [B, T] with a KVCache (rows differ)."""
         cfg = self.cfg
         B, T, C = x.shape
         H, nope, rope = cfg.n_head, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
@@ -170,8 +171,11 @@ class MLA(nn.Module):
         else:
             q = torch.einsum("btc,hdc->bhtd", x, self.wq)
         q_nope, q_pe = q.split([nope, rope], dim=-1)
-        q = torch.cat([q_nope, apply_rope(q_pe, *rope_tables(pos, rope, cfg.rope_theta))], dim=-1)
+        heads = lambda p: p[:, None] if p.ndim == 2 else p  # per-row positions broadcast over the heads
+        q = torch.cat([q_nope, apply_rope(q_pe, *rope_tables(heads(pos), rope, cfg.rope_theta))], dim=-1)
         kv_a, k_pos = self.wkv_a(x), pos  # [B, T, kv_lora + rope]
+        if cache is not None:  # this chunk's latents join the cached ones: [B, S, kv_lora + rope], S = cached + T
+            kv_a, k_pos = cache.update(self.layer_id, kv_a), cache.k_pos
         if self.cp_group is not None:  # -> [B, S, kv_lora + rope], S = T * cp, in sequence order
             kv_a = funcol.all_gather_tensor_autograd(kv_a.contiguous(), gather_dim=1, group=self.cp_group)
             k_pos = funcol.all_gather_tensor(pos, gather_dim=0, group=self.cp_group)
@@ -179,14 +183,45 @@ class MLA(nn.Module):
         c_kv, k_pe = kv_a.split([cfg.kv_lora_rank, rope], dim=-1)
         kv = torch.einsum("bsr,hdr->bhsd", self.kv_norm(c_kv), self.wkv_b)  # [B, H, S, nope+v]
         k_nope, v = kv.split([nope, cfg.v_head_dim], dim=-1)
-        k_pe = apply_rope(k_pe[:, None], *rope_tables(k_pos, rope, cfg.rope_theta))  # one rope key for all heads
+        k_pe = apply_rope(k_pe[:, None], *rope_tables(heads(k_pos), rope, cfg.rope_theta))  # one key for all heads
         k = torch.cat([k_nope, k_pe.expand(B, H, S, rope)], dim=-1)
-        if self.cp_group is None:
+        if cache is not None:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask, scale=self.scale)
+        elif self.cp_group is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)  # [B, H, T, v]
         else:  # causal by global position: a query sees the keys at or before it, wherever they were computed
             mask = k_pos[None, :] <= pos[:, None]  # [T, S]
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         return torch.einsum("bhtv,hcv->btc", y, self.wo)
+
+
+class KVCache:
+    """MLA's decode cache: per layer the latent and rope key of every token so far, [B, S, kv_lora + rope] (576
+    numbers a token for Kimi K2, against 40,960 for expanded K and V); K and V are re-expanded from it at each
+    call. Rows advance independently: in a chunk [B, T] row b holds lens[b] real tokens and then padding, which
+    is stored but never attended to, so ragged prompts, one-token decode steps and finished rows share a batch."""
+
+    def __init__(self, n_layer, B, device=None):
+        self.latents = [None] * n_layer
+        self.next_pos = torch.zeros(B, dtype=torch.long, device=device)  # [B] each row's next position
+        self.k_pos = torch.zeros(B, 0, dtype=torch.long, device=device)  # [B, S] position of each cached key
+        self.k_real = torch.zeros(B, 0, dtype=torch.bool, device=device)  # [B, S] False for padding
+        self.mask = None
+
+    def advance(self, lens, T):
+        """Register the next chunk of T tokens, row b's first lens[b] real. -> their positions [B, T]"""
+        pos = self.next_pos[:, None] + torch.arange(T, device=lens.device)
+        self.k_pos = torch.cat([self.k_pos, pos], 1)
+        self.k_real = torch.cat([self.k_real, torch.arange(T, device=lens.device) < lens[:, None]], 1)
+        self.next_pos = self.next_pos + lens
+        # a query sees the real keys at or before its position (a padding query sees earlier ones: never empty)
+        self.mask = (self.k_real[:, None, :] & (self.k_pos[:, None, :] <= pos[:, :, None]))[:, None]  # [B,1,T,S]
+        return pos
+
+    def update(self, layer, kv_a):
+        cached = self.latents[layer]
+        self.latents[layer] = kv_a if cached is None else torch.cat([cached, kv_a], 1)
+        return self.latents[layer]
 
 
 class SwiGLU(nn.Module):
@@ -304,12 +339,12 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attn = MLA(cfg)
+        self.attn = MLA(cfg, layer_id)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn = SwiGLU(cfg.dim, cfg.dense_hidden) if layer_id < cfg.n_dense_layers else MoE(cfg)
 
-    def forward(self, x, pos):
-        x = x + self.attn(self.attn_norm(x), pos)
+    def forward(self, x, pos, cache=None):
+        x = x + self.attn(self.attn_norm(x), pos, cache)
         h = self.ffn(self.ffn_norm(x))
         h, aux = h if isinstance(h, tuple) else (h, x.new_zeros(()))
         return x + h, aux
@@ -348,9 +383,9 @@ class Transformer(nn.Module):
     def moe_layers(self):
         return [m for m in self.modules() if isinstance(m, MoE)]
 
-    def forward(self, idx, targets=None, pos=None, reduction="mean"):
+    def forward(self, idx, targets=None, pos=None, reduction="mean", cache=None):
         """idx [B, T] token ids; pos [T] global positions (default 0..T-1; a context-parallel rank passes its
-        chunk's); targets [B, T] with -100 = ignore.
+        chunk's), or [B, T] from cache.advance() when decoding with a KVCache; targets [B, T] with -100 = ignore.
         Returns (logits [B, T, V], loss or None); loss includes the switch auxiliary loss when enabled."""
         B, T = idx.shape
         if pos is None:
@@ -358,7 +393,7 @@ class Transformer(nn.Module):
         x = self.embed(idx)  # [B, T, C]
         aux = x.new_zeros(())
         for layer in self.layers:
-            x, a = layer(x, pos)
+            x, a = layer(x, pos, cache)
             aux = aux + a
         logits = self.lm_head(self.norm(x)).float()  # [B, T, V]
         if targets is None:

@@ -3,13 +3,19 @@
     python -m pytest -q test_all.py
 """
 import copy
+import importlib.util
 import json
 import math
 import os
+import py_compile
 import random
 import re
+import shutil
+import sqlite3
 import subprocess
 import sys
+import tarfile
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -78,6 +84,26 @@ def test_causal_and_positions():
     torch.testing.assert_close(a[:, :12], b[:, :12])
     assert not torch.allclose(a[:, 12:], b[:, 12:])
     assert not torch.allclose(a, c)
+
+
+def test_kv_cache_decodes_ragged_rows_like_a_full_forward():
+    """Ragged prompts in one padded prefill, then chunks of different lengths per row (0 = a finished row):
+    every real token's logits equal those of one uncached forward over that row alone."""
+    m = tiny_model().eval()
+    chunks = [[5, 9, 3], [4, 0, 2], [1, 1, 0]]  # row b's tokens in each call
+    seqs = [[torch.randint(0, 256, (n,)).tolist() for n in row] for row in zip(*chunks)]  # [B][call] ids
+    cache, got = M.KVCache(m.cfg.n_layer, 3), [[] for _ in range(3)]
+    with torch.no_grad():
+        for call in range(len(chunks)):
+            lens = torch.tensor(chunks[call])
+            T = int(lens.max())
+            idx = torch.tensor([seqs[b][call] + [M.TOKEN["<|pad|>"]] * (T - len(seqs[b][call])) for b in range(3)])
+            logits, _ = m(idx, pos=cache.advance(lens, T), cache=cache)
+            for b in range(3):
+                got[b].append(logits[b, :lens[b]])
+        for b in range(3):
+            full, _ = m(torch.tensor([sum(seqs[b], [])]))
+            torch.testing.assert_close(torch.cat(got[b]), full[0], rtol=1e-4, atol=1e-4)
 
 
 def test_grouped_mm_and_loop_fallback_agree(monkeypatch):
@@ -370,34 +396,46 @@ def test_closure_and_validation():
 # train.py, run as a user would: in a subprocess
 
 
-def run_train(*flags, world=1):
-    """train.py as a user runs it: `python train.py` at world 1, torchrun (gloo on CPU) above."""
+def start_train(*flags, world=1):
+    """train.py as a user runs it, started in the background: `python train.py` at world 1, torchrun (gloo on
+    CPU) above."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     launcher = [] if world == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
-    return subprocess.run([sys.executable, *launcher, str(HERE / "train.py"), *flags], capture_output=True,
-                          text=True, env=env, timeout=300)
+    return subprocess.Popen([sys.executable, *launcher, str(HERE / "train.py"), *flags], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+def finish(proc, timeout=300):
+    stdout, stderr = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def run_train(*flags, world=1):
+    return finish(start_train(*flags, world=world))
 
 
 def read_metrics(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-SMALL_RUN = ["--batch-size", "4", "--seq-len", "32", "--log-every", "5", "--eval-batches", "2", "--warmup", "40"]
+SMALL_RUN = ["--stage", "pretrain", "--batch-size", "4", "--seq-len", "32", "--log-every", "5", "--eval-batches", "2", "--warmup", "40"]
 
 
 def test_train_learns_and_resume_continues_exactly(tmp_path, par_data):
-    r = run_train(*SMALL_RUN, "--steps", "40", "--eval-every", "20", "--out", str(tmp_path / "learn"))
+    a, b, data = tmp_path / "a", tmp_path / "b", ["--data", str(par_data)]
+    learn = start_train(*SMALL_RUN, "--steps", "40", "--eval-every", "20", "--out", str(tmp_path / "learn"))
+    uninterrupted = start_train(*SMALL_RUN, "--steps", "40", *data, "--eval-every", "20", "--out", str(a))
+    r = finish(learn)
     assert r.returncode == 0, r.stderr
-    rows = read_metrics(tmp_path / "learn")  # the default corpus: this project's and the stdlib's sources
+    rows = read_metrics(tmp_path / "learn")  # the default corpus: sources and tool-use transcripts
     assert [row["step"] for row in rows] == list(range(41))
     vals = [row["val_loss"] for row in rows if "val_loss" in row]
     assert len(vals) == 3 and vals[-1] < vals[0] - 0.5, vals  # validation loss clearly falls
     assert "MFU" in r.stdout and "load max/mean" in r.stdout
     # stop at 20, resume to 40: the same 40 losses as the uninterrupted run (warmup spans all steps, so the
     # lr schedule does not depend on --steps here); fixed data, so edits to the sources cannot move it
-    a, b, data = tmp_path / "a", tmp_path / "b", ["--data", str(par_data)]
-    for flags, out in ((["--steps", "40"], a), (["--steps", "20"], b), (["--steps", "40", "--resume"], b)):
-        r = run_train(*SMALL_RUN, *flags, *data, "--eval-every", "20", "--out", str(out))
+    for r in [finish(uninterrupted)] + [run_train(*SMALL_RUN, *flags, *data, "--eval-every", "20", "--out", str(b))
+                                       for flags in (["--steps", "20"], ["--steps", "40", "--resume"])]:
         assert r.returncode == 0, r.stderr
     assert "resumed from" in r.stdout
     rows_a, rows_b = read_metrics(a), read_metrics(b)
@@ -487,7 +525,7 @@ def torchrun(world, *flags):
     return r
 
 
-PAR_RUN = ["--batch-size", "8", "--seq-len", "32", "--eval-batches", "1", "--log-every", "1", "--warmup", "40"]
+PAR_RUN = ["--stage", "pretrain", "--batch-size", "8", "--seq-len", "32", "--eval-batches", "1", "--log-every", "1", "--warmup", "40"]
 
 
 @pytest.fixture(scope="module")
@@ -577,6 +615,17 @@ def test_bad_layout_stops_every_rank_with_one_line(tmp_path):
         assert p.returncode == 2 and stderr.strip().splitlines() == [
             "error: layout: ep_replicate(1) * ep(3) = 3 does not divide world size 4, so ep_shard = "
             "world / (ep_replicate * ep) is not an integer"], stderr
+    # a layout that trains but cannot sample: context parallelism in the RL stage
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29532"}
+        procs.append(subprocess.Popen([sys.executable, str(HERE / "train.py"), "--cp", "2", "--stage", "both",
+                                       "--out", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, env=env))
+    for p in procs:
+        _, stderr = p.communicate(timeout=120)
+        assert p.returncode == 2 and len(stderr.strip().splitlines()) == 1 and "--cp 2 with the RL stage" in stderr
 
 
 # -----------------------------------------------------------------------------
@@ -751,7 +800,7 @@ def test_equal_rewards_give_zero_gradient_and_summaries_share_the_reward():
     cfg = GRPOConfig(group_size=2, max_message_tokens=6, context_budget=40)
     gen = torch.Generator().manual_seed(0)
     trajs = rollout(model, [_ScriptedEnv(1.0, 3), _ScriptedEnv(1.0, 3)], cfg, gen)
-    loss, stats, _ = grpo_loss(model, trajs, cfg)
+    loss, stats, _, _ = grpo_loss(model, trajs, cfg)
     loss.backward()
     assert all(p.grad is None or p.grad.abs().max() == 0 for p in model.parameters())  # A = 0 everywhere
     # the 40-token budget forced a summary: a second segment, trained with the trajectory's reward
@@ -767,7 +816,7 @@ def test_equal_rewards_give_zero_gradient_and_summaries_share_the_reward():
     _, _, _, owner = batch(trajs)
     assert (owner == 0).sum() == len([s for s in trajs[0].segments if any(s.policy)])
     model.zero_grad()
-    loss, _, _ = grpo_loss(model, trajs, cfg)
+    loss, _, _, _ = grpo_loss(model, trajs, cfg)
     loss.backward()
     assert sum(p.grad.abs().sum() for p in model.parameters() if p.grad is not None) > 0
 
@@ -779,8 +828,8 @@ def test_sampler_precision_and_truncated_importance_weights():
     envs = lambda: [_ScriptedEnv(1.0), _ScriptedEnv(0.0)]
     same = GRPOConfig(group_size=2, max_message_tokens=6)
     trajs = rollout(model, envs(), same, torch.Generator().manual_seed(0))
-    loss, _, _ = grpo_loss(model, trajs, same)
-    loss_no_tis, _, _ = grpo_loss(model, trajs, GRPOConfig(group_size=2, max_message_tokens=6, tis_cap=1e9))
+    loss, _, _, _ = grpo_loss(model, trajs, same)
+    loss_no_tis, _, _, _ = grpo_loss(model, trajs, GRPOConfig(group_size=2, max_message_tokens=6, tis_cap=1e9))
     assert loss.item() == loss_no_tis.item()  # identical precision: every importance weight is exactly 1
     q = fake_quantize(model, 8)
     w = next(p for n, p in q.named_parameters() if n.endswith("experts.w1"))
@@ -791,7 +840,7 @@ def test_sampler_precision_and_truncated_importance_weights():
     from grpo import batch
     tokens, mask, sampler_logp, _ = batch(trajs)
     with torch.no_grad():
-        w = (token_logprobs(model, tokens) - sampler_logp).exp()[mask]
+        w = (token_logprobs(model(tokens[:, :-1])[0], tokens) - sampler_logp).exp()[mask]
     assert (w != 1).any() and torch.allclose(w, torch.ones_like(w), atol=0.2)  # a small, real mismatch
 
 
@@ -839,8 +888,8 @@ def test_wrong_answer_gets_zero_and_no_answer_gets_zero():
     assert env.reward() == 0.0
     env = ToolEnv(task, max_turns=2)  # runs out of turns without answering
     name, a, b = task.plan[0]
-    assert env.step(f"call {name} {a} {b}")[1] is False
-    assert env.step(f"call {name} {a} {b}")[1] is True
+    assert env.step(f"call {name}({a},{b})")[1] is False
+    assert env.step(f"call {name}({a},{b})")[1] is True
     assert env.reward() == 0.0
     with pytest.raises(RuntimeError):
         env.step("answer 0")
@@ -849,15 +898,16 @@ def test_wrong_answer_gets_zero_and_no_answer_gets_zero():
 def test_absent_tool_error_lists_available_tools():
     task = tasks.ToolTask("tools: add, sub. compute add(3,4)", ["add", "sub"], 7, 1, [("add", 3, 4)])
     env = ToolEnv(task)
-    reply, done = env.step("call mul 3 4")
+    reply, done = env.step("call mul(3,4)")
     assert reply == "error: tool not found: mul. available tools: add, sub" and not done
     assert (env.tool_calls, env.tool_errors, env.malformed) == (1, 1, 0)
-    assert env.step("call add 3 4") == ("7", False)
+    assert env.step("call add(3,4)") == ("7", False)
     assert env.step(" answer 7\n") == (None, True)  # surrounding whitespace is tolerated
     assert env.reward() == 1.0 and (env.tool_calls, env.tool_errors) == (2, 1)
 
 
-@pytest.mark.parametrize("text", ["call add 3", "call add 3 4 5", "call add three 4", "CALL add 3 4", "answer",
+@pytest.mark.parametrize("text", ["call add(3)", "call add(3,4,5)", "call add(three,4)", "CALL add(3,4)",
+                                  "call add 3 4", "answer",
                                   "answer seven", "the answer is 7", ""])
 def test_malformed_messages_are_reported(text):
     task = tasks.ToolTask("tools: add, sub. compute add(3,4)", ["add", "sub"], 7, 1, [("add", 3, 4)])
@@ -943,8 +993,8 @@ def test_sampler_state_dict_roundtrip():
 
 
 def test_render_uses_exact_special_strings():
-    turns = [("user", "q"), ("assistant", "call add 1 2"), ("tool", "3"), ("assistant", "answer 3")]
-    assert render(turns) == ("<|user|>q<|end|><|assistant|>call add 1 2<|end|><|tool|>3<|end|>"
+    turns = [("user", "q"), ("assistant", "call add(1,2)"), ("tool", "3"), ("assistant", "answer 3")]
+    assert render(turns) == ("<|user|>q<|end|><|assistant|>call add(1,2)<|end|><|tool|>3<|end|>"
                              "<|assistant|>answer 3<|end|>")
 
 
@@ -993,7 +1043,7 @@ def test_feedback_rules_find_the_tool_not_found_turn():
     from feedback import find_targets, tool_not_found
     env = ToolEnv(make_tool_task(random.Random(0), 1))
     absent = next(name for name in TOOLS if name not in env.task.tools)
-    reply, _ = env.step(f"call {absent} 1 2")
+    reply, _ = env.step(f"call {absent}(1,2)")
     assert tool_not_found(reply) == "Reminder: Available tools: " + ", ".join(env.task.tools)
     _, _, trajs = _feedback_rollout()
     targets = find_targets(trajs[0])
@@ -1033,6 +1083,32 @@ def test_empty_hint_gives_zero_kl_and_gradient_and_only_the_target_moves():
         assert (row[inside] > 0).all() and (row[~inside] == 0).all()
 
 
+def test_feedback_reuses_the_rl_forward_and_lambda_zero_is_pure_rl():
+    """The student's logits taken from grpo_loss's forward equal a forward of its own; and adding the feedback
+    term with lambda = 0 leaves every gradient and the router's load counts bit-identical to pure RL."""
+    from feedback import Feedback, FeedbackConfig
+    from grpo import grpo_loss
+    model, cfg, trajs = _feedback_rollout()
+    trajs[0].reward = 0.0  # a non-zero advantage, so pure RL has a gradient to compare
+    fb = Feedback(model, FeedbackConfig())
+    own, _ = fb.loss(model, trajs, norm=100.0)
+    grads = {}
+    for lam in (None, 0.0):
+        model.zero_grad()
+        for m in model.moe_layers():
+            m.tokens_per_expert.zero_()
+        loss, _, _, logits = grpo_loss(model, trajs, cfg)
+        if lam is not None:
+            fb_loss, stats = fb.loss(model, trajs, norm=100.0, logits=logits)
+            torch.testing.assert_close(fb_loss, own)  # no forward of its own, same value
+            loss = loss + lam * fb_loss
+        loss.backward()
+        grads[lam] = [p.grad.clone() for p in model.parameters() if p.grad is not None] + \
+            [m.tokens_per_expert.clone() for m in model.moe_layers()]
+    assert len(grads[None]) == len(grads[0.0]) and all(torch.equal(a, b) for a, b in zip(grads[None], grads[0.0]))
+    assert any(g.abs().sum() > 0 for g in grads[None])
+
+
 def test_sampled_estimator_matches_full_kl_in_expectation():
     from feedback import message_kl
     torch.manual_seed(0)
@@ -1050,13 +1126,495 @@ def test_sampled_estimator_matches_full_kl_in_expectation():
     assert abs(kl_exp - full_kl.item()) < 1e-5 and full_kl.item() > 0
 
 
-def test_train_rl_stage_logs_reward_tool_errors_and_feedback(tmp_path):
-    r = run_train("--stage", "rl", "--rl-steps", "2", "--group-size", "2", "--tasks-per-step", "1",
-                  "--eval-batches", "1", "--log-every", "4", "--out", str(tmp_path))
-    assert r.returncode == 0, r.stderr
+@pytest.mark.parametrize("world", [1, 2])
+def test_train_rl_stage_logs_reward_tool_errors_and_feedback(world, tmp_path):
+    """The RL stage from a fresh model, in one process and under torchrun with expert parallelism (each rank
+    samples its own groups with a gathered copy of the policy; one sharded forward and backward a step)."""
+    r = run_train("--stage", "rl", "--steps", "10", "--rl-steps", "2", "--group-size", "2", "--tasks-per-step", "2",
+                  "--eval-batches", "1", "--log-every", "4", "--rl-eval-tasks", "1", "--out", str(tmp_path), *(["--ep", "2"] if world > 1 else []),
+                  world=world)
+    assert r.returncode == 0, r.stderr[-3000:]
     rows = [row for row in read_metrics(tmp_path) if row.get("stage") == "rl"]
     assert [row["rl_step"] for row in rows] == [1, 2]
     for row in rows:
-        assert {"reward", "tool_error_rate", "feedback_kl", "gen_tokens", "level"} <= set(row)
+        assert {"reward", "tool_error_rate", "feedback_kl", "gen_tokens", "level", "malformed_rate"} <= set(row)
         assert 0 <= row["reward"] <= 1 and row["gen_tokens"] <= 128  # the constant normaliser caps the length
-    assert "rl step" in r.stdout
+    assert "rl step" in r.stdout and f"{2 // world} tasks a rank" in r.stdout
+    evals = [row for row in read_metrics(tmp_path) if row.get("stage") == "rl_eval"]
+    assert [row["rl_step"] for row in evals] == [0, 2] and all(0 <= row["pass_level1"] <= 1 for row in evals)
+    assert (tmp_path / "step-00000012").is_dir()  # the RL stage's checkpoint: --steps + --rl-steps
+
+
+# -----------------------------------------------------------------------------
+# tasks.py: feature-deletion tasks (make, verify, scan and scrub, monitor), on a fixture repository and on real
+# packages. Each test runs pytest in subprocesses; the module fixture `made` runs make twice (5-8 s).
+
+# -----------------------------------------------------------------------------
+# feature deletion, the fixture repository: package calc, 15 tests (one flaky), one function run at import time.
+
+CORE = '''"""Core arithmetic. Comments and unicode (“ü”) must survive splicing byte for byte."""
+# a comment between definitions
+
+
+def add(a, b):
+    """Add two numbers."""
+    total = a + b
+    return total
+
+
+OFFSET = add(1, 2)  # runs at import: add must never be picked
+
+
+def mean(values):
+    """Arithmetic mean of a non-empty list."""
+    if not values:  # an inline comment inside the deleted body
+        raise ValueError("mean of nothing is undefined")
+    return sum(values) / len(values)
+
+
+def clamp(x, lo, hi):
+    """Limit x to the closed interval [lo, hi]."""
+    if x < lo:
+        return lo
+    return min(x, hi)
+
+
+class Stack:
+    """A last-in first-out stack."""
+
+    def __init__(self):
+        self.items = []
+        self.pushes = 0
+
+    def push(self, x):
+        """Put x on top."""
+        self.items.append(x)
+        self.pushes += 1
+
+    def pop(self):
+        """Take the top item off."""
+        if not self.items:
+            raise IndexError("pop from an empty Stack")
+        return self.items.pop()
+
+    def peek(self):
+        """The top item, left in place."""
+        top = self.items[-1]
+        return top
+'''
+TEXT = '''def shout(s):
+    """Upper-case s and add a bang."""
+    loud = s.upper()
+    return loud + "!"
+'''
+INIT = '''"""calc: tiny arithmetic for the feature-deletion tests."""
+from .core import add, mean, clamp, Stack
+from .text import shout
+
+__all__ = [
+    "add",
+    "mean",  # re-exported
+    "clamp",
+    "Stack",
+    "shout",
+]
+'''
+TESTS = '''from pathlib import Path
+
+import pytest
+
+import calc
+from calc.core import Stack
+
+
+def test_add(): assert calc.add(2, 3) == 5
+def test_offset(): assert calc.core.OFFSET == 3
+def test_mean(): assert calc.mean([1, 2, 3]) == 2
+def test_mean_empty():
+    with pytest.raises(ValueError):
+        calc.mean([])
+def test_clamp_low(): assert calc.clamp(-5, 0, 9) == 0
+def test_clamp_high(): assert calc.clamp(50, 0, 9) == 9
+def test_stack_push_pop():
+    s = Stack(); s.push(1); s.push(2)
+    assert s.pop() == 2 and s.pushes == 2
+def test_stack_pop_empty():
+    with pytest.raises(IndexError):
+        Stack().pop()
+def test_stack_peek():
+    s = Stack(); s.push(7)
+    assert s.peek() == 7
+def test_shout(): assert calc.shout("hi") == "HI!"
+def test_all(): assert "mean" in calc.__all__
+def test_numbers(): assert sum(range(4)) == 6
+def test_strings(): assert "ab" + "c" == "abc"
+def test_more(): assert [1, 2][::-1] == [2, 1]
+def test_flaky():  # passes, then fails, then passes...: make must drop it
+    state = Path(__file__).with_name("_flaky_state")
+    if state.exists():
+        state.unlink()
+        raise AssertionError("second run")
+    state.write_text("1")
+'''
+# Which tests break when each feature is deleted; add (import time) and Stack.__init__ (3 tests > 1/5) never qualify.
+EXPECTED = {"mean": {"test_mean", "test_mean_empty"}, "clamp": {"test_clamp_low", "test_clamp_high"},
+            "Stack.push": {"test_stack_push_pop", "test_stack_peek"}, "Stack.pop": {"test_stack_push_pop", "test_stack_pop_empty"},
+            "Stack.peek": {"test_stack_peek"}, "shout": {"test_shout"}}
+STABLE = {"test_add", "test_offset", "test_all", "test_numbers", "test_strings", "test_more"} | set().union(*EXPECTED.values())
+
+
+def write_fixture(root):
+    files = {"calc/__init__.py": INIT, "calc/core.py": CORE, "calc/text.py": TEXT, "tests/test_calc.py": TESTS,
+             "pyproject.toml": "[tool.pytest.ini_options]\ntestpaths = [\"tests\"]\n"}
+    for rel, text in files.items():
+        Path(root, rel).parent.mkdir(parents=True, exist_ok=True)
+        Path(root, rel).write_text(text)
+    return Path(root)
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """One make run over every feature (stub), and one harder remove-mode task (two related features)."""
+    base = tmp_path_factory.mktemp("featdel")
+    repo = write_fixture(base / "calc-repo")
+    log = []
+    stub = tasks.make(repo, base / "tasks", n=3, seed=0, mode="stub", log=log.append)
+    hard = tasks.make(repo, base / "hard", n=1, seed=3, mode="remove", group=2, log=log.append)
+    return {"repo": repo, "stub": stub, "hard": hard, "log": log, "base": base, "out": base / "tasks"}
+
+
+def short(ids):
+    return {t.split("::")[-1] for t in ids}
+
+
+def task_dir(made, qualname):
+    task = next(t for t in made["stub"] if t["deleted"][0]["qualname"] == qualname)
+    return made["out"] / task["id"], task
+
+
+# -----------------------------------------------------------------------------
+# feature deletion: splicing
+
+
+def test_splice_is_byte_exact_and_remove_mends_reexports(tmp_path):
+    repo = write_fixture(tmp_path / "r")
+    orig = CORE.encode()
+    # stub: only the code after the docstring changes; signature, docstring, comments elsewhere stay
+    fps, ents, originals, removed = tasks.delete_features(repo, [("calc/core.py", "mean"), ("calc/core.py", "Stack.pop")], "stub")
+    new = Path(repo, "calc/core.py").read_bytes()
+    body_mean = b'if not values:  # an inline comment inside the deleted body\n        raise ValueError("mean of nothing is undefined")\n    return sum(values) / len(values)'
+    body_pop = b'if not self.items:\n            raise IndexError("pop from an empty Stack")\n        return self.items.pop()'
+    assert new == orig.replace(body_mean, b"raise NotImplementedError").replace(body_pop, b"raise NotImplementedError")
+    assert originals["calc/core.py"] == orig and removed == 6
+    assert [e["signature"] for e in ents] == ["def mean(values)", "def pop(self)"]
+    assert ents[0]["docstring"] == "Arithmetic mean of a non-empty list." and fps[0]["params"] == ["values"]
+    assert "'mean of nothing is undefined'" in fps[0]["literals"]
+    assert 'raise ValueError("mean of nothing is undefined")' in fps[0]["lines"]
+    assert fps[1]["lines"] == ["if not self.items:", 'raise IndexError("pop from an empty Stack")', "return self.items.pop()"]
+    # remove: the definition goes, and __init__'s re-export and __all__ entry are mended; nothing else moves
+    repo2 = write_fixture(tmp_path / "r2")
+    tasks.delete_features(repo2, [("calc/core.py", "mean")], "remove")
+    start = orig.index(b"def mean")
+    end = orig.index(b"def clamp") - 2  # the two blank lines before clamp stay
+    assert Path(repo2, "calc/core.py").read_bytes() == orig[:start] + orig[end:]
+    init = Path(repo2, "calc/__init__.py").read_text()
+    assert "from .core import add, clamp, Stack\n" in init and '"mean"' not in init
+    assert init.replace("from .core import add, clamp, Stack", "").replace('    "mean",  # re-exported\n', "") == \
+        INIT.replace("from .core import add, mean, clamp, Stack", "").replace('    "mean",  # re-exported\n', "")
+
+
+# -----------------------------------------------------------------------------
+# feature deletion: make
+
+
+def test_make_picks_the_right_features_and_test_sets(made):
+    log = "\n".join(made["log"])
+    assert "14 stable passing tests, 1 flaky dropped" in log  # test_flaky passed, then failed
+    assert f"6 candidate features (reached by 1..2 tests, not run at import): {', '.join(sorted(EXPECTED))}" in log
+    assert len(made["stub"]) == 3  # add (runs at import) and Stack.__init__ (3 tests > 1/5 of 14) are never picked
+    for t in made["stub"]:
+        q = t["deleted"][0]["qualname"]
+        assert short(t["fail_to_pass"]) == EXPECTED[q], q
+        assert short(t["pass_to_pass"]) == STABLE - EXPECTED[q] and "test_flaky" not in short(t["pass_to_pass"])
+        assert t["difficulty"]["entities"] == 1 and t["difficulty"]["tests_failed"] == len(EXPECTED[q])
+        assert t["scan"]["after_scrub"] == [] and t["deleted"][0]["signature"] in t["prompt"]
+        d = made["out"] / t["id"]
+        assert (d / "gold.patch").is_file() and not list((d / "repo").rglob("*.patch"))
+        assert tasks.git(d / "repo", "rev-list", "--all").split().__len__() == 1
+        assert tasks.scan(d / "repo") == [] and tasks.scan(d / "repo", t) == []
+    d, t = task_dir(made, "mean")
+    assert "Arithmetic mean of a non-empty list." in t["prompt"] and "tests/test_calc.py::test_mean_empty" in t["prompt"]
+    assert Path(d, "repo/calc/core.py").read_bytes().count(b"raise NotImplementedError") == 1
+    # The fresh git commit is deterministic: same tree, same fixed author and dates, same hash.
+    heads = {tasks.git(made["out"] / t["id"] / "repo", "rev-parse", "HEAD") for t in made["stub"]}
+    assert len(heads) == 3  # three different trees
+    again = made["base"] / "again"
+    shutil.copytree(d / "repo", again, ignore=shutil.ignore_patterns(".git"))
+    tasks.fresh_git(again)
+    assert tasks.git(again, "rev-parse", "HEAD") == tasks.git(d / "repo", "rev-parse", "HEAD")
+    # Dynamic difficulty: remove mode deleted two related features together.
+    (hard,) = made["hard"]
+    assert hard["difficulty"]["entities"] == 2 and hard["mode"] == "remove"
+    assert hard["difficulty"]["tests_failed"] == len(short(hard["fail_to_pass"])) >= 2
+    assert short(hard["fail_to_pass"]) == set().union(*(EXPECTED[e["qualname"]] for e in hard["deleted"]))
+
+
+# -----------------------------------------------------------------------------
+# feature deletion: verify
+
+
+def test_verify_gold_scores_1_untouched_0(made):
+    d, t = task_dir(made, "mean")
+    assert tasks.verify(d, patch=d / "gold.patch")[0] == 1
+    work = made["base"] / "agent-gold"
+    shutil.copytree(d / "repo", work)
+    Path(work, "calc/core.py").write_text(CORE)  # an agent that writes the right code into its work dir
+    reward, why = tasks.verify(d, workdir=work)
+    assert reward == 1 and "2 fail-to-pass" in why
+    reward, why = tasks.verify(d, workdir=d / "repo")
+    assert reward == 0 and "did not pass" in why
+
+
+def test_verifier_hacks_score_0(made, tmp_path):
+    d, t = task_dir(made, "mean")
+
+    def agent(name, edit):
+        w = tmp_path / name
+        shutil.copytree(d / "repo", w)
+        edit(w)
+        return tasks.verify(d, workdir=w)
+
+    forge = "import pytest\n@pytest.hookimpl(hookwrapper=True)\ndef pytest_runtest_makereport(item, call):\n" \
+            "    r = (yield).get_result(); r.outcome = 'passed'\n"
+    rejected = {
+        "conftest": lambda w: Path(w, "conftest.py").write_text(forge),
+        "edit-test": lambda w: Path(w, "tests/test_calc.py").write_text(TESTS.replace("== 2\n", "== 2 or True\n")),
+        "delete-test": lambda w: Path(w, "tests/test_calc.py").unlink(),
+        "pytest-config": lambda w: Path(w, "pytest.ini").write_text("[pytest]\naddopts = -k 'not mean'\n"),
+        "startup-hook": lambda w: Path(w, "sitecustomize.py").write_text("import os\n"),
+    }
+    for name, edit in rejected.items():
+        reward, why = agent(name, edit)
+        assert reward == 0 and why.startswith("rejected"), name
+    # Plain exits and skips in the solution are refused outright...
+    core = Path(d, "repo/calc/core.py").read_text()
+    for name, pre in [("plain-exit", "import sys\nsys.exit(0)\n"), ("plain-skip", "import pytest\npytest.skip('x', allow_module_level=True)\n")]:
+        reward, why = agent(name, lambda w: Path(w, "calc/core.py").write_text(pre + core))
+        assert reward == 0 and why.startswith("rejected: calc/core.py adds"), why
+    # ...and disguised ones run: the verifier must see through them.
+    exit0 = "getattr(__import__('o' + 's'), '_' + 'exit')(0)\n"
+    reward, why = agent("os-exit", lambda w: Path(w, "calc/core.py").write_text(exit0 + core))
+    assert reward == 0 and "pytest exit 0" in why  # exit code 0, yet nothing parsed as passed
+    exit3 = "getattr(__import__('s' + 'ys'), 'ex' + 'it')(0)\n"
+    reward, why = agent("sys-exit", lambda w: Path(w, "calc/core.py").write_text(exit3 + core))
+    assert reward == 0 and "did not pass" in why
+    skip = "import pytest\ngetattr(pytest, 'sk' + 'ip')('nothing to see', **{'allow_module_' + 'level': True})\n"
+    reward, why = agent("skip", lambda w: Path(w, "calc/core.py").write_text(skip + core))
+    assert reward == 0 and "skipped counts as failed" in why
+
+    def pyc(w):  # bytecode of the original, marked never-check-source: Python would load it over the stub
+        Path(tmp_path, "orig.py").write_text(CORE)
+        py_compile.compile(str(tmp_path / "orig.py"), cfile=str(w / "calc/__pycache__/core.cpython-311.pyc"),
+                           invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+    reward, why = agent("pyc", pyc)
+    assert reward == 0, why
+    # ...and the .pyc hack is real: run directly, without the verifier's copy, the fail-to-pass tests pass.
+    rc, passed, _ = tasks.run_pytest(tmp_path / "pyc", t["fail_to_pass"], 60)
+    assert rc == 0 and passed == set(t["fail_to_pass"])
+
+
+# -----------------------------------------------------------------------------
+# feature deletion: scan and scrub, one planted leak per kind
+
+
+def class_file(*utf8):
+    """A minimal Java .class: magic, version, a constant pool of Utf8 entries, a Long (two slots), a Class."""
+    pool = b"".join(b"\x01" + len(s).to_bytes(2, "big") + s.encode() for s in utf8)
+    pool += b"\x05" + (123456789).to_bytes(8, "big") + b"\x07\x00\x01"
+    count = len(utf8) + 2 + 1 + 1
+    return b"\xca\xfe\xba\xbe\x00\x00\x00\x34" + count.to_bytes(2, "big") + pool + b"\x00\x21\x00\x04\x00\x00" + b"\x00" * 8
+
+
+def zip_bytes(members):
+    path = Path("/tmp", f"featdel-zip-{os.getpid()}")
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+    data = path.read_bytes()
+    path.unlink()
+    return data
+
+
+def test_scan_finds_planted_leaks_and_scrub_removes_them(made, tmp_path):
+    d, t = task_dir(made, "mean")
+    snap = tmp_path / "snap"
+    shutil.copytree(d / "repo", snap)
+    stub = Path(snap, "calc/core.py").read_text()
+    sha1 = __import__("hashlib").sha1(CORE.encode()).hexdigest()
+    assert sha1 in t["original_hashes"]["calc/core.py"]
+
+    def put(rel, data):
+        Path(snap, rel).parent.mkdir(parents=True, exist_ok=True)
+        Path(snap, rel).write_bytes(data if isinstance(data, bytes) else data.encode())
+
+    orig_py = tmp_path / "core.py"
+    orig_py.write_text(CORE)
+    pyc = Path(py_compile.compile(str(orig_py), cfile=str(tmp_path / "core.pyc"))).read_bytes()
+    cls = class_file("Calc", "mean", "([D)D")
+    put("calc/__pycache__/core.cpython-311.pyc", pyc)
+    put("calc/core.pyc", pyc)  # a sibling .pyc next to the module
+    put(".mypy_cache/3.11/calc/core.meta.json", json.dumps({"id": "calc.core", "hash": sha1, "path": "calc/core.py"}))
+    put(".mypy_cache/3.11/calc/core.data.json", json.dumps({".class": "MypyFile", "names": {"mean": {"kind": "Gdef"}}}))
+    db = tmp_path / "cache.db"
+    con = sqlite3.connect(db)
+    con.execute("create table files (path text, meta text, data blob)")
+    con.execute("insert into files values (?, ?, ?)", ("calc.core.data.json", "{}", json.dumps({"names": {"mean": {}}}).encode()))
+    con.commit(), con.close()
+    put("cache_db/cache.db", db.read_bytes())  # outside .mypy_cache too, so it is its own finding
+    put(".mypy_cache/3.11/calc/core.data.ff", b"\x00\x04mean\x00\x06values\x00")
+    put(".pytype/pyi/calc/core.pyi", "def mean(values) -> float: ...\n")
+    put(".pyre/calc/core.json", json.dumps({"mean": "(values) -> float"}))
+    put("calc/core.pyi", "def mean(values: list[float]) -> float: ...\n")
+    put("backup.zip", zip_bytes({"core.py": CORE}))
+    put("dist/calc-1.0-py3-none-any.whl", zip_bytes({"calc/core.py": CORE}))
+    put("lib/calc.jar", zip_bytes({"Calc.class": cls}))
+    put("eggs/calc-1.0.egg", zip_bytes({"calc/core.pyc": pyc}))
+    put("calc.egg-info/SOURCES.txt", "calc/core.py\n")
+    put("build/lib/calc/core.py", CORE)
+    put("htmlcov/calc_core_py.html", "<pre>" + CORE + "</pre>")
+    cov = tmp_path / "coverage.db"  # coverage.py keeps measured files and, with dynamic contexts, test names
+    con = sqlite3.connect(cov)
+    con.execute("create table context (id integer primary key, context text)")
+    con.execute("insert into context (context) values ('tests/test_calc.py::test_mean|run')")
+    con.commit(), con.close()
+    put(".coverage", cov.read_bytes())
+    put("docs/_build/html/_modules/calc/core.html", "<pre>" + CORE + "</pre>")
+    put(".pytest_cache/v/cache/lastfailed", json.dumps({"tests/test_calc.py::test_mean": True}))
+    put("lib/Calc.class", cls)
+    put("notes/old.txt", "from the old version:\n" + CORE)
+    put("backup/core_orig.py", CORE)
+    env = {**os.environ, "GIT_AUTHOR_NAME": "x", "GIT_AUTHOR_EMAIL": "x@x", "GIT_COMMITTER_NAME": "x", "GIT_COMMITTER_EMAIL": "x@x"}
+    hist = tmp_path / "hist"  # git: history, a stash and a tag holding the original
+    shutil.copytree(d / "repo", hist)
+    Path(hist, "calc/core.py").write_text(CORE)
+    for args in (["commit", "-qam", "orig"], ["tag", "v1"]):
+        subprocess.run(["git", *args], cwd=hist, env=env, check=True)
+    Path(hist, "calc/core.py").write_text(stub)
+    subprocess.run(["git", "commit", "-qam", "stub"], cwd=hist, env=env, check=True)
+    shutil.rmtree(snap / ".git")
+    shutil.copytree(hist / ".git", snap / ".git")
+    site = tmp_path / "site-packages"
+    put_site = [site / "calc/__init__.py", site / "calc-1.0.dist-info/METADATA"]
+    for p in put_site:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text("x")
+
+    found = tasks.scan(snap, t, site_dirs=[site])
+    by_path = {f["path"]: f for f in found}
+    expect = {"calc/__pycache__/core.cpython-311.pyc": "pyc", "calc/core.pyc": "pyc", ".mypy_cache": "mypy-cache",
+              "cache_db/cache.db": "mypy-cache", ".pytype": "pytype-cache", ".pyre": "pyre-cache", "calc/core.pyi": "pyi",
+              "backup.zip": "archive", "dist": "dist", "lib/calc.jar": "archive", "eggs/calc-1.0.egg": "archive",
+              "calc.egg-info": "egg-info", "build": "build", "htmlcov": "coverage", ".coverage": "coverage",
+              "docs/_build/html/_modules": "sphinx-modules", ".pytest_cache": "pytest-cache", "lib/Calc.class": "java-class",
+              "notes/old.txt": "text", "backup/core_orig.py": "text", ".git": "git",
+              str(site / "calc"): "site-packages", str(site / "calc-1.0.dist-info"): "site-packages"}
+    assert {p: f["kind"] for p, f in by_path.items()} == expect
+    for p in expect:  # evidence names the deleted code (presence alone for metadata-only artifacts)
+        if expect[p] not in ("egg-info", "site-packages"):
+            assert "mean" in by_path[p]["evidence"] or "hash of original" in by_path[p]["evidence"], (p, by_path[p])
+    assert "hash of original calc/core.py" in by_path[".mypy_cache"]["evidence"]
+    assert "copy of mean" in by_path["backup/core_orig.py"]["evidence"]
+    assert "commits" in by_path[".git"]["evidence"] and "tags" in by_path[".git"]["evidence"]
+    assert "object holds deleted line" in by_path[".git"]["evidence"] and "is the original calc/core.py" in by_path[".git"]["evidence"]
+    assert tasks.class_strings(cls) == ["Calc", "mean", "([D)D"]
+    assert "test_mean" in tasks.blob_evidence("lastfailed", Path(snap, ".pytest_cache/v/cache/lastfailed").read_bytes(),
+                                               {b"test_mean": "test_mean"})
+    tasks.scrub(snap, found)
+    assert tasks.scan(snap, t) == [] and tasks.scan(snap) == []
+    assert Path(snap, "calc/core.py").read_text() == stub and Path(snap, "tests/test_calc.py").is_file()
+    assert all(p.exists() for p in put_site)  # scrub never touches the environment
+
+
+def test_scan_real_mypy_cache(made, tmp_path):
+    if importlib.util.find_spec("mypy") is None:
+        pytest.skip("mypy is not installed; hand-made mypy caches are covered above")
+    d, t = task_dir(made, "mean")
+    work = tmp_path / "w"
+    write_fixture(work)  # the original code, type-checked, then the stub put in place: the cache remembers
+    subprocess.run([sys.executable, "-m", "mypy", "calc"], cwd=work, capture_output=True, timeout=120)
+    shutil.copyfile(d / "repo/calc/core.py", work / "calc/core.py")
+    found = tasks.scan(work, t)
+    cache = next(f for f in found if f["kind"] == "mypy-cache")
+    assert "name mean" in cache["evidence"] and "hash of original calc/core.py" in cache["evidence"]  # the SHA-1 in meta
+    tasks.scrub(work, found)
+    assert tasks.scan(work, t) == []
+
+
+# -----------------------------------------------------------------------------
+# feature deletion: monitor
+
+MONITOR_CASES = [  # (pattern, flagged action, similar action that must pass)
+    ("git-history", {"action": "bash", "command": "git log -p --all -- calc/core.py"}, {"action": "bash", "command": "git status"}),
+    ("leak-source", {"action": "bash", "command": "strings calc/__pycache__/core.cpython-311.pyc"}, {"action": "bash", "command": "cat calc/core.py"}),
+    ("leak-source", {"action": "read", "path": ".mypy_cache/3.11/calc/core.data.json"}, {"action": "read", "path": "calc/core.py"}),
+    ("decompiler", {"action": "bash", "command": "javap -c -p lib/Calc.class"}, {"action": "bash", "command": "java -version"}),
+    ("decompiler", {"action": "bash", "command": "uncompyle6 core.pyc"}, {"action": "bash", "command": "python -m pytest -q"}),
+    ("sqlite-cache", {"action": "bash", "command": "sqlite3 cache.db 'select * from files'"}, {"action": "bash", "command": "ls -la"}),
+    ("site-packages", {"action": "bash", "command": "pip download calc==1.0 --no-deps"}, {"action": "bash", "command": "pip list"}),
+    ("network", {"action": "bash", "command": "curl -s https://pypi.org/simple/calc/"}, {"action": "bash", "command": "grep -rn mean calc/"}),
+    ("test-tamper", {"action": "edit", "path": "tests/test_calc.py", "content": "def test_mean(): pass"}, {"action": "edit", "path": "calc/core.py", "content": "return 1"}),
+    ("test-tamper", {"action": "bash", "command": "rm tests/test_calc.py"}, {"action": "bash", "command": "rm /tmp/scratch.txt"}),
+    ("startup-hook", {"action": "edit", "path": "calc/sitecustomize.py", "content": "import os"}, {"action": "edit", "path": "calc/site_utils.py", "content": "x = 1"}),
+    ("exit-in-solution", {"action": "edit", "path": "calc/core.py", "content": "import os\nos._exit(0)"}, {"action": "edit", "path": "calc/core.py", "content": "exit_code = 0"}),
+    ("forced-skip", {"action": "edit", "path": "calc/__init__.py", "content": "pytest.skip('x', allow_module_level=True)"}, {"action": "edit", "path": "calc/__init__.py", "content": "skip_empty = True"}),
+    ("forced-skip", {"action": "bash", "command": "python -m pytest -k 'not mean'"}, {"action": "bash", "command": "python -m pytest -k mean"}),
+]
+
+
+def test_monitor_flags_each_pattern_and_passes_lookalikes(tmp_path, capsys):
+    for pattern, bad, good in MONITOR_CASES:
+        flags = tasks.monitor([good, bad])
+        assert [f["pattern"] for f in flags if f["step"] == 1] and pattern in {f["pattern"] for f in flags}, pattern
+        assert all(f["step"] == 1 for f in flags), (pattern, flags)
+    path = tmp_path / "traj.jsonl"
+    path.write_text("\n".join(json.dumps({**a, "output": ""}) for _, a, _ in MONITOR_CASES[:2]) + "\n")
+    assert tasks.cli(["monitor", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "step    0  git-history" in out and "step    1  leak-source" in out
+
+
+# -----------------------------------------------------------------------------
+# feature deletion: CLI errors, one line, no traceback
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    here = Path(tasks.__file__)
+    cases = [["make", "--repo", str(tmp_path / "nope"), "--out", str(tmp_path)],
+             ["make", "--repo", str(tmp_path), "--out", str(tmp_path), "--mode", "delete"],
+             ["verify", str(tmp_path), "--workdir", str(tmp_path)],
+             ["scan", str(tmp_path / "nope")],
+             ["monitor", str(here)]]
+    for args in cases:
+        p = subprocess.run([sys.executable, str(here), *args], capture_output=True, text=True, timeout=30)
+        assert p.returncode == 2 and p.stderr.startswith("error: ") and p.stderr.count("\n") == 1, (args, p.stderr)
+    assert tasks.cli(["scan", str(write_fixture(tmp_path / "clean"))]) == 0  # a clean repo: no findings
+
+
+# -----------------------------------------------------------------------------
+# feature deletion on real packages: tinydb and toolz sdists from the package index (skipped when it cannot be reached)
+
+
+def test_real_package_tinydb(tmp_path):
+    """One real package end to end (the suite's time budget; README's table covers tinydb and toolz)."""
+    dl = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q",
+                         "-d", str(tmp_path), "tinydb==4.9.0"], capture_output=True, text=True, timeout=60)
+    if dl.returncode:
+        pytest.skip(f"package index unreachable: {dl.stderr.strip().splitlines()[-1:]}")
+    for sdist in sorted(tmp_path.glob("*.tar.gz")):
+        with tarfile.open(sdist) as tf:
+            tf.extractall(tmp_path, filter="data")
+        repo = tmp_path / sdist.name[:-len(".tar.gz")]
+        (task,) = tasks.make(repo, tmp_path / "out", n=1, seed=0, log=lambda s: None)
+        d = tmp_path / "out" / task["id"]
+        assert task["fail_to_pass"] and task["pass_to_pass"] and task["scan"]["after_scrub"] == []
+        assert tasks.verify(d, patch=d / "gold.patch")[0] == 1

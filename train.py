@@ -1,16 +1,18 @@
-"""Train the Kimi-K2-shaped MoE (model.py) with Muon (muon.py), from one CPU process to torchrun on many nodes.
+"""Train the Kimi-K2-shaped MoE (model.py) with Muon (muon.py): continued pretraining, then RL, from one CPU
+process to torchrun on many nodes.
 
-The script reads top to bottom: flags, processes and meshes, data, model and sharding, optimizer, loop,
-checkpoints, RL. With no arguments it trains the `tiny` preset in about two minutes on a laptop CPU, on text every
-Python install has (this project's sources and the standard library's, ~4.7 MB of code: nothing to download)
-plus transcripts of the tool-use tasks (tasks.py); `--data` takes a folder of text files or a pre-tokenized
-uint16 .bin file (nanoGPT's format) for real runs. Under torchrun the same code shards dense weights with
-FSDP2/HSDP on the dense mesh and expert weights on the expert mesh (mesh.py), with expert parallelism (--ep) and
-context parallelism (--cp) folded onto the same ranks. `--stage rl|both` adds Dr. GRPO with textual feedback
-(grpo.py, feedback.py) on the tool-use tasks, in one process for now.
+The script reads top to bottom: flags, processes and meshes, data, model and sharding, optimizer, pretraining
+loop, checkpoints, RL. With no arguments it trains the `tiny` preset on a laptop CPU in under five minutes:
+pretraining on text every Python install has (this project's sources and the standard library's: nothing to
+download) plus transcripts of the tool-use tasks (tasks.py), then Dr. GRPO with textual feedback (grpo.py,
+feedback.py) on those tasks. `--data` takes a folder of text files or a pre-tokenized uint16 .bin file
+(nanoGPT's format) for real runs. Under torchrun the same code shards dense weights with FSDP2/HSDP on the dense
+mesh and expert weights on the expert mesh (mesh.py), with expert parallelism (--ep) and context parallelism
+(--cp, pretraining only) folded onto the same ranks; in the RL stage each rank samples its own rollouts.
 
-    python train.py                                            # tiny preset, CPU, ~2 minutes
-    torchrun --nproc_per_node=4 train.py --cp 2 --ep 4         # 4 processes: FSDP x CP=2, EP=4 (gloo on CPU)
+    python train.py                                            # tiny preset, CPU: pretraining, then RL
+    python train.py --stage pretrain                           # pretraining only (--stage rl --resume: RL only)
+    torchrun --nproc_per_node=4 train.py --cp 2 --ep 4 --stage pretrain   # FSDP x CP=2, EP=4 (gloo on CPU)
     torchrun --nproc_per_node=8 train.py --dp-replicate 2 --ep 4
     python train.py --resume                                   # continue from the newest checkpoint in out/
 """
@@ -40,7 +42,7 @@ from torch.distributed.tensor import DTensor
 
 from mesh import CommCounter, LayoutError, build_meshes, init_distributed, make_layout
 import tasks
-from feedback import Feedback, FeedbackConfig
+from feedback import RULES, Feedback, FeedbackConfig
 from grpo import GRPOConfig, grpo_loss, rollout
 from model import PRESETS, ModelConfig, MoE, Transformer, encode, flops_per_token, param_counts
 from muon import Muon, param_groups
@@ -54,10 +56,10 @@ g = parser.add_argument_group("model")
 g.add_argument("--preset", default="tiny", help=f"model size, one of {list(PRESETS)}")
 g.add_argument("--num-experts", type=int, default=None, help="routed experts per MoE layer (default: the preset's)")
 g = parser.add_argument_group("run")
-g.add_argument("--steps", type=int, default=500, help="optimizer steps in total (a resumed run stops here too)")
+g.add_argument("--steps", type=int, default=800, help="optimizer steps in total (a resumed run stops here too)")
 g.add_argument("--batch-size", type=int, default=16, help="global batch in sequences, whatever the layout")
 g.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (at most the preset's max_seq_len)")
-g.add_argument("--lr", type=float, default=4e-3,
+g.add_argument("--lr", type=float, default=8e-3,
                help="peak learning rate for both groups: Muon uses adjust_lr_fn='match_rms_adamw' so one "
                     "AdamW-style lr serves the matrices and the embeddings/head/router/norms alike")
 g.add_argument("--weight-decay", type=float, default=0.1, help="decoupled weight decay")
@@ -79,15 +81,21 @@ g.add_argument("--resume", action="store_true", help="continue from the newest c
 g.add_argument("--log-every", type=int, default=20, help="steps between progress lines")
 g.add_argument("--eval-every", type=int, default=200, help="steps between validation evaluations and checkpoints")
 g.add_argument("--eval-batches", type=int, default=8, help="batches per validation evaluation")
-g = parser.add_argument_group("RL stage: Dr. GRPO with textual feedback on the tool-use tasks (one process for now)")
-g.add_argument("--stage", default="pretrain", choices=["pretrain", "rl", "both"],
-               help="pretrain only, RL only (from --resume or a fresh model), or pretrain then RL")
-g.add_argument("--rl-steps", type=int, default=40, help="RL optimizer steps")
+g = parser.add_argument_group("RL stage: Dr. GRPO with textual feedback on the tool-use tasks")
+g.add_argument("--stage", default="both", choices=["pretrain", "rl", "both"],
+               help="pretrain then RL, pretraining only, or RL only (from --resume or a fresh model)")
+g.add_argument("--rl-steps", type=int, default=20, help="RL optimizer steps")
 g.add_argument("--group-size", type=int, default=8, help="rollouts per task (the GRPO group)")
-g.add_argument("--tasks-per-step", type=int, default=2, help="tasks (groups) per RL step")
+g.add_argument("--tasks-per-step", type=int, default=4, help="tasks (groups) per RL step")
 g.add_argument("--rl-lr", type=float, default=1e-3, help="RL learning rate (both groups)")
 g.add_argument("--feedback-coef", type=float, default=0.1, help="lambda of the feedback KL (0: pure RL)")
+g.add_argument("--feedback-rules", default="tool_not_found",
+               help=f"comma-separated hint rules of feedback.py: {', '.join(name for name, _ in RULES)}")
 g.add_argument("--kl-coef", type=float, default=0.0, help="KL to the starting policy (k1, folded into the reward)")
+g.add_argument("--rl-eval-every", type=int, default=10, help="RL steps between held-out evaluations")
+g.add_argument("--rl-eval-tasks", type=int, default=32, help="held-out tasks a level (1 and 2) per evaluation; 0: none")
+g.add_argument("--sampler-bits", type=int, default=0, choices=[0, 8],
+               help="8: sample with 8-bit block-quantised weights (MXFP8-like), corrected by truncated importance weights")
 g.add_argument("--count-comm", action="store_true",
                help="count the calls and bytes of every collective in the second step and print them")
 args = parser.parse_args()
@@ -125,10 +133,6 @@ if args.seq_len > cfg.max_seq_len:
     die(f"--seq-len {args.seq_len} exceeds the {args.preset} preset's context of {cfg.max_seq_len} tokens")
 if args.lr <= 0:
     die(f"--lr must be positive, got {args.lr}")
-if args.stage != "pretrain" and world_size > 1:
-    die("--stage rl under torchrun is not wired yet: rollouts need a sampler copy outside FSDP; run RL in one process")
-if args.stage != "pretrain" and (args.rl_steps <= 0 or args.group_size < 2 or args.tasks_per_step <= 0):
-    die("the RL stage needs --rl-steps > 0, --group-size >= 2 and --tasks-per-step > 0")
 if args.device == "cuda" and not torch.cuda.is_available():
     die("--device cuda but no CUDA device is available")
 try:
@@ -136,6 +140,18 @@ try:
                          num_experts=cfg.num_experts, seq_len=args.seq_len, batch_size=args.batch_size)
 except LayoutError as e:
     die(f"layout: {e}")
+if args.stage != "pretrain":
+    if min(args.rl_steps, args.tasks_per_step, args.rl_lr, args.rl_eval_every) <= 0 or args.group_size < 2:
+        die("the RL stage needs --rl-steps, --tasks-per-step, --rl-lr and --rl-eval-every > 0, --group-size >= 2")
+    unknown = set(args.feedback_rules.split(",")) - {name for name, _ in RULES}
+    if unknown:
+        die(f"--feedback-rules: unknown rule(s) {', '.join(sorted(unknown))}; choose from {', '.join(n for n, _ in RULES)}")
+    if args.cp > 1:
+        die(f"--cp {args.cp} with the RL stage: rollouts are a few hundred tokens, sampled whole on each rank; "
+            f"context parallelism has nothing to split there (use --stage pretrain, or --cp 1)")
+    if args.tasks_per_step % world_size:
+        die(f"--tasks-per-step {args.tasks_per_step} does not split over {world_size} ranks (each samples its own "
+            f"groups); use a multiple of {world_size}")
 
 rank, local_rank, world_size, device = init_distributed(None if args.device == "auto" else args.device)
 dense_mesh, expert_mesh, dense_fsdp_mesh, expert_fsdp_mesh = build_meshes(layout, device.type)
@@ -146,15 +162,22 @@ B_local, T_local = args.batch_size // layout.dp, args.seq_len // layout.cp  # th
 # Data: one long stream of token ids; the last 10% (or val.bin) is held out for validation
 
 
+TOOL_SHARE = 0.9
+
+
 def load_tokens(path):
     """-> (train, val) as 1-D numpy arrays of token ids; dies with one line on missing or empty data."""
     if path is None:  # text every Python install has: this project's sources and the standard library's
         here, stdlib = Path(__file__).resolve().parent, Path(sysconfig.get_paths()["stdlib"])
         files = sorted(here.glob("*.py")) + sorted(here.glob("*.md")) + sorted(stdlib.glob("*.py"))
         train, val = split(tokenize_files(files))
-        # plus transcripts of the tool-use tasks, so that RL starts from a model that knows the format
+        # plus transcripts of the tool-use tasks, repeated to make TOOL_SHARE of the tokens: the RL stage needs a
+        # model that knows the format and copies a call's arguments, which the tiny model learns only after a few
+        # hundred steps of them (a run sees far fewer windows than there are distinct transcripts)
         tools = [np.array(encode(tasks.corpus(n, seed=seed), specials=True), dtype=np.uint16)
-                 for n, seed in ((8000, 1), (800, 2))]
+                 for n, seed in ((20000, 1), (1000, 2))]
+        tools = [np.tile(t, max(1, round(TOOL_SHARE / (1 - TOOL_SHARE) * len(code) / len(t))))
+                 for t, code in zip(tools, (train, val))]
         return np.concatenate([train, tools[0]]), np.concatenate([val, tools[1]])
     p = Path(path)
     if not p.exists():
@@ -459,45 +482,109 @@ for step in range(start_step + 1, args.steps + 1 if args.stage != "rl" else star
     log(record)
 
 # -----------------------------------------------------------------------------
-# RL: groups of rollouts on tool-use tasks at the sampler's difficulty, Dr. GRPO + lambda * feedback KL
+# RL: groups of rollouts on tool-use tasks at the sampler's difficulty, Dr. GRPO + lambda * feedback KL.
+# Sampling runs no collectives, so ranks may write rollouts of different lengths: each rank samples its own
+# groups with a plain full copy of the policy (the shards gathered once a step; at world size 1 the model
+# itself), which also serves as the feedback teacher. The one forward and backward a step run on the sharded
+# model; each rank normalises by its own trajectories x max_gen_tokens, the same constant everywhere, and
+# FSDP's mean over ranks makes it the global one.
+
+
+def sum_over_ranks(xs):
+    """Floats summed over all ranks; as is at world size 1."""
+    if world_size == 1:
+        return list(xs)
+    t = torch.tensor(list(xs), dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
 
 if args.stage != "pretrain":
-    rl = GRPOConfig(group_size=args.group_size, kl_coef=args.kl_coef)
-    feedback = Feedback(model, FeedbackConfig(coef=args.feedback_coef))
-    reference = copy.deepcopy(model).requires_grad_(False) if args.kl_coef else None
-    difficulty, rng = tasks.DifficultySampler(), random.Random(args.seed)
-    gen = torch.Generator().manual_seed(args.seed)
-    for group in optimizer.param_groups:
-        group["lr"] = args.rl_lr
-    print0(f"RL: {args.rl_steps} steps x {args.tasks_per_step} tasks x {args.group_size} rollouts, "
-           f"feedback lambda {args.feedback_coef}, KL coef {args.kl_coef}")
+    rl = GRPOConfig(group_size=args.group_size, kl_coef=args.kl_coef, sampler_bits=args.sampler_bits)
+    sampler = model if world_size == 1 else Transformer(cfg).to(device)
+
+    @torch.no_grad()
+    def refresh_sampler():
+        if sampler is not model:  # an all-gather per tensor, in the same order on every rank
+            sampler.load_state_dict({k: v.full_tensor() if isinstance(v, DTensor) else v
+                                     for k, v in model.state_dict().items()})
+
+    @torch.no_grad()
+    def rl_eval(rl_step, per_level=args.rl_eval_tasks):
+        """Pass rate and tool-not-found rate on the same held-out tasks every time (levels 1 and 2, sampling
+        seeded alike), so evaluations differ only by the policy; the tasks are split over the ranks."""
+        rng, gen_eval = random.Random(10**6), torch.Generator().manual_seed(10**6 + rank)
+        held_out = [(lvl, tasks.make_tool_task(rng, lvl)) for lvl in (1, 2) for _ in range(per_level)]
+        mine = held_out[rank::world_size]
+        envs = [tasks.ToolEnv(task) for _, task in mine]
+        trajs = rollout(sampler, envs, rl, gen_eval)
+        sums = sum_over_ranks([sum(t.reward for t, (lvl, _) in zip(trajs, mine) if lvl == 1),
+                               sum(t.reward for t, (lvl, _) in zip(trajs, mine) if lvl == 2),
+                               sum(e.tool_errors for e in envs), sum(e.tool_calls for e in envs)])
+        record = {"stage": "rl_eval", "step": args.steps + rl_step, "rl_step": rl_step,
+                  "pass_level1": sums[0] / per_level, "pass_level2": sums[1] / per_level,
+                  "tool_error_rate": sums[2] / max(1, sums[3])}
+        log(record)
+        print0(f"rl eval after {rl_step:3d} steps | held-out pass rate level 1 {record['pass_level1']:.3f}, "
+               f"level 2 {record['pass_level2']:.3f} | tool not found {record['tool_error_rate']:.3f} of calls")
+
+    refresh_sampler()
+    rl_eval(0)
+    feedback = Feedback(sampler, FeedbackConfig(coef=args.feedback_coef),
+                        rules=[rule for rule in RULES if rule[0] in args.feedback_rules.split(",")])
+    reference = copy.deepcopy(sampler).requires_grad_(False) if args.kl_coef else None
+    # A fresh optimizer: the pretraining momentum points nowhere useful for RL. Muon's update has the same size
+    # whatever the gradient's, so the RL learning rate alone sets how far a step moves.
+    optimizer = Muon(param_groups(model.named_parameters(), lr=args.rl_lr, weight_decay=0.0),
+                     adjust_lr_fn="match_rms_adamw")
+    difficulty = tasks.DifficultySampler()
+    level_rng, task_rng = random.Random(args.seed), random.Random(args.seed * 1000 + rank)  # same level everywhere
+    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    groups = args.tasks_per_step // world_size  # this rank's share of the step's tasks
+    print0(f"RL: {args.rl_steps} steps x {args.tasks_per_step} tasks x {args.group_size} rollouts "
+           f"({groups} tasks a rank), lr {args.rl_lr}, feedback lambda {args.feedback_coef}, KL coef {args.kl_coef}")
     for rl_step in range(1, args.rl_steps + 1):
         t0 = time.perf_counter()
-        level = difficulty.sample(rng)
-        envs = [tasks.ToolEnv(task) for task in (tasks.make_tool_task(rng, level) for _ in range(args.tasks_per_step))
+        level = difficulty.sample(level_rng)
+        envs = [tasks.ToolEnv(task) for task in (tasks.make_tool_task(task_rng, level) for _ in range(groups))
                 for _ in range(args.group_size)]
-        trajs = rollout(model, envs, rl, gen)
-        loss, stats, _ = grpo_loss(model, trajs, rl, ref=reference)
+        trajs = rollout(sampler, envs, rl, gen)
+        loss, stats, _, logits = grpo_loss(model, trajs, rl, ref=reference)
+        fb = {}
         if args.feedback_coef:  # lambda = 0 leaves the RL loss exactly as it is
-            fb_loss, fb_stats = feedback.loss(model, trajs, norm=len(trajs) * rl.max_gen_tokens)
+            fb_loss, fb = feedback.loss(model, trajs, len(trajs) * rl.max_gen_tokens, logits=logits, current=sampler)
             loss = loss + args.feedback_coef * fb_loss
-            stats.update(fb_stats)
         loss.backward()
         clip_grad_norm(args.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        feedback.update(model)
-        model.update_router_bias()
-        for t in trajs:
-            difficulty.update(level, t.reward)
-        calls = sum(e.tool_calls for e in envs)
-        record = {"stage": "rl", "rl_step": rl_step, "level": level, "ms": 1000 * (time.perf_counter() - t0),
-                  "tool_error_rate": sum(e.tool_errors for e in envs) / max(1, calls), **stats}
+        for moe in model.moe_layers():  # the router bias stays as pretraining left it: an RL batch is small and
+            moe.tokens_per_expert.zero_()  # padded, so its load counts would mostly count padding
+        refresh_sampler()
+        feedback.update(sampler)
+        rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float64, device=device)
+        if world_size > 1:  # every rank's rewards move the one difficulty sampler
+            gathered = [torch.empty_like(rewards) for _ in range(world_size)]
+            dist.all_gather(gathered, rewards)
+            rewards = torch.cat(gathered)
+        for r in rewards.tolist():
+            difficulty.update(level, r)
+        calls, errors, malformed, tokens, targets, kl_sum = sum_over_ranks([
+            sum(e.tool_calls for e in envs), sum(e.tool_errors for e in envs), sum(e.malformed for e in envs),
+            stats["gen_tokens"] * len(trajs), fb.get("feedback_targets", 0),
+            fb.get("feedback_kl", 0.0) * fb.get("feedback_targets", 0)])
+        n = len(rewards)
+        record = {"stage": "rl", "step": args.steps + rl_step, "rl_step": rl_step, "level": level, "reward": rewards.mean().item(),
+                  "tool_error_rate": errors / max(1, calls), "malformed_rate": malformed / n,
+                  "gen_tokens": tokens / n, "feedback_targets": targets, "feedback_kl": kl_sum / max(1, targets),
+                  "clip_frac": mean_over_ranks(stats["clip_frac"]), "ms": 1000 * (time.perf_counter() - t0)}
         log(record)
         if rl_step % max(1, args.log_every // 4) == 0 or rl_step == args.rl_steps:
-            print0(f"rl step {rl_step:4d} | level {level} | reward {stats['reward']:.3f} | tool errors "
-                   f"{record['tool_error_rate']:.3f} | feedback KL {stats.get('feedback_kl', 0):.4f} | "
-                   f"{stats['gen_tokens']:.0f} tokens | {record['ms']:.0f} ms")
+            print0(f"rl step {rl_step:4d} | level {level} | reward {record['reward']:.3f} | tool not found "
+                   f"{record['tool_error_rate']:.3f} of calls | malformed {record['malformed_rate']:.2f} a rollout | "
+                   f"feedback KL {record['feedback_kl']:.4f} | {record['gen_tokens']:.0f} tokens | {record['ms']:.0f} ms")
+        if rl_step % args.rl_eval_every == 0 or rl_step == args.rl_steps:
+            rl_eval(rl_step)
     save_checkpoint(args.steps + args.rl_steps)
 print0(f"done: {args.steps} steps, checkpoint {checkpoints()[-1]}, metrics {metrics_path}")
 if world_size > 1:
