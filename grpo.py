@@ -1,7 +1,8 @@
 """Dr. GRPO on multi-turn rollouts, with self-summarization and a low-precision sampler: the RL objective
 Composer 2 and 2.5 inherit.
 
-A group of G rollouts of the same task is sampled; each trajectory's advantage is its reward minus the group's
+A group of G rollouts of the same task is sampled, the whole batch in lockstep with MLA's KV cache (model.KVCache:
+one prefill a turn, then one token a row); each trajectory's advantage is its reward minus the group's
 mean reward, with no division by the group's std (Dr. GRPO, "Understanding R1-Zero-Like Training", arXiv
 2503.20783). Every token the policy wrote gets the PPO clipped-ratio loss with separate low/high epsilons
 (DAPO's clip-higher, arXiv 2503.14476); token losses are summed and divided by a constant (trajectories x the
