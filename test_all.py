@@ -468,6 +468,7 @@ def test_train_bad_input_is_one_clear_line(tmp_path):
         "no such file or folder": ["--data", str(tmp_path / "missing")],
         "no text found": ["--data", str(tmp_path / "empty")],
         "corrupt or unreadable": ["--resume", "--out", str(tmp_path / "bad" / "out")],
+        "already holds step-00000010; pass --resume": ["--out", str(tmp_path / "bad" / "out")],
         "no checkpoint": ["--resume", "--out", str(tmp_path / "nothing")],
         "GiB of weights, gradients and optimizer state": ["--preset", "kimi-k2"],
         "ep(3) = 3 does not divide world size 1": ["--ep", "3"],

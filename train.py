@@ -377,6 +377,8 @@ def save_checkpoint(step):
 
 
 start_step = 0
+if not args.resume and checkpoints():  # a new run would delete them as it saves its own
+    die(f"--out {out} already holds {checkpoints()[-1].name}; pass --resume to continue from it, or another --out")
 if args.resume:
     found = checkpoints()
     if not found:
