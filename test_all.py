@@ -449,9 +449,9 @@ def test_train_reads_text_folders_and_bin_files(tmp_path):
         (tmp_path / "texts" / f"{i}.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
     np.random.default_rng(0).integers(0, 300, 5000).astype(np.uint16).tofile(tmp_path / "train.bin")
     for data in ("texts", "train.bin"):
-        r = run_train(*SMALL_RUN, "--steps", "3", "--data", str(tmp_path / data), "--out", str(tmp_path / "o"))
+        r = run_train(*SMALL_RUN, "--steps", "3", "--data", str(tmp_path / data), "--out", str(tmp_path / data / "o"))
         assert r.returncode == 0, r.stderr
-        assert read_metrics(tmp_path / "o")[-1]["step"] == 3
+        assert read_metrics(tmp_path / data / "o")[-1]["step"] == 3
 
 
 def test_train_bad_input_is_one_clear_line(tmp_path):
@@ -1131,9 +1131,9 @@ def test_sampled_estimator_matches_full_kl_in_expectation():
 def test_train_rl_stage_logs_reward_tool_errors_and_feedback(world, tmp_path):
     """The RL stage from a fresh model, in one process and under torchrun with expert parallelism (each rank
     samples its own groups with a gathered copy of the policy; one sharded forward and backward a step)."""
-    r = run_train("--stage", "rl", "--steps", "10", "--rl-steps", "2", "--group-size", "2", "--tasks-per-step", "2",
-                  "--eval-batches", "1", "--log-every", "4", "--rl-eval-tasks", "1", "--out", str(tmp_path), *(["--ep", "2"] if world > 1 else []),
-                  world=world)
+    r = run_train("--stage", "rl", "--rl-steps", "2", "--group-size", "2", "--tasks-per-step", "2",
+                  "--eval-batches", "1", "--log-every", "4", "--rl-eval-tasks", "1", "--out", str(tmp_path),
+                  *(["--ep", "2"] if world > 1 else []), world=world)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [row for row in read_metrics(tmp_path) if row.get("stage") == "rl"]
     assert [row["rl_step"] for row in rows] == [1, 2]
@@ -1143,7 +1143,7 @@ def test_train_rl_stage_logs_reward_tool_errors_and_feedback(world, tmp_path):
     assert "rl step" in r.stdout and f"{2 // world} tasks a rank" in r.stdout
     evals = [row for row in read_metrics(tmp_path) if row.get("stage") == "rl_eval"]
     assert [row["rl_step"] for row in evals] == [0, 2] and all(0 <= row["pass_level1"] <= 1 for row in evals)
-    assert (tmp_path / "step-00000012").is_dir()  # the RL stage's checkpoint: --steps + --rl-steps
+    assert (tmp_path / "step-00000002").is_dir()  # the RL stage's checkpoint: a fresh model + --rl-steps
 
 
 # -----------------------------------------------------------------------------

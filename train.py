@@ -502,6 +502,7 @@ def sum_over_ranks(xs):
 
 
 if args.stage != "pretrain":
+    base = start_step if args.stage == "rl" else args.steps  # the optimizer steps before RL, for step numbers
     rl = GRPOConfig(group_size=args.group_size, kl_coef=args.kl_coef, sampler_bits=args.sampler_bits)
     sampler = model if world_size == 1 else Transformer(cfg).to(device)
 
@@ -523,7 +524,7 @@ if args.stage != "pretrain":
         sums = sum_over_ranks([sum(t.reward for t, (lvl, _) in zip(trajs, mine) if lvl == 1),
                                sum(t.reward for t, (lvl, _) in zip(trajs, mine) if lvl == 2),
                                sum(e.tool_errors for e in envs), sum(e.tool_calls for e in envs)])
-        record = {"stage": "rl_eval", "step": args.steps + rl_step, "rl_step": rl_step,
+        record = {"stage": "rl_eval", "step": base + rl_step, "rl_step": rl_step,
                   "pass_level1": sums[0] / per_level, "pass_level2": sums[1] / per_level,
                   "tool_error_rate": sums[2] / max(1, sums[3])}
         log(record)
@@ -576,8 +577,8 @@ if args.stage != "pretrain":
             stats["gen_tokens"] * len(trajs), fb.get("feedback_targets", 0),
             fb.get("feedback_kl", 0.0) * fb.get("feedback_targets", 0)])
         n = len(rewards)
-        record = {"stage": "rl", "step": args.steps + rl_step, "rl_step": rl_step, "level": level, "reward": rewards.mean().item(),
-                  "tool_error_rate": errors / max(1, calls), "malformed_rate": malformed / n,
+        record = {"stage": "rl", "step": base + rl_step, "rl_step": rl_step, "level": level,
+                  "reward": rewards.mean().item(), "tool_error_rate": errors / max(1, calls), "malformed_rate": malformed / n,
                   "gen_tokens": tokens / n, "feedback_targets": targets, "feedback_kl": kl_sum / max(1, targets),
                   "clip_frac": mean_over_ranks(stats["clip_frac"]), "ms": 1000 * (time.perf_counter() - t0)}
         log(record)
@@ -587,8 +588,8 @@ if args.stage != "pretrain":
                    f"feedback KL {record['feedback_kl']:.4f} | {record['gen_tokens']:.0f} tokens | {record['ms']:.0f} ms")
         if rl_step % args.rl_eval_every == 0 or rl_step == args.rl_steps:
             rl_eval(rl_step)
-    save_checkpoint(args.steps + args.rl_steps)
-print0(f"done: {args.steps} steps, checkpoint {checkpoints()[-1]}, metrics {metrics_path}")
+    save_checkpoint(base + args.rl_steps)
+print0(f"done: checkpoint {checkpoints()[-1]}, metrics {metrics_path}")
 if world_size > 1:
     dist.barrier()
     dist.destroy_process_group()
