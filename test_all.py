@@ -418,7 +418,8 @@ def read_metrics(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-SMALL_RUN = ["--stage", "pretrain", "--batch-size", "4", "--seq-len", "32", "--log-every", "5", "--eval-batches", "2", "--warmup", "40"]
+SMALL_RUN = ["--stage", "pretrain", "--batch-size", "4", "--seq-len", "32", "--log-every", "5", "--eval-batches", "2",
+             "--warmup", "40"]
 
 
 def test_train_learns_and_resume_continues_exactly(tmp_path, par_data):
@@ -449,9 +450,10 @@ def test_train_reads_text_folders_and_bin_files(tmp_path):
         (tmp_path / "texts" / f"{i}.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
     np.random.default_rng(0).integers(0, 300, 5000).astype(np.uint16).tofile(tmp_path / "train.bin")
     for data in ("texts", "train.bin"):
-        r = run_train(*SMALL_RUN, "--steps", "3", "--data", str(tmp_path / data), "--out", str(tmp_path / data / "o"))
+        out = tmp_path / f"out-{data}"
+        r = run_train(*SMALL_RUN, "--steps", "3", "--data", str(tmp_path / data), "--out", str(out))
         assert r.returncode == 0, r.stderr
-        assert read_metrics(tmp_path / data / "o")[-1]["step"] == 3
+        assert read_metrics(out)[-1]["step"] == 3
 
 
 def test_train_bad_input_is_one_clear_line(tmp_path):
@@ -526,7 +528,8 @@ def torchrun(world, *flags):
     return r
 
 
-PAR_RUN = ["--stage", "pretrain", "--batch-size", "8", "--seq-len", "32", "--eval-batches", "1", "--log-every", "1", "--warmup", "40"]
+PAR_RUN = ["--stage", "pretrain", "--batch-size", "8", "--seq-len", "32", "--eval-batches", "1", "--log-every", "1",
+           "--warmup", "40"]
 
 
 @pytest.fixture(scope="module")
@@ -604,29 +607,23 @@ def test_checkpoint_resumes_at_another_world_size(par_data, single_process, tmp_
 def test_bad_layout_stops_every_rank_with_one_line(tmp_path):
     """Workers started as torchrun starts them (RANK, WORLD_SIZE, ...): each prints the same single line and
     exits 2 before any collective, so no rank is left waiting."""
-    procs = []
-    for rank in range(4):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "4",
-               "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29531"}
-        procs.append(subprocess.Popen([sys.executable, str(HERE / "train.py"), "--cp", "2", "--ep", "3",
-                                       "--out", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, env=env))
-    for p in procs:
-        _, stderr = p.communicate(timeout=120)
-        assert p.returncode == 2 and stderr.strip().splitlines() == [
-            "error: layout: ep_replicate(1) * ep(3) = 3 does not divide world size 4, so ep_shard = "
-            "world / (ep_replicate * ep) is not an integer"], stderr
+    def stderr_of_workers(world, port, *flags):
+        procs = [subprocess.Popen([sys.executable, str(HERE / "train.py"), *flags, "--out", str(tmp_path)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank),
+                                       "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+                                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+                 for rank in range(world)]
+        outs = [p.communicate(timeout=120)[1] for p in procs]
+        assert all(p.returncode == 2 for p in procs), outs
+        return [err.strip().splitlines() for err in outs]
+
+    for lines in stderr_of_workers(4, 29531, "--cp", "2", "--ep", "3"):
+        assert lines == ["error: layout: ep_replicate(1) * ep(3) = 3 does not divide world size 4, so ep_shard = "
+                         "world / (ep_replicate * ep) is not an integer"], lines
     # a layout that trains but cannot sample: context parallelism in the RL stage
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29532"}
-        procs.append(subprocess.Popen([sys.executable, str(HERE / "train.py"), "--cp", "2", "--stage", "both",
-                                       "--out", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, env=env))
-    for p in procs:
-        _, stderr = p.communicate(timeout=120)
-        assert p.returncode == 2 and len(stderr.strip().splitlines()) == 1 and "--cp 2 with the RL stage" in stderr
+    for lines in stderr_of_workers(2, 29532, "--cp", "2", "--stage", "both"):
+        assert len(lines) == 1 and "--cp 2 with the RL stage" in lines[0], lines
 
 
 # -----------------------------------------------------------------------------
