@@ -170,10 +170,9 @@ if __name__ == "__main__":
     # 2) a rollout where the policy called an absent tool: the student's context vs the hinted teacher's
     task = make_tool_task(random.Random(a.seed + 1), 1)
     absent = next(n for n in TOOLS if n not in task.tools)
-    valid = task.plan[0][0]
     first = [("user", task.question)]
     ctx = [tok for role, text in first for tok in turn_tokens(role, text)] + [TOKEN["<|assistant|>"]]
-    bad, good = encode(f"call {absent}(1,2)") + [TOKEN["<|end|>"]], encode(f"call {valid}(1,2)") + [TOKEN["<|end|>"]]
+    bad = encode(f"call {absent}(1,2)") + [TOKEN["<|end|>"]]
     seg = Segment()
     seg.add(ctx)
     seg.add(bad, policy=True, logps=[0.0] * len(bad))

@@ -144,11 +144,9 @@ def rollout(policy, envs, cfg, gen):
                                [min(cfg.max_message_tokens, cfg.max_gen_tokens - t.written) for t in live])
         for t, (ids, logps) in zip(live, msgs):
             start = len(t.segments[-1].tokens)
+            t.segments[-1].add(ids, True, logps)
             if not ids or ids[-1] != TOKEN["<|end|>"]:  # cut at its limit: close it (not a policy token)
-                t.segments[-1].add(ids, True, logps)
                 t.segments[-1].add([TOKEN["<|end|>"]])
-            else:
-                t.segments[-1].add(ids, True, logps)
             t.written += len(ids)
             text = decode([i for i in ids if i < 256])
             if t.summarizing:  # the summary ends the segment; the next one starts from prompt + summary
