@@ -17,6 +17,7 @@ parallelism (MLA.cp_group set; each rank holds a chunk of the sequence and gathe
 
     python model.py            # parameter counts of every preset (kimi-k2 on the meta device) + a forward
 """
+import contextlib
 import math
 import re
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 # -----------------------------------------------------------------------------
 # Byte-level tokenizer: 256 byte values plus a few special tokens for chat / tool-use transcripts.
@@ -99,6 +101,12 @@ PRESETS = {
     "small": ModelConfig(dim=512, n_layer=8, n_head=8, q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64,
                          qk_rope_head_dim=32, v_head_dim=64, dense_hidden=1536, num_experts=32, top_k=4,
                          moe_hidden=256, max_seq_len=1024),
+    # mid-size: Moonlight-16B-A3B (config.json), Moonshot's DeepSeek-V3-shaped model trained with Muon
+    # (arXiv 2502.16982): 16B parameters, 3B active; no query compression
+    "moonlight": ModelConfig(vocab_size=163840, dim=2048, n_layer=27, n_dense_layers=1, n_head=16, q_lora_rank=0,
+                             kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                             dense_hidden=11264, num_experts=64, top_k=6, moe_hidden=1408, n_shared_experts=2,
+                             route_scale=2.446, bias_update_rate=1e-3, max_seq_len=8192, rope_theta=50000.0),
     # the real shape (Kimi K2 config.json): build it on the meta device
     "kimi-k2": ModelConfig(vocab_size=163840, dim=7168, n_layer=61, n_dense_layers=1, n_head=64, q_lora_rank=1536,
                            kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
@@ -118,7 +126,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
+        return F.rms_norm(x.float(), (x.size(-1),), self.weight.float(), self.eps).type_as(x)  # fp32 under bf16
 
 
 def rope_tables(pos, dim, theta):
@@ -235,22 +243,44 @@ class SwiGLU(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+# Rows an expert's group is padded to a multiple of, by device type: CUDA's grouped GEMM wants each group to
+# start on a 16-byte boundary (8 rows of bf16; torchtitan pads the same way); CPU has no such rule.
+ALIGN_M = {"cuda": 8}
+
+
 def grouped_mm_ok(x, w):
-    """torch._grouped_mm runs on CPU (any float dtype) and on CUDA for bf16 on sm90+ with 16-byte aligned
-    strides; elsewhere we take the per-expert loop."""
+    """torch._grouped_mm runs on CPU (any float dtype, bf16 under torch.compile) and on CUDA for bf16 on sm90+ with 16-byte aligned
+    strides (inner dims a multiple of 8); elsewhere (odd shapes, older GPUs) we take the per-expert loop."""
     if not hasattr(torch, "_grouped_mm"):
         return False
-    if x.device.type == "cpu":
-        return True
+    if x.device.type == "cpu":  # torch.compile's shape rules for _grouped_mm accept bf16 only
+        return x.dtype == w.dtype == torch.bfloat16 or not torch.compiler.is_compiling()
     return (x.device.type == "cuda" and x.dtype == w.dtype == torch.bfloat16 and
             torch.cuda.get_device_capability(x.device)[0] >= 9 and x.size(-1) % 8 == 0 and w.size(-2) % 8 == 0)
 
 
-def expert_mm(x, w, counts, offs):
-    """Grouped matmul: rows of x [N, in] are sorted by expert, counts [E] rows each; w [E, out, in] -> [N, out]."""
-    if grouped_mm_ok(x, w):
-        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
-    return torch.cat([xe @ w[e].T for e, xe in enumerate(x.split(counts.tolist()))])
+def expert_swiglu(xs, counts, w1, w3, w2):
+    """SwiGLU of every expert on its rows: xs [N, in] sorted by expert, counts [E] rows each, w [E, out, in].
+    Grouped path: one torch._grouped_mm a projection; where the device wants aligned groups (ALIGN_M) each
+    expert's rows are first copied into a zero-padded slot starting at a multiple of align, and the padding
+    rows are dropped at the end; the padded buffer has a static bound of N + E * (align - 1) rows, so no
+    device-to-host sync is needed. Loop path (no grouped GEMM for these shapes): a matmul per expert. -> [N, out]"""
+    if torch.is_autocast_enabled(xs.device.type):  # autocast does not cover _grouped_mm: cast by hand
+        dtype = torch.get_autocast_dtype(xs.device.type)
+        xs, w1, w3, w2 = xs.to(dtype), w1.to(dtype), w3.to(dtype), w2.to(dtype)
+    if not grouped_mm_ok(xs, w1):
+        return torch.cat([F.silu(x @ a.T) * (x @ b.T) @ c.T for x, a, b, c in zip(xs.split(counts.tolist()), w1, w3, w2)])
+    align = ALIGN_M.get(xs.device.type, 1)
+    if align > 1:
+        padded = (counts + align - 1) // align * align  # [E]
+        expert = torch.repeat_interleave(torch.arange(len(counts), device=xs.device), counts, output_size=len(xs))
+        dest = torch.arange(len(xs), device=xs.device) + (padded.cumsum(0) - counts.cumsum(0) - (padded - counts))[expert]
+        xs = xs.new_zeros(len(xs) + len(counts) * (align - 1), xs.size(1)).index_copy(0, dest, xs)
+        counts = padded
+    offs = counts.cumsum(0).to(torch.int32)
+    mm = lambda x, w: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    y = mm(F.silu(mm(xs, w1)) * mm(xs, w3), w2)
+    return y[dest] if align > 1 else y
 
 
 class GroupedExperts(nn.Module):
@@ -270,7 +300,7 @@ class GroupedExperts(nn.Module):
     def forward(self, xs, counts):
         """xs [M, C]: token copies sorted by expert; counts [E]: rows per expert. -> [M, C] in the same order."""
         if not isinstance(self.w1, DTensor):
-            return self.swiglu(xs, counts, self.w1, self.w3, self.w2)
+            return expert_swiglu(xs, counts, self.w1, self.w3, self.w2)
         group, ep = self.w1.device_mesh.get_group(), self.w1.device_mesh.size()
         w1, w3, w2 = self.w1.to_local(), self.w3.to_local(), self.w2.to_local()  # [E/ep, out, in]
         E_local = w1.size(0)
@@ -283,14 +313,8 @@ class GroupedExperts(nn.Module):
         # regroup the received rows by local expert for the grouped matmul, then restore (source, expert) order
         expert_of_row = torch.arange(E_local, device=xs.device).repeat(ep).repeat_interleave(recv.flatten())
         order = expert_of_row.argsort(stable=True)
-        y = self.swiglu(x_recv[order], recv.sum(0), w1, w3, w2)[order.argsort()]
+        y = expert_swiglu(x_recv[order], recv.sum(0), w1, w3, w2)[order.argsort()]
         return funcol.all_to_all_single_autograd(y, send_splits, recv_splits, group)  # [M, C] back home
-
-    @staticmethod
-    def swiglu(xs, counts, w1, w3, w2):
-        offs = counts.cumsum(0).to(torch.int32)
-        h = F.silu(expert_mm(xs, w1, counts, offs)) * expert_mm(xs, w3, counts, offs)
-        return expert_mm(h, w2, counts, offs)
 
 
 class MoE(nn.Module):
@@ -308,6 +332,7 @@ class MoE(nn.Module):
         self.shared = SwiGLU(D, Hd * cfg.n_shared_experts) if cfg.n_shared_experts else None
         self.register_buffer("expert_bias", torch.zeros(E))  # used for selection only, never in the gate values
         self.register_buffer("tokens_per_expert", torch.zeros(E), persistent=False)  # since the last bias update
+        self.counting = True  # off while activation checkpointing re-runs the forward: those tokens were counted
 
     def forward(self, x):
         cfg = self.cfg
@@ -318,7 +343,7 @@ class MoE(nn.Module):
         gates = scores.gather(1, idx)  # ...but the gate values are the unbiased scores
         gates = gates / gates.sum(-1, keepdim=True) * cfg.route_scale
         counts = torch.bincount(idx.flatten(), minlength=cfg.num_experts)  # [E]
-        if self.training:  # balance on training tokens only; evaluation and sampling must not move the bias
+        if self.training and self.counting:  # balance on training tokens only: evaluation and sampling must not move the bias
             self.tokens_per_expert += counts
         aux = x.new_zeros(())
         if cfg.aux_loss_coef > 0 and self.training:  # switch loss: E * sum_e f_e * P_e
@@ -342,8 +367,23 @@ class Block(nn.Module):
         self.attn = MLA(cfg, layer_id)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn = SwiGLU(cfg.dim, cfg.dense_hidden) if layer_id < cfg.n_dense_layers else MoE(cfg)
+        self.checkpoint = False  # activation checkpointing: keep only the block's input, recompute the rest in backward
 
     def forward(self, x, pos, cache=None):
+        if self.checkpoint and torch.is_grad_enabled() and cache is None:
+            return checkpoint(self._forward, x, pos, use_reentrant=False,
+                              context_fn=lambda: (contextlib.nullcontext(), self._recomputing()))
+        return self._forward(x, pos, cache)
+
+    @contextlib.contextmanager
+    def _recomputing(self):
+        self.ffn.counting = False
+        try:
+            yield
+        finally:
+            self.ffn.counting = True
+
+    def _forward(self, x, pos, cache=None):
         x = x + self.attn(self.attn_norm(x), pos, cache)
         h = self.ffn(self.ffn_norm(x))
         h, aux = h if isinstance(h, tuple) else (h, x.new_zeros(()))
@@ -444,6 +484,22 @@ def flops_per_token(model: Transformer, T: int):
     matmul_params = active - cfg.dim - sum(p.numel() for p in model.parameters() if p.ndim == 1)
     qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     return 6 * matmul_params + 6 * cfg.n_layer * cfg.n_head * T * (qk + cfg.v_head_dim)
+
+
+def activation_elements(cfg: ModelConfig, layer_id: int, cp: int = 1):
+    """Numbers autograd keeps a token for block layer_id's backward, counted from the code above, as
+    flash attention runs it (no T x T scores; CPU's math attention keeps those too). Under context parallelism
+    a rank expands the gathered latent into keys and values for cp times its own tokens. test_all.py checks
+    the count against saved-tensor hooks."""
+    D, H, rope, v = cfg.dim, cfg.n_head, cfg.qk_rope_head_dim, cfg.v_head_dim
+    qk = cfg.qk_nope_head_dim + rope
+    attn = (3 * D + 2 * cfg.q_lora_rank + H * rope + H * qk + 2 * H * v  # x, norms, query, attention output
+            + cp * (3 * cfg.kv_lora_rank + 2 * rope + H * qk + H * (cfg.qk_nope_head_dim + v) + H * v))  # K, V
+    if layer_id < cfg.n_dense_layers:
+        return attn + 2 * D + 4 * cfg.dense_hidden  # norm in/out; SwiGLU: gate, silu(gate), up, their product
+    k = cfg.top_k  # router scores; top-k copies of the token in and out; each copy's SwiGLU; shared expert
+    return attn + 2 * D + 2 * cfg.num_experts + 2 * k + 3 * k * D + 4 * k * cfg.moe_hidden \
+        + 4 * cfg.moe_hidden * cfg.n_shared_experts
 
 
 if __name__ == "__main__":
