@@ -1,20 +1,23 @@
 """Train the Kimi-K2-shaped MoE (model.py) with Muon (muon.py): continued pretraining, then RL, from one CPU
 process to torchrun on many nodes.
 
-The script reads top to bottom: flags, processes and meshes, data, model and sharding, optimizer, pretraining
-loop, checkpoints, RL. With no arguments it trains the `tiny` preset on a laptop CPU in under five minutes:
-pretraining on text every Python install has (this project's sources and the standard library's: nothing to
-download) plus transcripts of the tool-use tasks (tasks.py), then Dr. GRPO with textual feedback (grpo.py,
-feedback.py) on those tasks. `--data` takes a folder of text files or a pre-tokenized uint16 .bin file
-(nanoGPT's format) for real runs. Under torchrun the same code shards dense weights with FSDP2/HSDP on the dense
-mesh and expert weights on the expert mesh (mesh.py), with expert parallelism (--ep) and context parallelism
-(--cp, pretraining only) folded onto the same ranks; in the RL stage each rank samples its own rollouts.
+The script reads top to bottom: flags and checks, the memory plan (--dry-run stops there), processes and
+meshes, data, model and sharding, optimizer, pretraining loop, checkpoints, RL. With no arguments it trains the
+`tiny` preset on a laptop CPU in under five minutes: pretraining on text every Python install has (this
+project's sources and the standard library's: nothing to download) plus transcripts of the tool-use tasks
+(tasks.py), then Dr. GRPO with textual feedback (grpo.py, feedback.py) on those tasks. For real runs `--data`
+takes a folder of llm.c-style token shards (memory-mapped; the read position is checkpointed), a raw uint16
+.bin file (nanoGPT's) or a folder of text. Under torchrun the same code shards dense weights with FSDP2/HSDP on
+the dense mesh and expert weights on the expert mesh (mesh.py), with expert parallelism (--ep) and context
+parallelism (--cp, pretraining only) folded onto the same ranks; in the RL stage each rank samples its own
+rollouts. On CUDA it computes in bf16 (FSDP2's mixed precision, fp32 weights and reductions).
 
     python train.py                                            # tiny preset, CPU: pretraining, then RL
     python train.py --stage pretrain                           # pretraining only (--stage rl --resume: RL only)
     torchrun --nproc_per_node=4 train.py --cp 2 --ep 4 --stage pretrain   # FSDP x CP=2, EP=4 (gloo on CPU)
     torchrun --nproc_per_node=8 train.py --dp-replicate 2 --ep 4
     python train.py --resume                                   # continue from the newest checkpoint in out/
+    python train.py --preset kimi-k2 --dry-run --world 512 --ep 64 --stage pretrain --seq-len 4096 --batch-size 512
 """
 import argparse
 import contextlib
@@ -236,7 +239,8 @@ B_local, T_local = args.batch_size // layout.dp, args.seq_len // layout.cp  # th
 # tokens. Training visits the windows in a seeded order: each epoch shuffles the shards and the windows inside
 # each shard, so every window is read once an epoch and the order is a pure function of (seed, position). The
 # position (windows consumed by all ranks together) goes into the checkpoint, so a resumed run continues on
-# the next unseen window. Every rank computes the whole global batch's window list (cheap) and reads only its
+# the next unseen window. Shards are read one after another, so mixing sources is the tokenizer's job, as for
+# llm.c's shards: shuffle documents before cutting them into shards. Every rank computes the whole global batch's window list (cheap) and reads only its
 # rows and its context-parallel chunk of each: every layout sees the same data.
 
 TOOL_SHARE = 0.9
@@ -257,7 +261,7 @@ def load_tokens(path):
                  for n, seed in ((20000, 1), (1000, 2))]
         tools = [np.tile(t, max(1, round(TOOL_SHARE / (1 - TOOL_SHARE) * len(code) / len(t))))
                  for t, code in zip(tools, (train, val))]
-        return [train, tools[0]], [val, tools[1]], None
+        return [np.concatenate([train, tools[0]])], [np.concatenate([val, tools[1]])], None  # one shard: mixed
     p = Path(path)
     if not p.exists():
         die(f"--data {path}: no such file or folder")
@@ -421,8 +425,9 @@ if world_size > 1:
     fully_shard([model.norm, model.lm_head], mesh=dense_fsdp_mesh, mp_policy=mp)
     fully_shard(model, mesh=dense_fsdp_mesh, mp_policy=mp)
 
+ns_dtype = torch.float32 if args.precision == "fp32" else None  # None: Newton-Schulz in bf16 on CUDA, fp32 on CPU
 optimizer = Muon(param_groups(model.named_parameters(), lr=args.lr, weight_decay=args.weight_decay),
-                 adjust_lr_fn="match_rms_adamw")
+                 adjust_lr_fn="match_rms_adamw", ns_dtype=ns_dtype)
 for group in optimizer.param_groups:
     group["initial_lr"] = group["lr"]
 
@@ -721,7 +726,7 @@ if args.stage != "pretrain":
     # A fresh optimizer: the pretraining momentum points nowhere useful for RL. Muon's update has the same size
     # whatever the gradient's, so the RL learning rate alone sets how far a step moves.
     optimizer = Muon(param_groups(model.named_parameters(), lr=args.rl_lr, weight_decay=0.0),
-                     adjust_lr_fn="match_rms_adamw")
+                     adjust_lr_fn="match_rms_adamw", ns_dtype=ns_dtype)
     difficulty = tasks.DifficultySampler()
     level_rng, task_rng = random.Random(args.seed), random.Random(args.seed * 1000 + rank)  # same level everywhere
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
