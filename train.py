@@ -390,8 +390,8 @@ torch.manual_seed(args.seed)  # every rank builds the same full model, then keep
 model = Transformer(cfg).to(device)
 for block in model.layers:
     block.checkpoint = args.activation_checkpointing
-    if args.compile:
-        block.compile()  # before sharding, as torchtitan does: FSDP's hooks stay outside the compiled code
+    if args.compile:  # the block's computation, inside activation checkpointing and FSDP's hooks (as torchtitan)
+        block._forward = torch.compile(block._forward)
 amp = torch.autocast(device.type, torch.bfloat16, enabled=bf16 and world_size == 1)  # one process: autocast
 
 # FSDP shards the experts over the ranks that hold the same ones: on dim 1 when there are fewer experts than ranks
