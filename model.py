@@ -249,8 +249,9 @@ ALIGN_M = {"cuda": 8}
 
 
 def grouped_mm_ok(x, w):
-    """torch._grouped_mm runs on CPU (any float dtype, bf16 under torch.compile) and on CUDA for bf16 on sm90+ with 16-byte aligned
-    strides (inner dims a multiple of 8); elsewhere (odd shapes, older GPUs) we take the per-expert loop."""
+    """torch._grouped_mm runs on CPU (any float dtype; bf16 only under torch.compile) and on CUDA for bf16 on
+    sm90+ with 16-byte aligned strides (inner dims a multiple of 8); elsewhere (odd shapes, older GPUs) we take
+    the per-expert loop."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     if x.device.type == "cpu":  # torch.compile's shape rules for _grouped_mm accept bf16 only
@@ -269,12 +270,14 @@ def expert_swiglu(xs, counts, w1, w3, w2):
         dtype = torch.get_autocast_dtype(xs.device.type)
         xs, w1, w3, w2 = xs.to(dtype), w1.to(dtype), w3.to(dtype), w2.to(dtype)
     if not grouped_mm_ok(xs, w1):
-        return torch.cat([F.silu(x @ a.T) * (x @ b.T) @ c.T for x, a, b, c in zip(xs.split(counts.tolist()), w1, w3, w2)])
+        rows = xs.split(counts.tolist())
+        return torch.cat([F.silu(x @ a.T) * (x @ b.T) @ c.T for x, a, b, c in zip(rows, w1, w3, w2)])
     align = ALIGN_M.get(xs.device.type, 1)
     if align > 1:
         padded = (counts + align - 1) // align * align  # [E]
         expert = torch.repeat_interleave(torch.arange(len(counts), device=xs.device), counts, output_size=len(xs))
-        dest = torch.arange(len(xs), device=xs.device) + (padded.cumsum(0) - counts.cumsum(0) - (padded - counts))[expert]
+        shift = (padded.cumsum(0) - padded) - (counts.cumsum(0) - counts)  # padded start - packed start [E]
+        dest = torch.arange(len(xs), device=xs.device) + shift[expert]  # each row's place in the padded buffer
         xs = xs.new_zeros(len(xs) + len(counts) * (align - 1), xs.size(1)).index_copy(0, dest, xs)
         counts = padded
     offs = counts.cumsum(0).to(torch.int32)
@@ -343,7 +346,7 @@ class MoE(nn.Module):
         gates = scores.gather(1, idx)  # ...but the gate values are the unbiased scores
         gates = gates / gates.sum(-1, keepdim=True) * cfg.route_scale
         counts = torch.bincount(idx.flatten(), minlength=cfg.num_experts)  # [E]
-        if self.training and self.counting:  # balance on training tokens only: evaluation and sampling must not move the bias
+        if self.training and self.counting:  # training tokens only: evaluation and sampling must not move the bias
             self.tokens_per_expert += counts
         aux = x.new_zeros(())
         if cfg.aux_loss_coef > 0 and self.training:  # switch loss: E * sum_e f_e * P_e

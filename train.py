@@ -80,7 +80,8 @@ g.add_argument("--activation-checkpointing", action="store_true",
 g.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
 g.add_argument("--dry-run", action="store_true",
                help="print the layout and the memory a rank needs (model built on the meta device), then exit")
-g.add_argument("--world", type=int, default=None, help="with --dry-run: the world size to plan for (default: WORLD_SIZE)")
+g.add_argument("--world", type=int, default=None,
+               help="with --dry-run: the world size to plan for (default: WORLD_SIZE)")
 g = parser.add_argument_group("parallelism (torchrun; the shard degrees follow from the world size)")
 g.add_argument("--dp-replicate", type=int, default=1, help="dense-weight replicas (HSDP); dp_shard = world/(dp_replicate*cp)")
 g.add_argument("--cp", type=int, default=1, help="context parallelism: each sequence split over this many ranks")
@@ -240,8 +241,9 @@ B_local, T_local = args.batch_size // layout.dp, args.seq_len // layout.cp  # th
 # each shard, so every window is read once an epoch and the order is a pure function of (seed, position). The
 # position (windows consumed by all ranks together) goes into the checkpoint, so a resumed run continues on
 # the next unseen window. Shards are read one after another, so mixing sources is the tokenizer's job, as for
-# llm.c's shards: shuffle documents before cutting them into shards. Every rank computes the whole global batch's window list (cheap) and reads only its
-# rows and its context-parallel chunk of each: every layout sees the same data.
+# llm.c's shards: shuffle documents before cutting them into shards. Every rank computes the whole global
+# batch's window list (cheap) and reads only its rows and its context-parallel chunk of each: every layout
+# sees the same data.
 
 TOOL_SHARE = 0.9
 SHARD_MAGIC, SHARD_HEADER = 20240520, 256  # llm.c's token shards: 256 int32 [magic, version, n_tokens, ...]
@@ -401,7 +403,8 @@ if world_size > 1:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
     # bf16: FSDP gathers bf16 copies of the fp32 shards for compute and reduce-scatters fp32 gradients
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+        else MixedPrecisionPolicy()
     for block in model.layers:
         block.attn.cp_group = dense_mesh["cp"].get_group() if layout.cp > 1 else None
         if isinstance(block.ffn, MoE):
@@ -410,7 +413,8 @@ if world_size > 1:
                 for name, p in list(experts.named_parameters()):
                     experts.register_parameter(name, nn.Parameter(
                         distribute_tensor(p.data, expert_mesh["ep"], [Shard(0)], src_data_rank=None)))
-            fully_shard(experts, mesh=expert_fsdp_mesh, shard_placement_fn=lambda p: Shard(expert_shard_dim), mp_policy=mp)
+            fully_shard(experts, mesh=expert_fsdp_mesh, shard_placement_fn=lambda p: Shard(expert_shard_dim),
+                        mp_policy=mp)
             # Each expert's gradient already sums the tokens of the whole EP group (the all-to-all carries them
             # home), and FSDP averages over the world/ep ranks holding that expert: dividing by world, not by
             # world/ep, keeps it the mean over the global batch (the "EP factor" bug of other stacks).
