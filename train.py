@@ -357,9 +357,8 @@ for name, shards in (("training", train_shards), ("validation", val_shards)):
 vocab_size = max(cfg.vocab_size, shard_vocab or 1 + max(int(s.max()) for s in train_shards + val_shards if len(s)))
 if vocab_size != cfg.vocab_size:
     cfg = ModelConfig(**{**asdict(cfg), "vocab_size": vocab_size})
-L = args.seq_len + 1
-train_windows = Windows(train_shards, L, args.seed)
-eval_windows = {name: Windows(shards, L, seed=0).next(args.eval_batches * args.batch_size)  # fixed for every run
+train_windows = Windows(train_shards, args.seq_len + 1, args.seed)
+eval_windows = {name: Windows(shards, args.seq_len + 1, seed=0).next(args.eval_batches * args.batch_size)  # fixed for every run
                 for name, shards in (("train", train_shards), ("val", val_shards))}
 
 
