@@ -215,6 +215,10 @@ def memory_plan(cfg, bf16):
     return plan, m
 
 
+def in_gib(plan):
+    return ", ".join(f"{k} {v / 2**30:,.2f}" for k, v in plan.items())
+
+
 if args.dry_run:  # everything above ran as it would under torchrun; nothing below is allocated
     bf16 = args.precision != "fp32"  # plans are for GPUs, where auto means bf16
     plan, meta_model = memory_plan(cfg, bf16)
@@ -225,8 +229,7 @@ if args.dry_run:  # everything above ran as it would under torchrun; nothing bel
           f"{cfg.num_experts // layout.ep} experts a rank | {args.batch_size // layout.dp} x "
           f"{args.seq_len // layout.cp} tokens a rank | {'bf16' if bf16 else 'fp32'} compute"
           f"{', activation checkpointing' if args.activation_checkpointing else ''}")
-    print("memory a rank (GiB): " + ", ".join(f"{k} {v / 2**30:,.2f}" for k, v in plan.items())
-          + f" | total {sum(plan.values()) / 2**30:,.2f}")
+    print(f"memory a rank (GiB): {in_gib(plan)} | total {sum(plan.values()) / 2**30:,.2f}")
     sys.exit(0)
 
 rank, local_rank, world_size, device = init_distributed(None if args.device == "auto" else args.device)
@@ -358,8 +361,8 @@ vocab_size = max(cfg.vocab_size, shard_vocab or 1 + max(int(s.max()) for s in tr
 if vocab_size != cfg.vocab_size:
     cfg = ModelConfig(**{**asdict(cfg), "vocab_size": vocab_size})
 train_windows = Windows(train_shards, args.seq_len + 1, args.seed)
-eval_windows = {name: Windows(shards, args.seq_len + 1, seed=0).next(args.eval_batches * args.batch_size)  # fixed for every run
-                for name, shards in (("train", train_shards), ("val", val_shards))}
+eval_windows = {name: Windows(shards, args.seq_len + 1, seed=0).next(args.eval_batches * args.batch_size)
+                for name, shards in (("train", train_shards), ("val", val_shards))}  # the same for every run
 
 
 def get_batch(shards, windows):
@@ -385,8 +388,8 @@ else:
         if pages else need  # unknown (macOS, Windows): try it
 if need > available:
     die(f"preset {args.preset} ({total / 1e9:.1f}B parameters) needs ~{need / 2**30:,.0f} GiB a rank (the whole "
-        f"model while it is built, then " + ", ".join(f"{k} {v / 2**30:,.1f}" for k, v in plan.items()) +
-        f" GiB), more than the {available / 2**30:,.0f} GiB free on {device}; see --dry-run")
+        f"model while it is built, then {in_gib(plan)} GiB), more than the {available / 2**30:,.0f} GiB free on "
+        f"{device}; see --dry-run")
 torch.manual_seed(args.seed)  # every rank builds the same full model, then keeps its shards
 model = Transformer(cfg).to(device)
 for block in model.layers:
