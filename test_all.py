@@ -462,7 +462,15 @@ def run_train(*flags, world=1):
 
 
 def read_metrics(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    """The run's history in metrics.jsonl, read by train.py's rule: a {"event": "start", "keep": K} record keeps
+    only the first K lines above it (a resumed run redoes what came after its checkpoint)."""
+    lines = []
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record.get("event") == "start":
+            lines = lines[:record["keep"]]
+        lines.append(record)
+    return [r for r in lines if "event" not in r]
 
 
 SMALL_RUN = ["--stage", "pretrain", "--batch-size", "4", "--seq-len", "32", "--log-every", "5", "--eval-batches", "2",
@@ -531,21 +539,27 @@ def test_train_bad_input_is_one_clear_line(tmp_path):
     bad = tmp_path / "bad" / "out" / "step-00000010"
     bad.mkdir(parents=True)
     (bad / ".metadata").write_bytes(b"not a checkpoint at all")
-    (bad / "meta.json").write_text(json.dumps({"step": 10, "config": M.ModelConfig().__dict__, "args": {}}))
+    (bad / "meta.json").write_text(json.dumps({"step": 10, "config": M.ModelConfig().__dict__, "args": {},
+                                               "files": {".metadata": "0" * 64}}))
+    (tmp_path / "file").write_text("")
     cases = {
         "unknown preset": ["--preset", "huge"],
         "must be positive": ["--steps", "0"],
         "exceeds the tiny preset's context": ["--seq-len", "100000"],
         "no such file or folder": ["--data", str(tmp_path / "missing")],
         "no text found": ["--data", str(tmp_path / "empty")],
-        "corrupt or unreadable": ["--resume", "--out", str(tmp_path / "bad" / "out")],
-        "already holds step-00000010; pass --resume": ["--out", str(tmp_path / "bad" / "out")],
+        "step-00000010 is corrupt (.metadata does not match its checksum); no intact checkpoint":
+            ["--resume", "--out", str(tmp_path / "bad" / "out")],
+        "already holds step-00000010, which this run would delete": ["--out", str(tmp_path / "bad" / "out")],
+        "not a checkpoint folder": ["--resume", str(tmp_path), "--out", str(tmp_path / "o")],
+        "is not writable (Not a directory)": ["--out", str(tmp_path / "file" / "out")],
+        "--stage rl needs a model to start from": ["--stage", "rl"],
         "no checkpoint": ["--resume", "--out", str(tmp_path / "nothing")],
         "GiB a rank (the whole model while it is built": ["--preset", "kimi-k2"],
         "--world plans a layout with --dry-run": ["--world", "8"],
         "but 10 bytes follow it (truncated or corrupt shard)": ["--data", str(tmp_path / "shards")],
         "ep(3) = 3 does not divide world size 1": ["--ep", "3"],
-        "the RL stage needs": ["--stage", "rl", "--group-size", "1"],
+        "the RL stage needs": ["--group-size", "1"],
     }
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = {k: subprocess.Popen([sys.executable, str(HERE / "train.py"), *v], stdout=subprocess.PIPE,
@@ -718,9 +732,10 @@ def test_checkpoint_resumes_at_another_world_size(par_data, single_process, tmp_
     np.testing.assert_allclose([r["loss"] for r in rows], [r["loss"] for r in single_process[0]], rtol=1e-5)
 
 
-def test_bad_layout_stops_every_rank_with_one_line(tmp_path):
-    """Workers started as torchrun starts them (RANK, WORLD_SIZE, ...): each prints the same single line and
-    exits 2 before any collective, so no rank is left waiting."""
+def test_bad_input_stops_every_rank_and_prints_once(tmp_path):
+    """Workers started as torchrun starts them (RANK, WORLD_SIZE, ...): all exit 2 and rank 0 alone prints the
+    one line, for a check before the process group exists (the layout, the RL batch) and for one after it
+    (no checkpoint to resume: rank 0 looks, every rank hears its verdict), so no rank is left waiting."""
     def stderr_of_workers(world, port, *flags):
         procs = [subprocess.Popen([sys.executable, str(HERE / "train.py"), *flags, "--out", str(tmp_path)],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -730,14 +745,17 @@ def test_bad_layout_stops_every_rank_with_one_line(tmp_path):
                  for rank in range(world)]
         outs = [p.communicate(timeout=120)[1] for p in procs]
         assert all(p.returncode == 2 for p in procs), outs
-        return [err.strip().splitlines() for err in outs]
+        assert all(not err.strip() for err in outs[1:]), outs
+        return outs[0].strip().splitlines()
 
-    for lines in stderr_of_workers(4, 29531, "--cp", "2", "--ep", "3"):
-        assert lines == ["error: layout: ep_replicate(1) * ep(3) = 3 does not divide world size 4, so ep_shard = "
-                         "world / (ep_replicate * ep) is not an integer"], lines
-    # a layout that trains but cannot sample: context parallelism in the RL stage
-    for lines in stderr_of_workers(2, 29532, "--cp", "2", "--stage", "both"):
-        assert len(lines) == 1 and "--cp 2 with the RL stage" in lines[0], lines
+    cases = {(4, 29531, "--cp", "2", "--ep", "3"): "error: layout: ep_replicate(1) * ep(3) = 3 does not divide world "
+                                                   "size 4, so ep_shard = world / (ep_replicate * ep) is not an integer",
+             (2, 29532, "--tasks-per-step", "3"): "error: --tasks-per-step 3 does not split over 2 ranks (each samples "
+                                                  "its own groups); pass a multiple of 2, e.g. --tasks-per-step 4",
+             (2, 29533, "--resume"): f"error: --resume: no checkpoint in {tmp_path} (expected a step-NNNNNNNN folder); "
+                                     f"start without --resume"}
+    for (world, port, *flags), line in cases.items():
+        assert stderr_of_workers(world, port, *flags) == [line]
 
 
 # -----------------------------------------------------------------------------
@@ -1240,18 +1258,20 @@ def test_sampled_estimator_matches_full_kl_in_expectation():
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_train_rl_stage_logs_reward_tool_errors_and_feedback(world, tmp_path):
-    """The RL stage from a fresh model, in one process and under torchrun with expert parallelism (each rank
-    samples its own groups with a gathered copy of the policy; one sharded forward and backward a step)."""
-    r = run_train("--stage", "rl", "--rl-steps", "2", "--group-size", "2", "--tasks-per-step", "2",
-                  "--eval-batches", "1", "--log-every", "4", "--rl-eval-tasks", "1", "--out", str(tmp_path),
-                  *(["--ep", "2"] if world > 1 else []), world=world)
+    """The RL stage from a fresh model, in one process and under torchrun with context and expert parallelism
+    (each rank samples its own groups with a gathered copy of the policy; one sharded forward and backward a
+    step, the cp ranks acting as data-parallel ones)."""
+    r = run_train("--stage", "rl", "--init", "scratch", "--rl-steps", "2", "--group-size", "2", "--eval-batches",
+                  "1", "--log-every", "4", "--rl-eval-tasks", "1", "--out", str(tmp_path),
+                  *(["--tasks-per-step", "2"] if world == 1 else ["--cp", "2", "--ep", "2"]), world=world)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [row for row in read_metrics(tmp_path) if row.get("stage") == "rl"]
     assert [row["rl_step"] for row in rows] == [1, 2]
     for row in rows:
         assert {"reward", "tool_error_rate", "feedback_kl", "gen_tokens", "level", "malformed_rate"} <= set(row)
         assert 0 <= row["reward"] <= 1 and row["gen_tokens"] <= 128  # the constant normaliser caps the length
-    assert "rl step" in r.stdout and f"{2 // world} tasks a rank" in r.stdout
+    assert "rl step" in r.stdout and "2 tasks a rank" in r.stdout  # W=2: the default of 4 tasks a step
+    assert ("--cp 2 folds into data parallelism" in r.stdout) == (world == 2)
     evals = [row for row in read_metrics(tmp_path) if row.get("stage") == "rl_eval"]
     assert [row["rl_step"] for row in evals] == [0, 2] and all(0 <= row["pass_level1"] <= 1 for row in evals)
     assert (tmp_path / "step-00000002").is_dir()  # the RL stage's checkpoint: a fresh model + --rl-steps

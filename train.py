@@ -20,15 +20,22 @@ rollouts. On CUDA it computes in bf16 (FSDP2's mixed precision, fp32 weights and
     python train.py --preset kimi-k2 --dry-run --world 512 --ep 64 --stage pretrain --seq-len 4096 --batch-size 512
 """
 import argparse
+import atexit
 import contextlib
 import copy
+import errno
 import functools
+import hashlib
 import json
 import logging
 import math
 import os
 import random
+import re
+import shlex
 import shutil
+import signal
+import socket
 import sys
 import sysconfig
 import time
@@ -40,6 +47,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
@@ -94,16 +102,24 @@ g.add_argument("--data", default=None,
                     "it is validation), or a folder of text files; default: this project's and Python's "
                     "standard library's sources")
 g.add_argument("--out", default="out", help="folder for metrics.jsonl and the checkpoints (step-NNNNNNNN/)")
-g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in OUT")
+g.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
+               help="continue from the newest intact checkpoint in OUT, or from the step-NNNNNNNN folder given")
+g.add_argument("--keep", type=int, default=1,
+               help="checkpoints kept: the newest KEEP, plus the last one of each stage (pretraining, RL)")
 g.add_argument("--log-every", type=int, default=20, help="steps between progress lines")
 g.add_argument("--eval-every", type=int, default=200, help="steps between validation evaluations and checkpoints")
 g.add_argument("--eval-batches", type=int, default=8, help="batches per validation evaluation")
 g = parser.add_argument_group("RL stage: Dr. GRPO with textual feedback on the tool-use tasks")
-g.add_argument("--stage", default="both", choices=["pretrain", "rl", "both"],
-               help="pretrain then RL, pretraining only, or RL only (from --resume or a fresh model)")
+g.add_argument("--stage", default=None, choices=["pretrain", "rl", "both"],
+               help="pretrain then RL, pretraining only, or RL only (from --resume); default: both, but only "
+                    "pretraining with --data (the RL tasks are this project's tool-use tasks, not your corpus)")
+g.add_argument("--init", default=None, choices=["scratch"],
+               help="scratch: let --stage rl start from random weights (a smoke test: it earns no reward)")
 g.add_argument("--rl-steps", type=int, default=20, help="RL optimizer steps")
 g.add_argument("--group-size", type=int, default=8, help="rollouts per task (the GRPO group)")
-g.add_argument("--tasks-per-step", type=int, default=4, help="tasks (groups) per RL step")
+g.add_argument("--tasks-per-step", type=int, default=None,
+               help="tasks (groups) per RL step, a multiple of the world size (each rank samples its own); "
+                    "default: 4 rounded up to a multiple of the world size")
 g.add_argument("--rl-lr", type=float, default=1e-3, help="RL learning rate (both groups)")
 g.add_argument("--feedback-coef", type=float, default=0.1, help="lambda of the feedback KL (0: pure RL)")
 g.add_argument("--feedback-rules", default="tool_not_found",
@@ -128,14 +144,17 @@ is_rank0 = int(os.environ.get("RANK", "0")) == 0
 
 
 def die(msg):
-    """Bad input ends the run on every rank with one line naming the problem and exit code 2."""
-    print(f"error: {msg}", file=sys.stderr, flush=True)
+    """Bad input ends the run on every rank with exit code 2 and one line naming the problem, printed once:
+    every check sees the same flags and files on every rank (or its verdict is shared first), so rank 0 speaks
+    for all."""
+    if is_rank0:
+        print(f"error: {msg}", file=sys.stderr, flush=True)
     sys.exit(2)
 
 
-def print0(*a):
+def print0(*a, **kw):
     if is_rank0:
-        print(*a, flush=True)
+        print(*a, **kw, flush=True)
 
 
 if args.preset not in PRESETS:
@@ -145,7 +164,7 @@ if args.num_experts is not None:
     if not cfg.top_k <= args.num_experts:
         die(f"--num-experts {args.num_experts} is fewer than the {args.preset} preset's top-{cfg.top_k} routing")
     cfg = ModelConfig(**{**asdict(cfg), "num_experts": args.num_experts})
-for flag in ("steps", "batch_size", "seq_len", "log_every", "eval_every", "eval_batches"):
+for flag in ("steps", "batch_size", "seq_len", "log_every", "eval_every", "eval_batches", "keep"):
     if getattr(args, flag) <= 0:
         die(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
 if args.seq_len > cfg.max_seq_len:
@@ -163,18 +182,20 @@ try:
                          num_experts=cfg.num_experts, seq_len=args.seq_len, batch_size=args.batch_size)
 except LayoutError as e:
     die(f"layout: {e}")
+args.stage = args.stage or ("pretrain" if args.data else "both")  # RL trains on the tool tasks, not on --data
+if args.stage == "rl" and not args.resume and args.init != "scratch":
+    die("--stage rl needs a model to start from: run `python train.py --stage pretrain` first, then "
+        "`python train.py --stage rl --resume` (or pass --init scratch to start RL from random weights)")
 if args.stage != "pretrain":
+    args.tasks_per_step = args.tasks_per_step or -(-4 // world_size) * world_size  # >= 4, one a rank at least
     if min(args.rl_steps, args.tasks_per_step, args.rl_lr, args.rl_eval_every) <= 0 or args.group_size < 2:
         die("the RL stage needs --rl-steps, --tasks-per-step, --rl-lr and --rl-eval-every > 0, --group-size >= 2")
     unknown = set(args.feedback_rules.split(",")) - {name for name, _ in RULES}
     if unknown:
         die(f"--feedback-rules: unknown rule(s) {', '.join(sorted(unknown))}; choose from {', '.join(n for n, _ in RULES)}")
-    if args.cp > 1:
-        die(f"--cp {args.cp} with the RL stage: rollouts are a few hundred tokens, sampled whole on each rank; "
-            f"context parallelism has nothing to split there (use --stage pretrain, or --cp 1)")
     if args.tasks_per_step % world_size:
         die(f"--tasks-per-step {args.tasks_per_step} does not split over {world_size} ranks (each samples its own "
-            f"groups); use a multiple of {world_size}")
+            f"groups); pass a multiple of {world_size}, e.g. --tasks-per-step {-(-args.tasks_per_step // world_size) * world_size}")
 
 
 # -----------------------------------------------------------------------------
@@ -189,12 +210,14 @@ def memory_plan(cfg, bf16):
     one and the prefetched next) plus one unit's fp32 gradient before its reduce-scatter; in one process with
     bf16, autocast's bf16 copy of every weight instead. Activations of this rank's tokens: model.py's
     activation_elements per layer (under activation checkpointing only each block's input, plus one block
-    being recomputed) in the compute dtype, and the fp32 logits with their gradient."""
+    being recomputed) in the compute dtype, and the fp32 logits with their gradient. A checkpoint holds the
+    fp32 weights and optimizer state of all ranks together (plan["checkpoint"], not held in memory)."""
     with torch.device("meta"):
         m = Transformer(cfg)
     expert_ids = {id(p) for moe in m.moe_layers() for p in moe.experts.parameters()}
     muon_ids = {id(p) for p in param_groups(m.named_parameters(), lr=1.0, weight_decay=0.0)[0]["params"]}
     plan = dict.fromkeys(["weights", "gradients", "optimizer", "working copies", "activations"], 0.0)
+    checkpoint = sum((8 if id(p) in muon_ids else 12) * p.numel() for p in m.parameters())
     for p in m.parameters():
         n = p.numel() / (layout.ep * layout.ep_shard if id(p) in expert_ids else layout.dp_shard * layout.cp)
         plan["weights"] += 4 * n
@@ -212,7 +235,7 @@ def memory_plan(cfg, bf16):
     per_token = cfg.n_layer * cfg.dim + max(per_layer) if args.activation_checkpointing else sum(per_layer)
     tokens = args.batch_size // layout.dp * (args.seq_len // layout.cp)
     plan["activations"] = tokens * (per_token * compute + 2 * 4 * cfg.vocab_size)
-    return plan, m
+    return plan, m, checkpoint
 
 
 def in_gib(plan):
@@ -221,7 +244,7 @@ def in_gib(plan):
 
 if args.dry_run:  # everything above ran as it would under torchrun; nothing below is allocated
     bf16 = args.precision != "fp32"  # plans are for GPUs, where auto means bf16
-    plan, meta_model = memory_plan(cfg, bf16)
+    plan, meta_model, checkpoint_bytes = memory_plan(cfg, bf16)
     total, active = param_counts(meta_model)
     print(f"preset {args.preset}: {total / 1e9:.2f}B parameters, {active / 1e9:.2f}B active | world {world_size}: "
           f"dense (dp_replicate={layout.dp_replicate}, dp_shard={layout.dp_shard}, cp={layout.cp}), experts "
@@ -229,7 +252,8 @@ if args.dry_run:  # everything above ran as it would under torchrun; nothing bel
           f"{cfg.num_experts // layout.ep} experts a rank | {args.batch_size // layout.dp} x "
           f"{args.seq_len // layout.cp} tokens a rank | {'bf16' if bf16 else 'fp32'} compute"
           f"{', activation checkpointing' if args.activation_checkpointing else ''}")
-    print(f"memory a rank (GiB): {in_gib(plan)} | total {sum(plan.values()) / 2**30:,.2f}")
+    print(f"memory a rank (GiB): {in_gib(plan)} | total {sum(plan.values()) / 2**30:,.2f} | a checkpoint "
+          f"(all ranks) {checkpoint_bytes / 2**30:,.2f} GiB on disk")
     sys.exit(0)
 
 rank, local_rank, world_size, device = init_distributed(None if args.device == "auto" else args.device)
@@ -237,6 +261,147 @@ bf16 = args.precision == "bf16" or (args.precision == "auto" and device.type == 
 dense_mesh, expert_mesh, dense_fsdp_mesh, expert_fsdp_mesh = build_meshes(layout, device.type)
 dp_rank, cp_rank = layout.coords(rank)
 B_local, T_local = args.batch_size // layout.dp, args.seq_len // layout.cp  # this rank's share of the batch
+
+# -----------------------------------------------------------------------------
+# The run folder: --out holds metrics.jsonl and the checkpoints step-NNNNNNNN/. A checkpoint is written as
+# step-N.tmp by torch.distributed.checkpoint (DCP: every rank writes its shards into the one folder, which loads
+# at any world size and layout; files fsynced), checksummed into its meta.json, then renamed: a step-N folder is
+# always complete. Old ones are renamed to step-N.del before they are deleted, so a kill never leaves a
+# half-deleted checkpoint, and leftovers of either kind are removed at start. A lock file keeps a second run out.
+# The file-system work is rank 0's (or split over the ranks); every verdict is shared, so all ranks act alike.
+
+out = Path(args.out)
+lock = out / "train.lock"
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # DCP in one process: intended
+
+
+def agree(err):
+    """-> the error of the lowest rank that has one, or None, on every rank (each passes its own or None)."""
+    if world_size > 1:
+        errs = [None] * world_size
+        dist.all_gather_object(errs, err)
+        err = next((e for e in errs if e), None)
+    return err
+
+
+def checkpoints():
+    return sorted(p for p in out.glob("step-*") if p.is_dir() and re.fullmatch(r"step-\d{8}", p.name))
+
+
+def read_meta(path):
+    return json.loads((path / "meta.json").read_text())
+
+
+def sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def damage(path):
+    """-> None when the checkpoint's files match the checksums in its meta.json, else what is wrong with it.
+    Each rank reads its share of the files."""
+    try:
+        files = read_meta(path)["files"]
+        for name in sorted(files)[rank::world_size]:
+            if sha256(path / name) != files[name]:
+                return f"{name} does not match its checksum"
+    except FileNotFoundError as e:
+        return f"{Path(e.filename).name} is missing"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"unreadable meta.json ({type(e).__name__}: {e})"
+    return None
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, TypeError, ValueError, OverflowError):
+        pass  # someone else's process, or a lock we cannot read: assume it runs
+    return True
+
+
+def take_out_folder():
+    """Rank 0: create --out, take its lock (or refuse), clear what killed runs left. -> error line or None"""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        me = out / f".train.lock.{socket.gethostname()}.{os.getpid()}"
+        me.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.ctime()}))
+    except OSError as e:
+        return f"--out {out} is not writable ({e.strerror or e})"
+    try:
+        while True:
+            try:
+                os.link(me, lock)  # atomic, and the lock is complete when it appears
+                break
+            except FileExistsError:
+                try:
+                    other = json.loads(lock.read_text())
+                except FileNotFoundError:
+                    continue  # released meanwhile
+                except (OSError, ValueError):
+                    other = {}
+                if other.get("host") != socket.gethostname() or pid_alive(other.get("pid")):
+                    return (f"--out {out} is in use by another run (pid {other.get('pid')} on host "
+                            f"{other.get('host')}, started {other.get('started')}); wait for it or choose another "
+                            f"--out (remove {lock} if that run is gone)")
+                lock.unlink(missing_ok=True)  # its process is dead: a stale lock
+                print0(f"note: took over the lock of a run that no longer runs (pid {other.get('pid')})")
+    finally:
+        me.unlink(missing_ok=True)
+    atexit.register(lambda: lock.unlink(missing_ok=True) if lock.exists() and
+                    json.loads(lock.read_text()).get("pid") == os.getpid() else None)
+    left = [p for p in out.glob("step-*") if p.suffix in (".tmp", ".del") and p.is_dir()]
+    for p in left:
+        shutil.rmtree(p)
+    if left:
+        print0(f"note: removed {len(left)} unfinished checkpoint folder(s) left by a killed run: "
+               + ", ".join(p.name for p in left))
+    return None
+
+
+err = agree(take_out_folder() if is_rank0 else None)
+if err:
+    die(err)
+
+# --resume: the newest intact checkpoint (or the one named), and what the run does from there
+meta, resume_path = None, None
+if args.resume:
+    named = args.resume != "latest"
+    found = [Path(args.resume)] if named else checkpoints()[::-1]
+    if named and not (found[0] / "meta.json").is_file():
+        die(f"--resume {args.resume}: not a checkpoint folder (no meta.json in it)")
+    if not found:
+        die(f"--resume: no checkpoint in {out} (expected a step-NNNNNNNN folder); start without --resume")
+    for path in found:
+        err = agree(damage(path))
+        if not err:
+            meta, resume_path = read_meta(path), path
+            break
+        if named or path == found[-1]:
+            die(f"--resume: checkpoint {path} is corrupt ({err})" +
+                ("" if named else "; no intact checkpoint in " + str(out)))
+        print0(f"warning: checkpoint {path} is corrupt ({err}); resuming from an older one", file=sys.stderr)
+    if meta.get("stage") == "rl" and args.stage == "pretrain":
+        die(f"--resume: {resume_path} was written by the RL stage; pretraining does not continue from an RL "
+            f"checkpoint (pass --stage rl, or --resume with a pretraining checkpoint)")
+    if meta.get("stage") == "rl" and meta["rl_step"] >= args.rl_steps:
+        die(f"--resume: {resume_path} is already at RL step {meta['rl_step']} of --rl-steps {args.rl_steps}; "
+            f"raise --rl-steps to continue RL")
+    if meta.get("stage") != "rl" and meta["step"] >= args.steps and args.stage == "pretrain":
+        die(f"--resume: {resume_path} is already at step {meta['step']} of --steps {args.steps}; raise --steps "
+            f"to continue pretraining, or pass --stage rl to start RL from it")
+    if meta.get("stage") == "rl" and args.kl_coef and not meta.get("has_reference"):
+        die(f"--resume: {resume_path} was written with --kl-coef 0 and holds no KL reference; resume with --kl-coef 0")
+if checkpoints() and (resume_path is None or resume_path.resolve().parent != out.resolve()):
+    die(f"--out {out} already holds {checkpoints()[-1].name}, which this run would delete as it saves its own; "
+        f"pass --resume to continue from it, or choose another --out")
+rl_resumed = meta is not None and meta.get("stage") == "rl"
+
 
 # -----------------------------------------------------------------------------
 # Data: token shards (numpy arrays, memory-mapped from disk for real runs) cut into windows of seq_len + 1
@@ -377,7 +542,7 @@ def get_batch(shards, windows):
 # -----------------------------------------------------------------------------
 # Model, sharding and optimizer
 
-plan, meta_model = memory_plan(cfg, bf16)  # first: a preset that cannot fit gets one line, not an OOM crash
+plan, meta_model, checkpoint_bytes = memory_plan(cfg, bf16)  # first: a preset that cannot fit gets one line, not an OOM crash
 total, active = param_counts(meta_model)
 need = max(sum(plan.values()), 4 * total)  # each rank builds the whole fp32 model once before sharding it
 if device.type == "cuda":
@@ -432,10 +597,15 @@ if world_size > 1:
     fully_shard(model, mesh=dense_fsdp_mesh, mp_policy=mp)
 
 ns_dtype = torch.float32 if args.precision == "fp32" else None  # None: Newton-Schulz in bf16 on CUDA, fp32 on CPU
-optimizer = Muon(param_groups(model.named_parameters(), lr=args.lr, weight_decay=args.weight_decay),
-                 adjust_lr_fn="match_rms_adamw", ns_dtype=ns_dtype)
-for group in optimizer.param_groups:
-    group["initial_lr"] = group["lr"]
+
+
+def make_optimizer(lr, weight_decay):
+    return Muon(param_groups(model.named_parameters(), lr=lr, weight_decay=weight_decay),
+                adjust_lr_fn="match_rms_adamw", ns_dtype=ns_dtype)
+
+
+# the RL stage steps with a Muon of its own (see below): an RL checkpoint holds that one's state
+optimizer = make_optimizer(args.rl_lr, 0.0) if rl_resumed else make_optimizer(args.lr, args.weight_decay)
 
 
 def clip_grad_norm(max_norm):
@@ -465,13 +635,18 @@ def lr_factor(step):
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def mean_over_ranks(x):
-    """A float averaged over all ranks (each holds an equal share of tokens); as is at world size 1."""
+def sum_over_ranks(xs):
+    """Floats summed over all ranks; as they are at world size 1."""
     if world_size == 1:
-        return x
-    t = torch.tensor([x], dtype=torch.float64, device=device)
+        return [float(x) for x in xs]
+    t = torch.tensor([float(x) for x in xs], dtype=torch.float64, device=device)
     dist.all_reduce(t)
-    return t.item() / world_size
+    return t.tolist()
+
+
+def mean_over_ranks(x):
+    """A float averaged over all ranks (each holds an equal share of tokens)."""
+    return sum_over_ranks([x])[0] / world_size
 
 
 @torch.no_grad()
@@ -527,81 +702,179 @@ def peak_memory():
 
 
 # -----------------------------------------------------------------------------
-# Checkpoints: torch.distributed.checkpoint (DCP) writes every rank's shards into one folder a step, which loads
-# at any world size and layout. Atomic: written as step-N.tmp, renamed when complete, older ones removed after.
+# Checkpoints, metrics and signals
 
-out = Path(args.out)
-warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # DCP in one process: intended
+reference = Transformer(cfg).to(device).requires_grad_(False) if rl_resumed and args.kl_coef else None  # RL's KL
 
 
-def checkpoints():
-    return sorted(p for p in out.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
-
-
-def barrier():
-    if world_size > 1:
-        dist.barrier()
-
-
-def save_checkpoint(step):
-    path, tmp = out / f"step-{step:08d}", out / f"step-{step:08d}.tmp"
+def state_dicts():
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp, no_dist=world_size == 1)
-    if is_rank0:
-        (tmp / "meta.json").write_text(json.dumps({"step": step, "data_pos": train_windows.pos, "config": asdict(cfg),
-                                                   "args": vars(args)}))
-        if path.exists():  # left by an earlier run in the same folder
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-        for old in checkpoints():
-            if old != path:
-                shutil.rmtree(old)
-    barrier()
+    return {"model": model_sd, "optim": optim_sd, **({"reference": reference.state_dict()} if reference else {})}
+
+
+def save_checkpoint(step, **run_state):
+    """Every rank writes its shards into step-N.tmp and checksums its share of the files; rank 0 writes meta.json
+    (the step, run_state, the data position, the checksums, how many metrics lines the run has so far), fsyncs it
+    and renames the folder, then retires old checkpoints. A failure (a full disk, above all) removes the partial
+    folder and stops every rank with one line."""
+    path, tmp = out / f"step-{step:08d}", out / f"step-{step:08d}.tmp"
+    sums, err = {}, None
+    try:
+        dcp.save(state_dicts(), storage_writer=FileSystemWriter(tmp, sync_files=True), no_dist=world_size == 1)
+        sums = {f: sha256(tmp / f) for f in sorted(f.name for f in tmp.iterdir())[rank::world_size]}
+    except (Exception, CheckpointException) as e:
+        err = save_failure(e, path)
+    parts = [(err, sums)]
+    if world_size > 1:
+        parts = [None] * world_size
+        dist.all_gather_object(parts, (err, sums))
+    err = next((e for e, _ in parts if e), None)
+    if is_rank0 and not err:
+        try:
+            meta = {"step": step, **run_state, "data_pos": train_windows.pos, "metrics_lines": metrics_lines,
+                    "has_reference": reference is not None, "config": asdict(cfg), "args": vars(args),
+                    "files": {f: h for _, s in parts for f, h in s.items()}}
+            with open(tmp / "meta.json", "w") as f:
+                json.dump(meta, f)
+                f.flush()
+                os.fsync(f.fileno())
+            if path.exists():  # a damaged one that --resume passed over
+                retire(path)
+            os.replace(tmp, path)
+            fsync_dir(out)
+            retire_old()
+        except OSError as e:
+            err = save_failure(e, path)
+    err = agree(err)
+    if err:
+        if is_rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        die(err)
+
+
+def save_failure(e, path):
+    """-> one line for an exception raised while saving. torch's writer hides a full disk as 'unexpected pos',
+    so a failure with less than a checkpoint's size free is called what it is."""
+    free = shutil.disk_usage(out).free
+    if getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e) or free < checkpoint_bytes:
+        return (f"no space left on device: checkpoint {path} could not be written ({free / 2**20:,.0f} MiB free, "
+                f"a checkpoint takes ~{checkpoint_bytes / 2**20:,.0f} MiB); the partial checkpoint was removed and "
+                f"the run stopped; free space, then resume")
+    msg = str(e).strip().splitlines()[-1][:160] if str(e).strip() else "no details"
+    return f"checkpoint {path} could not be written ({type(e).__name__}: {msg})"
+
+
+def fsync_dir(path):
+    if os.name == "posix":  # the rename itself reaches the disk
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+
+def retire(path):
+    """Delete a checkpoint folder; renamed first, so a kill midway leaves a .del folder, never a broken step-N."""
+    os.replace(path, path.with_name(path.name + ".del"))
+    shutil.rmtree(path.with_name(path.name + ".del"))
+
+
+def retire_old():
+    """Keep the newest --keep checkpoints and the last one of each stage: RL never deletes the pretrained model."""
+    found = checkpoints()
+    stages = {}
+    for p in found:
+        with contextlib.suppress(OSError, ValueError):
+            stages[p] = read_meta(p).get("stage")
+    keep = set(found[-args.keep:])
+    for stage in ("pretrain", "rl"):
+        keep.update([p for p in found if stages.get(p) == stage][-1:])
+    for p in found:
+        if p not in keep:
+            retire(p)
 
 
 start_step = 0
-if not args.resume and checkpoints():  # a new run would delete them as it saves its own
-    die(f"--out {out} already holds {checkpoints()[-1].name}; pass --resume to continue from it, or another --out")
-if args.resume:
-    found = checkpoints()
-    if not found:
-        die(f"--resume: no checkpoint in {out} (expected a step-NNNNNNNN folder)")
-    path = found[-1]
+if meta:
+    if meta["config"] != asdict(cfg):
+        die(f"--resume: {resume_path} holds a different model (preset {meta['args']['preset']!r}, vocab "
+            f"{meta['config']['vocab_size']}) than this run ({args.preset!r}, vocab {cfg.vocab_size})")
+    state = state_dicts()
+    logging.disable(logging.ERROR)  # DCP logs tracebacks of what it cannot read; we report it in one line
     try:
-        meta = json.loads((path / "meta.json").read_text())
-        if meta["config"] != asdict(cfg):
-            die(f"--resume: {path} holds a different model (preset {meta['args']['preset']!r}, vocab "
-                f"{meta['config']['vocab_size']}) than this run ({args.preset!r}, vocab {cfg.vocab_size})")
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-        logging.disable(logging.ERROR)  # DCP logs tracebacks of what it cannot read; we report it in one line
-        dcp.load(state, checkpoint_id=path, no_dist=world_size == 1)  # reshards: any writer layout loads
-        logging.disable(logging.NOTSET)
+        dcp.load(state, checkpoint_id=resume_path, no_dist=world_size == 1)  # reshards: any writer layout loads
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        start_step = meta["step"]
-        train_windows.pos = meta.get("data_pos", start_step * args.batch_size)  # the next unseen window
-    except SystemExit:
-        raise
-    except (Exception, CheckpointException) as e:  # missing or truncated files, not a checkpoint, wrong shapes
+        if reference is not None:
+            reference.load_state_dict(state["reference"])
+    except (Exception, CheckpointException) as e:  # its checksums passed, so this is not damage: say what it is
         msg = str(e).strip().splitlines()[-1][:160] if str(e).strip() else "no details"
-        die(f"--resume: checkpoint {path} is corrupt or unreadable ({type(e).__name__}: {msg})")
-    if start_step >= args.steps and args.stage != "rl":
-        die(f"--resume: the checkpoint is already at step {start_step} >= --steps {args.steps}")
-    for group in optimizer.param_groups:  # the schedule comes from this run's flags
-        group["initial_lr"] = args.lr
+        die(f"--resume: checkpoint {resume_path} is intact but does not load into this run ({type(e).__name__}: {msg})")
+    logging.disable(logging.NOTSET)
+    start_step, train_windows.pos = meta["step"], meta["data_pos"]  # the next unseen window
 
-# -----------------------------------------------------------------------------
-# Training loop
-
-metrics_path = out / "metrics.jsonl"
+# metrics.jsonl is append-only: every record is flushed as it is written, and each run (fresh or resumed) first
+# writes {"event": "start", "keep": K}: of the lines above it only the first K belong to the run's history
+# (records past the resumed checkpoint are about to be redone). A reader applies that rule; see test_all.py.
+metrics_path, metrics_lines = out / "metrics.jsonl", 0
 if is_rank0:
-    out.mkdir(parents=True, exist_ok=True)
-    kept = []  # on resume keep the records up to the checkpoint's step: steps after it are about to be redone
-    if args.resume and metrics_path.exists():
-        kept = [ln for ln in metrics_path.read_text().splitlines() if ln and json.loads(ln)["step"] <= start_step]
-    metrics = open(metrics_path, "w")
-    metrics.writelines(ln + "\n" for ln in kept)
-barrier()
+    text = metrics_path.read_bytes() if metrics_path.exists() else b""
+    cut = text.rfind(b"\n") + 1  # a run killed mid-write leaves its last record torn
+    if cut < len(text):
+        os.truncate(metrics_path, cut)
+        print(f"warning: {metrics_path}: dropped a torn last line ({len(text) - cut} bytes) written as a run "
+              f"was killed", file=sys.stderr, flush=True)
+    metrics_lines = text[:cut].count(b"\n")
+    metrics = open(metrics_path, "a")
+
+
+def log(record):
+    global metrics_lines
+    if is_rank0:
+        metrics.write(json.dumps(record) + "\n")
+        metrics.flush()
+        metrics_lines += 1
+
+
+same_folder = resume_path is not None and resume_path.resolve().parent == out.resolve()
+log({"event": "start", "keep": min(meta.get("metrics_lines", metrics_lines), metrics_lines) if same_folder else 0,
+     "step": start_step, "resumed_from": str(resume_path) if resume_path else None, "argv": sys.argv[1:],
+     "world_size": world_size, "time": time.time()})
+
+# SIGINT (Ctrl-C) and SIGTERM (a preempted job; torchrun passes it on) finish the current step on every rank,
+# which agree at the step's end (the flag rides on the loss's all-reduce), save it and print how to resume.
+stop_signal = None
+
+
+def on_signal(signum, frame):
+    global stop_signal
+    stop_signal = stop_signal or signum
+
+
+for sig in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(sig, on_signal)
+
+
+def stop_here(step, saved, **run_state):
+    if not saved:
+        save_checkpoint(step, **run_state)
+    sig = signal.Signals(stop_signal or signal.SIGTERM)  # the rank that got it may not be this one
+    argv = [a for a in sys.argv[1:] if not a.startswith("--resume=")]  # the same flags, resuming from --out
+    if "--resume" in argv:
+        i = argv.index("--resume")
+        del argv[i:i + (1 if args.resume == "latest" else 2)]
+    launcher = ["python"] if world_size == 1 else \
+        ["torchrun", f"--nproc_per_node={os.environ.get('LOCAL_WORLD_SIZE', world_size)}"] + \
+        ([f"--nnodes={world_size // int(os.environ['LOCAL_WORLD_SIZE'])}", "<your rendezvous flags>"]
+         if int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) != world_size else [])
+    print0(f"stopped by {sig.name} after step {step} (checkpoint {out / f'step-{step:08d}'}); resume with: "
+           f"{shlex.join(launcher + [sys.argv[0]] + argv + ['--resume'])}", file=sys.stderr)
+    sys.exit(128 + sig)
+
+
+free = shutil.disk_usage(out).free if is_rank0 else 0
+err = agree(f"--out {out} has {free / 2**20:,.0f} MiB free, less than two checkpoints need "
+            f"({2 * checkpoint_bytes / 2**20:,.0f} MiB: one being written while the last one is kept)"
+            if is_rank0 and free < 2 * checkpoint_bytes else None)
+if err:
+    die(err)
 tokens_per_step = args.batch_size * args.seq_len
 flops_per_step = flops_per_token(model, args.seq_len) * tokens_per_step
 peak, peak_source = device_peak()  # per rank
@@ -615,26 +888,24 @@ print0(f"preset {args.preset}: {total / 1e6:.2f}M parameters, {active / 1e6:.2f}
        f"Shard({expert_shard_dim})" if world_size > 1 else "") + f" | {'bf16' if bf16 else 'fp32'} compute | peak "
        f"{peak / 1e9:,.1f} GFLOP/s a rank ({peak_source})")
 
+# -----------------------------------------------------------------------------
+# Pretraining loop
 
-def log(record):
-    if is_rank0:
-        metrics.write(json.dumps(record) + "\n")
-        metrics.flush()
-
-
-if start_step == 0:
+pretraining = args.stage != "rl" and not rl_resumed
+if resume_path:
+    print0(f"resumed from {resume_path} at step {start_step}" +
+           (f" (RL step {meta['rl_step']})" if rl_resumed else ""))
+elif pretraining:
     train_loss, val_loss = evaluate()
     print0(f"step {0:5d} | train loss {train_loss:.4f} | val loss {val_loss:.4f}")
     log({"step": 0, "loss": train_loss, "val_loss": val_loss})
-else:
-    print0(f"resumed from {checkpoints()[-1]} at step {start_step}")
-
 model.train()
 t_log, n_log, t_opt_sum = time.perf_counter(), 0, 0.0
-for step in range(start_step + 1, args.steps + 1 if args.stage != "rl" else start_step + 1):
+step = start_step
+for step in range(start_step + 1, (args.steps if pretraining else start_step) + 1):
     t0 = time.perf_counter()
     for group in optimizer.param_groups:
-        group["lr"] = group["initial_lr"] * lr_factor(step - 1)
+        group["lr"] = args.lr * lr_factor(step - 1)
     x, y, pos = get_batch(train_shards, train_windows.next(args.batch_size))
     comm = CommCounter() if args.count_comm and step == start_step + 2 else contextlib.nullcontext()
     with comm:
@@ -654,7 +925,8 @@ for step in range(start_step + 1, args.steps + 1 if args.stage != "rl" else star
         stats = [mean_over_ranks(float(d.get(k, 0))) for d in (comm.bytes, comm.calls) for k in kinds]
         print0(f"step {step:5d} | communication a rank, mean over ranks: " + ", ".join(
             f"{k} {b / 2**20:.2f} MiB in {c:.0f} calls" for k, b, c in zip(kinds, stats[:4], stats[4:])))
-    loss = mean_over_ranks(loss.item())  # .item() syncs the device, so the timing below is real
+    loss, stopping = sum_over_ranks([loss.item(), stop_signal is not None])  # .item() syncs: the timing is real
+    loss /= world_size
     if not math.isfinite(loss):
         die(f"loss became {loss} at step {step}; lower --lr (now {args.lr})")
     dt = time.perf_counter() - t0
@@ -669,12 +941,16 @@ for step in range(start_step + 1, args.steps + 1 if args.stage != "rl" else star
                f"{1000 * t_opt_sum / n_log:.1f} ms | peak mem {peak_memory() / 2**30:.2f} GiB | "
                f"load max/mean {balance:.2f}")
         t_log, n_log, t_opt_sum = time.perf_counter(), 0, 0.0
-    if step % args.eval_every == 0 or step == args.steps:
+    saving = step % args.eval_every == 0 or step == args.steps
+    if saving:
         record["train_loss_eval"], record["val_loss"] = evaluate()
         print0(f"step {step:5d} | train loss {record['train_loss_eval']:.4f} | val loss {record['val_loss']:.4f}")
-        save_checkpoint(step)
+    log(record)  # before its checkpoint appears: a resumed run never lacks the record of its checkpoint's step
+    if saving:
+        save_checkpoint(step, stage="pretrain")
         t_log = time.perf_counter()  # evaluation and saving are not training time
-    log(record)
+    if stopping:
+        stop_here(step, saving, stage="pretrain")
 
 # -----------------------------------------------------------------------------
 # RL: groups of rollouts on tool-use tasks at the sampler's difficulty, Dr. GRPO + lambda * feedback KL.
@@ -682,20 +958,16 @@ for step in range(start_step + 1, args.steps + 1 if args.stage != "rl" else star
 # groups with a plain full copy of the policy (the shards gathered once a step; at world size 1 the model
 # itself), which also serves as the feedback teacher. The one forward and backward a step run on the sharded
 # model; each rank normalises by its own trajectories x max_gen_tokens, the same constant everywhere, and
-# FSDP's mean over ranks makes it the global one.
-
-
-def sum_over_ranks(xs):
-    """Floats summed over all ranks; as is at world size 1."""
-    if world_size == 1:
-        return list(xs)
-    t = torch.tensor(list(xs), dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return t.tolist()
-
+# FSDP's mean over ranks makes it the global one. Every random draw of a step is seeded from (seed, RL step,
+# rank), like the data order, so a resumed run draws what the uninterrupted one would have.
 
 if args.stage != "pretrain":
-    base = start_step if args.stage == "rl" else args.steps  # the optimizer steps before RL, for step numbers
+    rl_start = meta["rl_step"] if rl_resumed else 0
+    base = step - rl_start  # the optimizer steps before RL, for step numbers
+    if layout.cp > 1:  # rollouts are whole sequences on each rank: the cp ranks act as data-parallel ranks here
+        print0(f"RL: --cp {layout.cp} folds into data parallelism (each rank samples and scores whole rollouts)")
+        for block in model.layers:
+            block.attn.cp_group = None
     rl = GRPOConfig(group_size=args.group_size, kl_coef=args.kl_coef, sampler_bits=args.sampler_bits)
     sampler = model if world_size == 1 else Transformer(cfg).to(device)
 
@@ -725,23 +997,29 @@ if args.stage != "pretrain":
                f"level 2 {record['pass_level2']:.3f} | tool not found {record['tool_error_rate']:.3f} of calls")
 
     refresh_sampler()
-    rl_eval(0)
+    if rl_start == 0:
+        rl_eval(0)
     feedback = Feedback(sampler, FeedbackConfig(coef=args.feedback_coef, estimator=args.feedback_estimator),
                         rules=[rule for rule in RULES if rule[0] in args.feedback_rules.split(",")])
-    reference = copy.deepcopy(sampler).requires_grad_(False) if args.kl_coef else None
+    if args.kl_coef and reference is None:  # the policy RL starts from (a resumed run loaded it above)
+        reference = copy.deepcopy(sampler).requires_grad_(False)
     # A fresh optimizer: the pretraining momentum points nowhere useful for RL. Muon's update has the same size
     # whatever the gradient's, so the RL learning rate alone sets how far a step moves.
-    optimizer = Muon(param_groups(model.named_parameters(), lr=args.rl_lr, weight_decay=0.0),
-                     adjust_lr_fn="match_rms_adamw", ns_dtype=ns_dtype)
+    if not rl_resumed:
+        optimizer = make_optimizer(args.rl_lr, 0.0)
+    for group in optimizer.param_groups:
+        group["lr"] = args.rl_lr
     difficulty = tasks.DifficultySampler()
-    level_rng, task_rng = random.Random(args.seed), random.Random(args.seed * 1000 + rank)  # same level everywhere
-    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    if rl_resumed:
+        difficulty.load_state_dict(meta["difficulty"])
     groups = args.tasks_per_step // world_size  # this rank's share of the step's tasks
     print0(f"RL: {args.rl_steps} steps x {args.tasks_per_step} tasks x {args.group_size} rollouts "
            f"({groups} tasks a rank), lr {args.rl_lr}, feedback lambda {args.feedback_coef}, KL coef {args.kl_coef}")
-    for rl_step in range(1, args.rl_steps + 1):
+    for rl_step in range(rl_start + 1, args.rl_steps + 1):
         t0 = time.perf_counter()
-        level = difficulty.sample(level_rng)
+        level = difficulty.sample(random.Random(f"{args.seed}/{rl_step}"))  # the same level on every rank
+        task_rng = random.Random(f"{args.seed}/{rl_step}/{rank}")
+        gen = torch.Generator().manual_seed(task_rng.getrandbits(63))
         envs = [tasks.ToolEnv(task) for task in (tasks.make_tool_task(task_rng, level) for _ in range(groups))
                 for _ in range(args.group_size)]
         trajs = rollout(sampler, envs, rl, gen)
@@ -767,10 +1045,10 @@ if args.stage != "pretrain":
             rewards = torch.cat(gathered)
         for r in rewards.tolist():
             difficulty.update(level, r)
-        calls, errors, malformed, tokens, targets, kl_sum = sum_over_ranks([
+        calls, errors, malformed, tokens, targets, kl_sum, stopping = sum_over_ranks([
             sum(e.tool_calls for e in envs), sum(e.tool_errors for e in envs), sum(e.malformed for e in envs),
             stats["gen_tokens"] * len(trajs), fb.get("feedback_targets", 0),
-            fb.get("feedback_kl", 0.0) * fb.get("feedback_targets", 0)])
+            fb.get("feedback_kl", 0.0) * fb.get("feedback_targets", 0), stop_signal is not None])
         n = len(rewards)
         record = {"stage": "rl", "step": base + rl_step, "rl_step": rl_step, "level": level,
                   "reward": rewards.mean().item(), "tool_error_rate": errors / max(1, calls), "malformed_rate": malformed / n,
@@ -781,9 +1059,14 @@ if args.stage != "pretrain":
             print0(f"rl step {rl_step:4d} | level {level} | reward {record['reward']:.3f} | tool not found "
                    f"{record['tool_error_rate']:.3f} of calls | malformed {record['malformed_rate']:.2f} a rollout | "
                    f"feedback KL {record['feedback_kl']:.4f} | {record['gen_tokens']:.0f} tokens | {record['ms']:.0f} ms")
-        if rl_step % args.rl_eval_every == 0 or rl_step == args.rl_steps:
+        saving = rl_step % args.rl_eval_every == 0 or rl_step == args.rl_steps
+        if saving:
             rl_eval(rl_step)
-    save_checkpoint(base + args.rl_steps)
+        rl_state = {"stage": "rl", "rl_step": rl_step, "difficulty": difficulty.state_dict()}
+        if saving:
+            save_checkpoint(base + rl_step, **rl_state)
+        if stopping:
+            stop_here(base + rl_step, saving, **rl_state)
 print0(f"done: checkpoint {checkpoints()[-1]}, metrics {metrics_path}")
 if world_size > 1:
     dist.barrier()
