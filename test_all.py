@@ -2,6 +2,7 @@
 
     python -m pytest -q test_all.py
 """
+import contextlib
 import copy
 import importlib.util
 import json
@@ -11,10 +12,12 @@ import py_compile
 import random
 import re
 import shutil
+import signal
 import sqlite3
 import subprocess
 import sys
 import tarfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -756,6 +759,191 @@ def test_bad_input_stops_every_rank_and_prints_once(tmp_path):
                                      f"start without --resume"}
     for (world, port, *flags), line in cases.items():
         assert stderr_of_workers(world, port, *flags) == [line]
+
+
+# -----------------------------------------------------------------------------
+# train.py: resume from every checkpoint, retention, signals and crash safety
+
+RL_RUN = [*PAR_RUN, "--batch-size", "4", "--eval-every", "2", "--rl-eval-every", "2", "--rl-eval-tasks", "1",
+          "--group-size", "2", "--log-every", "10"]
+
+
+def same_run(a, b):
+    """Two runs (records, final parameters) agree: the same training records (wall times aside), every held-out
+    evaluation of a also in b (a run stopped early evaluates where it stops), the same parameters."""
+    def strip(rows, evals):
+        return [{k: v for k, v in r.items() if k not in ("ms", "optimizer_ms")} for r in rows
+                if (r.get("stage") == "rl_eval") == evals]
+    assert strip(a[0], False) == strip(b[0], False)
+    assert all(r in strip(b[0], True) for r in strip(a[0], True))
+    for name, p in a[1].items():
+        torch.testing.assert_close(b[1][name], p, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.fixture(scope="module")
+def chain(par_data, tmp_path_factory):
+    """One run (4 pretraining steps, then 4 RL steps) made uninterrupted and in pieces, each piece resuming from
+    a different kind of checkpoint: mid-pretraining (2), the end of pretraining (4), the end of an RL run (7),
+    and a periodic checkpoint inside one (6, into another folder)."""
+    root = tmp_path_factory.mktemp("chain")
+    flags = [*RL_RUN, "--data", str(par_data), "--tasks-per-step", "1"]
+    whole = start_train(*flags, "--stage", "both", "--steps", "4", "--rl-steps", "4", "--out", str(root / "whole"))
+    pieces = [["--stage", "pretrain", "--steps", "2"], ["--stage", "pretrain", "--steps", "4", "--resume"],
+              ["--stage", "rl", "--steps", "4", "--rl-steps", "3", "--keep", "3", "--resume"],
+              ["--stage", "rl", "--steps", "4", "--rl-steps", "4", "--keep", "3", "--resume"]]
+    runs = [run_train(*flags, *piece, "--out", str(root / "pieces")) for piece in pieces]
+    runs.append(run_train(*flags, "--stage", "rl", "--rl-steps", "4", "--resume", str(root / "pieces" / "step-00000006"),
+                          "--out", str(root / "mid-rl")))
+    runs.append(finish(whole))
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-3000:]
+    return root, runs
+
+
+def test_resume_from_every_checkpoint_equals_the_uninterrupted_run(chain):
+    root, runs = chain
+    whole = read_metrics(root / "whole"), final_params(root / "whole")
+    assert [r["step"] for r in whole[0]] == [0, 1, 2, 3, 4, 4, 5, 6, 6, 7, 8, 8]  # pretraining, then rl + rl_eval
+    same_run(whole, (read_metrics(root / "pieces"), final_params(root / "pieces")))
+    assert "resumed from" in runs[3].stdout and "(RL step 3)" in runs[3].stdout
+    mid = read_metrics(root / "mid-rl")
+    assert [(r["stage"], r["rl_step"]) for r in mid] == [("rl", 3), ("rl", 4), ("rl_eval", 4)]
+    same_run((whole[0][-3:], whole[1]), (mid, final_params(root / "mid-rl")))
+    # retention: --keep 3 kept 4, 6, 7, 8; the pretraining result survives RL with --keep 1 in the whole run
+    assert sorted(p.name for p in (root / "pieces").glob("step-*")) == [f"step-0000000{i}" for i in (4, 6, 7, 8)]
+    assert sorted(p.name for p in (root / "whole").glob("step-*")) == ["step-00000004", "step-00000008"]
+    meta = json.loads((root / "whole" / "step-00000004" / "meta.json").read_text())
+    assert meta["stage"] == "pretrain" and len(meta["files"]) >= 2
+
+
+def test_resume_falls_back_past_a_damaged_checkpoint(chain, tmp_path):
+    """64 bytes overwritten inside the newest checkpoint's data: its checksum catches it, --resume says so in one
+    line and continues from the newest intact one; nothing past the newest is touched."""
+    root, _ = chain
+    shutil.copytree(root / "whole", tmp_path / "run")
+    data = next((tmp_path / "run" / "step-00000008").glob("*.distcp"))
+    with open(data, "r+b") as f:
+        f.seek(data.stat().st_size // 2)
+        f.write(b"\xff" * 64)
+    r = run_train(*RL_RUN, "--stage", "pretrain", "--steps", "5", "--resume", "--out", str(tmp_path / "run"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"warning: checkpoint {tmp_path / 'run' / 'step-00000008'} is corrupt ({data.name} does not match its " \
+           f"checksum); resuming from an older one" in r.stderr
+    assert f"resumed from {tmp_path / 'run' / 'step-00000004'} at step 4" in r.stdout
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [0, 1, 2, 3, 4, 5]
+
+
+def wait_for(cond, proc, timeout=120):
+    t0 = time.time()
+    while not cond():
+        assert proc.poll() is None, finish(proc).stderr[-3000:]
+        assert time.time() - t0 < timeout
+        time.sleep(0.2)
+
+
+def test_signals_locks_and_kills_lose_nothing(par_data, tmp_path):
+    """SIGINT mid-run: the step finishes, a checkpoint is saved, one line says how to resume, exit 130. A second
+    run on the same folder meanwhile is refused, naming the first. A SIGKILL during the first step after the
+    resume loses no record (the old metrics are never rewritten) and leaves a stale lock that the next run takes
+    over; a torn last line of metrics.jsonl is dropped with a warning that names the file."""
+    out = tmp_path / "run"
+    run = [*PAR_RUN, "--data", str(par_data), "--eval-every", "1000", "--steps", "1000", "--out", str(out)]
+    lines = lambda: (out / "metrics.jsonl").read_text().count("\n") if (out / "metrics.jsonl").exists() else 0
+    first = start_train(*run)
+    wait_for(lambda: lines() >= 4, first)
+    second = run_train(*run, "--resume")
+    assert second.returncode == 2 and f"is in use by another run (pid {first.pid} on host" in second.stderr
+    first.send_signal(signal.SIGINT)
+    r = finish(first)
+    assert r.returncode == 130 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    stopped = re.fullmatch(r"stopped by SIGINT after step (\d+) \(checkpoint (.*)\); resume with: python (.*)",
+                           r.stderr.strip())
+    assert stopped, r.stderr
+    step = int(stopped[1])
+    assert Path(stopped[2]) == out / f"step-{step:08d}" and Path(stopped[2]).is_dir()
+    assert stopped[3] == f"{HERE / 'train.py'} " + " ".join(run) + " --resume"
+    assert [r["step"] for r in read_metrics(out)] == list(range(step + 1))
+    resumed = start_train(*run, "--resume")
+    wait_for(lambda: lines() > step + 2, resumed)  # its start record is written: it is in its first step
+    resumed.kill()
+    resumed.wait()
+    assert [r["step"] for r in read_metrics(out)][:step + 1] == list(range(step + 1))
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 99, "loss"')  # a record torn by a kill
+    r = run_train(*run[:-4], "--steps", str(step + 2), "--out", str(out), "--resume")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "note: took over the lock of a run that no longer runs" in r.stdout
+    assert f"warning: {out / 'metrics.jsonl'}: dropped a torn last line (19 bytes)" in r.stderr
+    assert [r["step"] for r in read_metrics(out)] == list(range(step + 3))
+    assert not (out / "train.lock").exists()
+
+
+def test_sigterm_under_torchrun_saves_mid_rl_and_resumes_at_another_world_size(chain, tmp_path):
+    """A preempted job: SIGTERM to torchrun, which passes it on. Both ranks (CP=2 folded into data parallelism
+    for RL, EP=2) finish the RL step, save it and exit non-zero; the resume line is printed once and no rank
+    prints a traceback. That mid-RL checkpoint, written by 2 ranks, then resumes in one process."""
+    root, _ = chain
+    out = tmp_path / "run"
+    p = start_train(*RL_RUN, "--stage", "rl", "--resume", str(root / "pieces" / "step-00000004"), "--rl-steps", "50",
+                    "--cp", "2", "--ep", "2", "--out", str(out), world=2)
+    wait_for(lambda: any(r.get("stage") == "rl" for r in read_metrics(out)) if (out / "metrics.jsonl").exists()
+             else False, p)
+    p.send_signal(signal.SIGTERM)
+    r = finish(p)
+    assert r.returncode != 0 and 'train.py", line' not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.count("stopped by SIGTERM") == 1, r.stderr[-3000:]
+    step = int(re.search(r"stopped by SIGTERM after step (\d+)", r.stderr)[1])
+    meta = json.loads((out / f"step-{step:08d}" / "meta.json").read_text())
+    assert meta["stage"] == "rl" and meta["rl_step"] == step - 4 >= 1
+    assert "resume with: torchrun --nproc_per_node=2" in r.stderr and "--cp 2 --ep 2" in r.stderr
+    rows = [row for row in read_metrics(out) if row.get("stage") == "rl"]
+    assert [row["rl_step"] for row in rows] == list(range(1, meta["rl_step"] + 1))
+    for row in rows:
+        assert {"reward", "tool_error_rate", "feedback_kl", "gen_tokens", "level", "malformed_rate"} <= set(row)
+    r = run_train(*RL_RUN, "--stage", "rl", "--resume", "--rl-steps", str(meta["rl_step"] + 1), "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [row["rl_step"] for row in read_metrics(out) if row.get("stage") == "rl"][-1] == meta["rl_step"] + 1
+
+
+def mount_tmpfs(path, options):
+    path.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here to fill a disk for real ({r.stderr.strip()})")
+
+
+def test_full_or_read_only_disk_is_one_line_and_leaves_no_partial_checkpoint(par_data, tmp_path):
+    """On real small file systems (tmpfs): too little free space is refused before step 0; a disk that fills
+    up during the run stops it at the save with "no space left on device" and removes the partial checkpoint;
+    a read-only --out is refused at start."""
+    disks = {name: tmp_path / name for name in ("small", "fills", "ro")}
+    try:
+        mount_tmpfs(disks["small"], "size=8m")
+        mount_tmpfs(disks["fills"], "size=96m")
+        mount_tmpfs(disks["ro"], "size=1m,ro")
+        run = [*PAR_RUN, "--data", str(par_data), "--eval-every", "20", "--steps", "20"]
+        filling = start_train(*run, "--out", str(disks["fills"] / "out"))
+        for name, expected in (("small", "MiB free, less than two checkpoints need"),
+                               ("ro", "is not writable (Read-only file system)")):
+            r = run_train(*run, "--out", str(disks[name] / "out"))
+            assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and expected in r.stderr, r.stderr
+        wait_for(lambda: read_metrics(disks["fills"] / "out") if (disks["fills"] / "out" / "metrics.jsonl").exists()
+                 else False, filling)  # its step 0 is done: it passed the start's free-space check
+        with open(disks["fills"] / "filler", "wb") as f:  # the disk fills up while the run trains
+            with contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\0" * 2**20)
+                    f.flush()
+        (disks["fills"] / "filler").write_bytes((disks["fills"] / "filler").read_bytes()[:-2**19])
+        r = finish(filling)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+        assert r.stderr.startswith("error: no space left on device: checkpoint") and "partial checkpoint was " \
+            "removed" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert not list((disks["fills"] / "out").glob("step-*")), list((disks["fills"] / "out").iterdir())
+        assert [r["step"] for r in read_metrics(disks["fills"] / "out")] == list(range(21))
+    finally:
+        for d in disks.values():
+            subprocess.run(["umount", str(d)], capture_output=True)
 
 
 # -----------------------------------------------------------------------------
