@@ -1067,7 +1067,8 @@ if args.stage != "pretrain":
             save_checkpoint(base + rl_step, **rl_state)
         if stopping:
             stop_here(base + rl_step, saving, **rl_state)
-print0(f"done: checkpoint {checkpoints()[-1]}, metrics {metrics_path}")
+print0(f"done: checkpoint {checkpoints()[-1]}, metrics {metrics_path}, peak memory {peak_memory() / 2**30:.2f} GiB "
+       f"(rank 0)")
 if world_size > 1:
     dist.barrier()
     dist.destroy_process_group()
