@@ -325,6 +325,12 @@ def pid_alive(pid):
     return True
 
 
+def release_lock():
+    with contextlib.suppress(OSError, ValueError):
+        if json.loads(lock.read_text())["pid"] == os.getpid():
+            lock.unlink()
+
+
 def take_out_folder():
     """Rank 0: create --out, take its lock (or refuse), clear what killed runs left. -> error line or None"""
     try:
@@ -339,22 +345,24 @@ def take_out_folder():
                 os.link(me, lock)  # atomic, and the lock is complete when it appears
                 break
             except FileExistsError:
-                try:
-                    other = json.loads(lock.read_text())
-                except FileNotFoundError:
-                    continue  # released meanwhile
-                except (OSError, ValueError):
-                    other = {}
-                if other.get("host") != socket.gethostname() or pid_alive(other.get("pid")):
-                    return (f"--out {out} is in use by another run (pid {other.get('pid')} on host "
-                            f"{other.get('host')}, started {other.get('started')}); wait for it or choose another "
-                            f"--out (remove {lock} if that run is gone)")
-                lock.unlink(missing_ok=True)  # its process is dead: a stale lock
-                print0(f"note: took over the lock of a run that no longer runs (pid {other.get('pid')})")
+                pass
+            except OSError as e:  # a file system without hard links
+                return f"--out {out} cannot hold a lock file ({e.strerror or e})"
+            try:
+                other = json.loads(lock.read_text())
+            except FileNotFoundError:
+                continue  # released meanwhile
+            except (OSError, ValueError):
+                other = {}
+            if other.get("host") != socket.gethostname() or pid_alive(other.get("pid")):
+                return (f"--out {out} is in use by another run (pid {other.get('pid')} on host "
+                        f"{other.get('host')}, started {other.get('started')}); wait for it or choose another "
+                        f"--out (remove {lock} if that run is gone)")
+            lock.unlink(missing_ok=True)  # its process is dead: a stale lock
+            print0(f"note: took over the lock of a run that no longer runs (pid {other.get('pid')})")
     finally:
         me.unlink(missing_ok=True)
-    atexit.register(lambda: lock.unlink(missing_ok=True) if lock.exists() and
-                    json.loads(lock.read_text()).get("pid") == os.getpid() else None)
+    atexit.register(release_lock)
     left = [p for p in out.glob("step-*") if p.suffix in (".tmp", ".del") and p.is_dir()]
     for p in left:
         shutil.rmtree(p)
