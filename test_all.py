@@ -567,8 +567,10 @@ def test_train_bad_input_is_one_clear_line(tmp_path):
         "the RL stage needs": ["--group-size", "1"],
     }
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = {k: subprocess.Popen([sys.executable, str(HERE / "train.py"), *v], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, env=env) for k, v in cases.items()}
+    procs = {k: subprocess.Popen([sys.executable, str(HERE / "train.py"), *v,  # each its own --out: a lock each
+                                  *([] if "--out" in v else ["--out", str(tmp_path / f"out{i}")])],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for i, (k, v) in enumerate(cases.items())}
     for expected, p in procs.items():
         stdout, stderr = p.communicate(timeout=120)
         assert p.returncode == 2, (expected, stderr)

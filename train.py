@@ -2,21 +2,25 @@
 process to torchrun on many nodes.
 
 The script reads top to bottom: flags and checks, the memory plan (--dry-run stops there), processes and
-meshes, data, model and sharding, optimizer, pretraining loop, checkpoints, RL. With no arguments it trains the
-`tiny` preset on a laptop CPU in under five minutes: pretraining on text every Python install has (this
+meshes, the run folder (lock, the checkpoint to resume), data, model and sharding, optimizer, checkpoints,
+metrics and signals, pretraining loop, RL. With no arguments it trains the `tiny` preset on a laptop CPU in
+about five minutes: pretraining on text every Python install has (this
 project's sources and the standard library's: nothing to download) plus transcripts of the tool-use tasks
 (tasks.py), then Dr. GRPO with textual feedback (grpo.py, feedback.py) on those tasks. For real runs `--data`
 takes a folder of llm.c-style token shards (memory-mapped; the read position is checkpointed), a raw uint16
 .bin file (nanoGPT's) or a folder of text. Under torchrun the same code shards dense weights with FSDP2/HSDP on
 the dense mesh and expert weights on the expert mesh (mesh.py), with expert parallelism (--ep) and context
-parallelism (--cp, pretraining only) folded onto the same ranks; in the RL stage each rank samples its own
-rollouts. On CUDA it computes in bf16 (FSDP2's mixed precision, fp32 weights and reductions).
+parallelism (--cp; in RL the cp ranks act as data-parallel ones) folded onto the same ranks; in the RL stage
+each rank samples its own rollouts. On CUDA it computes in bf16 (FSDP2's mixed precision, fp32 weights and
+reductions). Checkpoints are checksummed and written atomically; --resume continues from any of them (or falls
+back past a damaged one), and Ctrl-C or SIGTERM saves the current step and prints the command that resumes.
 
     python train.py                                            # tiny preset, CPU: pretraining, then RL
-    python train.py --stage pretrain                           # pretraining only (--stage rl --resume: RL only)
-    torchrun --nproc_per_node=4 train.py --cp 2 --ep 4 --stage pretrain   # FSDP x CP=2, EP=4 (gloo on CPU)
+    python train.py --stage pretrain --out pre                 # pretraining only; then RL from its checkpoint:
+    python train.py --stage rl --resume --out pre
+    torchrun --nproc_per_node=4 train.py --cp 2 --ep 4         # FSDP x CP=2, EP=4 (gloo on CPU)
     torchrun --nproc_per_node=8 train.py --dp-replicate 2 --ep 4
-    python train.py --resume                                   # continue from the newest checkpoint in out/
+    python train.py --resume                                   # continue from the newest intact checkpoint in out/
     python train.py --preset kimi-k2 --dry-run --world 512 --ep 64 --stage pretrain --seq-len 4096 --batch-size 512
 """
 import argparse
