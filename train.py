@@ -772,8 +772,12 @@ def save_failure(e, path):
         return (f"no space left on device: checkpoint {path} could not be written ({free / 2**20:,.0f} MiB free, "
                 f"a checkpoint takes ~{checkpoint_bytes / 2**20:,.0f} MiB); the partial checkpoint was removed and "
                 f"the run stopped; free space, then resume")
-    msg = str(e).strip().splitlines()[-1][:160] if str(e).strip() else "no details"
-    return f"checkpoint {path} could not be written ({type(e).__name__}: {msg})"
+    return f"checkpoint {path} could not be written ({last_line(e)})"
+
+
+def last_line(e):
+    """An exception in one line: DCP's carry every rank's traceback."""
+    return f"{type(e).__name__}: " + (str(e).strip().splitlines()[-1][:160] if str(e).strip() else "no details")
 
 
 def fsync_dir(path):
@@ -817,8 +821,7 @@ if meta:
         if reference is not None:
             reference.load_state_dict(state["reference"])
     except (Exception, CheckpointException) as e:  # its checksums passed, so this is not damage: say what it is
-        msg = str(e).strip().splitlines()[-1][:160] if str(e).strip() else "no details"
-        die(f"--resume: checkpoint {resume_path} is intact but does not load into this run ({type(e).__name__}: {msg})")
+        die(f"--resume: checkpoint {resume_path} is intact but does not load into this run ({last_line(e)})")
     logging.disable(logging.NOTSET)
     start_step, train_windows.pos = meta["step"], meta["data_pos"]  # the next unseen window
 
