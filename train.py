@@ -121,6 +121,8 @@ g.add_argument("--init", default=None, choices=["scratch"],
                help="scratch: let --stage rl start from random weights (a smoke test: it earns no reward)")
 g.add_argument("--rl-steps", type=int, default=20, help="RL optimizer steps")
 g.add_argument("--group-size", type=int, default=8, help="rollouts per task (the GRPO group)")
+g.add_argument("--max-gen-tokens", type=int, default=128,
+               help="tokens a rollout may write over all its turns (L_max, also the loss's constant normaliser)")
 g.add_argument("--tasks-per-step", type=int, default=None,
                help="tasks (groups) per RL step, a multiple of the world size (each rank samples its own); "
                     "default: 4 rounded up to a multiple of the world size")
@@ -168,7 +170,7 @@ if args.num_experts is not None:
     if not cfg.top_k <= args.num_experts:
         die(f"--num-experts {args.num_experts} is fewer than the {args.preset} preset's top-{cfg.top_k} routing")
     cfg = ModelConfig(**{**asdict(cfg), "num_experts": args.num_experts})
-for flag in ("steps", "batch_size", "seq_len", "log_every", "eval_every", "eval_batches", "keep"):
+for flag in ("steps", "batch_size", "seq_len", "log_every", "eval_every", "eval_batches", "keep", "max_gen_tokens"):
     if getattr(args, flag) <= 0:
         die(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
 if args.seq_len > cfg.max_seq_len:
@@ -439,8 +441,7 @@ def load_tokens(path):
         # plus transcripts of the tool-use tasks, repeated to make TOOL_SHARE of the tokens: the RL stage needs a
         # model that knows the format and copies a call's arguments, which the tiny model learns only after a few
         # hundred steps of them (a run sees far fewer windows than there are distinct transcripts)
-        tools = [np.array(encode(tasks.corpus(n, seed=seed), specials=True), dtype=np.uint16)
-                 for n, seed in ((20000, 1), (1000, 2))]
+        tools = [transcripts(here, n, seed) for n, seed in ((20000, 1), (1000, 2))]
         tools = [np.tile(t, max(1, round(TOOL_SHARE / (1 - TOOL_SHARE) * len(code) / len(t))))
                  for t, code in zip(tools, (train, val))]
         return [np.concatenate([train, tools[0]])], [np.concatenate([val, tools[1]])], None  # one shard: mixed
@@ -469,6 +470,23 @@ def load_tokens(path):
         die(f"--data {path}: no text found (the folder is empty or its files are blank)")
     train, val = split(tokens)
     return [train], [val], None
+
+
+def transcripts(here, n, seed):
+    """Tokens of n gold transcripts (tasks.corpus, seeded), as uint16. Making them takes seconds and every run
+    (every rank) makes the same ones, so they are cached in ~/.cache/composer-stack under the hash of the code
+    that makes them (tasks.py, model.py); a missing, unwritable or unreadable cache only costs the seconds."""
+    key = hashlib.sha256(b"".join((here / f).read_bytes() for f in ("tasks.py", "model.py"))).hexdigest()[:16]
+    path = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "composer-stack" / f"tools-{n}-{seed}-{key}.npy"
+    with contextlib.suppress(OSError, ValueError, EOFError):
+        return np.load(path)
+    tokens = np.array(encode(tasks.corpus(n, seed=seed), specials=True), dtype=np.uint16)
+    with contextlib.suppress(OSError):  # written whole, then renamed: ranks building it at once do not clash
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp := path.with_name(f"{path.name}.{os.getpid()}.tmp"), "wb") as f:
+            np.save(f, tokens)
+        os.replace(tmp, path)
+    return tokens
 
 
 def read_shard(path):
@@ -692,16 +710,18 @@ def device_peak():
     dtype = torch.bfloat16 if bf16 else torch.float32
     n = 4096 if device.type == "cuda" else 512
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    best = 0.0
-    for _ in range(10):
+    reps, best, start = 8 if device.type == "cuda" else 1, 0.0, time.perf_counter()
+    for _ in range(10):  # for at most about half a second: a CPU without bf16 units takes 0.3 s for one
+        if best and time.perf_counter() - start > 0.5:
+            break
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for _ in range(8):
+        for _ in range(reps):
             a @ b
         if device.type == "cuda":
             torch.cuda.synchronize()
-        best = max(best, 2 * n ** 3 * 8 / (time.perf_counter() - t0))
+        best = max(best, 2 * n ** 3 * reps / (time.perf_counter() - t0))
     return best, f"measured {str(dtype).removeprefix('torch.')} matmul"
 
 
@@ -983,7 +1003,8 @@ if args.stage != "pretrain":
         print0(f"RL: --cp {layout.cp} folds into data parallelism (each rank samples and scores whole rollouts)")
         for block in model.layers:
             block.attn.cp_group = None
-    rl = GRPOConfig(group_size=args.group_size, kl_coef=args.kl_coef, sampler_bits=args.sampler_bits)
+    rl = GRPOConfig(group_size=args.group_size, max_gen_tokens=args.max_gen_tokens, kl_coef=args.kl_coef,
+                    sampler_bits=args.sampler_bits)
     sampler = model if world_size == 1 else Transformer(cfg).to(device)
 
     @torch.no_grad()
@@ -996,6 +1017,8 @@ if args.stage != "pretrain":
     def rl_eval(rl_step, per_level=args.rl_eval_tasks):
         """Pass rate and tool-not-found rate on the same held-out tasks every time (levels 1 and 2, sampling
         seeded alike), so evaluations differ only by the policy; the tasks are split over the ranks."""
+        if not per_level:  # --rl-eval-tasks 0: no held-out evaluation
+            return
         rng, gen_eval = random.Random(10**6), torch.Generator().manual_seed(10**6 + rank)
         held_out = [(lvl, tasks.make_tool_task(rng, lvl)) for lvl in (1, 2) for _ in range(per_level)]
         mine = held_out[rank::world_size]
