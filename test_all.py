@@ -1834,6 +1834,11 @@ def test_verifier_hacks_score_0(made, tmp_path):
     exit3 = "getattr(__import__('s' + 'ys'), 'ex' + 'it')(0)\n"
     reward, why = agent("sys-exit", lambda w: Path(w, "calc/core.py").write_text(exit3 + core))
     assert reward == 0 and "did not pass" in why
+    # a correct solution whose disguised exit hook turns pytest's exit code to 3 after every test passed: the
+    # verifier trusts neither the parsed results nor the exit code alone
+    hook = "getattr(__import__('ate' + 'xit'), 'register')(getattr(__import__('o' + 's'), '_exit'), 3)\n"
+    reward, why = agent("exit-hook", lambda w: Path(w, "calc/core.py").write_text(hook + CORE))
+    assert reward == 0 and "parsed as passed but pytest exited 3" in why, why
     skip = "import pytest\ngetattr(pytest, 'sk' + 'ip')('nothing to see', **{'allow_module_' + 'level': True})\n"
     reward, why = agent("skip", lambda w: Path(w, "calc/core.py").write_text(skip + core))
     assert reward == 0 and "skipped counts as failed" in why
