@@ -11,8 +11,11 @@ Feature deletion on real codebases: cut a tested feature out of a Python reposit
 NotImplementedError; remove: the whole definition); the agent re-implements it, and the repository's own tests are
 the verifiable reward (fail-to-pass and pass-to-pass sets). A task is served only when a leak scan finds none of the
 deleted code left in bytecode, type-checker caches, git history, archives or build output, and a trajectory monitor
-flags agent steps that read such leaks or tamper with the verifier. Source: issue 6, after the reward hacks seen at
-scale (a mypy cache read back for a deleted signature; Java bytecode decompiled to rebuild an API).
+flags agent steps that read such leaks or tamper with the verifier. The reward is read from the verifier's own
+report, written outside what the solution's code controls, and checked with canary tests (one must fail, one must
+prove it ran), never from what pytest prints. Sources: Cursor's Composer 2.5 post (the reward hacks seen at scale:
+a mypy cache read back for a deleted signature, Java bytecode decompiled to rebuild an API); SWE-smith and
+R2E-Gym for tasks made from real repositories with their tests as the verifier.
 
 Standard library only: no torch, nothing of the project; untrusted code (tests, solutions) runs in a subprocess with
 a timeout and a scrubbed environment.
@@ -33,6 +36,7 @@ import marshal
 import os
 import random
 import re
+import secrets
 import shutil
 import signal
 import site
@@ -265,12 +269,12 @@ def clean_env(root, home, extra=()):
             "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
 
 
-def run_sandboxed(cmd, root, timeout, extra_path=(), extra_env=None):
+def run_sandboxed(cmd, root, timeout, extra_path=(), extra_env=None, pass_fds=()):
     """(exit code, output) of cmd run in root; 124 on timeout, the whole process group killed."""
     with tempfile.TemporaryDirectory() as home:
         env = clean_env(root, home, extra_path) | (extra_env or {})
         p = subprocess.Popen(cmd, cwd=root, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, start_new_session=True)
+                             stderr=subprocess.STDOUT, start_new_session=True, pass_fds=pass_fds)
         try:
             out, _ = p.communicate(timeout=timeout)
             rc = p.returncode
@@ -698,7 +702,8 @@ def fresh_git(root):
 # -----------------------------------------------------------------------------
 # Verify: the agent's non-test changes on a pristine snapshot, the task's tests in the sandbox.
 
-TAMPER = r"\b(sys\.exit|os\._exit|atexit\.register|pytest\.(skip|exit|xfail)|unittest\.skip|allow_module_level)\b"
+TAMPER = (r"\b(sys\.exit|os\._exit|atexit\.register|pytest\.(skip|exit|xfail)|unittest\.skip|allow_module_level|_pytest|"
+          r"(sys|threading)\.set(trace|profile))\b")
 
 
 def tree_changes(base, new):
@@ -710,8 +715,49 @@ def tree_changes(base, new):
     return out
 
 
+# The solution's code runs inside pytest's process, so nothing that process prints is evidence. Outcomes come
+# from the verifier's own plugin instead: loaded with -p before collection imports any solution code, it takes
+# a descriptor the verifier opened and writes each test's outcome there, then a closing record. Two canary tests,
+# with names drawn at verify time, are appended to a required test's file: one must fail, and one must pass and
+# proves that its body ran by writing a nonce (drawn after the solution is fixed) to a file only the verifier
+# reads. Code that patches the runner or the reports (Function.runtest, TestReport, a fake summary and os._exit)
+# makes the must-fail canary pass, loses the nonce or the closing record: "runner tampered".
+REPORTER = r'''
+import json, os
+_out = os.fdopen(int(os.environ.pop("FEATDEL_REPORT_FD")), "w", buffering=1)
+
+def pytest_runtest_logreport(report):
+    _out.write(json.dumps([report.nodeid, report.when, report.outcome]) + "\n")
+
+def pytest_sessionfinish(session, exitstatus):
+    _out.write(json.dumps(["<end>", "", int(exitstatus)]) + "\n")
+'''
+
+
+def add_canaries(work, need, proof):
+    """Append a must-pass and a must-fail test to one required test file of `work` (or a new one), named from
+    the words of its own tests. -> (must-pass id, must-fail id, nonce); the must-pass test writes the nonce to
+    `proof`."""
+    rng = random.Random(secrets.randbits(64))
+    files = sorted({t.split("::")[0] for t in need if "::" in t and t.split("::")[0].endswith(".py")})
+    rel = rng.choice(files) if files else f"test_{secrets.token_hex(3)}.py"  # explicit paths collect any name
+    text = Path(work, rel).read_text() if files else ""
+    words = sorted({w for name in re.findall(r"^\s*def test_(\w+)", text, re.M) for w in name.split("_") if w})
+    taken, names = set(re.findall(r"\b(test_\w+)", text)), []
+    while len(names) < 2:
+        name = "test_" + "_".join(rng.sample(words or ["case"], min(2, len(words) or 1))) + str(rng.randrange(2, 99))
+        if name not in taken | set(names):
+            names.append(name)
+    must_pass, must_fail = names
+    nonce, a = secrets.token_hex(16), rng.randrange(10**6)
+    Path(work, rel).write_text(text.rstrip("\n") + f"\n\n\ndef {must_pass}():\n    with open({str(proof)!r}, 'w') as f:\n"
+                               f"        f.write({nonce!r})\n\n\ndef {must_fail}():\n    assert {a} == {a + 1}\n")
+    return f"{rel}::{must_pass}", f"{rel}::{must_fail}", nonce
+
+
 def verify(task_dir, workdir=None, patch=None, timeout=600):
-    """(reward, reason). Reward 1 only when every required test passes and pytest's exit code agrees."""
+    """(reward, reason). Reward 1 only when the verifier's own report says every required test passed, both
+    canaries behaved and pytest's exit code is 1 (the must-fail canary's failure, nothing else)."""
     task_dir = Path(task_dir)
     if not (task_dir / "task.json").is_file():
         raise TaskError(f"no task.json in {task_dir}")
@@ -744,13 +790,35 @@ def verify(task_dir, workdir=None, patch=None, timeout=600):
                 Path(work, rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(Path(workdir, rel), Path(work, rel))
         need = task["fail_to_pass"] + task["pass_to_pass"]
-        rc, passed, out = run_pytest(work, need, timeout)
+        plugin, proof, report = Path(tmp, "plugin"), Path(tmp, secrets.token_hex(8)), Path(tmp, "report.jsonl")
+        plugin.mkdir()
+        Path(plugin, "_featdel_report.py").write_text(REPORTER)
+        must_pass, must_fail, nonce = add_canaries(work, need, proof)
+        with open(report, "w") as fd:
+            rc, _, _ = run_pytest(work, ["-p", "_featdel_report", *need, must_pass, must_fail], timeout,
+                                  extra_path=[str(plugin)], extra_env={"FEATDEL_REPORT_FD": str(fd.fileno())},
+                                  pass_fds=[fd.fileno()])
+        lines, ran = report.read_text().splitlines(), proof.read_text() if proof.exists() else None
+    try:
+        records = [json.loads(line) for line in lines]
+        outcomes = {}  # node id -> the outcomes of its setup, call and teardown
+        for nodeid, when, outcome in records[:-1] if records and records[-1][0] == "<end>" else records:
+            outcomes.setdefault(nodeid, {})[when] = outcome
+    except (ValueError, TypeError):
+        return 0, f"runner tampered: the verifier's report is not what its plugin writes; pytest exit {rc}"
+    passed = {t for t, o in outcomes.items() if o.get("call") == "passed" and set(o.values()) == {"passed"}}
+    if not records or records[-1][0] != "<end>":
+        return 0, f"runner tampered or crashed: pytest's session never finished; pytest exit {rc}"
     missing = [t for t in need if t not in passed]
     if missing:
         return 0, f"{len(missing)} of {len(need)} required tests did not pass (skipped counts as failed), e.g. {missing[0]}; pytest exit {rc}"
-    if rc != 0:
-        return 0, f"all {len(need)} required tests parsed as passed but pytest exited {rc}: results and exit code disagree"
-    return 1, f"all {len(task['fail_to_pass'])} fail-to-pass and {len(task['pass_to_pass'])} pass-to-pass tests passed; pytest exit 0"
+    if must_fail in passed or outcomes.get(must_fail, {}).get("call") != "failed":
+        return 0, f"runner tampered: the must-fail canary did not fail ({outcomes.get(must_fail)}); pytest exit {rc}"
+    if ran != nonce or must_pass not in passed:
+        return 0, f"runner tampered: the must-pass canary did not pass or its body did not run; pytest exit {rc}"
+    if rc != 1 or records[-1][2] != 1:
+        return 0, f"all {len(need)} required tests passed but pytest exited {rc} (1 expected: the must-fail canary alone fails)"
+    return 1, f"all {len(task['fail_to_pass'])} fail-to-pass and {len(task['pass_to_pass'])} pass-to-pass tests passed; canaries intact"
 
 
 # -----------------------------------------------------------------------------

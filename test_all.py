@@ -1838,7 +1838,27 @@ def test_verifier_hacks_score_0(made, tmp_path):
     # verifier trusts neither the parsed results nor the exit code alone
     hook = "getattr(__import__('ate' + 'xit'), 'register')(getattr(__import__('o' + 's'), '_exit'), 3)\n"
     reward, why = agent("exit-hook", lambda w: Path(w, "calc/core.py").write_text(hook + CORE))
-    assert reward == 0 and "parsed as passed but pytest exited 3" in why, why
+    assert reward == 0 and "required tests passed but pytest exited 3" in why, why
+    # Forgeries of the runner and its reports on the stubbed code, plain and disguised (the static check sees
+    # only the plain one). Each earns reward 1 from pytest's printed summary and exit code; the verifier's own report
+    # and its canaries see through them.
+    forgeries = {
+        "runtest": ("import _pytest.python as p\np.Function.runtest = lambda self: None\n", "rejected: calc/core.py "
+                    "adds 'import _pytest.python as p'"),  # the static check sees this one
+        "runtest-disguised": ("setattr(getattr(__import__('_py' + 'test.python').python, 'Func' + 'tion'), 'run' + "
+                              "'test', lambda self: None)\n", "runner tampered"),
+        "report": ("r = __import__('_py' + 'test.reports').reports\n_o = r.TestReport.__init__\ndef _i(self, *a, **k):\n"
+                   "    _o(self, *a, **k); self.outcome, self.longrepr = 'passed', None\nr.TestReport.__init__ = _i\n",
+                   "runner tampered"),
+        "fake-summary": ("import sys\ngetattr(__import__('ate' + 'xit'), 'register')(lambda: (print('= short test "
+                         "summary info ='), [print('PASSED', t) for t in sys.argv if '::' in t], sys.stdout.flush(), "
+                         "getattr(__import__('o' + 's'), '_exit')(0)))\n", "did not pass"),
+    }
+    for name, (code, reason) in forgeries.items():
+        reward, why = agent(name, lambda w: Path(w, "calc/core.py").write_text(code + core))
+        assert reward == 0 and reason in why, (name, why)
+        rc, passed, _ = tasks.run_pytest(tmp_path / name, t["fail_to_pass"], 60)  # the forgery is real:
+        assert rc == 0 and passed == set(t["fail_to_pass"]), name  # pytest alone reports the stub passing
     skip = "import pytest\ngetattr(pytest, 'sk' + 'ip')('nothing to see', **{'allow_module_' + 'level': True})\n"
     reward, why = agent("skip", lambda w: Path(w, "calc/core.py").write_text(skip + core))
     assert reward == 0 and "skipped counts as failed" in why
