@@ -378,8 +378,16 @@ def trace_tests(root, timeout):
         roots = os.pathsep.join(str(root / p) + os.sep for p in packages(root))
         rc, passed, log = run_pytest(root, ["-p", "_featdel_tracer"], timeout, extra_path=[tmp],
                                      extra_env={"FEATDEL_ROOTS": roots, "FEATDEL_TRACE_OUT": str(out)})
+        if rc == 124:
+            raise TaskError(f"the test suite ran past the timeout of {timeout} s (make --timeout)")
+        if rc == 5:
+            raise TaskError("pytest collected no tests")
         if not out.exists():
-            raise TaskError(f"test suite did not run (exit {rc}): {log.strip().splitlines()[-1:]}")
+            lines = log.strip().splitlines() or ["no output"]
+            why = next((line.strip() for line in lines if "error:" in line), lines[-1].strip())
+            if "unrecognized arguments" in why:  # e.g. addopts = --cov=pkg without pytest-cov
+                why += " (the repository's pytest configuration asks for a plugin that is not installed here)"
+            raise TaskError(f"the test suite did not run (pytest exit {rc}): {why}")
         raw = json.loads(out.read_text())
     calls = {k: {(os.path.relpath(f, root), q) for f, q in v} for k, v in raw.items()}
     return passed, calls, calls.pop("<import>", set()) | calls.pop("<between>", set())
@@ -981,7 +989,8 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, timeout=300, log=print):
         stable = first & second
         log(f"baseline: {len(stable)} stable passing tests, {len(first ^ second)} flaky dropped")
         if not stable:
-            raise TaskError(f"no test passes twice in {repo}")
+            raise TaskError(f"no test passes twice in {repo} ({len(first)} passed in the first run, {len(second)} in "
+                            f"the second)")
         cands = candidates(work, stable, calls, at_import)
         log(f"{len(cands)} candidate features (reached by 1..{max(1, int(TESTS_AT_MOST * len(stable)))} tests, not run at import): "
             + ", ".join(sorted(q for _, q in cands)))

@@ -2038,6 +2038,32 @@ def test_monitor_flags_each_pattern_and_passes_lookalikes(tmp_path, capsys):
 # feature deletion: CLI errors, one line, no traceback
 
 
+def test_make_refuses_bad_repositories_in_one_line_and_never_touches_the_source(tmp_path):
+    """No tests, tests that all fail, a suite past the timeout, a configuration that needs a missing plugin: one
+    line each. A make that succeeds leaves the source repository byte-identical, .git included."""
+    def tree(root):
+        return {p.relative_to(root): (p.stat().st_mode, p.read_bytes()) for p in sorted(root.rglob("*")) if p.is_file()}
+
+    cases = {"pytest collected no tests": {"tests/test_calc.py": ""},
+             "no test passes twice": {"tests/test_calc.py": "def test_no(): assert False\n"},
+             "ran past the timeout of 3 s": {"tests/test_calc.py": "import time\ndef test_slow(): time.sleep(60)\n"},
+             "unrecognized arguments: --cov=calc (the repository's pytest configuration asks for a plugin":
+                 {"pyproject.toml": "[tool.pytest.ini_options]\naddopts = \"--cov=calc\"\n"}}
+    for i, (expected, files) in enumerate(cases.items()):
+        repo = write_fixture(tmp_path / f"bad{i}")
+        for rel, text in files.items():
+            (repo / rel).write_text(text)
+        with pytest.raises(tasks.TaskError) as e:
+            tasks.make(repo, tmp_path / f"out{i}", timeout=3, log=lambda s: None)
+        assert expected in str(e.value) and "\n" not in str(e.value), str(e.value)
+    repo = write_fixture(tmp_path / "git-repo")
+    for cmd in (["init", "-q"], ["add", "-A"], ["-c", "user.name=a", "-c", "user.email=a@b", "commit", "-qm", "x"]):
+        subprocess.run(["git", *cmd], cwd=repo, check=True)
+    before = tree(repo)
+    assert len(tasks.make(repo, tmp_path / "made", n=1, seed=0, log=lambda s: None)) == 1
+    assert tree(repo) == before and any(".git" in p.parts for p in before)
+
+
 def test_cli_errors_are_one_line(tmp_path):
     here = Path(tasks.__file__)
     cases = [["make", "--repo", str(tmp_path / "nope"), "--out", str(tmp_path)],
