@@ -477,7 +477,8 @@ def transcripts(here, n, seed):
     (every rank) makes the same ones, so they are cached in ~/.cache/composer-stack under the hash of the code
     that makes them (tasks.py, model.py); a missing, unwritable or unreadable cache only costs the seconds."""
     key = hashlib.sha256(b"".join((here / f).read_bytes() for f in ("tasks.py", "model.py"))).hexdigest()[:16]
-    path = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "composer-stack" / f"tools-{n}-{seed}-{key}.npy"
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "composer-stack"
+    path = cache / f"tools-{n}-{seed}-{key}.npy"
     with contextlib.suppress(OSError, ValueError, EOFError):
         return np.load(path)
     tokens = np.array(encode(tasks.corpus(n, seed=seed), specials=True), dtype=np.uint16)
