@@ -12,8 +12,8 @@ NotImplementedError; remove: the whole definition); the agent re-implements it, 
 the verifiable reward (fail-to-pass and pass-to-pass sets). A task is served only when a leak scan finds none of the
 deleted code left in bytecode, type-checker caches, git history, archives or build output, and a trajectory monitor
 flags agent steps that read such leaks or tamper with the verifier. The reward is read from the verifier's own
-report, written outside what the solution's code controls, and checked with canary tests (one must fail, one must
-prove it ran), never from what pytest prints. Sources: Cursor's Composer 2.5 post (the reward hacks seen at scale:
+report, written outside what the solution's code controls, and checked with a proof that each test's body returned
+and with canary tests, never from what pytest prints. Sources: Cursor's Composer 2.5 post (the reward hacks seen at scale:
 a mypy cache read back for a deleted signature, Java bytecode decompiled to rebuild an API); SWE-smith and
 R2E-Gym for tasks made from real repositories with their tests as the verifier.
 
@@ -725,11 +725,12 @@ def tree_changes(base, new):
 
 # The solution's code runs inside pytest's process, so nothing that process prints is evidence. Outcomes come
 # from the verifier's own plugin instead: loaded with -p before collection imports any solution code, it takes
-# a descriptor the verifier opened and writes each test's outcome there, then a closing record. Two canary tests,
-# with names drawn at verify time, are appended to a required test's file: one must fail, and one must pass and
-# proves that its body ran by writing a nonce (drawn after the solution is fixed) to a file only the verifier
-# reads. Code that patches the runner or the reports (Function.runtest, TestReport, a fake summary and os._exit)
-# makes the must-fail canary pass, loses the nonce or the closing record: "runner tampered".
+# a descriptor the verifier opened and writes each test's outcome there, then a closing record. Every required
+# test function is decorated so that, when its body returns, it writes a nonce (drawn after the solution is fixed)
+# to a file only the verifier reads, and two canary tests are appended: one must fail, one must pass. Code that
+# patches the runner or the reports (Function.runtest, TestReport, a fake summary and os._exit), even only for the
+# repository's own tests, makes the must-fail canary pass or a test pass without its proof, or loses the closing
+# record: "runner tampered".
 REPORTER = r'''
 import json, os
 _out = os.fdopen(int(os.environ.pop("FEATDEL_REPORT_FD")), "w", buffering=1)
@@ -742,30 +743,66 @@ def pytest_sessionfinish(session, exitstatus):
 '''
 
 
-def add_canaries(work, need, proof):
-    """Append a must-pass and a must-fail test to one required test file of `work` (or a new one), named from
-    the words of its own tests. -> (must-pass id, must-fail id, nonce); the must-pass test writes the nonce to
-    `proof`."""
-    rng = random.Random(secrets.randbits(64))
-    files = sorted({t.split("::")[0] for t in need if "::" in t and t.split("::")[0].endswith(".py")})
-    rel = rng.choice(files) if files else f"test_{secrets.token_hex(3)}.py"  # explicit paths collect any name
-    text = Path(work, rel).read_text() if files else ""
-    words = sorted({w for name in re.findall(r"^\s*def test_(\w+)", text, re.M) for w in name.split("_") if w})
-    taken, names = set(re.findall(r"\b(test_\w+)", text)), []
-    while len(names) < 2:
-        name = "test_" + "_".join(rng.sample(words or ["case"], min(2, len(words) or 1))) + str(rng.randrange(2, 99))
-        if name not in taken | set(names):
-            names.append(name)
-    must_pass, must_fail = names
-    nonce, a = secrets.token_hex(16), rng.randrange(10**6)
-    Path(work, rel).write_text(text.rstrip("\n") + f"\n\n\ndef {must_pass}():\n    with open({str(proof)!r}, 'w') as f:\n"
-                               f"        f.write({nonce!r})\n\n\ndef {must_fail}():\n    assert {a} == {a + 1}\n")
-    return f"{rel}::{must_pass}", f"{rel}::{must_fail}", nonce
+def instrument(work, need, proof):
+    """Prepare the fresh copy of the required tests' files in `work`: a decorator that appends "<nonce> <k>" to
+    `proof` when test k's body has returned goes on every required test function it can find (not on async ones or
+    ones defined in another file), and two canaries named from the words of the file's own tests are appended to
+    one file: a must-pass one (decorated like the rest) and a must-fail one. The nonce and the names are drawn here,
+    after the solution is fixed. -> (must-pass id, must-fail id, nonce, {test id: k})."""
+    rng, nonce = random.Random(secrets.randbits(64)), secrets.token_hex(16)
+    deco = "_" + rng.choice("abcdefghijklmnopqrstuvwxyz") + secrets.token_hex(3)
+    helper = (f"def {deco}(k):\n    import functools\n    def wrap(f):\n        @functools.wraps(f)\n"
+              f"        def run(*a, **kw):\n            r = f(*a, **kw)\n            with open({str(proof)!r}, 'a') as o:\n"
+              f"                o.write({nonce!r} + ' ' + str(k) + '\\n')\n            return r\n        return run\n"
+              f"    return wrap\n")
+    by_file = {}
+    for t in need:
+        if "::" in t and t.split("::")[0].endswith(".py"):
+            by_file.setdefault(t.split("::")[0], []).append(t)
+    files = sorted(by_file) or [f"test_{secrets.token_hex(3)}.py"]  # explicit paths collect any file name
+    home, proofs = rng.choice(files), {}
+    for rel in files:
+        text = Path(work, rel).read_text() if rel in by_file else ""
+        lines, tree = text.splitlines(keepends=True), ast.parse(text)
+        at, inserts = 0, []  # the helper goes after the docstring and __future__ imports
+        for node in tree.body:
+            if not (isinstance(node, ast.ImportFrom) and node.module == "__future__" or isinstance(node, ast.Expr)
+                    and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)):
+                break
+            at = node.end_lineno
+        for t in by_file.get(rel, []):
+            body, node = tree.body, None
+            for part in t.split("::")[1:]:
+                node = next((n for n in body if isinstance(n, (ast.ClassDef, ast.FunctionDef))
+                             and n.name == part.split("[")[0]), None)
+                body = node.body if isinstance(node, ast.ClassDef) else []
+            if isinstance(node, ast.FunctionDef):
+                proofs[t] = k = len(proofs)
+                first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                inserts.append((first - 1, " " * node.col_offset + f"@{deco}({k})\n"))
+        for line, code in sorted(inserts, reverse=True):
+            lines.insert(line, code)
+        text = "".join(lines[:at]) + ("\n" if at and not lines[at - 1].endswith("\n") else "") + helper + "".join(lines[at:])
+        if rel == home:
+            words = sorted({w for name in re.findall(r"^\s*def test_(\w+)", text, re.M) for w in name.split("_") if w})
+            taken, names = set(re.findall(r"\b(test_\w+)", text)), []
+            while len(names) < 2:
+                name = "test_" + "_".join(rng.sample(words or ["case"], min(2, len(words) or 1))) + str(rng.randrange(2, 99))
+                if name not in taken | set(names):
+                    names.append(name)
+            must_pass, must_fail = names
+            proofs[f"{rel}::{must_pass}"] = k = len(proofs)
+            a = rng.randrange(10**6)
+            text = text.rstrip("\n") + f"\n\n\n@{deco}({k})\ndef {must_pass}():\n    pass\n\n\ndef {must_fail}():\n" \
+                                       f"    assert {a} == {a + 1}\n"
+        Path(work, rel).write_text(text)
+    return f"{home}::{must_pass}", f"{home}::{must_fail}", nonce, proofs
 
 
 def verify(task_dir, workdir=None, patch=None, timeout=600):
-    """(reward, reason). Reward 1 only when the verifier's own report says every required test passed, both
-    canaries behaved and pytest's exit code is 1 (the must-fail canary's failure, nothing else)."""
+    """(reward, reason). Reward 1 only when the verifier's own report says every required test passed, each of
+    their bodies wrote its proof, both canaries behaved and pytest's exit code is 1 (the must-fail canary's
+    failure, nothing else)."""
     task_dir = Path(task_dir)
     if not (task_dir / "task.json").is_file():
         raise TaskError(f"no task.json in {task_dir}")
@@ -801,12 +838,14 @@ def verify(task_dir, workdir=None, patch=None, timeout=600):
         plugin, proof, report = Path(tmp, "plugin"), Path(tmp, secrets.token_hex(8)), Path(tmp, "report.jsonl")
         plugin.mkdir()
         Path(plugin, "_featdel_report.py").write_text(REPORTER)
-        must_pass, must_fail, nonce = add_canaries(work, need, proof)
+        must_pass, must_fail, nonce, proofs = instrument(work, need, proof)
         with open(report, "w") as fd:
             rc, _, _ = run_pytest(work, ["-p", "_featdel_report", *need, must_pass, must_fail], timeout,
                                   extra_path=[str(plugin)], extra_env={"FEATDEL_REPORT_FD": str(fd.fileno())},
                                   pass_fds=[fd.fileno()])
-        lines, ran = report.read_text().splitlines(), proof.read_text() if proof.exists() else None
+        lines = report.read_text().splitlines()
+        proven = {int(k) for n, k in (line.split() for line in (proof.read_text().splitlines() if proof.exists() else [])
+                                      if len(line.split()) == 2) if n == nonce and k.isdigit()}
     try:
         records = [json.loads(line) for line in lines]
         outcomes = {}  # node id -> the outcomes of its setup, call and teardown
@@ -822,11 +861,14 @@ def verify(task_dir, workdir=None, patch=None, timeout=600):
         return 0, f"{len(missing)} of {len(need)} required tests did not pass (skipped counts as failed), e.g. {missing[0]}; pytest exit {rc}"
     if must_fail in passed or outcomes.get(must_fail, {}).get("call") != "failed":
         return 0, f"runner tampered: the must-fail canary did not fail ({outcomes.get(must_fail)}); pytest exit {rc}"
-    if ran != nonce or must_pass not in passed:
-        return 0, f"runner tampered: the must-pass canary did not pass or its body did not run; pytest exit {rc}"
+    unproven = [t for t in [must_pass, *need] if t in proofs and proofs[t] not in proven]
+    if must_pass not in passed or unproven:
+        return 0, f"runner tampered: {unproven[0] if unproven else must_pass} passed without its body returning; " \
+                  f"pytest exit {rc}"
     if rc != 1 or records[-1][2] != 1:
         return 0, f"all {len(need)} required tests passed but pytest exited {rc} (1 expected: the must-fail canary alone fails)"
-    return 1, f"all {len(task['fail_to_pass'])} fail-to-pass and {len(task['pass_to_pass'])} pass-to-pass tests passed; canaries intact"
+    return 1, f"all {len(task['fail_to_pass'])} fail-to-pass and {len(task['pass_to_pass'])} pass-to-pass tests passed; " \
+              f"bodies returned, canaries intact"
 
 
 # -----------------------------------------------------------------------------
