@@ -839,13 +839,13 @@ def verify(task_dir, workdir=None, patch=None, timeout=600):
         plugin.mkdir()
         Path(plugin, "_featdel_report.py").write_text(REPORTER)
         must_pass, must_fail, nonce, proofs = instrument(work, need, proof)
-        with open(report, "w") as fd:
-            rc, _, _ = run_pytest(work, ["-p", "_featdel_report", *need, must_pass, must_fail], timeout,
+        with open(report, "w") as fd:  # what pytest prints is not read at all
+            rc, _ = run_sandboxed([*PYTEST, "-p", "_featdel_report", *need, must_pass, must_fail], work, timeout,
                                   extra_path=[str(plugin)], extra_env={"FEATDEL_REPORT_FD": str(fd.fileno())},
                                   pass_fds=[fd.fileno()])
         lines = report.read_text().splitlines()
-        proven = {int(k) for n, k in (line.split() for line in (proof.read_text().splitlines() if proof.exists() else [])
-                                      if len(line.split()) == 2) if n == nonce and k.isdigit()}
+        written = proof.read_text().splitlines() if proof.exists() else []
+        proven = {line[len(nonce) + 1:] for line in written if line.startswith(nonce + " ")}  # the k of each proof
     try:
         records = [json.loads(line) for line in lines]
         outcomes = {}  # node id -> the outcomes of its setup, call and teardown
@@ -861,7 +861,7 @@ def verify(task_dir, workdir=None, patch=None, timeout=600):
         return 0, f"{len(missing)} of {len(need)} required tests did not pass (skipped counts as failed), e.g. {missing[0]}; pytest exit {rc}"
     if must_fail in passed or outcomes.get(must_fail, {}).get("call") != "failed":
         return 0, f"runner tampered: the must-fail canary did not fail ({outcomes.get(must_fail)}); pytest exit {rc}"
-    unproven = [t for t in [must_pass, *need] if t in proofs and proofs[t] not in proven]
+    unproven = [t for t in [must_pass, *need] if t in proofs and str(proofs[t]) not in proven]
     if must_pass not in passed or unproven:
         return 0, f"runner tampered: {unproven[0] if unproven else must_pass} passed without its body returning; " \
                   f"pytest exit {rc}"
