@@ -483,13 +483,13 @@ def test_requirements(repo):
     for dep in cfg.get("testenv", "deps", fallback="").splitlines():
         dep = dep.strip()
         if dep.startswith("-r"):
-            args += ["-r", dep[2:].strip()]
+            args.append(f"--requirement={dep[2:].strip()}")
         elif dep and not dep.startswith(("#", "-", ".")) and "{" not in dep:
             args.append(dep.split(" #")[0].strip())
     for pattern in ("requirements*test*.txt", "requirements-dev.txt", "requirements_dev.txt", "test*requirements.txt",
                     "dev-requirements.txt", "requirements/test*.txt", "requirements/dev*.txt"):
         for f in sorted(repo.glob(pattern)):
-            args += ["-r", str(f.relative_to(repo))]
+            args.append(f"--requirement={f.relative_to(repo)}")
     return sorted(set(extras)), list(dict.fromkeys(args))
 
 

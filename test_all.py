@@ -16,6 +16,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -1904,6 +1905,67 @@ def test_verifier_hacks_score_0(made, tmp_path):
     assert rc == 0 and passed == set(t["fail_to_pass"])
 
 
+def test_sandbox_contains_hostile_code(made, tmp_path):
+    """In bubblewrap a run reads nothing of the host outside its view (the gold patch, the source repository), writes
+    nowhere but its folder (not the tests), connects nowhere and cannot fork-bomb the host; unisolated, each of
+    those works. A solution that execs the original out of the source repository earns 1 only unisolated. Where
+    bubblewrap cannot run, verify says so in one line unless --no-sandbox."""
+    d, t = task_dir(made, "mean")
+    work, outside = tmp_path / "w", tmp_path / "outside.txt"
+    shutil.copytree(d / "repo", work)
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.5)
+    (work / "hostile.py").write_text(f"""import socket
+def attempt(name, f):
+    try:
+        f()
+        print(name, "ok")
+    except Exception as e:
+        print(name, "blocked", type(e).__name__)
+attempt("read-gold", lambda: open({str(d / "gold.patch")!r}).read())
+attempt("read-source", lambda: open({str(made["repo"] / "calc/core.py")!r}).read())
+attempt("write-outside", lambda: open({str(outside)!r}, "w").write("x"))
+attempt("write-tests", lambda: open("tests/test_calc.py", "a").write("x"))
+attempt("connect", lambda: socket.create_connection(("127.0.0.1", {server.getsockname()[1]}), timeout=2))
+""")
+    names = ["read-gold", "read-source", "write-tests", "connect"]  # the write outside lands in the sandbox's own /tmp
+    rc, out = tasks.Sandbox(timeout=60).run(["hostile.py"], work, readonly=tasks.protected_paths(work))
+    assert rc == 0 and all(f"{n} blocked" in out for n in names), out
+    with pytest.raises(socket.timeout):
+        server.accept()
+    assert not outside.exists() and (work / "tests/test_calc.py").read_bytes() == (d / "repo/tests/test_calc.py").read_bytes()
+    rc, out = tasks.Sandbox(isolate=False, timeout=60).run(["hostile.py"], work)
+    assert all(f"{n} ok" in out for n in [*names, "write-outside"]) and outside.exists(), out
+    server.close()
+
+    marker = f"bomb-{os.getpid()}"
+    bomb = (f"import os, time  # {marker}\nn = 0\nwhile True:\n    try:\n        if os.fork() == 0:\n"
+            f"            time.sleep(60)\n            os._exit(0)\n        n += 1\n    except OSError:\n"
+            f"        print('fork refused after', n, flush=True)\n        time.sleep(60)\n")
+    t0 = time.time()
+    rc, out = tasks.Sandbox(timeout=5, processes=64).run(["-c", bomb], work)
+    assert rc == 124 and "fork refused after" in out and time.time() - t0 < 30, out[-300:]
+    time.sleep(0.5)
+    left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and marker.encode() in
+            (p / "cmdline").read_bytes() if (p / "cmdline").exists()]
+    assert not left and subprocess.run(["true"]).returncode == 0  # nothing of it is left; the host still forks
+
+    steal = f"exec(open({str(made['repo'] / 'calc/core.py')!r}).read())\n"  # the original, from the source repository
+    w = tmp_path / "steal"
+    shutil.copytree(d / "repo", w)
+    (w / "calc/core.py").write_text(steal)
+    assert tasks.verify(d, workdir=w, box=tasks.Sandbox(isolate=False, timeout=60))[0] == 1
+    reward, why = tasks.verify(d, workdir=w)
+    assert reward == 0 and "did not pass" in why, why
+    here, env = Path(tasks.__file__), {"PATH": str(tmp_path / "no-bwrap-here")}
+    args = [sys.executable, str(here), "verify", str(d), "--workdir", str(d / "repo")]
+    p = subprocess.run(args, capture_output=True, text=True, env=env, timeout=60)
+    assert p.returncode == 2 and p.stderr == ("error: cannot sandbox the tests: bubblewrap is not installed (apt-get "
+                                              "install bubblewrap); pass --no-sandbox to run them unisolated\n"), p.stderr
+    p = subprocess.run([*args, "--no-sandbox"], capture_output=True, text=True, env=env, timeout=60)
+    assert p.returncode == 0 and p.stdout.startswith("reward 0: 2 of 14 required tests did not pass"), p.stdout + p.stderr
+
+
 # -----------------------------------------------------------------------------
 # feature deletion: scan and scrub, one planted leak per kind
 
@@ -2111,6 +2173,54 @@ def test_cli_errors_are_one_line(tmp_path):
         p = subprocess.run([sys.executable, str(here), *args], capture_output=True, text=True, timeout=30)
         assert p.returncode == 2 and p.stderr.startswith("error: ") and p.stderr.count("\n") == 1, (args, p.stderr)
     assert tasks.cli(["scan", str(write_fixture(tmp_path / "clean"))]) == 0  # a clean repo: no findings
+
+
+def test_test_requirements_are_found_where_projects_declare_them(tmp_path):
+    files = {"pyproject.toml": '[project]\nname = "x"\n[project.optional-dependencies]\ntests = ["hypothesis"]\ndocs = ["sphinx"]\n'
+                               '[dependency-groups]\nlint = ["ruff"]\ntest = ["pytest-cov", {include-group = "typing"}]\n'
+                               'typing = ["mypy"]\n[tool.hatch.envs.default]\ndependencies = ["coverage", "{root:uri}"]\n',
+             "setup.cfg": "[options.extras_require]\ntesting = freezegun\n",
+             "tox.ini": "[testenv]\ndeps =\n    pytest-xdist\n    -r requirements/ci.txt\n    {[base]deps}\n",
+             "requirements-test.txt": "pytest-mock\n", "requirements/dev.txt": "tox\n"}
+    for rel, text in files.items():
+        Path(tmp_path, rel).parent.mkdir(exist_ok=True)
+        Path(tmp_path, rel).write_text(text)
+    extras, args = tasks.test_requirements(tmp_path)
+    assert extras == ["testing", "tests"]
+    assert args == ["pytest-cov", "mypy", "coverage", "pytest-xdist", "--requirement=requirements/ci.txt",
+                    "--requirement=requirements-test.txt", "--requirement=requirements/dev.txt"], args
+
+
+def test_env_installs_what_the_configuration_needs(tmp_path):
+    """A repository whose pytest configuration needs pytest-timeout (declared in a dependency group): without its
+    environment make fails in one line naming the plugin and the fix; `env` builds the venv, and make and verify run
+    with its interpreter. A --python that is not an interpreter and an install that fails are one line each."""
+    dl = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(tmp_path / "dl"),
+                         "pytest-timeout"], capture_output=True, text=True, timeout=120)
+    if dl.returncode:
+        pytest.skip(f"package index unreachable: {dl.stderr.strip().splitlines()[-1:]}")
+    repo = write_fixture(tmp_path / "calc")
+    (repo / "tests/test_calc.py").write_text(TESTS.split("def test_flaky")[0])
+    (repo / "pyproject.toml").write_text('[build-system]\nrequires = ["setuptools>=61"]\nbuild-backend = "setuptools.build_meta"\n'
+                                         '[project]\nname = "calc"\nversion = "0.1"\n[dependency-groups]\n'
+                                         'test = ["pytest-timeout"]\n[tool.pytest.ini_options]\ntestpaths = ["tests"]\n'
+                                         'addopts = "--timeout=60"\n')
+    with pytest.raises(tasks.TaskError, match=r"unrecognized arguments: --timeout=60 \(the repository's pytest "
+                                              r"configuration needs pytest-timeout, not installed for .*tasks.py env"):
+        tasks.make(repo, tmp_path / "out0", log=lambda s: None)
+    python = tasks.make_env(repo, tmp_path / "venv", log=lambda s: None)
+    (task,) = tasks.make(repo, tmp_path / "out", n=1, box=tasks.Sandbox(python), log=lambda s: None)
+    d = tmp_path / "out" / task["id"]
+    assert task["python"] == python and tasks.verify(d, patch=d / "gold.patch")[0] == 1  # the task's interpreter
+    assert not list(tmp_path.glob("venv/lib/python3*/site-packages/calc"))  # the package itself is not installed
+    for bad in ("/bin/true", str(tmp_path / "nope")):
+        with pytest.raises(tasks.TaskError, match=f"^--python {bad} is not a Python interpreter$"):
+            tasks.Sandbox(bad)
+    (repo / "pyproject.toml").write_text('[project]\nname = "calc"\nversion = "0.1"\n[project.optional-dependencies]\n'
+                                         'test = ["featdel-no-such-package-anywhere"]\n')
+    with pytest.raises(tasks.TaskError, match=r"^pip install failed in .*venv2: ERROR: No matching distribution found "
+                                              r"for featdel-no-such-package-anywhere"):
+        tasks.make_env(repo, tmp_path / "venv2", log=lambda s: None)
 
 
 # -----------------------------------------------------------------------------
