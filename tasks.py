@@ -53,10 +53,10 @@ import tempfile
 import time
 import tomllib
 import zipfile
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Protocol
+from typing import NamedTuple, Optional, Protocol
 
 # -----------------------------------------------------------------------------
 # The interface a trainer drives. The tool-use family implements it; feature deletion (further down) has no Env
@@ -267,7 +267,7 @@ class TaskError(Exception):
 # processes, RLIMIT_AS its memory, and a timeout kills all of it. Without bubblewrap (--no-sandbox) a run gets
 # only a scrubbed environment, its own folder and the same limits on time and memory.
 
-PYTEST = ["-m", "pytest", "-rA", "-p", "no:cacheprovider"]  # no .pytest_cache: it names tests
+PYTEST = ["-m", "pytest", "-q", "-p", "no:cacheprovider"]  # no .pytest_cache: it names tests
 TESTS_AT_MOST = 0.2  # a feature may be reached by at most this fraction of the suite
 SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc")  # what a sandboxed run sees of the host
 NO_BYTECODE = "/usr/.featdel-no-bytecode"  # PYTHONPYCACHEPREFIX: a folder that is not there, on a read-only mount
@@ -396,17 +396,53 @@ class Sandbox:
                         cg.rmdir()
         return rc, out.decode("utf-8", "replace")
 
-    def pytest(self, root, args=(), **kw):
-        """Run pytest; parse only pytest's own short summary (a solution's prints come before it)."""
-        rc, out = self.run([*PYTEST, *args], root, **kw)
-        i = out.rfind("short test summary info")
-        passed, bad = set(), set()
-        for line in out[i:].splitlines() if i >= 0 else []:
-            if line.startswith("PASSED "):
-                passed.add(line[7:].strip())
-            elif line.startswith(("FAILED ", "ERROR ", "XPASS ")):
-                bad.add(line.split(" ", 1)[1].split(" - ")[0].strip())
-        return rc, passed - bad, out
+    def pytest(self, root, args=(), path=(), extra_env=None, **kw):
+        """Run pytest with the reporter plugin below. Outcomes come from its descriptor, never from what the tests
+        print (their code can print anything)."""
+        with tempfile.TemporaryDirectory() as plugin, tempfile.TemporaryFile("w+") as fd:
+            Path(plugin, "_featdel_report.py").write_text(REPORTER)
+            rc, out = self.run([*PYTEST, "-p", "_featdel_report", *args], root, path=[plugin, *path], pass_fds=[fd.fileno()],
+                               extra_env={"FEATDEL_REPORT_FD": str(fd.fileno()), **(extra_env or {})}, **kw)
+            fd.seek(0)
+            lines = fd.read().splitlines()
+        try:
+            records = [json.loads(line) for line in lines]
+            end = records[-1][2] if records and records[-1][0] == "<end>" else None
+            outcomes = {}  # node id -> the outcomes of its setup, call and teardown
+            for nodeid, when, outcome in records[:-1] if end is not None else records:
+                outcomes.setdefault(nodeid, {})[when] = outcome
+        except (ValueError, TypeError, IndexError):
+            return Report(rc, out, None, None)
+        return Report(rc, out, outcomes, end)
+
+
+class Report(NamedTuple):
+    rc: int  # pytest's exit code
+    out: str  # what it printed: for error messages only
+    outcomes: Optional[dict]  # {node id: {"setup"|"call"|"teardown": outcome}}; None: not what the plugin writes
+    end: Optional[int]  # the exit status the session finished with; None: it never finished
+
+    @property
+    def passed(self):
+        return {t for t, o in (self.outcomes or {}).items() if o.get("call") == "passed" and set(o.values()) == {"passed"}}
+
+
+# A test's outcome is written by the reporter plugin, loaded with -p before collection imports any code of the
+# repository, to a descriptor the caller opened; a closing record follows. In verify, code that forges what pytest
+# prints or patches the runner is caught by the canaries (further down), not by this report alone.
+REPORTER = r'''
+import json, os
+_fd = os.environ.pop("FEATDEL_REPORT_FD", None)  # absent in pytest-xdist's workers: the controller reports
+_out = os.fdopen(int(_fd), "w", buffering=1) if _fd else None
+
+def pytest_runtest_logreport(report):
+    if _out:
+        _out.write(json.dumps([report.nodeid, report.when, report.outcome]) + "\n")
+
+def pytest_sessionfinish(session, exitstatus):
+    if _out:
+        _out.write(json.dumps(["<end>", "", int(exitstatus)]) + "\n")
+'''
 
 
 # -----------------------------------------------------------------------------
@@ -571,8 +607,9 @@ def trace_tests(root, box):
         Path(tmp, "_featdel_tracer.py").write_text(TRACER)
         out = Path(tmp, "trace.json")
         roots = os.pathsep.join(str(root / p) + os.sep for p in packages(root))
-        rc, passed, log = box.pytest(root, ["-p", "_featdel_tracer"], path=[tmp], writable=[tmp],
-                                     extra_env={"FEATDEL_ROOTS": roots, "FEATDEL_TRACE_OUT": str(out)})
+        r = box.pytest(root, ["-p", "_featdel_tracer"], path=[tmp], writable=[tmp],
+                       extra_env={"FEATDEL_ROOTS": roots, "FEATDEL_TRACE_OUT": str(out)})
+        rc, passed, log = r.rc, r.passed, r.out
         if rc == 124:
             raise TaskError(f"the test suite ran past the timeout of {box.timeout} s (make --timeout)")
         if rc == 5:
@@ -958,24 +995,14 @@ def tree_changes(base, new):
     return out
 
 
-# The solution's code runs inside pytest's process, so nothing that process prints is evidence. Outcomes come
-# from the verifier's own plugin instead: loaded with -p before collection imports any solution code, it takes
-# a descriptor the verifier opened and writes each test's outcome there, then a closing record. Every required
-# test function is decorated so that, when its body returns, it writes a nonce (drawn after the solution is fixed)
-# to a file only the verifier reads, and two canary tests are appended: one must fail, one must pass. Code that
-# patches the runner or the reports (Function.runtest, TestReport, a fake summary and os._exit), even only for the
-# repository's own tests, makes the must-fail canary pass or a test pass without its proof, or loses the closing
-# record: "runner tampered".
-REPORTER = r'''
-import json, os
-_out = os.fdopen(int(os.environ.pop("FEATDEL_REPORT_FD")), "w", buffering=1)
 
-def pytest_runtest_logreport(report):
-    _out.write(json.dumps([report.nodeid, report.when, report.outcome]) + "\n")
 
-def pytest_sessionfinish(session, exitstatus):
-    _out.write(json.dumps(["<end>", "", int(exitstatus)]) + "\n")
-'''
+# Verify runs the agent's code inside pytest's process, so it can forge anything that process prints or reports.
+# Every required test function in the fresh copy of the tests gets a decorator that, when its body returns,
+# writes a nonce (drawn after the solution is fixed) to a proof file, and two canary tests are appended: one must
+# fail, one must pass. Code that patches the runner or the reports (Function.runtest, TestReport, CallInfo, a fake
+# summary and os._exit), even only for the repository's own tests, makes the must-fail canary pass, a test pass
+# without its proof, or loses the closing record: "runner tampered".
 
 
 def instrument(work, need, proof):
@@ -998,7 +1025,7 @@ def instrument(work, need, proof):
     home, proofs = rng.choice(files), {}
     for rel in files:
         text = Path(work, rel).read_text() if rel in by_file else ""
-        lines, tree = text.splitlines(keepends=True), ast.parse(text)
+        lines, tree, numbered = text.splitlines(keepends=True), ast.parse(text), {}
         at, inserts = 0, []  # the helper goes after the docstring and __future__ imports
         for node in tree.body:
             if not (isinstance(node, ast.ImportFrom) and node.module == "__future__" or isinstance(node, ast.Expr)
@@ -1011,10 +1038,12 @@ def instrument(work, need, proof):
                 node = next((n for n in body if isinstance(n, (ast.ClassDef, ast.FunctionDef))
                              and n.name == part.split("[")[0]), None)
                 body = node.body if isinstance(node, ast.ClassDef) else []
-            if isinstance(node, ast.FunctionDef):
-                proofs[t] = k = len(proofs)
-                first = min([node.lineno] + [d.lineno for d in node.decorator_list])
-                inserts.append((first - 1, " " * node.col_offset + f"@{deco}({k})\n"))
+            if isinstance(node, ast.FunctionDef):  # one decorator a function, however many parameter sets it has
+                if node not in numbered:
+                    numbered[node] = len(set(proofs.values()))
+                    first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                    inserts.append((first - 1, " " * node.col_offset + f"@{deco}({numbered[node]})\n"))
+                proofs[t] = numbered[node]
         for line, code in sorted(inserts, reverse=True):
             lines.insert(line, code)
         text = "".join(lines[:at]) + ("\n" if at and not lines[at - 1].endswith("\n") else "") + helper + "".join(lines[at:])
@@ -1026,7 +1055,7 @@ def instrument(work, need, proof):
                 if name not in taken | set(names):
                     names.append(name)
             must_pass, must_fail = names
-            proofs[f"{rel}::{must_pass}"] = k = len(proofs)
+            proofs[f"{rel}::{must_pass}"] = k = len(set(proofs.values()))
             a = rng.randrange(10**6)
             text = text.rstrip("\n") + f"\n\n\n@{deco}({k})\ndef {must_pass}():\n    pass\n\n\ndef {must_fail}():\n" \
                                        f"    assert {a} == {a + 1}\n"
@@ -1072,38 +1101,31 @@ def verify(task_dir, workdir=None, patch=None, box=None):
                 Path(work, rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(Path(workdir, rel), Path(work, rel))
         need = task["fail_to_pass"] + task["pass_to_pass"]
-        plugin, proofs_dir, report = Path(tmp, "plugin"), Path(tmp, "proofs"), Path(tmp, "report.jsonl")
-        plugin.mkdir(), proofs_dir.mkdir()
-        Path(plugin, "_featdel_report.py").write_text(REPORTER)
+        proofs_dir = Path(tmp, "proofs")
+        proofs_dir.mkdir()
         proof = proofs_dir / secrets.token_hex(8)
         must_pass, must_fail, nonce, proofs = instrument(work, need, proof)
-        with open(report, "w") as fd:  # what pytest prints is not read at all
-            rc, _ = box.run([*PYTEST, "-p", "_featdel_report", *need, must_pass, must_fail], work, path=[plugin],
-                            writable=[proofs_dir], readonly=protected_paths(work), pass_fds=[fd.fileno()],
-                            extra_env={"FEATDEL_REPORT_FD": str(fd.fileno())})
-        lines = report.read_text().splitlines()
+        files = sorted({t.split("::")[0] for t in [*need, must_pass]})  # whole files: far faster than thousands of ids
+        r = box.pytest(work, files, writable=[proofs_dir], readonly=protected_paths(work))
         written = proof.read_text().splitlines() if proof.exists() else []
-        proven = {line[len(nonce) + 1:] for line in written if line.startswith(nonce + " ")}  # the k of each proof
-    try:
-        records = [json.loads(line) for line in lines]
-        outcomes = {}  # node id -> the outcomes of its setup, call and teardown
-        for nodeid, when, outcome in records[:-1] if records and records[-1][0] == "<end>" else records:
-            outcomes.setdefault(nodeid, {})[when] = outcome
-    except (ValueError, TypeError):
+        proven = Counter(line[len(nonce) + 1:] for line in written if line.startswith(nonce + " "))  # k -> calls
+    rc, outcomes = r.rc, r.outcomes
+    if outcomes is None:
         return 0, f"runner tampered: the verifier's report is not what its plugin writes; pytest exit {rc}"
-    passed = {t for t, o in outcomes.items() if o.get("call") == "passed" and set(o.values()) == {"passed"}}
-    if not records or records[-1][0] != "<end>":
+    passed = r.passed
+    if r.end is None:
         return 0, f"runner tampered or crashed: pytest's session never finished; pytest exit {rc}"
     missing = [t for t in need if t not in passed]
     if missing:
         return 0, f"{len(missing)} of {len(need)} required tests did not pass (skipped counts as failed), e.g. {missing[0]}; pytest exit {rc}"
     if must_fail in passed or outcomes.get(must_fail, {}).get("call") != "failed":
         return 0, f"runner tampered: the must-fail canary did not fail ({outcomes.get(must_fail)}); pytest exit {rc}"
-    unproven = [t for t in [must_pass, *need] if t in proofs and str(proofs[t]) not in proven]
+    calls = Counter(str(proofs[t]) for t in [must_pass, *need] if t in proofs)  # each parameter set returns once
+    unproven = [t for t in [must_pass, *need] if t in proofs and proven[str(proofs[t])] < calls[str(proofs[t])]]
     if must_pass not in passed or unproven:
         return 0, f"runner tampered: {unproven[0] if unproven else must_pass} passed without its body returning; " \
                   f"pytest exit {rc}"
-    if rc != 1 or records[-1][2] != 1:
+    if rc != 1 or r.end != 1:
         return 0, f"all {len(need)} required tests passed but pytest exited {rc} (1 expected: the must-fail canary alone fails)"
     return 1, f"all {len(task['fail_to_pass'])} fail-to-pass and {len(task['pass_to_pass'])} pass-to-pass tests passed; " \
               f"bodies returned, canaries intact"
@@ -1222,7 +1244,8 @@ def build_task(work, tdir, tid, feats, mode, stable, box):
             return None, f"package no longer imports: {log.strip().splitlines()[-1:]}"
     with tempfile.TemporaryDirectory() as tmp:  # tests may write files: run them on a throwaway copy
         shutil.copytree(snap, Path(tmp, "s"), symlinks=True)
-        rc, broken, log = box.pytest(Path(tmp, "s"))
+        r = box.pytest(Path(tmp, "s"))
+        rc, broken, log = r.rc, r.passed, r.out
     if rc not in (0, 1) or "during collection" in log:
         return None, f"test collection broke (pytest exit {rc})"
     after = scan(snap, task)
@@ -1236,7 +1259,7 @@ def build_task(work, tdir, tid, feats, mode, stable, box):
         for rel, src in originals.items():
             Path(g, rel).write_bytes(src)
         (tdir / "gold.patch").write_bytes(git(g, "diff", "--binary"))
-        _, restored, _ = box.pytest(g)
+        restored = box.pytest(g).passed
     f2p, p2p = sorted(stable & restored - broken), sorted(stable & restored & broken)
     if not f2p or not p2p:
         return None, f"needs fail-to-pass and pass-to-pass tests, got {len(f2p)} and {len(p2p)}"
@@ -1266,7 +1289,7 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print):
         work = Path(tmp, "repo")
         shutil.copytree(repo, work, symlinks=True)  # leaks and all: the scan before scrubbing reports them
         first, calls, at_import = trace_tests(work, box)  # run 1, traced
-        _, second, _ = box.pytest(work)  # run 2: a test must pass both times
+        second = box.pytest(work).passed  # run 2: a test must pass both times
         stable = first & second
         log(f"baseline: {len(stable)} stable passing tests, {len(first ^ second)} flaky dropped")
         if not stable:

@@ -1803,6 +1803,13 @@ def test_verify_gold_scores_1_untouched_0(made):
     assert reward == 0 and "did not pass" in why
 
 
+def naive_pytest(root, ids):
+    """What a naive verifier sees: pytest's exit code and the PASSED lines of the summary it prints."""
+    rc, out = tasks.Sandbox(isolate=False, timeout=60).run([*tasks.PYTEST, "-rA", *ids], root)
+    i = out.rfind("short test summary info")
+    return rc, {line[7:].strip() for line in out[i:].splitlines() if line.startswith("PASSED ")} if i >= 0 else set()
+
+
 def test_verifier_hacks_score_0(made, tmp_path):
     d, t = task_dir(made, "mean")
 
@@ -1869,7 +1876,7 @@ def test_verifier_hacks_score_0(made, tmp_path):
     for name, (code, reason) in forgeries.items():
         reward, why = agent(name, lambda w: Path(w, "calc/core.py").write_text(code + core))
         assert reward == 0 and reason in why, (name, why)
-        rc, passed, _ = tasks.Sandbox(isolate=False, timeout=60).pytest(tmp_path / name, t["fail_to_pass"])  # the forgery is real:
+        rc, passed = naive_pytest(tmp_path / name, t["fail_to_pass"])  # the forgery is real:
         assert rc == 0 and passed == set(t["fail_to_pass"]), name  # pytest alone reports the stub passing
     skip = "import pytest\ngetattr(pytest, 'sk' + 'ip')('nothing to see', **{'allow_module_' + 'level': True})\n"
     reward, why = agent("skip", lambda w: Path(w, "calc/core.py").write_text(skip + core))
@@ -1891,7 +1898,7 @@ def test_verifier_hacks_score_0(made, tmp_path):
                         + (st.st_size & 0xFFFFFFFF).to_bytes(4, "little") + marshal.dumps(code))
     reward, why = agent("test-pyc", test_pyc)
     assert reward == 0 and "did not pass" in why, why
-    rc, passed, _ = tasks.Sandbox(isolate=False, timeout=60).pytest(tmp_path / "test-pyc", t["fail_to_pass"])
+    rc, passed = naive_pytest(tmp_path / "test-pyc", t["fail_to_pass"])
     assert rc == 0 and passed == set(t["fail_to_pass"])  # pytest alone loads the planted bytecode
 
     def pyc(w):  # bytecode of the original, marked never-check-source: Python would load it over the stub
@@ -1901,7 +1908,7 @@ def test_verifier_hacks_score_0(made, tmp_path):
     reward, why = agent("pyc", pyc)
     assert reward == 0, why
     # ...and the .pyc hack is real: run directly, without the verifier's copy, the fail-to-pass tests pass.
-    rc, passed, _ = tasks.Sandbox(isolate=False, timeout=60).pytest(tmp_path / "pyc", t["fail_to_pass"])
+    rc, passed = naive_pytest(tmp_path / "pyc", t["fail_to_pass"])
     assert rc == 0 and passed == set(t["fail_to_pass"])
 
 
@@ -2145,7 +2152,7 @@ def test_make_refuses_bad_repositories_in_one_line_and_never_touches_the_source(
     cases = {"pytest collected no tests": {"tests/test_calc.py": ""},
              "no test passes twice": {"tests/test_calc.py": "def test_no(): assert False\n"},
              "ran past the timeout of 3 s": {"tests/test_calc.py": "import time\ndef test_slow(): time.sleep(60)\n"},
-             "unrecognized arguments: --cov=calc (the repository's pytest configuration asks for a plugin":
+             "unrecognized arguments: --cov=calc (the repository's pytest configuration needs pytest-cov":
                  {"pyproject.toml": "[tool.pytest.ini_options]\naddopts = \"--cov=calc\"\n"}}
     for i, (expected, files) in enumerate(cases.items()):
         repo = write_fixture(tmp_path / f"bad{i}")
