@@ -1212,12 +1212,12 @@ def prompt_for(ents, f2p):
     return "\n".join(parts)
 
 
-def make_task(work, out, tid, feats, mode, stable, box):
+def make_task(work, out, tid, feats, mode, stable, box, source):
     """(task, "ok") with out/tid written, or (None, why) with nothing left behind."""
     tdir = Path(out, tid)
     shutil.rmtree(tdir, ignore_errors=True)
     try:
-        task, why = build_task(work, tdir, tid, feats, mode, stable, box)
+        task, why = build_task(work, tdir, tid, feats, mode, stable, box, source)
     except (SyntaxError, AttributeError, TypeError, ValueError) as e:
         task, why = None, f"splice failed: {e!r}"
     if task is None:
@@ -1225,7 +1225,7 @@ def make_task(work, out, tid, feats, mode, stable, box):
     return task, why
 
 
-def build_task(work, tdir, tid, feats, mode, stable, box):
+def build_task(work, tdir, tid, feats, mode, stable, box, source):
     snap = tdir / "repo"
     shutil.copytree(work, snap, symlinks=True)
     fps, ents, originals, removed = delete_features(snap, feats, mode)
@@ -1234,7 +1234,7 @@ def build_task(work, tdir, tid, feats, mode, stable, box):
     # SHA-1 and SHA-256 (type-checker caches key on these) and the git blob id of each original file
     hashes = {rel: [hashlib.sha1(s).hexdigest(), hashlib.sha256(s).hexdigest(),
                     hashlib.sha1(b"blob %d\0" % len(s) + s).hexdigest()] for rel, s in originals.items()}
-    task = {"id": tid, "mode": mode, "fingerprints": fps, "original_hashes": hashes}
+    task = {"id": tid, "source": source, "mode": mode, "fingerprints": fps, "original_hashes": hashes}
     before = scan(snap, task)
     scrub(snap, before)
     # Validate on the scrubbed snapshot: imports, collects, breaks some tests, keeps others.
@@ -1274,6 +1274,18 @@ def build_task(work, tdir, tid, feats, mode, stable, box):
     return task, "ok"
 
 
+def git_source(repo):
+    """Where the tasks come from, recorded in each task: the repository's commit, and whether its tree was dirty."""
+    top = subprocess.run(["git", "-C", str(repo), "rev-parse", "--show-toplevel"], capture_output=True, text=True)
+    if top.returncode:
+        raise TaskError(f"{repo} is not a git repository (tasks record the commit they come from; for an unpacked "
+                        f"sdist: git init && git add -A && git commit -m source)")
+    env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}  # a status that never writes to the source's .git
+    head = git(repo, "rev-parse", "--verify", "-q", "HEAD").decode().strip()
+    return {"repo": Path(top.stdout.strip()).name, "commit": head or None,
+            "dirty": bool(git(repo, "status", "--porcelain", "--untracked-files=no", env=env))}
+
+
 def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print):
     """Up to n validated, scan-clean tasks from repo into out/; returns the task dicts. box: how the repository's
     tests run (default: this interpreter, in bubblewrap, 300 s a run)."""
@@ -1284,6 +1296,12 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print):
         raise TaskError(f"no Python package (a folder with __init__.py) at the top of {repo} or {repo}/src")
     if n < 1 or group < 1:
         raise TaskError("--n and --group must be >= 1")
+    source = git_source(repo)
+    for rel in source_files(repo):  # every module must parse: candidates and splices read them all
+        try:
+            ast.parse(Path(repo, rel).read_bytes())
+        except (SyntaxError, ValueError) as e:
+            raise TaskError(f"{repo / rel} is not Python source this interpreter can parse ({e.msg if isinstance(e, SyntaxError) else e})") from None
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp, "repo")
@@ -1309,7 +1327,7 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print):
                 continue
             tried += 1
             tid = f"{repo.resolve().name}-{len(tasks):03d}-" + hashlib.sha1(repr(feats).encode()).hexdigest()[:8]
-            task, why = make_task(work, out, tid, feats, mode, stable, box)
+            task, why = make_task(work, out, tid, feats, mode, stable, box, source)
             log(f"  {tid}: {', '.join(q for _, q in feats)} -> {why}"
                 + (f" (fail-to-pass {len(task['fail_to_pass'])}, leaks scrubbed {len(task['scan']['before_scrub'])})" if task else ""))
             if task:

@@ -1700,11 +1700,18 @@ def write_fixture(root):
     return Path(root)
 
 
+def commit(repo):
+    """make takes git repositories (each task records the commit it comes from)."""
+    for cmd in (["init", "-q"], ["add", "-A"], ["-c", "user.name=a", "-c", "user.email=a@b", "commit", "-qm", "x"]):
+        subprocess.run(["git", *cmd], cwd=repo, check=True, capture_output=True)
+    return Path(repo)
+
+
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
     """One make run over every feature (stub), and one harder remove-mode task (two related features)."""
     base = tmp_path_factory.mktemp("featdel")
-    repo = write_fixture(base / "calc-repo")
+    repo = commit(write_fixture(base / "calc-repo"))
     log = []
     stub = tasks.make(repo, base / "tasks", n=3, seed=0, mode="stub", log=log.append)
     hard = tasks.make(repo, base / "hard", n=1, seed=3, mode="remove", group=2, log=log.append)
@@ -2144,29 +2151,38 @@ def test_monitor_flags_each_pattern_and_passes_lookalikes(tmp_path, capsys):
 
 
 def test_make_refuses_bad_repositories_in_one_line_and_never_touches_the_source(tmp_path):
-    """No tests, tests that all fail, a suite past the timeout, a configuration that needs a missing plugin: one
-    line each. A make that succeeds leaves the source repository byte-identical, .git included."""
+    """Not a git repository, a module that is not Python source (binary), no tests, tests that all fail, a suite past
+    the timeout, a configuration that needs a missing plugin: one line each. A make that succeeds keeps binary data
+    files as they are, records the source commit, and leaves the source repository byte-identical, .git included."""
     def tree(root):
         return {p.relative_to(root): (p.stat().st_mode, p.read_bytes()) for p in sorted(root.rglob("*")) if p.is_file()}
 
-    cases = {"pytest collected no tests": {"tests/test_calc.py": ""},
-             "no test passes twice": {"tests/test_calc.py": "def test_no(): assert False\n"},
-             "ran past the timeout of 3 s": {"tests/test_calc.py": "import time\ndef test_slow(): time.sleep(60)\n"},
+    cases = {"is not a git repository (tasks record the commit": {},
+             "calc/blob.py is not Python source this interpreter can parse (source code string cannot contain null "
+             "bytes)": {"calc/blob.py": b"\x7fELF\x02\x01\x00\x00"},
+             "calc/latin.py is not Python source this interpreter can parse": {"calc/latin.py": b"X = '\xe9t\xe9'\n"},
+             "pytest collected no tests": {"tests/test_calc.py": b""},
+             "no test passes twice": {"tests/test_calc.py": b"def test_no(): assert False\n"},
+             "ran past the timeout of 3 s": {"tests/test_calc.py": b"import time\ndef test_slow(): time.sleep(60)\n"},
              "unrecognized arguments: --cov=calc (the repository's pytest configuration needs pytest-cov":
-                 {"pyproject.toml": "[tool.pytest.ini_options]\naddopts = \"--cov=calc\"\n"}}
+                 {"pyproject.toml": b"[tool.pytest.ini_options]\naddopts = \"--cov=calc\"\n"}}
     for i, (expected, files) in enumerate(cases.items()):
         repo = write_fixture(tmp_path / f"bad{i}")
-        for rel, text in files.items():
-            (repo / rel).write_text(text)
+        for rel, data in files.items():
+            (repo / rel).write_bytes(data)
         with pytest.raises(tasks.TaskError) as e:
-            tasks.make(repo, tmp_path / f"out{i}", box=tasks.Sandbox(timeout=3), log=lambda s: None)
+            tasks.make(commit(repo) if i else repo, tmp_path / f"out{i}", box=tasks.Sandbox(timeout=3), log=lambda s: None)
         assert expected in str(e.value) and "\n" not in str(e.value), str(e.value)
     repo = write_fixture(tmp_path / "git-repo")
-    for cmd in (["init", "-q"], ["add", "-A"], ["-c", "user.name=a", "-c", "user.email=a@b", "commit", "-qm", "x"]):
-        subprocess.run(["git", *cmd], cwd=repo, check=True)
-    before = tree(repo)
-    assert len(tasks.make(repo, tmp_path / "made", n=1, seed=0, log=lambda s: None)) == 1
+    logo = bytes(range(256)) * 4  # a binary data file in the package
+    (repo / "calc/logo.png").write_bytes(logo)
+    commit(repo)
+    before, head = tree(repo), subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout
+    (task,) = tasks.make(repo, tmp_path / "made", n=1, seed=0, log=lambda s: None)
     assert tree(repo) == before and any(".git" in p.parts for p in before)
+    assert task["source"] == {"repo": "git-repo", "commit": head.strip(), "dirty": False}
+    d = tmp_path / "made" / task["id"]
+    assert (d / "repo/calc/logo.png").read_bytes() == logo and tasks.verify(d, patch=d / "gold.patch")[0] == 1
 
 
 def test_cli_errors_are_one_line(tmp_path):
@@ -2212,6 +2228,7 @@ def test_env_installs_what_the_configuration_needs(tmp_path):
                                          '[project]\nname = "calc"\nversion = "0.1"\n[dependency-groups]\n'
                                          'test = ["pytest-timeout"]\n[tool.pytest.ini_options]\ntestpaths = ["tests"]\n'
                                          'addopts = "--timeout=60"\n')
+    commit(repo)
     with pytest.raises(tasks.TaskError, match=r"unrecognized arguments: --timeout=60 \(the repository's pytest "
                                               r"configuration needs pytest-timeout, not installed for .*tasks.py env"):
         tasks.make(repo, tmp_path / "out0", log=lambda s: None)
@@ -2243,7 +2260,7 @@ def test_real_package_tinydb(tmp_path):
     for sdist in sorted(tmp_path.glob("*.tar.gz")):
         with tarfile.open(sdist) as tf:
             tf.extractall(tmp_path, filter="data")
-        repo = tmp_path / sdist.name[:-len(".tar.gz")]
+        repo = commit(tmp_path / sdist.name[:-len(".tar.gz")])
         (task,) = tasks.make(repo, tmp_path / "out", n=1, seed=0, log=lambda s: None)
         d = tmp_path / "out" / task["id"]
         assert task["fail_to_pass"] and task["pass_to_pass"] and task["scan"]["after_scrub"] == []
