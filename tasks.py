@@ -1275,15 +1275,16 @@ def build_task(work, tdir, tid, feats, mode, stable, box, source):
 
 
 def git_source(repo):
-    """Where the tasks come from, recorded in each task: the repository's commit, and whether its tree was dirty."""
-    top = subprocess.run(["git", "-C", str(repo), "rev-parse", "--show-toplevel"], capture_output=True, text=True)
+    """Where the tasks come from, recorded in each task: the repository and its commit. Only refs are read (no
+    status: a hostile .git/config can run commands from it), also in a checkout another user owns."""
+    def rev_parse(*args):
+        return subprocess.run(["git", "-c", "safe.directory=*", "-C", str(repo), "rev-parse", *args],
+                              capture_output=True, text=True)
+    top = rev_parse("--show-toplevel")
     if top.returncode:
         raise TaskError(f"{repo} is not a git repository (tasks record the commit they come from; for an unpacked "
                         f"sdist: git init && git add -A && git commit -m source)")
-    env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}  # a status that never writes to the source's .git
-    head = git(repo, "rev-parse", "--verify", "-q", "HEAD").decode().strip()
-    return {"repo": Path(top.stdout.strip()).name, "commit": head or None,
-            "dirty": bool(git(repo, "status", "--porcelain", "--untracked-files=no", env=env))}
+    return {"repo": Path(top.stdout.strip()).name, "commit": rev_parse("--verify", "-q", "HEAD").stdout.strip() or None}
 
 
 def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print):

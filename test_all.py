@@ -2180,7 +2180,7 @@ def test_make_refuses_bad_repositories_in_one_line_and_never_touches_the_source(
     before, head = tree(repo), subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout
     (task,) = tasks.make(repo, tmp_path / "made", n=1, seed=0, log=lambda s: None)
     assert tree(repo) == before and any(".git" in p.parts for p in before)
-    assert task["source"] == {"repo": "git-repo", "commit": head.strip(), "dirty": False}
+    assert task["source"] == {"repo": "git-repo", "commit": head.strip()}
     d = tmp_path / "made" / task["id"]
     assert (d / "repo/calc/logo.png").read_bytes() == logo and tasks.verify(d, patch=d / "gold.patch")[0] == 1
 
