@@ -270,7 +270,7 @@ class TaskError(Exception):
 PYTEST = ["-m", "pytest", "-q", "-p", "no:cacheprovider"]  # no .pytest_cache: it names tests
 TESTS_AT_MOST = 0.2  # a feature may be reached by at most this fraction of the suite
 SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc")  # what a sandboxed run sees of the host
-NO_BYTECODE = "/usr/.featdel-no-bytecode"  # PYTHONPYCACHEPREFIX: a folder that is not there, on a read-only mount
+NO_BYTECODE = "/usr/.featdel-no-bytecode"  # sys.pycache_prefix: a folder that is not there, on a read-only mount
 PLUGIN_OPTIONS = {"--cov": "pytest-cov", "-n": "pytest-xdist", "--numprocesses": "pytest-xdist", "--dist": "pytest-xdist",
                   "--timeout": "pytest-timeout", "--asyncio-mode": "pytest-asyncio", "--benchmark": "pytest-benchmark",
                   "--reruns": "pytest-rerunfailures", "--doctest-plus": "pytest-doctestplus", "--mypy": "pytest-mypy",
@@ -373,7 +373,6 @@ class Sandbox:
                 del env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"]
             cmd = [self.python, *args]
             if self.isolate:
-                env["PYTHONPYCACHEPREFIX"] = NO_BYTECODE  # no bytecode read or written: a planted .pyc is never loaded
                 cmd = self.bwrap(root, home, [*path, *visible], writable, readonly, network) + cmd
             if cg:
                 cg.mkdir()
@@ -428,10 +427,13 @@ class Report(NamedTuple):
 
 
 # A test's outcome is written by the reporter plugin, loaded with -p before collection imports any code of the
-# repository, to a descriptor the caller opened; a closing record follows. In verify, code that forges what pytest
+# repository, to a descriptor the caller opened; a closing record follows. The plugin also turns bytecode off for
+# everything imported after it, so a planted .pyc is never loaded (pytest and the standard library, loaded before
+# it from read-only folders, keep theirs: the whole run under PYTHONPYCACHEPREFIX took 1.3x as long). In verify, code that forges what pytest
 # prints or patches the runner is caught by the canaries (further down), not by this report alone.
-REPORTER = r'''
-import json, os
+REPORTER = rf'''
+import json, os, sys
+sys.pycache_prefix = {NO_BYTECODE!r}  # from here on (conftests, tests, the solution) no bytecode is read or written
 _fd = os.environ.pop("FEATDEL_REPORT_FD", None)  # absent in pytest-xdist's workers: the controller reports
 _out = os.fdopen(int(_fd), "w", buffering=1) if _fd else None
 
