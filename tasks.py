@@ -997,8 +997,6 @@ def tree_changes(base, new):
     return out
 
 
-
-
 # Verify runs the agent's code inside pytest's process, so it can forge anything that process prints or reports.
 # Every required test function in the fresh copy of the tests gets a decorator that, when its body returns,
 # writes a nonce (drawn after the solution is fixed) to a proof file, and two canary tests are appended: one must
@@ -1248,6 +1246,8 @@ def build_task(work, tdir, tid, feats, mode, stable, box, source):
         shutil.copytree(snap, Path(tmp, "s"), symlinks=True)
         r = box.pytest(Path(tmp, "s"))
         rc, broken, log = r.rc, r.passed, r.out
+    if rc == 124:  # thousands of failures, each traceback formatted, can take far longer than the passing suite
+        return None, f"with the feature deleted the suite ran past the timeout of {box.timeout} s"
     if rc not in (0, 1) or "during collection" in log:
         return None, f"test collection broke (pytest exit {rc})"
     after = scan(snap, task)
