@@ -18,7 +18,8 @@ a mypy cache read back for a deleted signature, Java bytecode decompiled to rebu
 R2E-Gym for tasks made from real repositories with their tests as the verifier.
 
 Standard library only: no torch, nothing of the project; untrusted code (tests, solutions) runs in a subprocess with
-a timeout and a scrubbed environment.
+a timeout and a scrubbed environment, inside bubblewrap (no network, the host read-only, only its folder writable).
+make takes a git checkout (each task records the commit) and runs its tests with the interpreter from `env`.
 
     python tasks.py                # tool use: sample tasks, gold transcripts, one scripted episode, the sampler moving
     python tasks.py env --repo DIR --venv DIR   # the repository's test environment; prints its interpreter

@@ -5,6 +5,7 @@
 import concurrent.futures
 import contextlib
 import copy
+import functools
 import importlib.util
 import json
 import marshal
@@ -21,6 +22,7 @@ import sqlite3
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 import zipfile
 from pathlib import Path
@@ -1008,6 +1010,14 @@ def readme_commands():
     return unique
 
 
+@functools.cache
+def index_reachable():
+    """Whether pip can download from the package index here (tests that build environments need it)."""
+    with tempfile.TemporaryDirectory() as d:
+        return subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", d, "pytest-timeout"],
+                              capture_output=True, timeout=120).returncode == 0
+
+
 def run_readme_command(line, cwd, shared_out):
     """Run one README command in cwd, shortened. -> None, or why it was not run here."""
     argv = shlex.split(line.replace("$HEAD_NODE", "head").replace("$JOB_ID", "1"))
@@ -1016,6 +1026,8 @@ def run_readme_command(line, cwd, shared_out):
     opt = dict(re.fullmatch(r"--([a-z_]+)=(\d+)", a).groups() for a in launch if re.fullmatch(r"--[a-z_]+=\d+", a))
     if "cuda" in flags and not torch.cuda.is_available():
         return "needs CUDA"
+    if flags[:1] == ["env"] and not index_reachable():
+        return "needs the package index"
     if int(opt.get("nnodes", 1)) > 1:  # many nodes: plan the same flags for that world instead
         cmd = [sys.executable, str(HERE / script), *flags, "--dry-run", "--world",
                str(int(opt["nnodes"]) * int(opt["nproc_per_node"]))]
@@ -1052,7 +1064,8 @@ def test_every_readme_command_runs(tmp_path):
     for muon.py's benchmarks), and exits 0. A `--resume` with nothing to resume starts from a copy of the quick start's run;
     a checkpoint the README names is mapped to the shortened run's; REPO, TASKS/ID and TRAJECTORY.jsonl are a
     fixture repository, the task `make` wrote and a clean trajectory. Many-node commands are planned with
-    --dry-run at their world size; CUDA commands are skipped on a machine without CUDA, and nothing else."""
+    --dry-run at their world size; CUDA commands are skipped on a machine without CUDA, `tasks.py env` where the
+    package index cannot be reached, and nothing else."""
     groups = readme_commands()
     assert groups[0] == ["python train.py"]  # the quick start: the run the resume examples continue
     assert sum(len(g) for g in groups) >= 25
@@ -1060,7 +1073,7 @@ def test_every_readme_command_runs(tmp_path):
 
     def run_group(k):
         cwd = tmp_path / f"g{k}"
-        write_fixture(cwd / "REPO")
+        commit(write_fixture(cwd / "REPO"))
         (cwd / "TRAJECTORY.jsonl").write_text(json.dumps({"action": "bash", "command": "pytest -q",
                                                           "output": "3 passed"}) + "\n")
         for line in groups[k]:
@@ -1072,7 +1085,8 @@ def test_every_readme_command_runs(tmp_path):
     cost = lambda k: sum(4 if c.startswith("torchrun") else 1 for c in groups[k])  # the longest start first
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         list(pool.map(run_group, sorted(range(1, len(groups)), key=cost, reverse=True)))
-    assert all(why == "needs CUDA" and "--device cuda" in line for line, why in skipped), skipped
+    assert all(why == "needs CUDA" and "--device cuda" in line or why == "needs the package index" and " env " in line
+               for line, why in skipped), skipped
 
 
 # -----------------------------------------------------------------------------
@@ -2218,10 +2232,8 @@ def test_env_installs_what_the_configuration_needs(tmp_path):
     """A repository whose pytest configuration needs pytest-timeout (declared in a dependency group): without its
     environment make fails in one line naming the plugin and the fix; `env` builds the venv, and make and verify run
     with its interpreter. A --python that is not an interpreter and an install that fails are one line each."""
-    dl = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(tmp_path / "dl"),
-                         "pytest-timeout"], capture_output=True, text=True, timeout=120)
-    if dl.returncode:
-        pytest.skip(f"package index unreachable: {dl.stderr.strip().splitlines()[-1:]}")
+    if not index_reachable():
+        pytest.skip("package index unreachable")
     repo = write_fixture(tmp_path / "calc")
     (repo / "tests/test_calc.py").write_text(TESTS.split("def test_flaky")[0])
     (repo / "pyproject.toml").write_text('[build-system]\nrequires = ["setuptools>=61"]\nbuild-backend = "setuptools.build_meta"\n'
