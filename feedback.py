@@ -11,15 +11,21 @@ The same self-distillation primitive appears in arXiv 2601.19897, 2601.20802 and
     python feedback.py      # the seed's "tool not found" example on a tiny model pretrained on tool transcripts
 """
 import copy
+import json
+import os
 import re
+import statistics
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from grpo import rows as grpo_rows, turn_tokens
 from model import TOKEN
-from tasks import FORMAT_REMINDER, reminder
+from tasks import FORMAT_REMINDER, STYLE_REMINDER, reminder
 
 
 @dataclass
@@ -31,20 +37,26 @@ class FeedbackConfig:
 
 
 # -----------------------------------------------------------------------------
-# Rules: (name, detector) pairs; a detector reads the environment's reply to an assistant turn and returns a
-# hint for that turn, or None
+# Rules: (name, detector) pairs; a detector reads an assistant message and the environment's reply to it (None
+# when there was none) and returns a hint for that message, or None. The reward sees none of this: a slip the
+# episode recovers from, or a style the environment accepts, costs the final answer nothing.
 
 
-def tool_not_found(reply):
+def tool_not_found(message, reply):
     m = re.match(r"error: tool not found: \w+\. available tools: (.*)", reply or "")
     return reminder(m.group(1).split(", ")) if m else None
 
 
-def malformed(reply):
+def malformed(message, reply):
     return FORMAT_REMINDER if (reply or "").startswith("error: malformed") else None
 
 
-RULES = [("tool_not_found", tool_not_found), ("malformed", malformed)]
+def capital(message, reply):
+    """A style rule: the environment accepts 'Call add(2,3)', the style guide wants 'call add(2,3)'."""
+    return STYLE_REMINDER if message.strip().startswith("Call ") else None
+
+
+RULES = [("tool_not_found", tool_not_found), ("malformed", malformed), ("capital", capital)]
 
 
 def find_targets(traj, rules=RULES):
@@ -54,7 +66,7 @@ def find_targets(traj, rules=RULES):
     for k, i in enumerate(assistant):
         reply = traj.turns[i + 1][1] if i + 1 < len(traj.turns) and traj.turns[i + 1][0] == "tool" else None
         for name, rule in rules:
-            hint = rule(reply)
+            hint = rule(traj.turns[i][1], reply)
             if hint is not None and k < len(traj.spans) and traj.spans[k][1] < traj.spans[k][2]:  # not empty
                 targets.append((*traj.spans[k], hint, name))
                 break
@@ -83,6 +95,8 @@ class Feedback:
     returns lambda-free L_fb (sum over target tokens / norm, the RL loss's constant)."""
 
     def __init__(self, policy, cfg: FeedbackConfig, rules=RULES):
+        if cfg.teacher not in ("current", "frozen", "ema"):
+            raise ValueError(f"teacher must be current, frozen or ema, got {cfg.teacher!r}")
         self.cfg, self.rules = cfg, rules
         self.teacher = None if cfg.teacher == "current" else copy.deepcopy(policy).requires_grad_(False)
 
@@ -135,6 +149,72 @@ class Feedback:
         return sum(losses) / norm, {"feedback_kl": kls.mean().item(), "feedback_targets": len(spans), **counts}
 
 
+# -----------------------------------------------------------------------------
+# The ablation: pretrain once, then RL with lambda > 0 and lambda = 0 from that checkpoint, several seeds an arm,
+# evaluated on the same held-out episodes. It drives train.py as a program (one process a run), never imports it.
+
+TRACKED = ("tool_error_rate", "capital_rate", "pass_level1", "pass_level2")
+
+
+def ablation(regime, seeds, rl_steps, out, coef, jobs, start=None, extra=()):
+    """-> {lambda: {rl_step: {metric: [value a seed]}}} from train.py's held-out evaluations (metrics.jsonl)."""
+    out, train = Path(out), Path(__file__).resolve().parent / "train.py"
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // jobs))}
+    if start is None:  # one pretraining for every arm and seed (skipped when it is already there)
+        start = out / "pretrain"
+        if not sorted(start.glob("step-*")):
+            subprocess.run([sys.executable, str(train), "--stage", "pretrain", "--out", str(start)], check=True)
+            print(f"pretrained: {sorted(start.glob('step-*'))[-1]}", flush=True)
+        start = sorted(start.glob("step-*"))[-1]
+    runs = {(lam, seed): out / f"{regime}-lambda{lam:g}-seed{seed}" for lam in (coef, 0.0) for seed in range(seeds)}
+
+    def finished(folder):
+        path = folder / "metrics.jsonl"
+        return path.exists() and any(json.loads(line).get("rl_step") == rl_steps for line in path.open())
+
+    todo, live = [(k, f) for k, f in runs.items() if not finished(f)], []
+    while todo or live:
+        while todo and len(live) < jobs:
+            (lam, seed), folder = todo.pop(0)
+            folder.mkdir(parents=True, exist_ok=True)
+            cmd = [sys.executable, str(train), "--stage", "rl", "--resume", str(start), "--out", str(folder),
+                   "--rl-tasks", regime, "--rl-steps", str(rl_steps), "--feedback-coef", str(lam),
+                   "--seed", str(seed), "--tasks-per-step", "2", "--rl-eval-tasks", "16",
+                   "--rl-eval-every", str(max(1, rl_steps // 2)), *extra]
+            print(" ".join(cmd), flush=True)
+            live.append((folder, subprocess.Popen(cmd, env=env, stdout=open(folder / "log.txt", "w"),
+                                                  stderr=subprocess.STDOUT)))
+        folder, proc = live.pop(0)
+        if proc.wait():
+            raise SystemExit(f"error: {folder} failed (exit {proc.returncode}); see {folder / 'log.txt'}")
+    table = {}
+    for (lam, _), folder in runs.items():
+        for line in (folder / "metrics.jsonl").open():
+            r = json.loads(line)
+            if r.get("stage") == "rl_eval":
+                for m in TRACKED:
+                    table.setdefault(lam, {}).setdefault(r["rl_step"], {}).setdefault(m, []).append(r[m])
+    return table
+
+
+def print_ablation(table, regime):
+    cell = lambda xs: f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs) if len(xs) > 1 else 0:.3f}"
+    print(f"\n{regime} episodes, held-out, mean ± std over seeds (n = runs with that evaluation)\n")
+    print("| RL steps | lambda | n | " + " | ".join(TRACKED) + " |\n|---|---|---|" + "---|" * len(TRACKED))
+    for step in sorted({s for arm in table.values() for s in arm}):
+        for lam, arm in table.items():
+            if step in arm:
+                row = arm[step]
+                print(f"| {step} | {lam:g} | {len(row[TRACKED[0]])} | " + " | ".join(cell(row[m]) for m in TRACKED) + " |")
+    last = max(min(arm) for arm in table.values()), max(max(arm) for arm in table.values())
+    lam_fb, lam_0 = table
+    for m in TRACKED[:2]:
+        fall = {lam: statistics.mean(table[lam][last[0]][m]) - statistics.mean(table[lam][last[1]][m]) for lam in table}
+        ratio = fall[lam_fb] / fall[lam_0] if fall[lam_0] > 0 else float("inf")
+        print(f"{m}: fell {fall[lam_fb]:+.3f} with lambda {lam_fb:g}, {fall[lam_0]:+.3f} with lambda 0 "
+              f"(ratio {ratio:.1f}x) from RL step {last[0]} to {last[1]}")
+
+
 if __name__ == "__main__":
     import argparse
     import random
@@ -147,7 +227,23 @@ if __name__ == "__main__":
     ap.add_argument("--pretrain-steps", type=int, default=300, help="steps on tool transcripts first")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=0.05, help="the one demonstration step's SGD learning rate")
-    a = ap.parse_args()
+    g = ap.add_argument_group("the ablation: lambda > 0 against lambda = 0 with train.py, from one pretraining")
+    g.add_argument("--ablation", choices=["long", "short"], help="run it on long or short episodes, not the example")
+    g.add_argument("--seeds", type=int, default=5, help="RL seeds an arm")
+    g.add_argument("--rl-steps", type=int, default=12, help="RL steps a run (held-out evaluations at 0, half, all)")
+    g.add_argument("--coef", type=float, default=0.1, help="lambda of the feedback arm")
+    g.add_argument("--jobs", type=int, default=2, help="runs at once (threads split between them)")
+    g.add_argument("--start", default=None, help="a pretraining checkpoint to start from (default: pretrain "
+                   "into OUT/pretrain once)")
+    g.add_argument("--out", default="ablation", help="folder for the runs")
+    a, extra = ap.parse_known_args()
+    if a.ablation:  # any other flag goes to every train.py run
+        if a.seeds < 1 or a.rl_steps < 1 or a.jobs < 1:
+            raise SystemExit("error: --seeds, --rl-steps and --jobs must be >= 1")
+        print_ablation(ablation(a.ablation, a.seeds, a.rl_steps, a.out, a.coef, a.jobs, a.start, extra), a.ablation)
+        raise SystemExit
+    if extra:
+        ap.error(f"unrecognized arguments: {' '.join(extra)}")
     torch.manual_seed(a.seed)
     rng = random.Random(a.seed)
     # 1) a tiny model that knows the format: gold transcripts, some with a mistake (an absent tool, its error,
@@ -179,7 +275,7 @@ if __name__ == "__main__":
     error = f"error: tool not found: {absent}. available tools: {', '.join(task.tools)}"
     traj = Trajectory([seg], turns=first + [("assistant", f"call {absent}(1,2)"), ("tool", error)],
                       spans=[(0, len(ctx), len(ctx) + len(bad))])
-    hint = tool_not_found(error)
+    hint = tool_not_found(f"call {absent}(1,2)", error)
     offered = [n for n in TOOLS if n in task.tools]
 
     @torch.no_grad()

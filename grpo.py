@@ -5,13 +5,15 @@ A group of G rollouts of the same task is sampled, the whole batch in lockstep w
 one prefill a turn, then one token a row); each trajectory's advantage is its reward minus the group's
 mean reward, with no division by the group's std (Dr. GRPO, "Understanding R1-Zero-Like Training", arXiv
 2503.20783). Every token the policy wrote gets the PPO clipped-ratio loss with separate low/high epsilons
-(DAPO's clip-higher, arXiv 2503.14476); token losses are summed and divided by a constant (trajectories x the
-max generation length), not by each sequence's length. Only the policy's own tokens are trained: prompt, tool
-output and inserted requests are attended to but masked by a boolean mask built while sampling, never inferred
-from token ids. When a context passes its budget the model is asked to summarize, and the rollout continues
-from prompt + summary; every segment is trained with the trajectory's reward (Composer 2 report). Sampling may
-use a fake-quantised copy of the policy (8-bit blocks, like MXFP8); a truncated importance ratio between the
-trainer's and the sampler's log-probs corrects the mismatch (Yao et al. 2025, "truncated importance sampling").
+(DAPO's clip-higher, arXiv 2503.14476), for one or more epochs over minibatches of whole groups; token losses
+are summed and divided by a constant (trajectories x the max generation length), not by each sequence's
+length. Only the policy's own tokens are trained: prompt, tool output and inserted requests are attended to
+but masked by a boolean mask built while sampling, never inferred from token ids. When a context passes its
+budget the model is asked to summarize, and the rollout continues from prompt + summary; every segment is
+trained with the trajectory's reward (Composer 2 report). Sampling may use a fake-quantised copy of the policy
+(8-bit blocks, like MXFP8); a truncated importance ratio between the trainer's and the sampler's recorded
+log-probs corrects that mismatch and any other (an fp32 sampler, a bf16 trainer; Yao et al. 2025, "truncated
+importance sampling").
 
     python grpo.py          # one group of rollouts on the tool-use tasks with a fresh tiny model, and its loss
 """
@@ -31,16 +33,17 @@ class GRPOConfig:
     temperature: float = 1.0
     max_message_tokens: int = 32  # an assistant message is cut here
     max_gen_tokens: int = 128  # L_max: the policy tokens a trajectory may write, and the loss's normaliser
-    context_budget: int = 224  # past this many tokens, the model is asked to summarize
+    context_budget: int = 160  # past this many tokens after a reply, the model is asked to summarize (the
+    # request and the summary then end the segment: about 256 tokens in all, the tiny preset's context)
     eps_low: float = 0.2
     eps_high: float = 0.28
     kl_coef: float = 0.0  # 0: no reference policy needed
-    kl_estimator: str = "k1"  # "k1": folded into the reward; "k3": added to the loss
+    kl_estimator: str = "k1"  # "k1": folded into the reward; "k2", "k3": added to the loss (see kl_estimates)
     sampler_bits: int = 0  # 0: sample with the policy itself; 8: with 8-bit block-quantised weights
     tis_cap: float = 2.0  # truncated importance sampling: weights min(pi_train / pi_sampler, cap)
 
 
-SUMMARY_REQUEST = "Context is full. Summarize what you know so far in one line."
+SUMMARY_REQUEST = "Context full. Summarize in one line."
 
 
 @dataclass
@@ -187,9 +190,13 @@ def token_logprobs(logits, tokens):
 
 
 def kl_estimates(logp, ref_logp):
-    """Per-token estimators of KL(pi || ref) from samples of pi (Schulman, "Approximating KL divergence")."""
+    """Per-token estimators of KL(pi || ref) from samples of pi (Schulman, "Approximating KL divergence").
+    As values, k1 and k3 are unbiased, k2 is biased (little while pi is near ref). As losses, differentiated
+    through log pi with the samples held fixed, they differ: E_pi[grad k2] = grad KL(pi || ref), but
+    E_pi[grad k3] = grad KL(ref || pi), the other direction, and E_pi[grad k1] = 0 (so k1 goes in the
+    reward)."""
     d = ref_logp - logp
-    return {"k1": -d, "k3": d.exp() - d - 1}
+    return {"k1": -d, "k2": 0.5 * d ** 2, "k3": d.exp() - d - 1}
 
 
 def policy_loss(logp, old_logp, sampler_logp, adv, mask, cfg, norm):
@@ -197,7 +204,7 @@ def policy_loss(logp, old_logp, sampler_logp, adv, mask, cfg, norm):
     trainer's log-probs when the batch was sampled), sampler_logp, mask: [N, T]; adv: [N].
     Returns the loss and the fraction of policy tokens whose ratio was clipped."""
     ratio = (logp - old_logp).exp()
-    tis = (old_logp - sampler_logp).exp().clamp(max=cfg.tis_cap)  # exactly 1 when sampler == trainer
+    tis = (old_logp - sampler_logp).exp().clamp(max=cfg.tis_cap)  # ~1 where sampler and trainer agree
     a = adv[:, None]
     per_token = -torch.minimum(ratio * a, ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * a) * tis
     loss = (per_token * mask).sum() / norm
@@ -222,32 +229,54 @@ def batch(trajs):
     return tokens, mask, sampler_logp, torch.tensor([i for i, _ in segs])
 
 
+def minibatches(trajs, n, group_size):
+    """A batch split into n minibatches of whole groups, in order (sizes differ by one group at most)."""
+    groups = [trajs[i:i + group_size] for i in range(0, len(trajs), group_size)]
+    if len(trajs) % group_size or not 1 <= n <= len(groups):
+        raise ValueError(f"{len(trajs)} trajectories in groups of {group_size}: no {n} minibatches")
+    return [[t for g in groups[k * len(groups) // n:(k + 1) * len(groups) // n] for t in g] for k in range(n)]
+
+
+@torch.no_grad()
+def old_logprobs(policy, trajs, cfg):
+    """The trainer's log-probs [S, T-1] of a minibatch before any PPO step: grpo_loss's old_logp. Computed
+    for every minibatch before the first one is stepped on; in eval mode, so the router counts nothing."""
+    tokens = batch(trajs)[0]
+    was_training = policy.training
+    logits, _ = policy.eval()(tokens[:, :-1])
+    policy.train(was_training)
+    return token_logprobs(logits / cfg.temperature, tokens)
+
+
 def grpo_loss(policy, trajs, cfg, ref=None, old_logp=None):
     """L_RL for a list of trajectories (groups of cfg.group_size consecutive ones), one forward of the policy.
     -> (loss, stats, old_logp, logits [S, T-1, V]); pass old_logp back in for further PPO epochs on the same
-    batch; the logits serve the feedback term's student without another forward."""
+    batch (or take it from old_logprobs); the logits serve the feedback term's student without a forward.
+    Log-probs are taken at the sampler's temperature; the returned logits are raw (T = 1), and the feedback
+    KL compares student and teacher on those."""
     tokens, mask, sampler_logp, owner = batch(trajs)
     logits, _ = policy(tokens[:, :-1])
-    logp = token_logprobs(logits, tokens)
+    logp = token_logprobs(logits / cfg.temperature, tokens)
     if old_logp is None:
         old_logp = logp.detach()
-    if not cfg.sampler_bits:  # the sampler was the policy itself: importance weights are exactly 1
-        sampler_logp = old_logp
     rewards = torch.tensor([t.reward for t in trajs])
     kl = torch.zeros_like(logp)
     if cfg.kl_coef > 0:
         with torch.no_grad():
-            ref_logp = token_logprobs(ref(tokens[:, :-1])[0], tokens)
+            ref_logp = token_logprobs(ref(tokens[:, :-1])[0] / cfg.temperature, tokens)
         kl = kl_estimates(logp, ref_logp)[cfg.kl_estimator] * mask
-        if cfg.kl_estimator == "k1":  # folded into the reward, a constant for the gradient
-            rewards = rewards - cfg.kl_coef * torch.zeros(len(trajs)).index_add_(0, owner, kl.detach().sum(-1))
+        if cfg.kl_estimator == "k1":  # folded into the reward at the sampled policy: the same in every epoch
+            k1 = kl_estimates(old_logp, ref_logp)["k1"] * mask
+            rewards = rewards - cfg.kl_coef * torch.zeros(len(trajs)).index_add_(0, owner, k1.sum(-1))
     adv = group_advantages(rewards, cfg.group_size)[owner]
     norm = len(trajs) * cfg.max_gen_tokens
     loss, clip_frac = policy_loss(logp, old_logp, sampler_logp, adv, mask.float(), cfg, norm)
-    if cfg.kl_coef > 0 and cfg.kl_estimator == "k3":
+    if cfg.kl_coef > 0 and cfg.kl_estimator != "k1":
         loss = loss + cfg.kl_coef * kl.sum() / norm
+    tis = (old_logp - sampler_logp).exp()[mask]  # trainer / sampler on policy tokens, before the cap
     stats = {"reward": rewards.mean().item(), "clip_frac": clip_frac, "kl": (kl.sum() / mask.sum()).item(),
-             "gen_tokens": mask.sum().item() / len(trajs)}
+             "gen_tokens": mask.sum().item() / len(trajs), "tis_min": tis.min().item(),
+             "tis_max": tis.max().item(), "tis_capped": (tis > cfg.tis_cap).float().mean().item()}
     return loss, stats, old_logp, logits
 
 

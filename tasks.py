@@ -85,7 +85,9 @@ def render(turns: list[Turn]) -> str:
 TOOLS = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
          "max": max, "min": min, "mod": lambda a, b: a % b}
 MAX_DIFFICULTY = 4
-CALL = re.compile(r"call ([a-z]{1,8})\((-?\d{1,6}),(-?\d{1,6})\)")  # bounded digits: no giant products
+# A call may open "Call" (a prose habit): the environment accepts it, a style guide wants "call". Same length, same
+# reply: the reward cannot see it at all (feedback.py's capital rule can).
+CALL = re.compile(r"([Cc])all ([a-z]{1,8})\((-?\d{1,6}),(-?\d{1,6})\)")  # bounded digits: no giant products
 ANSWER = re.compile(r"answer (-?\d{1,6})")
 MALFORMED = "error: malformed call. use: call TOOL(A,B), or answer N"
 
@@ -136,6 +138,7 @@ class ToolEnv:
         self.turns: list[Turn] = self.first_turns()  # the whole episode so far, for rendering a rollout
         self.done, self.answer = False, None
         self.tool_calls = self.tool_errors = self.malformed = 0  # well-formed calls; absent tools; unparsable
+        self.capital = 0  # calls that opened "Call" (accepted, neither rewarded nor punished)
 
     def first_turns(self) -> list[Turn]:
         return [("user", self.task.question)]
@@ -150,14 +153,15 @@ class ToolEnv:
             return None, True
         if m := CALL.fullmatch(text):
             self.tool_calls += 1
-            name, a, b = m.group(1), int(m.group(2)), int(m.group(3))
+            self.capital += m.group(1) == "C"
+            name, a, b = m.group(2), int(m.group(3)), int(m.group(4))
             if name not in self.task.tools:
                 self.tool_errors += 1
                 reply = not_found(name, self.task.tools)
             elif name == "mod" and b == 0:
                 reply = "error: mod by zero"
             else:
-                reply = str(TOOLS[name](a, b))
+                reply = self.result(TOOLS[name](a, b))
         else:
             self.malformed += 1
             reply = MALFORMED
@@ -165,9 +169,62 @@ class ToolEnv:
         self.done = sum(role == "assistant" for role, _ in self.turns) >= self.max_turns
         return reply, self.done
 
+    def result(self, value: int) -> str:
+        return str(value)
+
     def reward(self) -> float:
         # Outcome only: the verifier checks the final number; how the model got there is not scored.
         return 1.0 if self.answer == self.task.answer else 0.0
+
+
+# -----------------------------------------------------------------------------
+# Long episodes: a chain of 8-32 calls (8 x difficulty) that the environment hands out one at a time, the regime
+# of the Composer 2.5 post's worked example. Each reply carries the result and the next instruction
+# (`19. next: mul 2`), so an episode runs past any small context budget and the policy must summarize to go on
+# (grpo.py). A call to an absent tool gets the error and the episode goes on: the policy makes the right call
+# next and the final answer is still right, so the reward barely sees the slip, and not at all a capital "Call".
+
+CHAIN_LENGTH = 8  # calls a difficulty level
+
+
+def make_chain_task(rng: random.Random, difficulty: int) -> ToolTask:
+    """A chain over three of the six tools, the running value always the first argument."""
+    if not 1 <= difficulty <= MAX_DIFFICULTY:
+        raise ValueError(f"difficulty must be in 1..{MAX_DIFFICULTY}, got {difficulty}")
+    ops = rng.sample(list(TOOLS), 3)
+    value = start = rng.randint(1, 9)
+    plan: list[tuple[str, int, int]] = []
+    while len(plan) < CHAIN_LENGTH * difficulty:
+        name, k = rng.choice(ops), rng.randint(1, 9)
+        result = TOOLS[name](value, k)
+        if (name == "mod" and k < 2) or not 0 <= result <= 99:
+            continue  # as in make_tool_task: no mod 0 or 1, values stay two digits
+        plan.append((name, value, k))
+        value = result
+    tools = [t for t in TOOLS if t in {name for name, _, _ in plan}]
+    first = plan[0]
+    return ToolTask(f"tools: {', '.join(tools)}. start {start}, {len(plan)} steps. next: {first[0]} {first[2]}",
+                    tools, value, difficulty, plan)
+
+
+class ChainEnv(ToolEnv):
+    """A ToolEnv whose successful calls advance the chain: the reply is the result and the next instruction.
+    The instruction is followed whatever the call was, as a worksheet would: only the final answer is checked."""
+
+    def __init__(self, task: ToolTask):
+        super().__init__(task, max_turns=3 * len(task.plan) + 4)  # room for slips, their recoveries and retries
+        self.position = 0  # instructions done
+
+    def result(self, value: int) -> str:
+        self.position += 1
+        return chain_reply(self.task, self.position, value)
+
+
+def chain_reply(task: ToolTask, position: int, value: int) -> str:
+    if position >= len(task.plan):
+        return f"{value}. done"
+    name, _, k = task.plan[position]
+    return f"{value}. next: {name} {k}"
 
 
 # -----------------------------------------------------------------------------
@@ -180,6 +237,7 @@ def reminder(tools: list[str]) -> str:
 
 
 FORMAT_REMINDER = "Reminder: reply with exactly 'call TOOL(A,B)' or 'answer N'."  # the hint for a malformed message
+STYLE_REMINDER = "Style: write call in lower case."  # the hint for a "Call"
 
 
 def gold_transcript(task: ToolTask, rng: random.Random, p_mistake: float = 0.0, p_hint: float = 0.0) -> list[Turn]:
@@ -199,10 +257,57 @@ def gold_transcript(task: ToolTask, rng: random.Random, p_mistake: float = 0.0, 
     return turns + [("assistant", f"answer {task.answer}")]
 
 
-def corpus(n: int, seed: int, p_mistake: float = 0.2, p_hint: float = 0.2) -> str:
+def turn_length(turn: Turn) -> int:
+    """Tokens of a rendered turn: the role and <|end|> tokens plus one a byte (model.py's byte tokenizer)."""
+    return len(turn[1].encode()) + 2
+
+
+def chain_transcript(task: ToolTask, rng: random.Random, budget: int, request: str, p_slip: float = 0.1,
+                     p_capital: float = 0.3, p_hint: float = 0.1) -> list[list[Turn]]:
+    """A long episode done right, cut into the segments a rollout makes (grpo.rollout): once a segment passes
+    `budget` tokens after a reply, the user turn `request` asks for a summary, and the next segment starts from the
+    question and that summary (the current value and what is still to do). Habits the corpus teaches and RL should
+    remove: with p_slip a call first reaches for an absent tool (the error follows, then the right call); with
+    p_capital a call opens "Call". With p_hint a call is preceded by a hint as a system turn:
+    after the tools reminder a call never slips, after the style reminder it is lower case."""
+    absent = [t for t in TOOLS if t not in task.tools]
+    prompt = [("user", task.question)]
+    segments, turns = [], list(prompt)
+
+    def exchange(message, reply, value, todo):  # one call and its reply; a summary when the segment is full
+        nonlocal turns
+        turns += [("assistant", message), ("tool", reply)]
+        if sum(map(turn_length, turns)) > budget:
+            summary = f"value {value}. {todo}"
+            segments.append(turns + [("user", request), ("assistant", summary)])
+            turns = prompt + [("assistant", summary)]
+
+    for i, (name, a, b) in enumerate(task.plan):
+        hint = rng.choice([reminder(task.tools), STYLE_REMINDER]) if rng.random() < p_hint else None
+        if hint:
+            turns.append(("system", hint))
+        c = "C" if rng.random() < p_capital and hint != STYLE_REMINDER else "c"
+        if rng.random() < p_slip and hint is None:
+            wrong = rng.choice(absent)
+            exchange(f"{c}all {wrong}({a},{b})", not_found(wrong, task.tools), a, f"next: {name} {b}")
+        reply = chain_reply(task, i + 1, TOOLS[name](a, b))
+        exchange(f"{c}all {name}({a},{b})", reply, TOOLS[name](a, b), reply.split(". ", 1)[1])
+    return segments + [turns + [("assistant", f"answer {task.answer}")]]
+
+
+def corpus(n: int, seed: int, p_mistake: float = 0.2, p_hint: float = 0.2, long_share: float = 0.0,
+           budget: int = 224, request: str = "") -> str:
+    """n gold transcripts of the tool-use family, long_share of them chains (each segment one document)."""
     rng = random.Random(seed)
-    tasks = (make_tool_task(rng, rng.randint(1, MAX_DIFFICULTY)) for _ in range(n))
-    return "\n".join(render(gold_transcript(t, rng, p_mistake, p_hint)) for t in tasks)
+    docs = []
+    for _ in range(n):
+        if rng.random() < long_share:
+            task = make_chain_task(rng, rng.randint(1, MAX_DIFFICULTY))
+            docs += [render(seg) for seg in chain_transcript(task, rng, budget, request)]
+        else:
+            docs.append(render(gold_transcript(make_tool_task(rng, rng.randint(1, MAX_DIFFICULTY)), rng, p_mistake,
+                                               p_hint)))
+    return "\n".join(docs)
 
 
 # -----------------------------------------------------------------------------

@@ -1289,9 +1289,15 @@ def test_sampler_precision_and_truncated_importance_weights():
     envs = lambda: [_ScriptedEnv(1.0), _ScriptedEnv(0.0)]
     same = GRPOConfig(group_size=2, max_message_tokens=6)
     trajs = rollout(model, envs(), same, torch.Generator().manual_seed(0))
-    loss, _, _, _ = grpo_loss(model, trajs, same)
+    loss, stats, _, _ = grpo_loss(model, trajs, same)
     loss_no_tis, _, _, _ = grpo_loss(model, trajs, GRPOConfig(group_size=2, max_message_tokens=6, tis_cap=1e9))
-    assert loss.item() == loss_no_tis.item()  # identical precision: every importance weight is exactly 1
+    # identical precision: the recorded log-probs (KV-cache decoding) equal the trainer's to float rounding,
+    # so every weight is 1 within 1e-5, far below the cap, and the cap changes nothing
+    assert 1 - 1e-5 < stats["tis_min"] <= stats["tis_max"] < 1 + 1e-5 and stats["tis_capped"] == 0
+    assert loss.item() == loss_no_tis.item()
+    with torch.autocast("cpu", torch.bfloat16):  # a bf16 trainer and the fp32 sampler: weighted, not hidden
+        _, bf16, _, _ = grpo_loss(model, trajs, same)
+    assert bf16["tis_max"] - bf16["tis_min"] > 1e-4
     q = fake_quantize(model, 8)
     w = next(p for n, p in q.named_parameters() if n.endswith("experts.w1"))
     w0 = next(p for n, p in model.named_parameters() if n.endswith("experts.w1"))
@@ -1303,6 +1309,196 @@ def test_sampler_precision_and_truncated_importance_weights():
     with torch.no_grad():
         w = (token_logprobs(model(tokens[:, :-1])[0], tokens) - sampler_logp).exp()[mask]
     assert (w != 1).any() and torch.allclose(w, torch.ones_like(w), atol=0.2)  # a small, real mismatch
+
+
+def test_grpo_trainer_logprobs_use_the_sampler_temperature():
+    from dataclasses import replace
+    from grpo import GRPOConfig, grpo_loss, rollout
+    torch.manual_seed(0)
+    model = M.Transformer(M.ModelConfig())
+    cfg = GRPOConfig(group_size=2, max_message_tokens=6, temperature=0.7)
+    trajs = rollout(model, [_ScriptedEnv(1.0), _ScriptedEnv(0.0)], cfg, torch.Generator().manual_seed(0))
+    _, stats, _, _ = grpo_loss(model, trajs, cfg)  # tis_*: exp(trainer - sampler log-prob) over policy tokens
+    assert 1 - 1e-5 < stats["tis_min"] <= stats["tis_max"] < 1 + 1e-5
+    _, at_1, _, _ = grpo_loss(model, trajs, replace(cfg, temperature=1.0))  # a trainer at T = 1: far off
+    assert at_1["tis_min"] < 0.95 and at_1["tis_max"] > 1.05
+
+
+def _keep_logprobs(monkeypatch):
+    """grpo_loss's token log-probs with grad, each kept with its gradient (grpo.token_logprobs wrapped)."""
+    import grpo
+    kept, inner = [], grpo.token_logprobs
+    def keep(logits, tokens):
+        out = inner(logits, tokens)
+        if out.requires_grad:
+            out.retain_grad()
+            kept.append(out)
+        return out
+    monkeypatch.setattr(grpo, "token_logprobs", keep)
+    return kept
+
+
+def _rl_trajectories(**overrides):
+    """A fresh tiny model (seed 0) and 2 groups of 2 rollouts of unequal lengths, rewards (1, 0), (0, 1)."""
+    from grpo import GRPOConfig, rollout
+    torch.manual_seed(0)
+    model = M.Transformer(M.ModelConfig())
+    cfg = GRPOConfig(**{**dict(group_size=2, max_message_tokens=6, max_gen_tokens=16), **overrides})
+    envs = [_ScriptedEnv(1.0), _ScriptedEnv(0.0, 1), _ScriptedEnv(0.0, 3), _ScriptedEnv(1.0)]
+    return model, cfg, rollout(model, envs, cfg, torch.Generator().manual_seed(0))
+
+
+def test_grpo_loss_gradient_per_token_is_the_weighted_advantage_over_a_constant(monkeypatch):
+    """At ratio 1, d loss / d log-prob of each policy token = -A * min(trainer / sampler, cap) / (N * L_max),
+    with the recorded log-probs of an 8-bit sampler (some pushed down by hand, so their weight is capped) and
+    the same constant whatever each trajectory's length."""
+    from grpo import batch, grpo_loss
+    model, cfg, trajs = _rl_trajectories(sampler_bits=8, tis_cap=1.5)
+    for t in trajs:
+        for s in t.segments:
+            policy = [i for i, p in enumerate(s.policy) if p]
+            for i in policy[::3]:
+                s.sampler_logp[i] -= 1.0  # weight x e: past the cap
+    kept = _keep_logprobs(monkeypatch)
+    loss, stats, old, _ = grpo_loss(model, trajs, cfg)
+    loss.backward()
+    _, mask, sampler_logp, owner = batch(trajs)
+    lengths = mask.sum(-1)
+    assert lengths.min() < lengths.max() and lengths.sum() < len(trajs) * cfg.max_gen_tokens  # not N * L_max
+    w = (old - sampler_logp).exp()
+    assert (w[mask] > cfg.tis_cap).any() and (w[mask] < 0.999).any() and (w[mask] > 1.001).any()
+    assert stats["tis_capped"] == (w[mask] > cfg.tis_cap).float().mean().item() > 0
+    adv = torch.tensor([0.5, -0.5, -0.5, 0.5])[owner]
+    expected = -adv[:, None] * w.clamp(max=cfg.tis_cap) * mask / (len(trajs) * cfg.max_gen_tokens)
+    torch.testing.assert_close(kept[0].grad, expected, rtol=1e-5, atol=1e-9)
+
+
+def test_k2_loss_has_the_gradient_of_kl_pi_ref_and_k3_that_of_kl_ref_pi():
+    """The expected gradient over on-policy samples (each outcome weighted by p, the samples held fixed) of
+    each estimator used as a loss, against the exact KLs on a small categorical. Then k2, k3 in grpo_loss."""
+    from grpo import grpo_loss, kl_estimates
+    z = torch.tensor([1.0, 0.2, -0.5, -1.5], requires_grad=True)  # the policy's logits
+    ref = torch.tensor([0.1, 0.2, 0.3, 0.4]).log()
+    logp = z.log_softmax(-1)
+    p = logp.exp().detach()
+    est = kl_estimates(logp, ref)  # one estimate per outcome
+    g = {k: torch.autograd.grad((p * est[k]).sum(), z, retain_graph=True)[0] for k in ("k1", "k2", "k3")}
+    forward, = torch.autograd.grad((logp.exp() * (logp - ref)).sum(), z, retain_graph=True)  # KL(pi || ref)
+    reverse, = torch.autograd.grad((ref.exp() * (ref - logp)).sum(), z)  # KL(ref || pi)
+    torch.testing.assert_close(g["k2"], forward)
+    torch.testing.assert_close(g["k3"], reverse)
+    assert (g["k3"] - forward).abs().max() > 0.05  # k3 is not KL(pi || ref)'s gradient
+    torch.testing.assert_close(g["k1"], torch.zeros(4))  # k1's expected gradient is 0: it goes in the reward
+    # grpo_loss: with equal rewards the policy term is 0; k2 / k3 are added to the loss (mean x tokens / norm)
+    model, cfg, trajs = _rl_trajectories(kl_coef=0.5)
+    for t in trajs:
+        t.reward = 1.0
+    ref_model = copy.deepcopy(model)
+    with torch.no_grad():
+        for q in ref_model.parameters():
+            q.add_(0.02 * torch.randn_like(q))
+    losses = {}
+    for k in ("k2", "k3"):
+        cfg.kl_estimator = k
+        loss, stats, _, _ = grpo_loss(model, trajs, cfg, ref=ref_model)
+        n = stats["gen_tokens"] * len(trajs)
+        norm = len(trajs) * cfg.max_gen_tokens
+        assert stats["kl"] > 0 and math.isclose(loss.item(), 0.5 * stats["kl"] * n / norm, rel_tol=1e-5)
+        losses[k] = loss.item()
+    assert losses["k2"] != losses["k3"]
+
+
+def test_ppo_epochs_on_minibatches_clip_and_clipped_tokens_get_no_gradient(monkeypatch):
+    """Two epochs over two minibatches of whole groups, old log-probs taken before the first step: the first
+    minibatch starts at ratio 1, later ones see the moved policy, the clip fires, and a token whose ratio is
+    clipped on the side the advantage pushes (A > 0, ratio > 1 + eps_high; A < 0, ratio < 1 - eps_low) gets no
+    gradient while every other policy token does."""
+    from grpo import batch, grpo_loss, minibatches, old_logprobs
+    model, cfg, trajs = _rl_trajectories(temperature=0.7)
+    mbs = minibatches(trajs, 2, cfg.group_size)
+    assert mbs == [trajs[:2], trajs[2:]] and minibatches(trajs, 1, 2) == [trajs]
+    for bad in ((trajs, 3, 2), (trajs[:3], 1, 2)):  # more minibatches than groups; a broken group
+        with pytest.raises(ValueError):
+            minibatches(*bad)
+    olds = [old_logprobs(model, mb, cfg) for mb in mbs]  # before any step
+    kept = _keep_logprobs(monkeypatch)
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    seen = []
+    for epoch in range(2):
+        for k, (mb, old) in enumerate(zip(mbs, olds)):
+            loss, stats, _, _ = grpo_loss(model, mb, cfg, old_logp=old)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            _, mask, _, owner = batch(mb)
+            ratio, grad = (kept[-1] - old).exp().detach(), kept[-1].grad
+            adv = torch.tensor([0.5, -0.5] if k == 0 else [-0.5, 0.5])[owner][:, None]
+            held = ((adv > 0) & (ratio > 1 + cfg.eps_high)) | ((adv < 0) & (ratio < 1 - cfg.eps_low))
+            assert (grad[mask & held] == 0).all() and (grad[mask & ~held] != 0).all()
+            seen.append((ratio[mask], stats["clip_frac"], (mask & held).sum().item()))
+    (r00, c00, _), (r01, _, _), (r10, c10, h10), (r11, c11, h11) = seen
+    assert (r00 - 1).abs().max() < 1e-6 and c00 == 0  # old_logprobs is the trainer's own forward
+    assert (r01 - 1).abs().max() > 0.1  # the second minibatch already sees the first one's step
+    assert c10 > 0 and c11 > 0 and h10 > 0 and h11 > 0 and (r10 - 1).abs().max() > 0.3
+
+
+def _rl_step_worker(rank, world, port, trajs, cfg, out):
+    """One RL step on this rank's whole groups, the tiny model sharded with FSDP2 as train.py shards it (the
+    same units; no EP, CP or mixed precision), old log-probs from old_logprobs under FSDP."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from grpo import grpo_loss, old_logprobs
+    from mesh import build_meshes, make_layout
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    _, _, dense_fsdp, expert_fsdp = build_meshes(make_layout(world), "cpu")
+    torch.manual_seed(0)
+    model = M.Transformer(M.ModelConfig())
+    for block in model.layers:
+        if isinstance(block.ffn, M.MoE):
+            fully_shard(block.ffn.experts, mesh=expert_fsdp)
+        fully_shard(block, mesh=dense_fsdp)
+    fully_shard(model.embed, mesh=dense_fsdp)
+    fully_shard([model.norm, model.lm_head], mesh=dense_fsdp)
+    fully_shard(model, mesh=dense_fsdp)
+    mine = trajs[rank * len(trajs) // world:(rank + 1) * len(trajs) // world]
+    loss, _, _, _ = grpo_loss(model, mine, cfg, old_logp=old_logprobs(model, mine, cfg))
+    loss.backward()  # each rank: its trajectories x max_gen_tokens; FSDP's mean over ranks makes it global
+    mean_loss = loss.detach().clone()
+    dist.all_reduce(mean_loss)
+    grads = {n: p.grad.full_tensor().numpy() for n, p in model.named_parameters()}  # numpy: no shared memory
+    if rank == 0:
+        out.put((mean_loss.item() / world, grads))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_grpo_step_on_2_fsdp_ranks_equals_one_process():
+    import torch.multiprocessing as mp
+    from grpo import grpo_loss
+    model, cfg, trajs = _rl_trajectories(sampler_bits=8)
+    for t in trajs:
+        t.env = None  # what a worker needs is tokens, masks, log-probs and rewards
+    loss, _, _, _ = grpo_loss(model, trajs, cfg)
+    loss.backward()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = mp.get_context("spawn").SimpleQueue()
+    procs = mp.start_processes(_rl_step_worker, args=(2, port, trajs, cfg, out), nprocs=2,
+                               start_method="spawn", join=False)
+    while out.empty():  # read before joining: rank 0 blocks until its 12 MB of gradients are read
+        procs.join(timeout=0.1)  # raises if a worker failed
+    mean_loss, grads = out.get()
+    procs.join()
+    assert abs(mean_loss - loss.item()) < 1e-5 and loss.abs() > 1e-4
+    full = {n: p.grad for n, p in model.named_parameters()}
+    grads = {n: torch.from_numpy(g) for n, g in grads.items()}
+    norm = lambda gs: torch.cat([g.flatten() for g in gs.values()]).norm().item()
+    assert abs(norm(grads) - norm(full)) < 1e-5 * norm(full)  # the global gradient norm
+    for n, g in grads.items():  # and each parameter's gradient
+        assert (g - full[n]).norm() <= 1e-4 * full[n].norm() + 1e-9, n
 
 
 # -----------------------------------------------------------------------------
@@ -1481,6 +1677,96 @@ def test_easy_episode_is_short():
 
 
 # -----------------------------------------------------------------------------
+# tasks.py: long episodes (chains of 8 x level calls, summarized past the context budget)
+
+
+def _replay_segment(env, turns):
+    """Drive env with a segment's assistant calls; every reply must be the transcript's next tool turn."""
+    for i, (role, text) in enumerate(turns):
+        if role == "assistant" and not text.startswith("value "):  # a summary goes to no environment
+            reply, _ = env.step(text)
+            if reply is not None:
+                assert turns[i + 1] == ("tool", reply)
+
+
+@pytest.mark.parametrize("difficulty", [1, 4])
+def test_chain_transcripts_replay_with_reward_one_through_slips_and_summaries(difficulty):
+    """The corpus's chains are what ChainEnv replies, slips included: an absent tool gets the error, the episode
+    goes on and still earns 1. Each segment but the last passes the budget after a reply, then holds the request
+    and a summary (the value and what is left); the next starts from the question and that summary."""
+    rng, request, budget = random.Random(difficulty), "Summarize.", 160
+    slips = capital = 0
+    for _ in range(10):
+        task = tasks.make_chain_task(rng, difficulty)
+        assert len(task.plan) == tasks.CHAIN_LENGTH * difficulty and len(task.tools) <= 3
+        assert [a for _, a, _ in task.plan[1:]] == [TOOLS[n](a, b) for n, a, b in task.plan[:-1]]  # a chain
+        segments = tasks.chain_transcript(task, rng, budget, request, p_slip=0.3, p_capital=0.3, p_hint=0.3)
+        env = tasks.ChainEnv(task)
+        for k, seg in enumerate(segments):
+            assert seg[0] == ("user", task.question)
+            if k:
+                assert seg[1] == segments[k - 1][-1]  # the previous segment's summary
+            _replay_segment(env, seg)
+            if k < len(segments) - 1:
+                assert seg[-2] == ("user", request) and not env.done
+                value = task.answer if env.position == len(task.plan) else task.plan[env.position][1]
+                todo = tasks.chain_reply(task, env.position, value).split(". ", 1)[1]
+                assert seg[-1] == ("assistant", f"value {value}. {todo}")  # also right after an absent-tool error
+                assert budget < sum(map(tasks.turn_length, seg[:-2])) <= budget + 100  # cut after the first reply past it
+        assert env.done and env.reward() == 1.0
+        slips, capital = slips + env.tool_errors, capital + env.capital
+        assert env.tool_calls == len(task.plan) + env.tool_errors
+    assert slips > 0 and capital > 0
+    assert len(segments) > 2 * difficulty  # the context budget holds a few calls: long chains summarize often
+
+
+def test_chain_hints_mean_what_they_say_and_the_reward_is_blind_to_slips_and_capitals():
+    rng = random.Random(0)
+    task = tasks.make_chain_task(rng, 1)
+    for seg in tasks.chain_transcript(task, rng, 10**6, "", p_slip=0.5, p_capital=0.5, p_hint=1.0):
+        for (role, text), (_, nxt) in zip(seg, seg[1:]):
+            if role == "system":
+                assert not (text.startswith("Reminder") and nxt.split("all ")[1].split("(")[0] not in task.tools)
+                assert not (text == tasks.STYLE_REMINDER and nxt.startswith("Call"))
+    clean, sloppy = tasks.ChainEnv(task), tasks.ChainEnv(task)
+    absent = next(t for t in TOOLS if t not in task.tools)
+    for name, a, b in task.plan:
+        clean.step(f"call {name}({a},{b})")
+        sloppy.step(f"Call {absent}({a},{b})")
+        sloppy.step(f"Call {name}({a},{b})")
+    for env in (clean, sloppy):
+        assert env.step(f"answer {task.answer}") == (None, True) and env.reward() == 1.0
+    assert (sloppy.tool_errors, sloppy.capital, clean.tool_errors, clean.capital) == (8, 16, 0, 0)
+    wrong = tasks.ChainEnv(task)  # a wrong call is followed like any other: the answer is what catches it
+    name, a, b = task.plan[0]
+    assert wrong.step(f"call {name}({a + 1},{b})")[0].endswith(tasks.chain_reply(task, 1, 0).split(". ", 1)[1])
+    with pytest.raises(ValueError):
+        tasks.make_chain_task(rng, tasks.MAX_DIFFICULTY + 1)
+
+
+def test_chain_rollouts_summarize_and_feedback_flags_slips_and_capitals():
+    """A rollout of a chain with a fresh model passes the budget and summarizes; the feedback rules flag an
+    absent-tool call (hint: the available tools) and a "Call" (hint: the style reminder), nothing else."""
+    from feedback import find_targets
+    from grpo import GRPOConfig, Trajectory, rollout
+    torch.manual_seed(0)
+    model = M.Transformer(M.ModelConfig())
+    task = tasks.make_chain_task(random.Random(0), 1)
+    cfg = GRPOConfig(group_size=2, max_message_tokens=8, max_gen_tokens=48, context_budget=90)
+    trajs = rollout(model, [tasks.ChainEnv(task) for _ in range(2)], cfg, torch.Generator().manual_seed(0))
+    assert all(len(t.segments) >= 2 and t.segments[1].tokens[:len(t.prompt)] == t.prompt for t in trajs)
+    absent = next(t for t in TOOLS if t not in task.tools)
+    name, a, b = task.plan[0]
+    env = tasks.ChainEnv(task)
+    turns = list(env.first_turns())
+    for text in (f"call {absent}({a},{b})", f"Call {name}({a},{b})", f"call {task.plan[1][0]}(1,2)"):
+        turns += [("assistant", text), ("tool", env.step(text)[0])]
+    traj = Trajectory([], turns=turns, spans=[(0, 1, 2)] * 3)
+    assert [(hint, rule) for *_, hint, rule in find_targets(traj)] == [
+        (tasks.reminder(task.tools), "tool_not_found"), (tasks.STYLE_REMINDER, "capital")]
+
+
+# -----------------------------------------------------------------------------
 # feedback.py: the hinted teacher
 
 
@@ -1505,7 +1791,7 @@ def test_feedback_rules_find_the_tool_not_found_turn():
     env = ToolEnv(make_tool_task(random.Random(0), 1))
     absent = next(name for name in TOOLS if name not in env.task.tools)
     reply, _ = env.step(f"call {absent}(1,2)")
-    assert tool_not_found(reply) == "Reminder: Available tools: " + ", ".join(env.task.tools)
+    assert tool_not_found("", reply) == "Reminder: Available tools: " + ", ".join(env.task.tools)
     _, _, trajs = _feedback_rollout()
     targets = find_targets(trajs[0])
     assert len(targets) == 2 and all(name == "tool_not_found" for *_, name in targets)
@@ -1517,7 +1803,7 @@ def test_feedback_rules_find_the_tool_not_found_turn():
 def test_empty_hint_gives_zero_kl_and_gradient_and_only_the_target_moves():
     from feedback import Feedback, FeedbackConfig
     model, cfg, trajs = _feedback_rollout()
-    fb = Feedback(model, FeedbackConfig(), rules=[("empty", lambda reply: "")])
+    fb = Feedback(model, FeedbackConfig(), rules=[("empty", lambda message, reply: "")])
     loss, stats = fb.loss(model, trajs, norm=100.0)
     loss.backward()
     assert stats["feedback_kl"] == 0.0 and stats["feedback_targets"] == 4
@@ -1585,6 +1871,62 @@ def test_sampled_estimator_matches_full_kl_in_expectation():
         kl_exp += p[x] * kl.item()
     torch.testing.assert_close(g_exp, g_full, rtol=1e-5, atol=1e-6)
     assert abs(kl_exp - full_kl.item()) < 1e-5 and full_kl.item() > 0
+
+
+def test_feedback_loss_with_a_hint_equals_message_kl_on_hand_aligned_logits():
+    """The real hint shifts the teacher's message tokens by its length: each target recomputed alone, the
+    student over tokens[:end], the teacher over tokens[:start-1] + hint turn + tokens[start-1:end], the
+    message's L tokens read as the last L of each sequence."""
+    from feedback import Feedback, FeedbackConfig, find_targets, message_kl
+    from grpo import turn_tokens
+    model, _, trajs = _feedback_rollout()
+    loss, stats = Feedback(model, FeedbackConfig()).loss(model, trajs, norm=100.0)
+    total, n = 0.0, 0
+    for t in trajs:
+        for seg, start, end, hint, _ in find_targets(t):
+            tokens, h, L = t.segments[seg].tokens, turn_tokens("system", hint), end - start
+            assert len(h) > 10
+            s_logits = model(torch.tensor([tokens[:end]]))[0][0]
+            with torch.no_grad():
+                t_logits = model(torch.tensor([tokens[:start - 1] + h + tokens[start - 1:end]]))[0][0]
+            kl, _ = message_kl(s_logits[-L - 1:-1], t_logits[-L - 1:-1], torch.tensor(tokens[start:end]))
+            total, n = total + kl.sum(), n + 1
+    assert n == stats["feedback_targets"] == 4 and stats["feedback_kl"] > 0
+    torch.testing.assert_close(loss, total / 100.0)
+
+
+def test_frozen_and_ema_teachers_and_the_loss_uses_the_chosen_one():
+    """After policy steps and Feedback.update: the frozen teacher is the starting policy bit for bit, the EMA
+    teacher is lerp(teacher, policy, 1 - decay), and Feedback.loss runs the chosen teacher."""
+    from feedback import Feedback, FeedbackConfig
+    model, _, trajs = _feedback_rollout()
+    start = copy.deepcopy(model)
+    fbs = {name: Feedback(model, FeedbackConfig(teacher=name, ema_decay=0.9))
+           for name in ("current", "frozen", "ema")}
+    with pytest.raises(ValueError):
+        Feedback(model, FeedbackConfig(teacher="Frozen"))
+    ema_before = copy.deepcopy(fbs["ema"].teacher)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for _ in range(2):  # policy steps on the feedback loss, with the current policy as the teacher
+        opt.zero_grad()
+        fbs["current"].loss(model, trajs, norm=1.0)[0].backward()
+        opt.step()
+    for fb in fbs.values():
+        fb.update(model)
+    assert fbs["current"].teacher is None
+    frozen = fbs["frozen"].teacher.state_dict()
+    assert all(torch.equal(v, frozen[k]) for k, v in start.state_dict().items())  # bit-identical to the start
+    moved = 0.0
+    for t, t0, p in zip(fbs["ema"].teacher.parameters(), ema_before.parameters(), model.parameters()):
+        assert torch.equal(t, torch.lerp(t0, p, 0.1)) and not t.requires_grad
+        moved = max(moved, (t - t0).abs().max().item())
+    assert moved > 1e-3
+    # the loss's teacher: the same KL as passing that model by hand as the current policy's copy
+    kls = {name: fb.loss(model, trajs, norm=100.0)[1]["feedback_kl"] for name, fb in fbs.items()}
+    by_hand = {name: fbs["current"].loss(model, trajs, norm=100.0, current=m)[1]["feedback_kl"]
+               for name, m in (("frozen", start), ("ema", fbs["ema"].teacher))}
+    assert kls["frozen"] == by_hand["frozen"] and kls["ema"] == by_hand["ema"]
+    assert abs(kls["frozen"] - kls["current"]) > 1e-3 and abs(kls["ema"] - kls["current"]) > 1e-4
 
 
 # -----------------------------------------------------------------------------

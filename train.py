@@ -59,7 +59,7 @@ from torch.distributed.tensor import DTensor
 from mesh import CommCounter, LayoutError, build_meshes, init_distributed, make_layout
 import tasks
 from feedback import RULES, Feedback, FeedbackConfig
-from grpo import GRPOConfig, grpo_loss, rollout
+from grpo import SUMMARY_REQUEST, GRPOConfig, grpo_loss, minibatches, old_logprobs, rollout
 from model import (PRESETS, ModelConfig, MoE, Transformer, activation_elements, encode, flops_per_token,
                    param_counts)
 from muon import Muon, param_groups
@@ -73,9 +73,9 @@ g = parser.add_argument_group("model")
 g.add_argument("--preset", default="tiny", help=f"model size, one of {list(PRESETS)}")
 g.add_argument("--num-experts", type=int, default=None, help="routed experts per MoE layer (default: the preset's)")
 g = parser.add_argument_group("run")
-g.add_argument("--steps", type=int, default=800, help="optimizer steps in total (a resumed run stops here too)")
-g.add_argument("--batch-size", type=int, default=16, help="global batch in sequences, whatever the layout")
-g.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (at most the preset's max_seq_len)")
+g.add_argument("--steps", type=int, default=600, help="optimizer steps in total (a resumed run stops here too)")
+g.add_argument("--batch-size", type=int, default=8, help="global batch in sequences, whatever the layout")
+g.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (at most the preset's max_seq_len)")
 g.add_argument("--lr", type=float, default=8e-3,
                help="peak learning rate for both groups: Muon uses adjust_lr_fn='match_rms_adamw' so one "
                     "AdamW-style lr serves the matrices and the embeddings/head/router/norms alike")
@@ -121,18 +121,32 @@ g.add_argument("--init", default=None, choices=["scratch"],
                help="scratch: let --stage rl start from random weights (a smoke test: it earns no reward)")
 g.add_argument("--rl-steps", type=int, default=20, help="RL optimizer steps")
 g.add_argument("--group-size", type=int, default=8, help="rollouts per task (the GRPO group)")
-g.add_argument("--max-gen-tokens", type=int, default=128,
-               help="tokens a rollout may write over all its turns (L_max, also the loss's constant normaliser)")
+g.add_argument("--rl-tasks", default="long", choices=["long", "short"],
+               help="long: chains of 8 x level calls that run past the context (summaries; a slip costs the reward "
+                    "little); short: nested expressions of 1-4 calls")
+g.add_argument("--max-gen-tokens", type=int, default=None,
+               help="tokens a rollout may write over all its turns (L_max, also the loss's constant normaliser); "
+                    "default 512 for long tasks, 128 for short")
 g.add_argument("--tasks-per-step", type=int, default=None,
                help="tasks (groups) per RL step, a multiple of the world size (each rank samples its own); "
                     "default: 4 rounded up to a multiple of the world size")
 g.add_argument("--rl-lr", type=float, default=1e-3, help="RL learning rate (both groups)")
 g.add_argument("--feedback-coef", type=float, default=0.1, help="lambda of the feedback KL (0: pure RL)")
-g.add_argument("--feedback-rules", default="tool_not_found",
+g.add_argument("--feedback-rules", default="tool_not_found,capital",
                help=f"comma-separated hint rules of feedback.py: {', '.join(name for name, _ in RULES)}")
 g.add_argument("--feedback-estimator", default="full", choices=["full", "sampled"],
                help="full: exact KL over the vocabulary; sampled: the sampled-token estimator")
-g.add_argument("--kl-coef", type=float, default=0.0, help="KL to the starting policy (k1, folded into the reward)")
+g.add_argument("--feedback-teacher", default="current", choices=["current", "frozen", "ema"],
+               help="the hinted teacher: the current policy, the policy RL started from, or an EMA of the policy")
+g.add_argument("--feedback-ema-decay", type=float, default=0.99, help="the EMA teacher's decay a RL step")
+g.add_argument("--kl-coef", type=float, default=0.0, help="KL to the starting policy (0: none, no reference kept)")
+g.add_argument("--kl-estimator", default="k1", choices=["k1", "k2", "k3"],
+               help="k1: folded into the reward; k2: in the loss, the gradient of KL(pi||ref); k3: in the loss, "
+                    "the gradient of KL(ref||pi)")
+g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (the trainer's log-probs use it too)")
+g.add_argument("--ppo-epochs", type=int, default=1, help="passes over each RL batch (PPO's clip acts from the 2nd)")
+g.add_argument("--ppo-minibatches", type=int, default=1,
+               help="optimizer steps a pass, each on whole groups of this rank's (split as evenly as they allow)")
 g.add_argument("--rl-eval-every", type=int, default=10, help="RL steps between held-out evaluations")
 g.add_argument("--rl-eval-tasks", type=int, default=32, help="held-out tasks a level (1 and 2) per evaluation; 0: none")
 g.add_argument("--sampler-bits", type=int, default=0, choices=[0, 8],
@@ -170,6 +184,7 @@ if args.num_experts is not None:
     if not cfg.top_k <= args.num_experts:
         die(f"--num-experts {args.num_experts} is fewer than the {args.preset} preset's top-{cfg.top_k} routing")
     cfg = ModelConfig(**{**asdict(cfg), "num_experts": args.num_experts})
+args.max_gen_tokens = args.max_gen_tokens or (512 if args.rl_tasks == "long" else 128)
 for flag in ("steps", "batch_size", "seq_len", "log_every", "eval_every", "eval_batches", "keep", "max_gen_tokens"):
     if getattr(args, flag) <= 0:
         die(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
@@ -196,12 +211,22 @@ if args.stage != "pretrain":
     args.tasks_per_step = args.tasks_per_step or -(-4 // world_size) * world_size  # >= 4, one a rank at least
     if min(args.rl_steps, args.tasks_per_step, args.rl_lr, args.rl_eval_every) <= 0 or args.group_size < 2:
         die("the RL stage needs --rl-steps, --tasks-per-step, --rl-lr and --rl-eval-every > 0, --group-size >= 2")
+    if args.rl_eval_tasks < 0:
+        die(f"--rl-eval-tasks must be >= 0 (0: no held-out evaluation), got {args.rl_eval_tasks}")
+    if args.temperature <= 0 or not 0 <= args.feedback_ema_decay < 1 or args.ppo_epochs < 1:
+        die("--temperature must be > 0, --feedback-ema-decay in [0, 1), --ppo-epochs >= 1")
+    if not 1 <= args.ppo_minibatches <= args.tasks_per_step // world_size:
+        die(f"--ppo-minibatches {args.ppo_minibatches}: each is whole groups, and a rank has "
+            f"{args.tasks_per_step // world_size} (--tasks-per-step {args.tasks_per_step} over {world_size} ranks)")
     unknown = set(args.feedback_rules.split(",")) - {name for name, _ in RULES}
     if unknown:
         die(f"--feedback-rules: unknown rule(s) {', '.join(sorted(unknown))}; choose from {', '.join(n for n, _ in RULES)}")
     if args.tasks_per_step % world_size:
         die(f"--tasks-per-step {args.tasks_per_step} does not split over {world_size} ranks (each samples its own "
             f"groups); pass a multiple of {world_size}, e.g. --tasks-per-step {-(-args.tasks_per_step // world_size) * world_size}")
+RL_COPIES = {"reference": "--kl-coef > 0", "teacher": "--feedback-teacher frozen or ema"}
+wanted_copies = {name for name, on in (("reference", args.kl_coef > 0), ("teacher", args.feedback_teacher != "current"))
+                 if on and args.stage != "pretrain"}
 
 
 # -----------------------------------------------------------------------------
@@ -409,8 +434,9 @@ if args.resume:
     if meta.get("stage") != "rl" and meta["step"] >= args.steps and args.stage == "pretrain":
         die(f"--resume: {resume_path} is already at step {meta['step']} of --steps {args.steps}; raise --steps "
             f"to continue pretraining, or pass --stage rl to start RL from it")
-    if meta.get("stage") == "rl" and args.kl_coef and not meta.get("has_reference"):
-        die(f"--resume: {resume_path} was written with --kl-coef 0 and holds no KL reference; resume with --kl-coef 0")
+    for name, flag in RL_COPIES.items():
+        if meta.get("stage") == "rl" and name in wanted_copies and name not in meta.get("copies", []):
+            die(f"--resume: {resume_path} holds no {name} (it was written without {flag}); resume without it")
 if checkpoints() and (resume_path is None or resume_path.resolve().parent != out.resolve()):
     die(f"--out {out} already holds {checkpoints()[-1].name}, which this run would delete as it saves its own; "
         f"pass --resume to continue from it, or choose another --out")
@@ -428,6 +454,7 @@ rl_resumed = meta is not None and meta.get("stage") == "rl"
 # sees the same data.
 
 TOOL_SHARE = 0.9
+LONG_SHARE = 0.15  # of the transcripts, chains (about half their tokens: a chain is 8-32 calls, a short task 1-4)
 SHARD_MAGIC, SHARD_HEADER = 20240520, 256  # llm.c's token shards: 256 int32 [magic, version, n_tokens, ...]
 
 
@@ -475,13 +502,16 @@ def load_tokens(path):
 def transcripts(here, n, seed):
     """Tokens of n gold transcripts (tasks.corpus, seeded), as uint16. Making them takes seconds and every run
     (every rank) makes the same ones, so they are cached in ~/.cache/composer-stack under the hash of the code
-    that makes them (tasks.py, model.py); a missing, unwritable or unreadable cache only costs the seconds."""
-    key = hashlib.sha256(b"".join((here / f).read_bytes() for f in ("tasks.py", "model.py"))).hexdigest()[:16]
+    that makes them (tasks.py, model.py, grpo.py's summary request and budget); a missing, unwritable or
+    unreadable cache only costs the seconds. A share of them are long chains, cut into the segments a rollout
+    makes at the RL stage's context budget."""
+    key = hashlib.sha256(b"".join((here / f).read_bytes() for f in ("tasks.py", "model.py", "grpo.py"))).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "composer-stack"
     path = cache / f"tools-{n}-{seed}-{key}.npy"
     with contextlib.suppress(OSError, ValueError, EOFError):
         return np.load(path)
-    tokens = np.array(encode(tasks.corpus(n, seed=seed), specials=True), dtype=np.uint16)
+    text = tasks.corpus(n, seed=seed, long_share=LONG_SHARE, budget=GRPOConfig.context_budget, request=SUMMARY_REQUEST)
+    tokens = np.array(encode(text, specials=True), dtype=np.uint16)
     with contextlib.suppress(OSError):  # written whole, then renamed: ranks building it at once do not clash
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp := path.with_name(f"{path.name}.{os.getpid()}.tmp"), "wb") as f:
@@ -737,12 +767,14 @@ def peak_memory():
 # -----------------------------------------------------------------------------
 # Checkpoints, metrics and signals
 
-reference = Transformer(cfg).to(device).requires_grad_(False) if rl_resumed and args.kl_coef else None  # RL's KL
+# Whole-model copies the RL stage keeps beside the policy: the KL reference (the policy RL started from) and a
+# frozen or EMA feedback teacher. Made when RL starts; a resumed RL run loads them from its checkpoint.
+copies = {name: Transformer(cfg).to(device).requires_grad_(False) for name in wanted_copies if rl_resumed}
 
 
 def state_dicts():
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {"model": model_sd, "optim": optim_sd, **({"reference": reference.state_dict()} if reference else {})}
+    return {"model": model_sd, "optim": optim_sd, **{name: m.state_dict() for name, m in copies.items()}}
 
 
 def save_checkpoint(step, **run_state):
@@ -765,7 +797,7 @@ def save_checkpoint(step, **run_state):
     if is_rank0 and not err:
         try:
             meta = {"step": step, **run_state, "data_pos": train_windows.pos, "metrics_lines": metrics_lines,
-                    "has_reference": reference is not None, "config": asdict(cfg), "args": vars(args),
+                    "copies": sorted(copies), "config": asdict(cfg), "args": vars(args),
                     "files": {f: h for _, s in parts for f, h in s.items()}}
             with open(tmp / "meta.json", "w") as f:
                 json.dump(meta, f)
@@ -839,8 +871,8 @@ if meta:
     try:
         dcp.load(state, checkpoint_id=resume_path, no_dist=world_size == 1)  # reshards: any writer layout loads
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        if reference is not None:
-            reference.load_state_dict(state["reference"])
+        for name, m in copies.items():
+            m.load_state_dict(state[name])
     except (Exception, CheckpointException) as e:  # its checksums passed, so this is not damage: say what it is
         die(f"--resume: checkpoint {resume_path} is intact but does not load into this run ({last_line(e)})")
     logging.disable(logging.NOTSET)
@@ -1005,7 +1037,7 @@ if args.stage != "pretrain":
         for block in model.layers:
             block.attn.cp_group = None
     rl = GRPOConfig(group_size=args.group_size, max_gen_tokens=args.max_gen_tokens, kl_coef=args.kl_coef,
-                    sampler_bits=args.sampler_bits)
+                    kl_estimator=args.kl_estimator, sampler_bits=args.sampler_bits, temperature=args.temperature)
     sampler = model if world_size == 1 else Transformer(cfg).to(device)
 
     @torch.no_grad()
@@ -1014,34 +1046,48 @@ if args.stage != "pretrain":
             sampler.load_state_dict({k: v.full_tensor() if isinstance(v, DTensor) else v
                                      for k, v in model.state_dict().items()})
 
+    make_task, make_env = ((tasks.make_chain_task, tasks.ChainEnv) if args.rl_tasks == "long" else
+                           (tasks.make_tool_task, tasks.ToolEnv))
+
+    def episode_stats(envs, trajs):
+        """What a batch of episodes did, summed over the ranks: calls, absent-tool calls, "Call" calls,
+        malformed messages, summaries (segments past the first), episodes."""
+        return sum_over_ranks([sum(e.tool_calls for e in envs), sum(e.tool_errors for e in envs),
+                               sum(e.capital for e in envs), sum(e.malformed for e in envs),
+                               sum(len(t.segments) - 1 for t in trajs), len(envs)])
+
     @torch.no_grad()
     def rl_eval(rl_step, per_level=args.rl_eval_tasks):
-        """Pass rate and tool-not-found rate on the same held-out tasks every time (levels 1 and 2, sampling
-        seeded alike), so evaluations differ only by the policy; the tasks are split over the ranks."""
+        """Pass rate, the targeted rates (absent-tool calls and "Call" calls, per call) and summaries on the same
+        held-out tasks every time (levels 1 and 2, sampling seeded alike), so evaluations differ only by the
+        policy; the tasks are split over the ranks."""
         if not per_level:  # --rl-eval-tasks 0: no held-out evaluation
             return
         rng, gen_eval = random.Random(10**6), torch.Generator().manual_seed(10**6 + rank)
-        held_out = [(lvl, tasks.make_tool_task(rng, lvl)) for lvl in (1, 2) for _ in range(per_level)]
+        held_out = [(lvl, make_task(rng, lvl)) for lvl in (1, 2) for _ in range(per_level)]
         mine = held_out[rank::world_size]
-        envs = [tasks.ToolEnv(task) for _, task in mine]
+        envs = [make_env(task) for _, task in mine]
         trajs = rollout(sampler, envs, rl, gen_eval)
-        sums = sum_over_ranks([sum(t.reward for t, (lvl, _) in zip(trajs, mine) if lvl == 1),
-                               sum(t.reward for t, (lvl, _) in zip(trajs, mine) if lvl == 2),
-                               sum(e.tool_errors for e in envs), sum(e.tool_calls for e in envs)])
+        passed = sum_over_ranks([sum(t.reward for t, (lvl, _) in zip(trajs, mine) if lvl == lv) for lv in (1, 2)])
+        calls, errors, capital, _, summaries, episodes = episode_stats(envs, trajs)
         record = {"stage": "rl_eval", "step": base + rl_step, "rl_step": rl_step,
-                  "pass_level1": sums[0] / per_level, "pass_level2": sums[1] / per_level,
-                  "tool_error_rate": sums[2] / max(1, sums[3])}
+                  "pass_level1": passed[0] / per_level, "pass_level2": passed[1] / per_level,
+                  "tool_error_rate": errors / max(1, calls), "capital_rate": capital / max(1, calls),
+                  "summaries": summaries / episodes}
         log(record)
         print0(f"rl eval after {rl_step:3d} steps | held-out pass rate level 1 {record['pass_level1']:.3f}, "
-               f"level 2 {record['pass_level2']:.3f} | tool not found {record['tool_error_rate']:.3f} of calls")
+               f"level 2 {record['pass_level2']:.3f} | of calls: tool not found {record['tool_error_rate']:.3f}, "
+               f"'Call' {record['capital_rate']:.3f} | {record['summaries']:.1f} summaries an episode")
 
     refresh_sampler()
     if rl_start == 0:
         rl_eval(0)
-    feedback = Feedback(sampler, FeedbackConfig(coef=args.feedback_coef, estimator=args.feedback_estimator),
+    feedback = Feedback(sampler, FeedbackConfig(coef=args.feedback_coef, estimator=args.feedback_estimator,
+                                                teacher=args.feedback_teacher, ema_decay=args.feedback_ema_decay),
                         rules=[rule for rule in RULES if rule[0] in args.feedback_rules.split(",")])
-    if args.kl_coef and reference is None:  # the policy RL starts from (a resumed run loaded it above)
-        reference = copy.deepcopy(sampler).requires_grad_(False)
+    for name in wanted_copies - set(copies):  # the policy RL starts from (a resumed run loaded them above)
+        copies[name] = copy.deepcopy(sampler).requires_grad_(False)
+    feedback.teacher = copies.get("teacher")  # None: the current policy
     # A fresh optimizer: the pretraining momentum points nowhere useful for RL. Muon's update has the same size
     # whatever the gradient's, so the RL learning rate alone sets how far a step moves.
     if not rl_resumed:
@@ -1059,20 +1105,36 @@ if args.stage != "pretrain":
         level = difficulty.sample(random.Random(f"{args.seed}/{rl_step}"))  # the same level on every rank
         task_rng = random.Random(f"{args.seed}/{rl_step}/{rank}")
         gen = torch.Generator().manual_seed(task_rng.getrandbits(63))
-        envs = [tasks.ToolEnv(task) for task in (tasks.make_tool_task(task_rng, level) for _ in range(groups))
+        envs = [make_env(task) for task in (make_task(task_rng, level) for _ in range(groups))
                 for _ in range(args.group_size)]
         trajs = rollout(sampler, envs, rl, gen)
+        # PPO: every minibatch's log-probs under the policy that sampled it are taken before the first update
+        # (with one epoch and one minibatch the single update's own detached log-probs are those)
+        parts = minibatches(trajs, args.ppo_minibatches, args.group_size)
+        reused = args.ppo_epochs > 1 or len(parts) > 1
         with amp:
-            loss, stats, _, logits = grpo_loss(model, trajs, rl, ref=reference)
-            fb = {}
-            if args.feedback_coef:  # lambda = 0 leaves the RL loss exactly as it is
-                fb_loss, fb = feedback.loss(model, trajs, len(trajs) * rl.max_gen_tokens, logits=logits,
-                                            current=sampler)
-                loss = loss + args.feedback_coef * fb_loss
-        loss.backward()
-        clip_grad_norm(args.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+            olds = [old_logprobs(model, part, rl) if reused else None for part in parts]
+        updates = []
+        for epoch in range(args.ppo_epochs):
+            for part, old in zip(parts, olds):
+                with amp:
+                    loss, stats, _, logits = grpo_loss(model, part, rl, ref=copies.get("reference"), old_logp=old)
+                    fb = {}
+                    if args.feedback_coef:  # lambda = 0 leaves the RL loss exactly as it is
+                        fb_loss, fb = feedback.loss(model, part, len(part) * rl.max_gen_tokens, logits=logits,
+                                                    current=sampler)
+                        loss = loss + args.feedback_coef * fb_loss
+                loss.backward()
+                clip_grad_norm(args.grad_clip)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                updates.append((epoch, stats, fb))
+        first = [(st, fb) for epoch, st, fb in updates if epoch == 0]  # each policy token once
+        stats = {"gen_tokens": sum(st["gen_tokens"] * len(p) for (st, _), p in zip(first, parts)) / len(trajs),
+                 "clip_frac": sum(st["clip_frac"] for _, st, _ in updates) / len(updates),
+                 "tis_min": min(st["tis_min"] for st, _ in first), "tis_max": max(st["tis_max"] for st, _ in first)}
+        fb = {"feedback_targets": sum(f.get("feedback_targets", 0) for _, f in first),
+              "feedback_kl": sum(f.get("feedback_kl", 0.0) * f.get("feedback_targets", 0) for _, f in first)}
         for moe in model.moe_layers():  # the router bias stays as pretraining left it: an RL batch is small and
             moe.tokens_per_expert.zero_()  # padded, so its load counts would mostly count padding
         refresh_sampler()
@@ -1084,20 +1146,20 @@ if args.stage != "pretrain":
             rewards = torch.cat(gathered)
         for r in rewards.tolist():
             difficulty.update(level, r)
-        calls, errors, malformed, tokens, targets, kl_sum, stopping = sum_over_ranks([
-            sum(e.tool_calls for e in envs), sum(e.tool_errors for e in envs), sum(e.malformed for e in envs),
-            stats["gen_tokens"] * len(trajs), fb.get("feedback_targets", 0),
-            fb.get("feedback_kl", 0.0) * fb.get("feedback_targets", 0), stop_signal is not None])
-        n = len(rewards)
+        calls, errors, capital, malformed, summaries, n = episode_stats(envs, trajs)
+        tokens, targets, kl_sum, stopping = sum_over_ranks([
+            stats["gen_tokens"] * len(trajs), fb["feedback_targets"], fb["feedback_kl"], stop_signal is not None])
         record = {"stage": "rl", "step": base + rl_step, "rl_step": rl_step, "level": level,
-                  "reward": rewards.mean().item(), "tool_error_rate": errors / max(1, calls), "malformed_rate": malformed / n,
+                  "reward": rewards.mean().item(), "tool_error_rate": errors / max(1, calls),
+                  "capital_rate": capital / max(1, calls), "malformed_rate": malformed / n, "summaries": summaries / n,
                   "gen_tokens": tokens / n, "feedback_targets": targets, "feedback_kl": kl_sum / max(1, targets),
-                  "clip_frac": mean_over_ranks(stats["clip_frac"]), "ms": 1000 * (time.perf_counter() - t0)}
+                  "clip_frac": mean_over_ranks(stats["clip_frac"]), "tis_min": stats["tis_min"],
+                  "tis_max": stats["tis_max"], "ms": 1000 * (time.perf_counter() - t0)}
         log(record)
         if rl_step % max(1, args.log_every // 4) == 0 or rl_step == args.rl_steps:
-            print0(f"rl step {rl_step:4d} | level {level} | reward {record['reward']:.3f} | tool not found "
-                   f"{record['tool_error_rate']:.3f} of calls | malformed {record['malformed_rate']:.2f} a rollout | "
-                   f"feedback KL {record['feedback_kl']:.4f} | {record['gen_tokens']:.0f} tokens | {record['ms']:.0f} ms")
+            print0(f"rl step {rl_step:4d} | level {level} | reward {record['reward']:.3f} | of calls: tool not found "
+                   f"{record['tool_error_rate']:.3f}, 'Call' {record['capital_rate']:.3f} | feedback KL "
+                   f"{record['feedback_kl']:.4f} | {record['gen_tokens']:.0f} tokens | {record['ms']:.0f} ms")
         saving = rl_step % args.rl_eval_every == 0 or rl_step == args.rl_steps
         if saving:
             rl_eval(rl_step)
