@@ -1,19 +1,25 @@
 """Targeted RL with textual feedback: a hinted teacher and an on-policy KL at one turn (Composer 2.5).
 
 A trajectory-level reward says little about which of hundreds of messages went wrong. So at a target message
-(picked by a rule: it called a tool the episode does not offer, it was malformed) we write a short hint about
-the wanted improvement and insert it into the local context just before that message. The policy under the
-hinted context is the teacher, the same policy under the original context is the student, and the student is
-pulled toward the teacher on that message's tokens only: per-token reverse KL(student || teacher) over the full
-vocabulary (or a sampled-token estimator), teacher under no_grad, added to the RL loss as L_RL + lambda * L_fb.
+(picked by a rule: it called a tool the episode does not offer, it broke a style rule, it was malformed) we
+write a short hint about the wanted improvement and insert it into the local context just before that message.
+The policy under the hinted context is the teacher, the same policy under the original context is the
+student, and the student is pulled toward the teacher on that message's tokens only: per-token reverse
+KL(student || teacher) over the full vocabulary (or a sampled-token estimator), teacher under no_grad, added to
+the RL loss as L_RL + lambda * L_fb.
 The same self-distillation primitive appears in arXiv 2601.19897, 2601.20802 and 2601.18734 (cited by the post).
 
-    python feedback.py      # the seed's "tool not found" example on a tiny model pretrained on tool transcripts
+The ablation runs train.py (pretraining once, then RL with lambda > 0 and lambda = 0 from that checkpoint, several
+seeds an arm) and prints the held-out targeted rates and pass rates, mean ± std over the seeds.
+
+    python feedback.py                   # Cursor's "tool not found" example on a tiny model pretrained on transcripts
+    python feedback.py --ablation long   # lambda 0.1 against 0 on long episodes, 5 seeds an arm (--ablation short)
 """
 import copy
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -157,26 +163,25 @@ TRACKED = ("tool_error_rate", "capital_rate", "pass_level1", "pass_level2")
 
 
 def ablation(regime, seeds, rl_steps, out, coef, jobs, start=None, extra=()):
-    """-> {lambda: {rl_step: {metric: [value a seed]}}} from train.py's held-out evaluations (metrics.jsonl)."""
+    """Run (or reuse) every arm and seed. -> {(lambda, when): {metric: [value a seed]}}, `when` an RL step of a
+    held-out evaluation or "train a-b", the mean over RL steps a..b of the training rollouts (metrics.jsonl)."""
     out, train = Path(out), Path(__file__).resolve().parent / "train.py"
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // jobs))}
     if start is None:  # one pretraining for every arm and seed (skipped when it is already there)
         start = out / "pretrain"
         if not sorted(start.glob("step-*")):
-            subprocess.run([sys.executable, str(train), "--stage", "pretrain", "--out", str(start)], check=True)
-            print(f"pretrained: {sorted(start.glob('step-*'))[-1]}", flush=True)
+            subprocess.run([sys.executable, str(train), "--stage", "pretrain", "--out", str(start), *extra], check=True)
         start = sorted(start.glob("step-*"))[-1]
     runs = {(lam, seed): out / f"{regime}-lambda{lam:g}-seed{seed}" for lam in (coef, 0.0) for seed in range(seeds)}
-
-    def finished(folder):
-        path = folder / "metrics.jsonl"
-        return path.exists() and any(json.loads(line).get("rl_step") == rl_steps for line in path.open())
-
-    todo, live = [(k, f) for k, f in runs.items() if not finished(f)], []
+    records = lambda folder: [json.loads(line) for line in (folder / "metrics.jsonl").open()]
+    done = lambda folder: (folder / "metrics.jsonl").exists() and \
+        any(r.get("stage") == "rl_eval" and r["rl_step"] == rl_steps for r in records(folder))
+    todo, live = [(k, f) for k, f in runs.items() if not done(f)], []
     while todo or live:
         while todo and len(live) < jobs:
             (lam, seed), folder = todo.pop(0)
-            folder.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(folder, ignore_errors=True)  # an unfinished run starts over
+            folder.mkdir(parents=True)
             cmd = [sys.executable, str(train), "--stage", "rl", "--resume", str(start), "--out", str(folder),
                    "--rl-tasks", regime, "--rl-steps", str(rl_steps), "--feedback-coef", str(lam),
                    "--seed", str(seed), "--tasks-per-step", "2", "--rl-eval-tasks", "16",
@@ -187,32 +192,37 @@ def ablation(regime, seeds, rl_steps, out, coef, jobs, start=None, extra=()):
         folder, proc = live.pop(0)
         if proc.wait():
             raise SystemExit(f"error: {folder} failed (exit {proc.returncode}); see {folder / 'log.txt'}")
-    table = {}
+    table, half = {}, max(1, rl_steps // 2)
     for (lam, _), folder in runs.items():
-        for line in (folder / "metrics.jsonl").open():
-            r = json.loads(line)
+        rs = records(folder)
+        for r in rs:
             if r.get("stage") == "rl_eval":
                 for m in TRACKED:
-                    table.setdefault(lam, {}).setdefault(r["rl_step"], {}).setdefault(m, []).append(r[m])
+                    table.setdefault((lam, r["rl_step"]), {}).setdefault(m, []).append(r[m])
+        for a, b in [(1, half), (half + 1, rl_steps)][:1 + (rl_steps > half)]:
+            steps = [r for r in rs if r.get("stage") == "rl" and a <= r["rl_step"] <= b]
+            for m in ("reward", "tool_error_rate", "capital_rate", "feedback_kl"):
+                table.setdefault((lam, f"train {a}-{b}"), {}).setdefault(m, []).append(
+                    statistics.mean(r[m] for r in steps))
     return table
 
 
 def print_ablation(table, regime):
     cell = lambda xs: f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs) if len(xs) > 1 else 0:.3f}"
-    print(f"\n{regime} episodes, held-out, mean ± std over seeds (n = runs with that evaluation)\n")
-    print("| RL steps | lambda | n | " + " | ".join(TRACKED) + " |\n|---|---|---|" + "---|" * len(TRACKED))
-    for step in sorted({s for arm in table.values() for s in arm}):
-        for lam, arm in table.items():
-            if step in arm:
-                row = arm[step]
-                print(f"| {step} | {lam:g} | {len(row[TRACKED[0]])} | " + " | ".join(cell(row[m]) for m in TRACKED) + " |")
-    last = max(min(arm) for arm in table.values()), max(max(arm) for arm in table.values())
-    lam_fb, lam_0 = table
+    lams = sorted({lam for lam, _ in table}, reverse=True)
+    for title, rows in (("held-out episodes after RL step", [k for k in table if isinstance(k[1], int)]),
+                        ("training rollouts, mean over RL steps", [k for k in table if isinstance(k[1], str)])):
+        metrics = list(table[rows[0]])
+        print(f"\n{regime} episodes: {title}; mean ± std over {len(table[rows[0]][metrics[0]])} seeds\n")
+        print("| | lambda | " + " | ".join(metrics) + " |\n|---|---|" + "---|" * len(metrics))
+        for key in sorted(rows, key=lambda k: (str(k[1]).zfill(9), -k[0])):
+            print(f"| {key[1]} | {key[0]:g} | " + " | ".join(cell(table[key][m]) for m in metrics) + " |")
+    first, last = min(k[1] for k in table if isinstance(k[1], int)), max(k[1] for k in table if isinstance(k[1], int))
     for m in TRACKED[:2]:
-        fall = {lam: statistics.mean(table[lam][last[0]][m]) - statistics.mean(table[lam][last[1]][m]) for lam in table}
-        ratio = fall[lam_fb] / fall[lam_0] if fall[lam_0] > 0 else float("inf")
-        print(f"{m}: fell {fall[lam_fb]:+.3f} with lambda {lam_fb:g}, {fall[lam_0]:+.3f} with lambda 0 "
-              f"(ratio {ratio:.1f}x) from RL step {last[0]} to {last[1]}")
+        fall = {lam: statistics.mean(table[lam, first][m]) - statistics.mean(table[lam, last][m]) for lam in lams}
+        ratio = f"{fall[lams[0]] / fall[0.0]:.1f}x" if fall[0.0] > 0 else "lambda 0 did not fall"
+        print(f"held-out {m}: fell {fall[lams[0]]:+.3f} with lambda {lams[0]:g}, {fall[0.0]:+.3f} with lambda 0 "
+              f"({ratio}) from RL step {first} to {last}")
 
 
 if __name__ == "__main__":
@@ -223,7 +233,8 @@ if __name__ == "__main__":
     from model import PRESETS, Transformer, encode
     from muon import Muon, param_groups
     from tasks import TOOLS, gold_transcript, make_tool_task, render
-    ap = argparse.ArgumentParser(description="The seed's 'tool not found' example on a tiny model.")
+    ap = argparse.ArgumentParser(description="Cursor's 'tool not found' example on a tiny model, or the ablation.",
+                                 allow_abbrev=False)  # the ablation hands unknown flags to train.py whole
     ap.add_argument("--pretrain-steps", type=int, default=300, help="steps on tool transcripts first")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=0.05, help="the one demonstration step's SGD learning rate")
@@ -237,7 +248,7 @@ if __name__ == "__main__":
                    "into OUT/pretrain once)")
     g.add_argument("--out", default="ablation", help="folder for the runs")
     a, extra = ap.parse_known_args()
-    if a.ablation:  # any other flag goes to every train.py run
+    if a.ablation:  # any other flag goes to every train.py run (the pretraining's too)
         if a.seeds < 1 or a.rl_steps < 1 or a.jobs < 1:
             raise SystemExit("error: --seeds, --rl-steps and --jobs must be >= 1")
         print_ablation(ablation(a.ablation, a.seeds, a.rl_steps, a.out, a.coef, a.jobs, a.start, extra), a.ablation)

@@ -4,7 +4,9 @@ Tool use over small integers: the question is a nested expression such as `mul(a
 some of six tiny tools, the model calls them one at a time, innermost first (`call add(3,4)` -> `7`, then
 `call mul(7,2)`), recovers from errors (`error: tool not found: ...`), and ends with `answer 14`; the reward is 1
 when the answer is right. Difficulty is the number of calls (1..4), and a DifficultySampler serves the level at the
-model's frontier. Sources: Cursor's Composer 2.5 post (synthetic tasks, dynamic difficulty, the "Tool not found" ->
+model's frontier. Long episodes are chains of 8 x difficulty calls handed out one at a time (`5. next: add 7`),
+longer than the context, so the policy summarizes; a slip or a capitalised `Call` costs the final answer nothing,
+which is where targeted feedback, not the reward, has to teach. Sources: Cursor's Composer 2.5 post (synthetic tasks, dynamic difficulty, the "Tool not found" ->
 "Reminder: Available tools" feedback example); Toolformer (Schick et al. 2023) for text tool calls.
 
 Feature deletion on real codebases: cut a tested feature out of a Python repository (stub: Commit0-style
@@ -21,7 +23,7 @@ Standard library only: no torch, nothing of the project; untrusted code (tests, 
 a timeout and a scrubbed environment, inside bubblewrap (no network, the host read-only, only its folder writable).
 make takes a git checkout (each task records the commit) and runs its tests with the interpreter from `env`.
 
-    python tasks.py                # tool use: sample tasks, gold transcripts, one scripted episode, the sampler moving
+    python tasks.py                # tool use: tasks, gold transcripts, a long chain, a scripted episode, the sampler
     python tasks.py env --repo DIR --venv DIR   # the repository's test environment; prints its interpreter
     python tasks.py make --repo DIR --out DIR [--n N] [--seed S] [--mode stub|remove] [--group K] [--python PY]
     python tasks.py verify TASK_DIR (--workdir DIR | --patch FILE) [--python PY] [--no-sandbox]
@@ -1618,6 +1620,11 @@ def main():
             n_tokens = len(re.sub(r"<\|\w+\|>", "x", text).encode())  # each special string is one token
             print(f"{task.question}  -> {task.answer}   plan {task.plan}\n  {text}  ({len(text.encode())} bytes, {n_tokens} tokens)")
 
+    print("--- a long episode (difficulty 1: 8 calls) as the pretraining corpus shows it, one line a segment: past a "
+          "160-token budget the trainer asks for a summary and the next segment starts from it")
+    task = make_chain_task(rng, 1)
+    for segment in chain_transcript(task, rng, 160, "[the trainer's summary request]", p_slip=0.2):
+        print(f"  {render(segment)}")
     print("--- one ToolEnv episode, scripted policy: an absent tool, a malformed message, then the gold plan")
     task = make_tool_task(rng, 2)
     env = ToolEnv(task)

@@ -569,6 +569,8 @@ def test_train_bad_input_is_one_clear_line(tmp_path):
         "--world plans a layout with --dry-run": ["--world", "8"],
         "but 10 bytes follow it (truncated or corrupt shard)": ["--data", str(tmp_path / "shards")],
         "the RL stage needs": ["--group-size", "1"],
+        "--rl-eval-tasks must be >= 0": ["--rl-eval-tasks", "-1"],
+        "--ppo-minibatches 9: each is whole groups": ["--ppo-minibatches", "9"],
     }
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = lambda i, v: subprocess.run([sys.executable, str(HERE / "train.py"), *v,  # each its own --out: a lock each
@@ -920,7 +922,7 @@ def test_sigterm_under_torchrun_saves_mid_rl_and_resumes_at_another_world_size(t
     r = finish(p)
     assert r.returncode != 0 and 'train.py", line' not in r.stderr, r.stderr[-3000:]
     assert r.stderr.count("stopped by SIGTERM") == 1, r.stderr[-3000:]
-    assert "2 tasks a rank" in r.stdout and "--cp 2 folds into data parallelism" in r.stdout  # 4 tasks a step
+    assert "(1 a rank)" in r.stdout and "--cp 2 folds into data parallelism" in r.stdout  # 2 tasks a step
     step = int(re.search(r"stopped by SIGTERM after step (\d+)", r.stderr)[1])
     meta = json.loads((out / f"step-{step:08d}" / "meta.json").read_text())
     assert meta["stage"] == "rl" and meta["rl_step"] == step >= 1  # a fresh model: RL step = step
@@ -928,7 +930,9 @@ def test_sigterm_under_torchrun_saves_mid_rl_and_resumes_at_another_world_size(t
     rows = [row for row in read_metrics(out) if row.get("stage") == "rl"]
     assert [row["rl_step"] for row in rows] == list(range(1, meta["rl_step"] + 1))
     for row in rows:
-        assert {"reward", "tool_error_rate", "feedback_kl", "gen_tokens", "level", "malformed_rate"} <= set(row)
+        assert {"reward", "tool_error_rate", "capital_rate", "feedback_kl", "gen_tokens", "level", "malformed_rate",
+                "tis_min", "tis_max"} <= set(row)
+        assert 1 - 1e-3 < row["tis_min"] <= row["tis_max"] < 1 + 1e-3  # the gathered fp32 policy sampled
         assert 0 <= row["reward"] <= 1 and row["gen_tokens"] <= 32  # --max-gen-tokens caps a rollout
     evals = [row for row in read_metrics(out) if row.get("stage") == "rl_eval"]
     assert [row["rl_step"] for row in evals] == list(range(0, meta["rl_step"] + 1, 2))
@@ -984,7 +988,10 @@ def test_full_or_read_only_disk_is_one_line_and_leaves_no_partial_checkpoint(par
 
 SHORT = {"train.py": ["--eval-every", "2", "--eval-batches", "1", "--rl-eval-tasks", "0", "--group-size", "2",
                       "--max-gen-tokens", "32"],
-         "feedback.py": ["--pretrain-steps", "3"], "muon.py": ["--presets", "tiny", "--repeats", "1", "--ns-max-batch", "4"]}
+         "feedback.py": ["--pretrain-steps", "3"], "muon.py": ["--presets", "tiny", "--repeats", "1", "--ns-max-batch", "4"],
+         "feedback.py --ablation": ["--seeds", "1", "--rl-steps", "1", "--steps", "2", "--eval-every", "2",
+                                    "--eval-batches", "1", "--rl-eval-tasks", "1", "--group-size", "2",
+                                    "--max-gen-tokens", "32"]}
 
 
 def readme_commands():
@@ -1049,7 +1056,7 @@ def run_readme_command(line, cwd, shared_out):
                                       str(meta.get("rl_step", 0) + 1), "--tasks-per-step", str(world)]
         else:
             flags = [a.replace("/ID", "/" + min(p.name for p in (cwd / "TASKS").iterdir())) if "TASKS/" in a else a
-                     for a in flags] + SHORT.get(script, [])
+                     for a in flags] + SHORT.get(script + " --ablation" * ("--ablation" in flags), [])
         cmd = [sys.executable, *(["-m", "torch.distributed.run", "--standalone", *launch[1:]] if launch[0] == "torchrun"
                                  else []), str(HERE / script), *flags]
     r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600,

@@ -73,7 +73,7 @@ g = parser.add_argument_group("model")
 g.add_argument("--preset", default="tiny", help=f"model size, one of {list(PRESETS)}")
 g.add_argument("--num-experts", type=int, default=None, help="routed experts per MoE layer (default: the preset's)")
 g = parser.add_argument_group("run")
-g.add_argument("--steps", type=int, default=600, help="optimizer steps in total (a resumed run stops here too)")
+g.add_argument("--steps", type=int, default=700, help="optimizer steps in total (a resumed run stops here too)")
 g.add_argument("--batch-size", type=int, default=8, help="global batch in sequences, whatever the layout")
 g.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (at most the preset's max_seq_len)")
 g.add_argument("--lr", type=float, default=8e-3,
@@ -119,7 +119,7 @@ g.add_argument("--stage", default=None, choices=["pretrain", "rl", "both"],
                     "pretraining with --data (the RL tasks are this project's tool-use tasks, not your corpus)")
 g.add_argument("--init", default=None, choices=["scratch"],
                help="scratch: let --stage rl start from random weights (a smoke test: it earns no reward)")
-g.add_argument("--rl-steps", type=int, default=20, help="RL optimizer steps")
+g.add_argument("--rl-steps", type=int, default=4, help="RL steps (each: sample, then --ppo-epochs x --ppo-minibatches updates)")
 g.add_argument("--group-size", type=int, default=8, help="rollouts per task (the GRPO group)")
 g.add_argument("--rl-tasks", default="long", choices=["long", "short"],
                help="long: chains of 8 x level calls that run past the context (summaries; a slip costs the reward "
@@ -129,7 +129,7 @@ g.add_argument("--max-gen-tokens", type=int, default=None,
                     "default 512 for long tasks, 128 for short")
 g.add_argument("--tasks-per-step", type=int, default=None,
                help="tasks (groups) per RL step, a multiple of the world size (each rank samples its own); "
-                    "default: 4 rounded up to a multiple of the world size")
+                    "default: 2 rounded up to a multiple of the world size")
 g.add_argument("--rl-lr", type=float, default=1e-3, help="RL learning rate (both groups)")
 g.add_argument("--feedback-coef", type=float, default=0.1, help="lambda of the feedback KL (0: pure RL)")
 g.add_argument("--feedback-rules", default="tool_not_found,capital",
@@ -147,8 +147,8 @@ g.add_argument("--temperature", type=float, default=1.0, help="sampling temperat
 g.add_argument("--ppo-epochs", type=int, default=1, help="passes over each RL batch (PPO's clip acts from the 2nd)")
 g.add_argument("--ppo-minibatches", type=int, default=1,
                help="optimizer steps a pass, each on whole groups of this rank's (split as evenly as they allow)")
-g.add_argument("--rl-eval-every", type=int, default=10, help="RL steps between held-out evaluations")
-g.add_argument("--rl-eval-tasks", type=int, default=32, help="held-out tasks a level (1 and 2) per evaluation; 0: none")
+g.add_argument("--rl-eval-every", type=int, default=2, help="RL steps between held-out evaluations")
+g.add_argument("--rl-eval-tasks", type=int, default=8, help="held-out tasks a level (1 and 2) per evaluation; 0: none")
 g.add_argument("--sampler-bits", type=int, default=0, choices=[0, 8],
                help="8: sample with 8-bit block-quantised weights (MXFP8-like), corrected by truncated importance weights")
 g.add_argument("--count-comm", action="store_true",
@@ -208,7 +208,7 @@ if args.stage == "rl" and not args.resume and args.init != "scratch":
     die("--stage rl needs a model to start from: run `python train.py --stage pretrain` first, then "
         "`python train.py --stage rl --resume` (or pass --init scratch to start RL from random weights)")
 if args.stage != "pretrain":
-    args.tasks_per_step = args.tasks_per_step or -(-4 // world_size) * world_size  # >= 4, one a rank at least
+    args.tasks_per_step = args.tasks_per_step or -(-2 // world_size) * world_size  # >= 2, one a rank at least
     if min(args.rl_steps, args.tasks_per_step, args.rl_lr, args.rl_eval_every) <= 0 or args.group_size < 2:
         die("the RL stage needs --rl-steps, --tasks-per-step, --rl-lr and --rl-eval-every > 0, --group-size >= 2")
     if args.rl_eval_tasks < 0:
@@ -696,12 +696,12 @@ def lr_factor(step):
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def sum_over_ranks(xs):
-    """Floats summed over all ranks; as they are at world size 1."""
+def sum_over_ranks(xs, op="sum"):
+    """Floats summed (or op="max": maximised) over all ranks; as they are at world size 1."""
     if world_size == 1:
         return [float(x) for x in xs]
     t = torch.tensor([float(x) for x in xs], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
     return t.tolist()
 
 
@@ -1099,7 +1099,7 @@ if args.stage != "pretrain":
         difficulty.load_state_dict(meta["difficulty"])
     groups = args.tasks_per_step // world_size  # this rank's share of the step's tasks
     print0(f"RL: {args.rl_steps} steps x {args.tasks_per_step} tasks x {args.group_size} rollouts "
-           f"({groups} tasks a rank), lr {args.rl_lr}, feedback lambda {args.feedback_coef}, KL coef {args.kl_coef}")
+           f"({groups} a rank), lr {args.rl_lr}, feedback lambda {args.feedback_coef}, KL coef {args.kl_coef}")
     for rl_step in range(rl_start + 1, args.rl_steps + 1):
         t0 = time.perf_counter()
         level = difficulty.sample(random.Random(f"{args.seed}/{rl_step}"))  # the same level on every rank
@@ -1153,8 +1153,9 @@ if args.stage != "pretrain":
                   "reward": rewards.mean().item(), "tool_error_rate": errors / max(1, calls),
                   "capital_rate": capital / max(1, calls), "malformed_rate": malformed / n, "summaries": summaries / n,
                   "gen_tokens": tokens / n, "feedback_targets": targets, "feedback_kl": kl_sum / max(1, targets),
-                  "clip_frac": mean_over_ranks(stats["clip_frac"]), "tis_min": stats["tis_min"],
-                  "tis_max": stats["tis_max"], "ms": 1000 * (time.perf_counter() - t0)}
+                  "clip_frac": mean_over_ranks(stats["clip_frac"]), "ms": 1000 * (time.perf_counter() - t0)}
+        low, high = sum_over_ranks([-stats["tis_min"], stats["tis_max"]], op="max")
+        record.update(tis_min=-low, tis_max=high)  # the spread of trainer / sampler over all ranks
         log(record)
         if rl_step % max(1, args.log_every // 4) == 0 or rl_step == args.rl_steps:
             print0(f"rl step {rl_step:4d} | level {level} | reward {record['reward']:.3f} | of calls: tool not found "
