@@ -121,7 +121,7 @@ class Feedback:
         current: a copy of the current policy that runs alone (under FSDP, the gathered sampler copy), for the
         teacher's no-grad forward; default the policy itself."""
         rows = {id(s): r for r, (_, s) in enumerate(grpo_rows(trajs))}
-        students, teachers, spans = [], [], []
+        students, teachers, spans, names = [], [], [], []
         counts = {name: 0 for name, _ in self.rules}
         for t in trajs:
             for seg, start, end, hint, name in find_targets(t, self.rules):
@@ -130,11 +130,12 @@ class Feedback:
                 students.append((rows[id(t.segments[seg])], tokens[:end]))
                 teachers.append(tokens[:start - 1] + h + tokens[start - 1:end])  # start - 1: <|assistant|>
                 spans.append((start, end, len(h)))
+                names.append(name)
                 counts[name] += 1
         pad = lambda seqs: torch.tensor([s + [TOKEN["<|pad|>"]] * (max(map(len, seqs)) - len(s)) for s in seqs])
         if not students:
             zero = logits.sum() * 0 if logits is not None else sum(p.sum() * 0 for p in policy.parameters())
-            return zero, {"feedback_kl": 0.0, "feedback_targets": 0, **counts}
+            return zero, {"feedback_kl": 0.0, "feedback_targets": 0, **counts, **self.probes({})}
         if logits is None:
             s_logits, _ = policy(pad([s for _, s in students]))
         else:
@@ -144,15 +145,32 @@ class Feedback:
         with torch.no_grad():  # in eval mode: the teacher's pass must not count toward the router's expert loads
             t_logits, _ = teacher.eval()(pad(teachers))
         teacher.train(was_training)
-        losses, kls = [], []
+        losses, kls, probes = [], [], {}
         for i, (start, end, h) in enumerate(spans):  # logits at position p predict token p + 1
             tokens = torch.tensor(students[i][1][start:end])
-            loss, kl = message_kl(s_logits[i, start - 1:end - 1], t_logits[i, start - 1 + h:end - 1 + h], tokens,
-                                  self.cfg.estimator)
+            s_i, t_i = s_logits[i, start - 1:end - 1], t_logits[i, start - 1 + h:end - 1 + h]
+            loss, kl = message_kl(s_i, t_i, tokens, self.cfg.estimator)
             losses.append(loss.sum())
             kls.append(kl)
+            with torch.no_grad():  # the token the hint argues against most: the slip's tool name, the "C" of "Call"
+                p_s = F.softmax(s_i.float(), -1).gather(-1, tokens[:, None]).squeeze(-1)
+                p_t = F.softmax(t_i.float(), -1).gather(-1, tokens[:, None]).squeeze(-1)
+                j = (p_s.log() - p_t.log()).argmax()
+                probes.setdefault(names[i], []).append((p_s[j].item(), p_t[j].item()))
         kls = torch.cat(kls)
-        return sum(losses) / norm, {"feedback_kl": kls.mean().item(), "feedback_targets": len(spans), **counts}
+        return sum(losses) / norm, {"feedback_kl": kls.mean().item(), "feedback_targets": len(spans), **counts,
+                                    **self.probes(probes)}
+
+    def probes(self, found):
+        """Teacher against student on the flagged messages, a rule at a time: the mean probability each gives the
+        sampled token the hint argues against most (its largest log p_student - log p_teacher). Feedback can only
+        teach what the hinted teacher knows: a teacher as likely as the student to slip has nothing to give."""
+        out = {}
+        for name, _ in self.rules:
+            pairs = found.get(name, [])
+            out[f"p_student_{name}"] = sum(s for s, _ in pairs) / max(1, len(pairs))
+            out[f"p_teacher_{name}"] = sum(t for _, t in pairs) / max(1, len(pairs))
+        return out
 
 
 # -----------------------------------------------------------------------------
@@ -160,6 +178,7 @@ class Feedback:
 # evaluated on the same held-out episodes. It drives train.py as a program (one process a run), never imports it.
 
 TRACKED = ("tool_error_rate", "capital_rate", "pass_level1", "pass_level2")
+PROBES = ("p_student_tool_not_found", "p_teacher_tool_not_found", "p_student_capital", "p_teacher_capital")
 
 
 def ablation(regime, seeds, rl_steps, out, coef, jobs, start=None, extra=()):
@@ -201,22 +220,23 @@ def ablation(regime, seeds, rl_steps, out, coef, jobs, start=None, extra=()):
                     table.setdefault((lam, r["rl_step"]), {}).setdefault(m, []).append(r[m])
         for a, b in [(1, half), (half + 1, rl_steps)][:1 + (rl_steps > half)]:
             steps = [r for r in rs if r.get("stage") == "rl" and a <= r["rl_step"] <= b]
-            for m in ("reward", "tool_error_rate", "capital_rate", "feedback_kl"):
-                table.setdefault((lam, f"train {a}-{b}"), {}).setdefault(m, []).append(
-                    statistics.mean(r[m] for r in steps))
+            for m in ("reward", "tool_error_rate", "capital_rate", "feedback_kl", *PROBES):
+                values = [r[m] for r in steps if r.get(m) is not None]  # probes: lambda > 0, steps with targets
+                if values:
+                    table.setdefault((lam, f"train {a}-{b}"), {}).setdefault(m, []).append(statistics.mean(values))
     return table
 
 
 def print_ablation(table, regime):
-    cell = lambda xs: f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs) if len(xs) > 1 else 0:.3f}"
+    cell = lambda xs: f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs) if len(xs) > 1 else 0:.3f}" if xs else "-"
     lams = sorted({lam for lam, _ in table}, reverse=True)
     for title, rows in (("held-out episodes after RL step", [k for k in table if isinstance(k[1], int)]),
                         ("training rollouts, mean over RL steps", [k for k in table if isinstance(k[1], str)])):
-        metrics = list(table[rows[0]])
+        metrics = list(dict.fromkeys(m for k in rows for m in table[k]))
         print(f"\n{regime} episodes: {title}; mean ± std over {len(table[rows[0]][metrics[0]])} seeds\n")
         print("| | lambda | " + " | ".join(metrics) + " |\n|---|---|" + "---|" * len(metrics))
         for key in sorted(rows, key=lambda k: (str(k[1]).zfill(9), -k[0])):
-            print(f"| {key[1]} | {key[0]:g} | " + " | ".join(cell(table[key][m]) for m in metrics) + " |")
+            print(f"| {key[1]} | {key[0]:g} | " + " | ".join(cell(table[key].get(m)) for m in metrics) + " |")
     first, last = min(k[1] for k in table if isinstance(k[1], int)), max(k[1] for k in table if isinstance(k[1], int))
     for m in TRACKED[:2]:
         fall = {lam: statistics.mean(table[lam, first][m]) - statistics.mean(table[lam, last][m]) for lam in lams}

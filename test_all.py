@@ -19,6 +19,7 @@ import shutil
 import signal
 import socket
 import sqlite3
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -1888,9 +1889,9 @@ def test_feedback_loss_with_a_hint_equals_message_kl_on_hand_aligned_logits():
     from grpo import turn_tokens
     model, _, trajs = _feedback_rollout()
     loss, stats = Feedback(model, FeedbackConfig()).loss(model, trajs, norm=100.0)
-    total, n = 0.0, 0
+    total, n, probes = 0.0, 0, {}
     for t in trajs:
-        for seg, start, end, hint, _ in find_targets(t):
+        for seg, start, end, hint, name in find_targets(t):
             tokens, h, L = t.segments[seg].tokens, turn_tokens("system", hint), end - start
             assert len(h) > 10
             s_logits = model(torch.tensor([tokens[:end]]))[0][0]
@@ -1898,8 +1899,16 @@ def test_feedback_loss_with_a_hint_equals_message_kl_on_hand_aligned_logits():
                 t_logits = model(torch.tensor([tokens[:start - 1] + h + tokens[start - 1:end]]))[0][0]
             kl, _ = message_kl(s_logits[-L - 1:-1], t_logits[-L - 1:-1], torch.tensor(tokens[start:end]))
             total, n = total + kl.sum(), n + 1
+            # the probe: both probabilities of the sampled token where log p_student - log p_teacher is largest
+            p_s, p_t = (x[-L - 1:-1].softmax(-1)[torch.arange(L), tokens[start:end]] for x in (s_logits, t_logits))
+            j = (p_s.log() - p_t.log()).argmax()
+            probes.setdefault(name, []).append((p_s[j].item(), p_t[j].item()))
     assert n == stats["feedback_targets"] == 4 and stats["feedback_kl"] > 0
     torch.testing.assert_close(loss, total / 100.0)
+    assert set(probes) == {"tool_not_found"} and stats["p_student_capital"] == stats["p_teacher_capital"] == 0
+    for i, who in enumerate(("student", "teacher")):
+        assert math.isclose(stats[f"p_{who}_tool_not_found"], statistics.mean(p[i] for p in probes["tool_not_found"]),
+                            rel_tol=1e-4)
 
 
 def test_frozen_and_ema_teachers_and_the_loss_uses_the_chosen_one():
