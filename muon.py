@@ -24,9 +24,11 @@ Sources:
   python muon.py --plan kimi-k2 --gpus 512        # analytic step time of the 1T model on a cluster
 """
 
+import gc
 import math
 import os
 import sys
+import tempfile
 import time
 from collections import deque
 
@@ -481,16 +483,15 @@ def _bench_ns(shapes, repeats, max_batch, coefficients=CLASSIC):
     return rows
 
 
-def _dist_bench_worker(rank, world, port, preset, repeats, results):
+def _dist_bench_worker(rank, world, store, preset, repeats, results):
     """One rank of the sharded benchmark: the preset's Muon matrices as FSDP2 leaves them (Shard(0) over all
-    ranks; world 1: plain tensors), one thread, timed steps with and without communication overlap."""
-    import os
+    ranks; world 1: plain tensors), one thread, timed steps with and without communication overlap. The ranks
+    meet at a file (`store`), not a port, so benchmarks running side by side cannot collide."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Shard
     torch.set_num_threads(1)
     if world > 1:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
         mesh = DeviceMesh("cpu", torch.arange(world))
     gen = torch.Generator().manual_seed(0)
     params = []
@@ -511,6 +512,8 @@ def _dist_bench_worker(rank, world, port, preset, repeats, results):
         rows = [None] * world
         dist.all_gather_object(rows, row)
         dist.barrier()
+        del opt, params, p, grad, mesh  # nothing may hold the process group past its destruction: a gloo group
+        gc.collect()                    # freed at interpreter exit can abort the process (std::terminate)
         dist.destroy_process_group()
     else:
         rows = [row]
@@ -527,8 +530,9 @@ def dist_bench(preset, worlds, repeats):
     base = total = None
     for world in worlds:
         q = mp.get_context("spawn").SimpleQueue()
-        mp.start_processes(_dist_bench_worker, args=(world, 29500 + world, preset, repeats, q), nprocs=world,
-                           start_method="spawn")
+        with tempfile.TemporaryDirectory() as d:
+            mp.start_processes(_dist_bench_worker, args=(world, os.path.join(d, "store"), preset, repeats, q),
+                               nprocs=world, start_method="spawn")
         rows = q.get()
         step, serial = max(r["overlap"] for r in rows), max(r["serial"] for r in rows)
         base = base or step
