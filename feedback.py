@@ -152,19 +152,20 @@ class Feedback:
             loss, kl = message_kl(s_i, t_i, tokens, self.cfg.estimator)
             losses.append(loss.sum())
             kls.append(kl)
-            with torch.no_grad():  # the token the hint argues against most: the slip's tool name, the "C" of "Call"
+            with torch.no_grad():  # the token the hint argues against most: a slip's tool name, "Call"'s "C"
                 p_s = F.softmax(s_i.float(), -1).gather(-1, tokens[:, None]).squeeze(-1)
                 p_t = F.softmax(t_i.float(), -1).gather(-1, tokens[:, None]).squeeze(-1)
                 j = (p_s.log() - p_t.log()).argmax()
                 probes.setdefault(names[i], []).append((p_s[j].item(), p_t[j].item()))
         kls = torch.cat(kls)
-        return sum(losses) / norm, {"feedback_kl": kls.mean().item(), "feedback_targets": len(spans), **counts,
-                                    **self.probes(probes)}
+        stats = {"feedback_kl": kls.mean().item(), "feedback_targets": len(spans), **counts,
+                 **self.probes(probes)}
+        return sum(losses) / norm, stats
 
     def probes(self, found):
-        """Teacher against student on the flagged messages, a rule at a time: the mean probability each gives the
-        sampled token the hint argues against most (its largest log p_student - log p_teacher). Feedback can only
-        teach what the hinted teacher knows: a teacher as likely as the student to slip has nothing to give."""
+        """Teacher against student on the flagged messages, a rule at a time: the mean probability each gives
+        the sampled token the hint argues against most (its largest log p_student - log p_teacher). Feedback
+        can only teach what the hinted teacher knows: a teacher as prone to slip as the student gives none."""
         out = {}
         for name, _ in self.rules:
             pairs = found.get(name, [])
@@ -221,14 +222,16 @@ def ablation(regime, seeds, rl_steps, out, coef, jobs, start=None, extra=()):
         for a, b in [(1, half), (half + 1, rl_steps)][:1 + (rl_steps > half)]:
             steps = [r for r in rs if r.get("stage") == "rl" and a <= r["rl_step"] <= b]
             for m in ("reward", "tool_error_rate", "capital_rate", "feedback_kl", *PROBES):
-                values = [r[m] for r in steps if r.get(m) is not None]  # probes: lambda > 0, steps with targets
+                values = [r[m] for r in steps if r.get(m) is not None]  # probes: lambda > 0 and a target
                 if values:
-                    table.setdefault((lam, f"train {a}-{b}"), {}).setdefault(m, []).append(statistics.mean(values))
+                    cell = table.setdefault((lam, f"train {a}-{b}"), {})
+                    cell.setdefault(m, []).append(statistics.mean(values))
     return table
 
 
 def print_ablation(table, regime):
-    cell = lambda xs: f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs) if len(xs) > 1 else 0:.3f}" if xs else "-"
+    cell = lambda xs: (f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs) if len(xs) > 1 else 0:.3f}" if xs
+                       else "-")
     lams = sorted({lam for lam, _ in table}, reverse=True)
     for title, rows in (("held-out episodes after RL step", [k for k in table if isinstance(k[1], int)]),
                         ("training rollouts, mean over RL steps", [k for k in table if isinstance(k[1], str)])):

@@ -512,8 +512,8 @@ def _dist_bench_worker(rank, world, store, preset, repeats, results):
         rows = [None] * world
         dist.all_gather_object(rows, row)
         dist.barrier()
-        del opt, params, p, grad, mesh  # nothing may hold the process group past its destruction: a gloo group
-        gc.collect()                    # freed at interpreter exit can abort the process (std::terminate)
+        del opt, params, p, grad, mesh  # nothing may hold the process group past its destruction: a gloo
+        gc.collect()                    # group freed at interpreter exit can abort the process (terminate)
         dist.destroy_process_group()
     else:
         rows = [row]

@@ -1045,8 +1045,10 @@ def run_readme_command(line, cwd, shared_out):
             at = flags.index("--resume") + 1 if "--resume" in flags else 0
             if at and (at == len(flags) or flags[at].startswith("-")) and not out.exists():
                 shutil.copytree(shared_out, out)  # a resume needs a run before it: the quick start's
+            default_steps = re.search(r'"--steps", type=int, default=(\d+)', (HERE / "train.py").read_text())[1]
             for k, a in enumerate(flags):  # a pretraining checkpoint of the full-length run -> the shortened run's
                 if re.fullmatch(r".*step-\d{8}", a) and not (cwd / a).exists():
+                    assert int(a[-8:]) == int(default_steps), f"{line}: the default run ends at {default_steps}"
                     flags[k] = str(max(p for p in (cwd / a).parent.glob("step-*")
                                        if json.loads((p / "meta.json").read_text())["stage"] == "pretrain"))
             source = (cwd / flags[at] if at < len(flags) and not flags[at].startswith("-") else max(out.glob("step-*"))) \
@@ -1899,16 +1901,17 @@ def test_feedback_loss_with_a_hint_equals_message_kl_on_hand_aligned_logits():
                 t_logits = model(torch.tensor([tokens[:start - 1] + h + tokens[start - 1:end]]))[0][0]
             kl, _ = message_kl(s_logits[-L - 1:-1], t_logits[-L - 1:-1], torch.tensor(tokens[start:end]))
             total, n = total + kl.sum(), n + 1
-            # the probe: both probabilities of the sampled token where log p_student - log p_teacher is largest
-            p_s, p_t = (x[-L - 1:-1].softmax(-1)[torch.arange(L), tokens[start:end]] for x in (s_logits, t_logits))
+            # the probe: both probabilities of the sampled token of largest log p_student - log p_teacher
+            p_s, p_t = (x[-L - 1:-1].softmax(-1)[torch.arange(L), tokens[start:end]]
+                        for x in (s_logits, t_logits))
             j = (p_s.log() - p_t.log()).argmax()
             probes.setdefault(name, []).append((p_s[j].item(), p_t[j].item()))
     assert n == stats["feedback_targets"] == 4 and stats["feedback_kl"] > 0
     torch.testing.assert_close(loss, total / 100.0)
     assert set(probes) == {"tool_not_found"} and stats["p_student_capital"] == stats["p_teacher_capital"] == 0
     for i, who in enumerate(("student", "teacher")):
-        assert math.isclose(stats[f"p_{who}_tool_not_found"], statistics.mean(p[i] for p in probes["tool_not_found"]),
-                            rel_tol=1e-4)
+        by_hand = statistics.mean(p[i] for p in probes["tool_not_found"])
+        assert math.isclose(stats[f"p_{who}_tool_not_found"], by_hand, rel_tol=1e-4)
 
 
 def test_frozen_and_ema_teachers_and_the_loss_uses_the_chosen_one():

@@ -1133,7 +1133,8 @@ if args.stage != "pretrain":
         stats = {"gen_tokens": sum(st["gen_tokens"] * len(p) for (st, _), p in zip(first, parts)) / len(trajs),
                  "clip_frac": sum(st["clip_frac"] for _, st, _ in updates) / len(updates),
                  "tis_min": min(st["tis_min"] for st, _ in first), "tis_max": max(st["tis_max"] for st, _ in first)}
-        # feedback means weighted by their counts: the KL by targets, the teacher/student probes by a rule's targets
+        # feedback means weighted by their counts: the KL by all targets, each teacher/student probe by its
+        # rule's targets
         weighted = [("feedback_kl", "feedback_targets")] + [
             (f"p_{who}_{name}", name) for name, _ in feedback.rules for who in ("student", "teacher")]
         fb_sums = [sum(f.get(key, 0.0) * f.get(count, 0) for _, f in first) for key, count in weighted]
@@ -1153,12 +1154,14 @@ if args.stage != "pretrain":
         tokens, stopping, *fb_all = sum_over_ranks([stats["gen_tokens"] * len(trajs), stop_signal is not None,
                                                     *fb_sums, *fb_counts])
         fb_sums, fb_counts = fb_all[:len(weighted)], fb_all[len(weighted):]
-        fb = {key: total / count if count else None for (key, _), total, count in zip(weighted, fb_sums, fb_counts)}
+        fb = {key: total / count if count else None  # None: no target of that rule in this step
+              for (key, _), total, count in zip(weighted, fb_sums, fb_counts)}
         record = {"stage": "rl", "step": base + rl_step, "rl_step": rl_step, "level": level,
                   "reward": rewards.mean().item(), "tool_error_rate": errors / max(1, calls),
                   "capital_rate": capital / max(1, calls), "malformed_rate": malformed / n, "summaries": summaries / n,
-                  "gen_tokens": tokens / n, "feedback_targets": fb_counts[0], "feedback_kl": fb["feedback_kl"] or 0.0,
-                  **({k: v for k, v in fb.items() if k.startswith("p_")} if args.feedback_coef else {}),  # None: no target
+                  "gen_tokens": tokens / n, "feedback_targets": fb_counts[0],
+                  "feedback_kl": fb["feedback_kl"] or 0.0,
+                  **({k: v for k, v in fb.items() if k.startswith("p_")} if args.feedback_coef else {}),
                   "clip_frac": mean_over_ranks(stats["clip_frac"]), "ms": 1000 * (time.perf_counter() - t0)}
         low, high = sum_over_ranks([-stats["tis_min"], stats["tis_max"]], op="max")
         record.update(tis_min=-low, tis_max=high)  # the spread of trainer / sampler over all ranks
