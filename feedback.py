@@ -224,8 +224,8 @@ def ablation(regime, seeds, rl_steps, out, coef, jobs, start=None, extra=()):
             for m in ("reward", "tool_error_rate", "capital_rate", "feedback_kl", *PROBES):
                 values = [r[m] for r in steps if r.get(m) is not None]  # probes: lambda > 0 and a target
                 if values:
-                    cell = table.setdefault((lam, f"train {a}-{b}"), {})
-                    cell.setdefault(m, []).append(statistics.mean(values))
+                    metrics = table.setdefault((lam, f"train {a}-{b}"), {})
+                    metrics.setdefault(m, []).append(statistics.mean(values))
     return table
 
 
