@@ -450,16 +450,126 @@ def test_closure_and_validation():
 
 
 # -----------------------------------------------------------------------------
-# train.py, run as a user would: in a subprocess
+# train.py, run as a user would: a fresh process with its own argv, environment, folder and exit code
+
+
+def _become_script(script, argv, env, cwd, out, err):
+    """In a process forked from the preloaded server below: turn into `python SCRIPT ARGV` (run as __main__,
+    stdout and stderr to files, exit handlers run as at an interpreter's exit)."""
+    import atexit
+    import runpy
+    import traceback
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, path in ((1, out), (2, err)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(f, fd)
+        os.close(f)
+    sys.argv, sys.path[0] = [script, *argv], os.path.dirname(script)
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit:
+        raise
+    except BaseException:
+        traceback.print_exc()
+        sys.exit(1)
+    finally:
+        atexit._run_exitfuncs()
+
+
+@functools.cache
+def forkserver():
+    """-> multiprocessing's forkserver context, its server started (once) with OMP_NUM_THREADS=1 and this module,
+    so torch and the project's modules, imported: every process forked from it starts with them loaded."""
+    import multiprocessing
+    import multiprocessing.forkserver
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["test_all"])
+    saved = dict(os.environ)
+    os.environ.update(OMP_NUM_THREADS="1", PYTHONPATH=str(HERE))  # read once, when torch loads
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return ctx
+
+
+class Launched:
+    """A script started on `world` ranks, used like subprocess.Popen (pid, poll, wait, communicate, send_signal,
+    kill; stdout and stderr are the ranks' in rank order, each rank's in .outputs).
+
+    Importing torch costs 2-3 CPU-seconds, more than most runs here compute, and the suite starts about a hundred
+    of them. So every process forks from one server that imported torch and the project's modules once
+    (multiprocessing's forkserver, started with OMP_NUM_THREADS=1), then becomes the script. Above one rank the
+    ranks get torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT) and, as
+    torchrun does, the others are stopped once one fails. Real `python` and `torchrun` processes run the README's
+    commands and the SIGTERM-under-torchrun test."""
+    def __init__(self, script, *flags, world=1, cwd=None):
+        self.args, self.dir = [str(HERE / script), *flags], Path(tempfile.mkdtemp(prefix="run-"))
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        if world > 1:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            env.update(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port))
+        self.procs = []
+        for rank in range(world):
+            rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)} if world > 1 else env
+            self.procs.append(forkserver().Process(target=_become_script, args=(
+                self.args[0], self.args[1:], rank_env, str(cwd or os.getcwd()), self.dir / f"out{rank}",
+                self.dir / f"err{rank}")))
+            self.procs[-1].start()
+        self.pid, self.returncode, self.failed = self.procs[0].pid, None, None
+
+    def poll(self):
+        codes = [p.exitcode for p in self.procs]
+        if self.failed is None and any(codes):
+            self.failed, self.failed_at = next(c for c in codes if c), time.time()  # the first failure's code
+        if None not in codes:
+            self.returncode = self.failed or 0
+        elif self.failed and time.time() - self.failed_at > 20:  # a rank failed and the rest still run: stop them
+            self.kill()
+        return self.returncode
+
+    def wait(self, timeout=None):
+        t0 = time.time()
+        while self.poll() is None:
+            if timeout is not None and time.time() - t0 > timeout:
+                self.kill()
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+    def communicate(self, timeout=None):
+        self.wait(timeout)
+        self.outputs = [((self.dir / f"out{r}").read_text(), (self.dir / f"err{r}").read_text())
+                        for r in range(len(self.procs))]
+        shutil.rmtree(self.dir)
+        return "".join(o for o, _ in self.outputs), "".join(e for _, e in self.outputs)
+
+    def send_signal(self, sig):
+        for p in self.procs:
+            if p.exitcode is None:
+                os.kill(p.pid, sig)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
 
 
 def start_train(*flags, world=1):
-    """train.py as a user runs it, started in the background: `python train.py` at world 1, torchrun (gloo on
-    CPU) above."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    launcher = [] if world == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
-    return subprocess.Popen([sys.executable, *launcher, str(HERE / "train.py"), *flags], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+    """train.py started in the background, as `python train.py FLAGS` at world 1 and torchrun (gloo on CPU)
+    starts its ranks above."""
+    return Launched("train.py", *flags, world=world)
+
+
+def start_torchrun(*flags, world):
+    """train.py under a real torchrun (its agent starts the ranks and passes signals on to them)."""
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+                             str(HERE / "train.py"), *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def finish(proc, timeout=300):
@@ -553,6 +663,7 @@ def test_train_bad_input_is_one_clear_line(tmp_path):
     (bad / ".metadata").write_bytes(b"not a checkpoint at all")
     (bad / "meta.json").write_text(json.dumps({"step": 10, "config": M.ModelConfig().__dict__, "args": {},
                                                "files": {".metadata": "0" * 64}}))
+    shutil.copytree(tmp_path / "bad", tmp_path / "bad2")  # the cases run at once: a folder each
     (tmp_path / "file").write_text("")
     cases = {
         "unknown preset": ["--preset", "huge"],
@@ -562,7 +673,7 @@ def test_train_bad_input_is_one_clear_line(tmp_path):
         "no text found": ["--data", str(tmp_path / "empty")],
         "step-00000010 is corrupt (.metadata does not match its checksum); no intact checkpoint":
             ["--resume", "--out", str(tmp_path / "bad" / "out")],
-        "already holds step-00000010, which this run would delete": ["--out", str(tmp_path / "bad" / "out")],
+        "already holds step-00000010, which this run would delete": ["--out", str(tmp_path / "bad2" / "out")],
         "not a checkpoint folder": ["--resume", str(tmp_path), "--out", str(tmp_path / "o")],
         "is not writable (Not a directory)": ["--out", str(tmp_path / "file" / "out")],
         "--stage rl needs a model to start from": ["--stage", "rl"],
@@ -573,13 +684,9 @@ def test_train_bad_input_is_one_clear_line(tmp_path):
         "--rl-eval-tasks must be >= 0": ["--rl-eval-tasks", "-1"],
         "--ppo-minibatches 9: each is whole groups": ["--ppo-minibatches", "9"],
     }
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = lambda i, v: subprocess.run([sys.executable, str(HERE / "train.py"), *v,  # each its own --out: a lock each
-                                       *([] if "--out" in v else ["--out", str(tmp_path / f"out{i}")])],
-                                      capture_output=True, text=True, env=env, timeout=120)
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two at a time: more only contend for the 2 cores
-        results = dict(zip(cases, pool.map(run, range(len(cases)), cases.values())))
-    for expected, p in results.items():
+    procs = [start_train(*v, *([] if "--out" in v else ["--out", str(tmp_path / f"out{i}")]))  # a lock each
+             for i, v in enumerate(cases.values())]
+    for expected, p in zip(cases, map(finish, procs)):
         stderr = p.stderr
         assert p.returncode == 2, (expected, stderr)
         assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1, (expected, stderr)
@@ -639,12 +746,11 @@ def test_layout_arithmetic_and_errors_name_every_factor():
 
 
 def test_mesh_demo_prints_both_meshes_for_a_large_world():
-    r = subprocess.run([sys.executable, str(HERE / "mesh.py"), "--world", "2048", "--dp-replicate", "4", "--cp", "2",
-                        "--ep", "64", "--num-experts", "384"], capture_output=True, text=True, timeout=60)
+    r = finish(Launched("mesh.py", "--world", "2048", "--dp-replicate", "4", "--cp", "2", "--ep", "64",
+                        "--num-experts", "384"), timeout=60)
     assert r.returncode == 0, r.stderr
     assert "rank    0 | dense dp_replicate=[0, 512, 1024, 1536]" in r.stdout and "ep=[0, 1, ..., 63]" in r.stdout
-    r = subprocess.run([sys.executable, str(HERE / "mesh.py"), "--world", "8", "--cp", "2", "--ep", "8"],
-                       capture_output=True, text=True, timeout=60)
+    r = finish(Launched("mesh.py", "--world", "8", "--cp", "2", "--ep", "8"), timeout=60)
     assert "needs at least dp_replicate(1) * cp(2) * ep(8) = 16 ranks" in r.stdout
 
 
@@ -770,26 +876,17 @@ def test_bad_input_stops_every_rank_and_prints_once(tmp_path):
     """Workers started as torchrun starts them (RANK, WORLD_SIZE, ...): all exit 2 and rank 0 alone prints the
     one line, for a check before the process group exists (the layout, the RL batch) and for one after it
     (no checkpoint to resume: rank 0 looks, every rank hears its verdict), so no rank is left waiting."""
-    def stderr_of_workers(world, port, *flags):
-        procs = [subprocess.Popen([sys.executable, str(HERE / "train.py"), *flags, "--out", str(tmp_path)],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank),
-                                       "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
-                                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-                 for rank in range(world)]
-        outs = [p.communicate(timeout=120)[1] for p in procs]
-        assert all(p.returncode == 2 for p in procs), outs
-        assert all(not err.strip() for err in outs[1:]), outs
-        return outs[0].strip().splitlines()
-
-    cases = {(2, 29531, "--cp", "2", "--ep", "3"): "error: layout: ep_replicate(1) * ep(3) = 3 does not divide world "
-                                                   "size 2, so ep_shard = world / (ep_replicate * ep) is not an integer",
-             (2, 29532, "--tasks-per-step", "3"): "error: --tasks-per-step 3 does not split over 2 ranks (each samples "
-                                                  "its own groups); pass a multiple of 2, e.g. --tasks-per-step 4",
-             (2, 29533, "--resume"): f"error: --resume: no checkpoint in {tmp_path} (expected a step-NNNNNNNN folder); "
-                                     f"start without --resume"}
-    for (world, port, *flags), line in cases.items():
-        assert stderr_of_workers(world, port, *flags) == [line]
+    cases = {("--cp", "2", "--ep", "3"): "error: layout: ep_replicate(1) * ep(3) = 3 does not divide world size 2, "
+                                         "so ep_shard = world / (ep_replicate * ep) is not an integer",
+             ("--tasks-per-step", "3"): "error: --tasks-per-step 3 does not split over 2 ranks (each samples its own "
+                                        "groups); pass a multiple of 2, e.g. --tasks-per-step 4",
+             ("--resume",): f"error: --resume: no checkpoint in {tmp_path} (expected a step-NNNNNNNN folder); start "
+                            f"without --resume"}
+    for flags, line in cases.items():
+        p = start_train(*flags, "--out", str(tmp_path), world=2)
+        finish(p, timeout=120)
+        codes, errs = [q.exitcode for q in p.procs], [err for _, err in p.outputs]
+        assert codes == [2, 2] and not errs[1].strip() and errs[0].strip().splitlines() == [line], (codes, errs)
 
 
 # -----------------------------------------------------------------------------
@@ -915,8 +1012,8 @@ def test_sigterm_under_torchrun_saves_mid_rl_and_resumes_at_another_world_size(t
     policy) finish the RL step, save it and exit non-zero; the resume line is printed once and no rank prints a
     traceback. That mid-RL checkpoint, written by 2 ranks, then resumes in one process."""
     out = tmp_path / "run"
-    p = start_train(*RL_RUN, "--stage", "rl", "--init", "scratch", "--rl-steps", "50", "--cp", "2", "--ep", "2",
-                    "--out", str(out), world=2)
+    p = start_torchrun(*RL_RUN, "--stage", "rl", "--init", "scratch", "--rl-steps", "50", "--cp", "2", "--ep", "2",
+                       "--out", str(out), world=2)
     wait_for(lambda: any(r.get("stage") == "rl" for r in read_metrics(out)) if (out / "metrics.jsonl").exists()
              else False, p)
     p.send_signal(signal.SIGTERM)
@@ -1037,8 +1134,7 @@ def run_readme_command(line, cwd, shared_out):
     if flags[:1] == ["env"] and not index_reachable():
         return "needs the package index"
     if int(opt.get("nnodes", 1)) > 1:  # many nodes: plan the same flags for that world instead
-        cmd = [sys.executable, str(HERE / script), *flags, "--dry-run", "--world",
-               str(int(opt["nnodes"]) * int(opt["nproc_per_node"]))]
+        launch, flags = ["python"], [*flags, "--dry-run", "--world", str(int(opt["nnodes"]) * int(opt["nproc_per_node"]))]
     else:
         if script == "train.py" and "--dry-run" not in flags:
             out = cwd / flags[flags.index("--out") + 1] if "--out" in flags else cwd / "out"
@@ -1060,10 +1156,13 @@ def run_readme_command(line, cwd, shared_out):
         else:
             flags = [a.replace("/ID", "/" + min(p.name for p in (cwd / "TASKS").iterdir())) if "TASKS/" in a else a
                      for a in flags] + SHORT.get(script + " --ablation" * ("--ablation" in flags), [])
-        cmd = [sys.executable, *(["-m", "torch.distributed.run", "--standalone", *launch[1:]] if launch[0] == "torchrun"
-                                 else []), str(HERE / script), *flags]
-    r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [sys.executable, *(["-m", "torch.distributed.run", "--standalone", *launch[1:]] if launch[0] == "torchrun"
+                             else []), str(HERE / script), *flags]
+    if launch[0] == "torchrun" or line == "python train.py":  # real launches; the rest fork from the preloaded server
+        r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    else:
+        r = finish(Launched(script, *flags, cwd=cwd), timeout=600)
     assert r.returncode == 0, f"{line}\n  ran as: {shlex.join(cmd)}\n{r.stderr[-3000:]}"
     return None
 
@@ -1076,6 +1175,7 @@ def test_every_readme_command_runs(tmp_path):
     fixture repository, the task `make` wrote and a clean trajectory. Many-node commands are planned with
     --dry-run at their world size; CUDA commands are skipped on a machine without CUDA, `tasks.py env` where the
     package index cannot be reached, and nothing else."""
+    forkserver()  # started before the threads below
     groups = readme_commands()
     assert groups[0] == ["python train.py"]  # the quick start: the run the resume examples continue
     assert sum(len(g) for g in groups) >= 25
@@ -1178,10 +1278,9 @@ def _sharded_muon_worker(rank, world, port, out):
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_muon_equals_full_matrix_muon(world):
     import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
+    out = forkserver().SimpleQueue()
     port = 29600 + world
-    mp.start_processes(_sharded_muon_worker, args=(world, port, out), nprocs=world, start_method="spawn")
+    mp.start_processes(_sharded_muon_worker, args=(world, port, out), nprocs=world, start_method="forkserver")
     errs, moved, naive, stats = out.get()
     for name, err in errs.items():
         assert err < 1e-5, (name, err)
@@ -1495,9 +1594,9 @@ def test_grpo_step_on_2_fsdp_ranks_equals_one_process():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = mp.get_context("spawn").SimpleQueue()
+    out = forkserver().SimpleQueue()
     procs = mp.start_processes(_rl_step_worker, args=(2, port, trajs, cfg, out), nprocs=2,
-                               start_method="spawn", join=False)
+                               start_method="forkserver", join=False)
     while out.empty():  # read before joining: rank 0 blocks until its 12 MB of gradients are read
         procs.join(timeout=0.1)  # raises if a worker failed
     mean_loss, grads = out.get()
