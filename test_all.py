@@ -1172,7 +1172,8 @@ def test_every_readme_command_runs(tmp_path):
     one validation batch, no held-out RL evaluation; fewer pretraining steps for feedback.py; the tiny preset
     for muon.py's benchmarks), and exits 0. A `--resume` with nothing to resume starts from a copy of the quick start's run;
     a checkpoint the README names is mapped to the shortened run's; REPO, TASKS/ID and TRAJECTORY.jsonl are a
-    fixture repository, the task `make` wrote and a clean trajectory. Many-node commands are planned with
+    fixture repository, the task `make` wrote and a clean trajectory. The quick start and torchrun's commands run
+    as real processes, the rest fork from the preloaded server (Launched). Many-node commands are planned with
     --dry-run at their world size; CUDA commands are skipped on a machine without CUDA, `tasks.py env` where the
     package index cannot be reached, and nothing else."""
     forkserver()  # started before the threads below
