@@ -128,6 +128,50 @@ def build_meshes(layout: Layout, device_type: str):
     return dense, expert, dense_fsdp, expert_fsdp
 
 
+# -----------------------------------------------------------------------------
+# Placing a model's weights on the meshes (torchtitan's parallelize, for any module tree)
+
+
+def expert_shard_dim(layout: Layout, num_experts: int):
+    """FSDP shards expert weights [E, out, in] over the ranks that hold the same experts: on dim 0 (whole
+    experts) when each EP rank holds at least ep_shard of them, else on dim 1 (rows of every expert)."""
+    return 0 if num_experts // layout.ep >= layout.ep_shard else 1
+
+
+def shard(layout: Layout, meshes, experts, units, root, num_experts, bf16=False):
+    """Place a model's weights: works on the meta device too (then `root.to_empty(device=...)` and initialize),
+    so no rank ever holds more than its shards.
+    - experts: modules whose parameters are stacked expert weights [E, out, in]. Expert parallelism: rank i of
+      the EP group keeps experts [i*E/ep, (i+1)*E/ep) (a DTensor on the ep mesh), then FSDP2 shards those over
+      the expert FSDP mesh (HSDP with ep_replicate > 1) on expert_shard_dim.
+    - units: modules (or lists of modules) that FSDP2 gathers one at a time on the dense mesh, innermost first
+      (the experts inside a unit keep their own placement); root: the whole model, last.
+    bf16: FSDP gathers bf16 copies of the fp32 shards for compute and reduce-scatters fp32 gradients."""
+    from torch import nn
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+    _, expert, dense_fsdp, expert_fsdp = meshes
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    dim = expert_shard_dim(layout, num_experts)
+    for m in experts:
+        if layout.ep > 1:
+            for name, p in list(m.named_parameters()):
+                m.register_parameter(name, nn.Parameter(distribute_tensor(p.data, expert["ep"], [Shard(0)],
+                                                                          src_data_rank=None)))
+        fully_shard(m, mesh=expert_fsdp, shard_placement_fn=lambda p: Shard(dim), mp_policy=mp)
+        # Each expert's gradient already sums the tokens of the whole EP group (the all-to-all carries them
+        # home), and FSDP averages over the world/ep ranks holding that expert: dividing by world, not by
+        # world/ep, keeps it the mean over the global batch (the "EP factor" bug of other stacks).
+        m.set_gradient_divide_factor(layout.world)
+        if expert.device_type == "cpu" and layout.ep_shard > 1:
+            # gloo lacks the PREMUL_SUM reduction a custom factor uses: sum, then divide. Not with a shard
+            # group of one: FSDP (torch 2.13) would then divide twice, once without reducing.
+            m.set_force_sum_reduction_for_comms(True)
+    for unit in units:
+        fully_shard(unit, mesh=dense_fsdp, mp_policy=mp)
+    fully_shard(root, mesh=dense_fsdp, mp_policy=mp)
+
+
 class CommCounter(TorchDispatchMode):
     """Counts, on this rank, the calls and bytes of each kind of collective that passes the dispatcher: c10d ops
     (FSDP2's all-gathers and reduce-scatters), functional collectives (EP all-to-all, CP gathers, DTensor

@@ -20,6 +20,7 @@ parallelism (MLA.cp_group set; each rank holds a chunk of the sequence and gathe
 import contextlib
 import math
 import re
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils.checkpoint import checkpoint
 
 # -----------------------------------------------------------------------------
@@ -394,13 +396,48 @@ class Block(nn.Module):
 
 
 # -----------------------------------------------------------------------------
+# Initial values that do not depend on how the model is sharded
+
+
+def _mix32(x):
+    """x: int64 values in [0, 2^32), changed in place into well-mixed 32-bit hashes (murmur3's finalizer; its
+    multipliers are below 2^31, so no product leaves int64)."""
+    x ^= x >> 16
+    x *= 0x7FEB352D
+    x &= 0xFFFFFFFF
+    x ^= x >> 15
+    x *= 0x1B873593
+    x &= 0xFFFFFFFF
+    x ^= x >> 16
+    return x
+
+
+def normal_at(key: str, full_shape, offset, shape, device=None):
+    """Standard normal values of the box [offset, offset + shape) of a tensor of full_shape, each a function of
+    (key, its flat index in the full tensor) alone: a counter-based generator (hash the index, then Box-Muller),
+    so any shard is made without making the rest. -> float32 tensor of `shape`."""
+    k = zlib.crc32(key.encode())
+    idx = torch.zeros((), dtype=torch.int64, device=device)
+    for d in range(len(full_shape)):  # the flat index in the full tensor, [*shape]
+        coord = torch.arange(offset[d], offset[d] + shape[d], device=device)
+        idx = idx.unsqueeze(-1) * full_shape[d] + coord
+    out = torch.empty(shape, device=device)
+    chunk = 1 << 16 if out.device.type == "cpu" else 1 << 24  # CPU: in cache
+    for i, o in zip(idx.view(-1).split(chunk), out.view(-1).split(chunk)):
+        h = _mix32(_mix32((i & 0xFFFFFFFF) ^ k) ^ (i >> 32))  # 64-bit index and key -> 32 bits
+        u1, u2 = (h.float() + 0.5) / 2**32, _mix32(h ^ 0x9E3779B9).float() / 2**32
+        torch.mul(torch.sqrt(-2 * torch.log(u1)), torch.cos(2 * math.pi * u2), out=o)
+    return out
+
+
+# -----------------------------------------------------------------------------
 # The model
 
 
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.seed = cfg, int(torch.randint(2**31, (), device="cpu"))  # torch.manual_seed decides it
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -409,16 +446,23 @@ class Transformer(nn.Module):
             self.init_weights()
 
     @torch.no_grad()
-    def init_weights(self):
-        """N(0, init_std) everywhere, output projections scaled down by sqrt(2 n_layer) (GPT-2), norms at 1."""
-        std = self.cfg.init_std
+    def init_weights(self, seed=None):
+        """N(0, init_std) everywhere, output projections scaled down by sqrt(2 n_layer) (GPT-2), norms at 1.
+
+        Each value is a function of (seed, the parameter's name, its index in the whole tensor) alone, so a rank
+        that holds a shard (a DTensor: FSDP, EP) computes just its own values, and they are the same for every
+        layout and world size. seed None: the one drawn when the model was built (on any device)."""
+        std, seed = self.cfg.init_std, self.seed if seed is None else seed
         for name, p in self.named_parameters():
             if p.ndim == 1:
                 p.fill_(1.0)
-            elif name.endswith(("wo", "w2", "w2.weight")):
-                p.normal_(0.0, std / math.sqrt(2 * self.cfg.n_layer))
-            else:
-                p.normal_(0.0, std)
+                continue
+            scale = std / math.sqrt(2 * self.cfg.n_layer) if name.endswith(("wo", "w2", "w2.weight")) else std
+            local = p.to_local() if isinstance(p, DTensor) else p
+            shape, offset = (compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                             if isinstance(p, DTensor) else (p.shape, (0,) * p.ndim))
+            assert tuple(local.shape) == tuple(shape), (name, local.shape, shape)
+            local.copy_(scale * normal_at(f"{seed}:{name}", p.shape, offset, shape, local.device))
         for m in self.moe_layers():
             m.expert_bias.zero_()
             m.tokens_per_expert.zero_()

@@ -496,6 +496,25 @@ def forkserver():
     return ctx
 
 
+def run_workers(fn, world, *args, results=1):
+    """fn(rank, world, port, *args, out) on `world` processes forked from the preloaded server (they start a gloo
+    group at 127.0.0.1:port); -> the `results` objects they put on `out`. A worker's exception raises here."""
+    import torch.multiprocessing as mp
+    out = forkserver().SimpleQueue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = mp.start_processes(fn, args=(world, port, *args, out), nprocs=world, start_method="forkserver", join=False)
+    got = []
+    while len(got) < results:  # read before joining: a worker blocks until what it put is read
+        while out.empty():
+            procs.join(timeout=0.1)  # raises if a worker failed
+        got.append(out.get())
+    while not procs.join():
+        pass
+    return got
+
+
 class Launched:
     """A script started on `world` ranks, used like subprocess.Popen (pid, poll, wait, communicate, send_signal,
     kill; stdout and stderr are the ranks' in rank order, each rank's in .outputs).
@@ -677,7 +696,7 @@ def test_train_bad_input_is_one_clear_line(tmp_path):
         "not a checkpoint folder": ["--resume", str(tmp_path), "--out", str(tmp_path / "o")],
         "is not writable (Not a directory)": ["--out", str(tmp_path / "file" / "out")],
         "--stage rl needs a model to start from": ["--stage", "rl"],
-        "GiB a rank (the whole model while it is built": ["--preset", "kimi-k2"],
+        "GiB a rank (weights 3,823.": ["--preset", "kimi-k2"],
         "--world plans a layout with --dry-run": ["--world", "8"],
         "but 10 bytes follow it (truncated or corrupt shard)": ["--data", str(tmp_path / "shards")],
         "the RL stage needs": ["--group-size", "1"],
@@ -1278,11 +1297,7 @@ def _sharded_muon_worker(rank, world, port, out):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_muon_equals_full_matrix_muon(world):
-    import torch.multiprocessing as mp
-    out = forkserver().SimpleQueue()
-    port = 29600 + world
-    mp.start_processes(_sharded_muon_worker, args=(world, port, out), nprocs=world, start_method="forkserver")
-    errs, moved, naive, stats = out.get()
+    [(errs, moved, naive, stats)] = run_workers(_sharded_muon_worker, world)
     for name, err in errs.items():
         assert err < 1e-5, (name, err)
         assert moved[name] > 1e-2, (name, moved[name])  # the parameters really moved
@@ -1552,26 +1567,74 @@ def test_ppo_epochs_on_minibatches_clip_and_clipped_tokens_get_no_gradient(monke
     assert c10 > 0 and c11 > 0 and h10 > 0 and h11 > 0 and (r10 - 1).abs().max() > 0.3
 
 
+def sharded_model(world, cfg, seed=None, **degrees):
+    """The model as train.py places it on a layout of `world` ranks (mesh.shard: EP, then FSDP2 units), built on
+    the meta device and materialized shard by shard."""
+    from mesh import build_meshes, make_layout, shard
+    layout = make_layout(world, num_experts=cfg.num_experts, **degrees)
+    meshes = build_meshes(layout, "cpu")
+    with torch.device("meta"):
+        model = M.Transformer(cfg)
+    for block in model.layers:
+        block.attn.cp_group = meshes[0]["cp"].get_group() if layout.cp > 1 else None
+    shard(layout, meshes, [m.experts for m in model.moe_layers()],
+          [*model.layers, model.embed, [model.norm, model.lm_head]], model, cfg.num_experts)
+    model.to_empty(device="cpu")
+    model.init_weights(seed)
+    return model
+
+
+def _init_worker(rank, world, port, layouts, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    for num_experts, degrees in layouts:
+        model = sharded_model(world, M.ModelConfig(num_experts=num_experts), seed=7, **degrees)
+        full = {n: p.detach().full_tensor().numpy() for n, p in model.named_parameters()}  # numpy: no shm handles
+        if rank == 0:
+            out.put((num_experts, degrees, full))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_initial_parameters_do_not_depend_on_the_layout():
+    """Built on the meta device, sharded, then each rank fills only its shards: gathered, the parameters equal
+    one process's, bit for bit, on dense FSDP, HSDP, EP (whole experts, and rows of experts when there are fewer
+    experts than ranks), and CP with EP, at 2 and 4 ranks."""
+    from torch.distributed.tensor import DTensor
+    layouts = {2: [(16, {}), (16, dict(ep=2))],
+               4: [(16, {}), (16, dict(dp_replicate=2, ep_replicate=2)), (16, dict(ep=2)), (2, dict(ep=2)),
+                   (16, dict(cp=2, ep=4))]}
+    one = {}
+    for e in (2, 16):  # one process: the model built on the meta device, then made
+        with torch.device("meta"):
+            meta = M.Transformer(M.ModelConfig(num_experts=e))
+        meta.to_empty(device="cpu")
+        meta.init_weights(7)
+        one[e] = dict(meta.named_parameters())
+        assert not any(isinstance(p, DTensor) for p in one[e].values())
+        made = M.Transformer(M.ModelConfig(num_experts=e))  # built directly: the same values for the same seed
+        made.init_weights(7)
+        assert all(torch.equal(p, one[e][n]) for n, p in made.named_parameters())
+    for world, cases in layouts.items():
+        for e, degrees, full in run_workers(_init_worker, world, cases, results=len(cases)):
+            assert set(full) == set(one[e]), (world, degrees)
+            for name, p in full.items():
+                assert torch.equal(torch.from_numpy(p), one[e][name]), (world, degrees, name)
+    assert one[16]["layers.1.ffn.experts.w1"].std().item() == pytest.approx(M.ModelConfig().init_std, rel=0.02)
+
+
 def _rl_step_worker(rank, world, port, trajs, cfg, out):
     """One RL step on this rank's whole groups, the tiny model sharded with FSDP2 as train.py shards it (the
     same units; no EP, CP or mixed precision), old log-probs from old_logprobs under FSDP."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
     from grpo import grpo_loss, old_logprobs
-    from mesh import build_meshes, make_layout
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    _, _, dense_fsdp, expert_fsdp = build_meshes(make_layout(world), "cpu")
     torch.manual_seed(0)
-    model = M.Transformer(M.ModelConfig())
-    for block in model.layers:
-        if isinstance(block.ffn, M.MoE):
-            fully_shard(block.ffn.experts, mesh=expert_fsdp)
-        fully_shard(block, mesh=dense_fsdp)
-    fully_shard(model.embed, mesh=dense_fsdp)
-    fully_shard([model.norm, model.lm_head], mesh=dense_fsdp)
-    fully_shard(model, mesh=dense_fsdp)
+    model = sharded_model(world, M.ModelConfig())
     mine = trajs[rank * len(trajs) // world:(rank + 1) * len(trajs) // world]
     loss, _, _, _ = grpo_loss(model, mine, cfg, old_logp=old_logprobs(model, mine, cfg))
     loss.backward()  # each rank: its trajectories x max_gen_tokens; FSDP's mean over ranks makes it global
@@ -1585,23 +1648,13 @@ def _rl_step_worker(rank, world, port, trajs, cfg, out):
 
 
 def test_grpo_step_on_2_fsdp_ranks_equals_one_process():
-    import torch.multiprocessing as mp
     from grpo import grpo_loss
     model, cfg, trajs = _rl_trajectories(sampler_bits=8)
     for t in trajs:
         t.env = None  # what a worker needs is tokens, masks, log-probs and rewards
     loss, _, _, _ = grpo_loss(model, trajs, cfg)
     loss.backward()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = forkserver().SimpleQueue()
-    procs = mp.start_processes(_rl_step_worker, args=(2, port, trajs, cfg, out), nprocs=2,
-                               start_method="forkserver", join=False)
-    while out.empty():  # read before joining: rank 0 blocks until its 12 MB of gradients are read
-        procs.join(timeout=0.1)  # raises if a worker failed
-    mean_loss, grads = out.get()
-    procs.join()
+    [(mean_loss, grads)] = run_workers(_rl_step_worker, 2, trajs, cfg)
     assert abs(mean_loss - loss.item()) < 1e-5 and loss.abs() > 1e-4
     full = {n: p.grad for n, p in model.named_parameters()}
     grads = {n: torch.from_numpy(g) for n, g in grads.items()}

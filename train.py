@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from mesh import CommCounter, LayoutError, build_meshes, init_distributed, make_layout
+from mesh import CommCounter, LayoutError, build_meshes, expert_shard_dim, init_distributed, make_layout, shard
 import tasks
 from feedback import RULES, Feedback, FeedbackConfig
 from grpo import SUMMARY_REQUEST, GRPOConfig, grpo_loss, minibatches, old_logprobs, rollout
@@ -605,7 +605,7 @@ def get_batch(shards, windows):
 
 plan, meta_model, checkpoint_bytes = memory_plan(cfg, bf16)  # first: a preset that cannot fit gets one line, not an OOM crash
 total, active = param_counts(meta_model)
-need = max(sum(plan.values()), 4 * total)  # each rank builds the whole fp32 model once before sharding it
+need = sum(plan.values())
 if device.type == "cuda":
     available = torch.cuda.mem_get_info(device)[0]
 else:
@@ -613,49 +613,22 @@ else:
     available = pages * os.sysconf("SC_PAGE_SIZE") / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) \
         if pages else need  # unknown (macOS, Windows): try it
 if need > available:
-    die(f"preset {args.preset} ({total / 1e9:.1f}B parameters) needs ~{need / 2**30:,.0f} GiB a rank (the whole "
-        f"model while it is built, then {in_gib(plan)} GiB), more than the {available / 2**30:,.0f} GiB free on "
-        f"{device}; see --dry-run")
-torch.manual_seed(args.seed)  # every rank builds the same full model, then keeps its shards
-model = Transformer(cfg).to(device)
+    die(f"preset {args.preset} ({total / 1e9:.1f}B parameters) needs ~{need / 2**30:,.0f} GiB a rank "
+        f"({in_gib(plan)}), more than the {available / 2**30:,.0f} GiB free on {device}; see --dry-run")
+with torch.device("meta"):  # shapes only: each rank materializes just its shards, below
+    model = Transformer(cfg)
 for block in model.layers:
     block.checkpoint = args.activation_checkpointing
+    block.attn.cp_group = dense_mesh["cp"].get_group() if layout.cp > 1 else None
     if args.compile:  # the block's computation, inside activation checkpointing and FSDP's hooks (as torchtitan)
         block._forward = torch.compile(block._forward)
 amp = torch.autocast(device.type, torch.bfloat16, enabled=bf16 and world_size == 1)  # one process: autocast
-
-# FSDP shards the experts over the ranks that hold the same ones: on dim 1 when there are fewer experts than ranks
-expert_shard_dim = 0 if cfg.num_experts // layout.ep >= layout.ep_shard else 1
-if world_size > 1:
-    from torch import nn
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.distributed.tensor import Shard, distribute_tensor
-    # bf16: FSDP gathers bf16 copies of the fp32 shards for compute and reduce-scatters fp32 gradients
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
-        else MixedPrecisionPolicy()
-    for block in model.layers:
-        block.attn.cp_group = dense_mesh["cp"].get_group() if layout.cp > 1 else None
-        if isinstance(block.ffn, MoE):
-            experts = block.ffn.experts
-            if layout.ep > 1:  # expert parallelism: rank i of the EP group keeps experts [i*E/ep, (i+1)*E/ep)
-                for name, p in list(experts.named_parameters()):
-                    experts.register_parameter(name, nn.Parameter(
-                        distribute_tensor(p.data, expert_mesh["ep"], [Shard(0)], src_data_rank=None)))
-            fully_shard(experts, mesh=expert_fsdp_mesh, shard_placement_fn=lambda p: Shard(expert_shard_dim),
-                        mp_policy=mp)
-            # Each expert's gradient already sums the tokens of the whole EP group (the all-to-all carries them
-            # home), and FSDP averages over the world/ep ranks holding that expert: dividing by world, not by
-            # world/ep, keeps it the mean over the global batch (the "EP factor" bug of other stacks).
-            experts.set_gradient_divide_factor(world_size)
-            if device.type == "cpu" and layout.ep_shard > 1:
-                # gloo lacks the PREMUL_SUM reduction a custom factor uses: sum, then divide. Not with a
-                # shard group of one: FSDP (torch 2.13) would then divide twice, once without reducing.
-                experts.set_force_sum_reduction_for_comms(True)
-        fully_shard(block, mesh=dense_fsdp_mesh, mp_policy=mp)
-    # the embedding and the output head are units of their own: for Kimi K2 each is a layer's worth of weights
-    fully_shard(model.embed, mesh=dense_fsdp_mesh, mp_policy=mp)
-    fully_shard([model.norm, model.lm_head], mesh=dense_fsdp_mesh, mp_policy=mp)
-    fully_shard(model, mesh=dense_fsdp_mesh, mp_policy=mp)
+if world_size > 1:  # the experts on the expert mesh, each block, the embedding and the output head on the dense one
+    shard(layout, (dense_mesh, expert_mesh, dense_fsdp_mesh, expert_fsdp_mesh),
+          [m.experts for m in model.moe_layers()], [*model.layers, model.embed, [model.norm, model.lm_head]], model,
+          cfg.num_experts, bf16)
+model.to_empty(device=device)
+model.init_weights(args.seed)  # values depend on the seed alone, not on the layout
 
 ns_dtype = torch.float32 if args.precision == "fp32" else None  # None: Newton-Schulz in bf16 on CUDA, fp32 on CPU
 
@@ -953,7 +926,7 @@ print0(f"preset {args.preset}: {total / 1e6:.2f}M parameters, {active / 1e6:.2f}
        f"({torch.get_num_threads()} threads each) | dense mesh (dp_replicate={layout.dp_replicate}, "
        f"dp_shard={layout.dp_shard}, cp={layout.cp}) expert mesh (ep_replicate={layout.ep_replicate}, "
        f"ep_shard={layout.ep_shard}, ep={layout.ep})" + (f", {cfg.num_experts // layout.ep} experts a rank, FSDP "
-       f"Shard({expert_shard_dim})" if world_size > 1 else "") + f" | {'bf16' if bf16 else 'fp32'} compute | peak "
+       f"Shard({expert_shard_dim(layout, cfg.num_experts)})" if world_size > 1 else "") + f" | {'bf16' if bf16 else 'fp32'} compute | peak "
        f"{peak / 1e9:,.1f} GFLOP/s a rank ({peak_source})")
 
 # -----------------------------------------------------------------------------
