@@ -702,6 +702,7 @@ def test_train_bad_input_is_one_clear_line(tmp_path):
         "the RL stage needs": ["--group-size", "1"],
         "--rl-eval-tasks must be >= 0": ["--rl-eval-tasks", "-1"],
         "--ppo-minibatches 9: each is whole groups": ["--ppo-minibatches", "9"],
+        "--grad-accum 3 does not divide the 8 sequences a rank gets": ["--grad-accum", "3"],
     }
     procs = [start_train(*v, *([] if "--out" in v else ["--out", str(tmp_path / f"out{i}")]))  # a lock each
              for i, v in enumerate(cases.values())]
@@ -734,12 +735,16 @@ def test_dry_run_plans_kimi_k2_on_512_ranks_without_allocating():
         assert r.returncode == 0, r.stderr
         found = re.findall(r"([a-z][a-z ]*) ([\d,]+\.\d+)", r.stdout.splitlines()[-1].split(": ", 1)[1])
         return r.stdout, {k: float(v.replace(",", "")) for k, v in found}
-    runs = plan(), plan("--activation-checkpointing")
-    (out, full), (_, ac) = gib(runs[0]), gib(runs[1])
+    runs = plan(), plan("--activation-checkpointing"), plan("--activation-checkpointing", "--batch-size", "4096")
+    (out, full), (_, ac), (big, accum) = map(gib, runs)
     assert "1026.41B parameters" in out and "ep_shard=8, ep=64), 6 experts a rank" in out
     assert full["weights"] == pytest.approx(4 * 1026.41e9 / 512 / 2**30, rel=1e-3)
     assert full["total"] == pytest.approx(sum(v for k, v in full.items() if k != "total"), abs=0.02)
     assert ac["activations"] < full["activations"] / 5 and ac["weights"] == full["weights"]
+    # 8 sequences a rank do not fit 80 GiB in one forward; in two micro-batches they do, but only with a
+    # reduce-scatter after each (the unsharded gradients of FSDP's no-sync would not fit)
+    assert "4 x 4096 tokens a rank a forward, 2 micro-batches a step (--grad-accum 2 --reduce-every-micro-batch)" \
+        in big and accum["activations"] == pytest.approx(4 * ac["activations"], rel=1e-3) and accum["total"] <= 80
 
 
 def test_layout_arithmetic_and_errors_name_every_factor():
@@ -878,6 +883,31 @@ def test_expert_weights_shard_on_dim1_when_experts_are_fewer_than_ranks(par_data
         rows[world] = [row["loss"] for row in read_metrics(tmp_path / f"w{world}")]
     assert "1 experts a rank, FSDP Shard(1)" in r.stdout
     np.testing.assert_allclose(rows[4], rows[1], rtol=1e-5)
+
+
+def test_gradient_accumulation_equals_the_whole_batch(par_data, tmp_path):
+    """A global batch of 16 as 4 micro-batches of 4 gives the losses, gradient norms, router loads (the same
+    bias updates) and parameters of one batch of 16: in one process, and on 2 ranks with EP=2 (2 sequences a
+    rank a forward) with FSDP's reduce-scatter after the last micro-batch or after each."""
+    runs = {(world, *flags): start_train(*PAR_RUN, "--batch-size", "16", *flags, "--steps", "3", "--eval-every", "3",
+                                         "--data", str(par_data), "--out", str(tmp_path / f"{world}{''.join(flags)}"),
+                                         world=world)
+            for world, *flags in ((1,), (1, "--grad-accum", "4"), (2, "--ep", "2", "--grad-accum", "4"),
+                                  (2, "--ep", "2", "--grad-accum", "4", "--reduce-every-micro-batch"))}
+    rows = {}
+    for key, proc in runs.items():
+        r = finish(proc)
+        assert r.returncode == 0, r.stderr[-3000:]
+        out = tmp_path / f"{key[0]}{''.join(key[1:])}"
+        rows[key] = read_metrics(out), final_params(out)
+    (whole, params), *accumulated = rows.values()
+    for key, (rows_k, params_k) in zip(list(rows)[1:], accumulated):
+        for field in ("loss", "val_loss", "grad_norm", "balance"):
+            np.testing.assert_allclose([r.get(field, 0) for r in rows_k], [r.get(field, 0) for r in whole],
+                                       rtol=1e-5, err_msg=f"{key} {field}")
+        for name, p in params.items():
+            torch.testing.assert_close(params_k[name], p, rtol=1e-4, atol=2e-5, msg=lambda m: f"{key} {name}: {m}")
+    assert whole[-1]["loss"] < whole[0]["loss"] - 0.05
 
 
 def test_checkpoint_resumes_at_another_world_size(two_ranks, par_data, single_process, tmp_path):

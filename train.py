@@ -75,6 +75,14 @@ g.add_argument("--num-experts", type=int, default=None, help="routed experts per
 g = parser.add_argument_group("run")
 g.add_argument("--steps", type=int, default=700, help="optimizer steps in total (a resumed run stops here too)")
 g.add_argument("--batch-size", type=int, default=8, help="global batch in sequences, whatever the layout")
+g.add_argument("--grad-accum", type=int, default=1,
+               help="micro-batches a step: a rank runs batch-size/(data-parallel ranks x N) sequences a forward, "
+                    "gradients add up and FSDP reduce-scatters them once, after the last (with --dry-run: the "
+                    "smallest N that fits --gpu-mem when left at 1)")
+g.add_argument("--reduce-every-micro-batch", action="store_true",
+               help="with --grad-accum: reduce-scatter after every micro-batch instead, so no rank holds unsharded "
+                    "gradients between them (N times the gradient traffic; what a model whose whole gradient does "
+                    "not fit a rank needs)")
 g.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (at most the preset's max_seq_len)")
 g.add_argument("--lr", type=float, default=8e-3,
                help="peak learning rate for both groups: Muon uses adjust_lr_fn='match_rms_adamw' so one "
@@ -94,6 +102,7 @@ g.add_argument("--dry-run", action="store_true",
                help="print the layout and the memory a rank needs (model built on the meta device), then exit")
 g.add_argument("--world", type=int, default=None,
                help="with --dry-run: the world size to plan for (default: WORLD_SIZE)")
+g.add_argument("--gpu-mem", type=float, default=80.0, help="with --dry-run: GiB a GPU has (H100: 80)")
 g = parser.add_argument_group("parallelism (torchrun; the shard degrees follow from the world size)")
 g.add_argument("--dp-replicate", type=int, default=1, help="dense-weight replicas (HSDP); dp_shard = world/(dp_replicate*cp)")
 g.add_argument("--cp", type=int, default=1, help="context parallelism: each sequence split over this many ranks")
@@ -185,7 +194,8 @@ if args.num_experts is not None:
         die(f"--num-experts {args.num_experts} is fewer than the {args.preset} preset's top-{cfg.top_k} routing")
     cfg = ModelConfig(**{**asdict(cfg), "num_experts": args.num_experts})
 args.max_gen_tokens = args.max_gen_tokens or (512 if args.rl_tasks == "long" else 128)
-for flag in ("steps", "batch_size", "seq_len", "log_every", "eval_every", "eval_batches", "keep", "max_gen_tokens"):
+for flag in ("steps", "batch_size", "grad_accum", "seq_len", "log_every", "eval_every", "eval_batches", "keep",
+             "max_gen_tokens"):
     if getattr(args, flag) <= 0:
         die(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
 if args.seq_len > cfg.max_seq_len:
@@ -203,6 +213,9 @@ try:
                          num_experts=cfg.num_experts, seq_len=args.seq_len, batch_size=args.batch_size)
 except LayoutError as e:
     die(f"layout: {e}")
+if args.batch_size // layout.dp % args.grad_accum:
+    die(f"--grad-accum {args.grad_accum} does not divide the {args.batch_size // layout.dp} sequences a rank gets "
+        f"(--batch-size {args.batch_size} over {layout.dp} data-parallel ranks)")
 args.stage = args.stage or ("pretrain" if args.data else "both")  # RL trains on the tool tasks, not on --data
 if args.stage == "rl" and not args.resume and args.init != "scratch":
     die("--stage rl needs a model to start from: run `python train.py --stage pretrain` first, then "
@@ -234,17 +247,17 @@ wanted_copies = {name for name, on in (("reference", args.kl_coef > 0), ("teache
 # booked (--dry-run) and a preset that cannot fit stops with one line instead of an out-of-memory crash.
 
 
-def memory_plan(cfg, bf16):
-    """-> ({kind: bytes a rank}, model on the meta device). fp32 weights, fp32 gradients and optimizer state
-    (Muon: one momentum; AdamW: two moments), sharded as below: dense weights over dp_shard * cp ranks, experts
-    over ep * ep_shard. FSDP's unsharded working set: the two largest units in the compute dtype (the current
+def memory_plan(m, bf16, accum, reduce_each):
+    """Model m (on the meta device) -> ({kind: bytes a rank}, bytes of a checkpoint). fp32 weights, fp32 gradients
+    and optimizer state (Muon: one momentum; AdamW: two moments), sharded as below: dense weights over
+    dp_shard * cp ranks, experts over ep * ep_shard; with gradient accumulation (accum > 1, not reduce_each) the
+    gradients stay unsharded until the last micro-batch (FSDP's no-sync: dense ones whole, experts over ep). FSDP's unsharded working set: the two largest units in the compute dtype (the current
     one and the prefetched next) plus one unit's fp32 gradient before its reduce-scatter; in one process with
     bf16, autocast's bf16 copy of every weight instead. Activations of this rank's tokens: model.py's
     activation_elements per layer (under activation checkpointing only each block's input, plus one block
-    being recomputed) in the compute dtype, and the fp32 logits with their gradient. A checkpoint holds the
-    fp32 weights and optimizer state of all ranks together (plan["checkpoint"], not held in memory)."""
-    with torch.device("meta"):
-        m = Transformer(cfg)
+    being recomputed) in the compute dtype, and the fp32 logits with their gradient, for a micro-batch. A
+    checkpoint holds the fp32 weights and optimizer state of all ranks together (not held in memory)."""
+    cfg = m.cfg
     expert_ids = {id(p) for moe in m.moe_layers() for p in moe.experts.parameters()}
     muon_ids = {id(p) for p in param_groups(m.named_parameters(), lr=1.0, weight_decay=0.0)[0]["params"]}
     plan = dict.fromkeys(["weights", "gradients", "optimizer", "working copies", "activations"], 0.0)
@@ -252,7 +265,8 @@ def memory_plan(cfg, bf16):
     for p in m.parameters():
         n = p.numel() / (layout.ep * layout.ep_shard if id(p) in expert_ids else layout.dp_shard * layout.cp)
         plan["weights"] += 4 * n
-        plan["gradients"] += 4 * n
+        plan["gradients"] += 4 * (p.numel() / (layout.ep if id(p) in expert_ids else 1)
+                                  if accum > 1 and not reduce_each and layout.world > 1 else n)
         plan["optimizer"] += (4 if id(p) in muon_ids else 8) * n
     compute = 2 if bf16 else 4
     if layout.world > 1:
@@ -264,34 +278,47 @@ def memory_plan(cfg, bf16):
         plan["working copies"] = 2 * sum(p.numel() for p in m.parameters())
     per_layer = [activation_elements(cfg, i, cp=layout.cp) for i in range(cfg.n_layer)]
     per_token = cfg.n_layer * cfg.dim + max(per_layer) if args.activation_checkpointing else sum(per_layer)
-    tokens = args.batch_size // layout.dp * (args.seq_len // layout.cp)
+    tokens = args.batch_size // layout.dp // accum * (args.seq_len // layout.cp)
     plan["activations"] = tokens * (per_token * compute + 2 * 4 * cfg.vocab_size)
-    return plan, m, checkpoint
+    return plan, checkpoint
 
 
 def in_gib(plan):
     return ", ".join(f"{k} {v / 2**30:,.2f}" for k, v in plan.items())
 
 
+with torch.device("meta"):  # shapes only
+    meta_model = Transformer(cfg)
+total, active = param_counts(meta_model)
 if args.dry_run:  # everything above ran as it would under torchrun; nothing below is allocated
     bf16 = args.precision != "fp32"  # plans are for GPUs, where auto means bf16
-    plan, meta_model, checkpoint_bytes = memory_plan(cfg, bf16)
-    total, active = param_counts(meta_model)
+    rows = args.batch_size // layout.dp  # a rank's sequences a step; --grad-accum 1: the fewest micro-batches that fit
+    tries = [(n, each) for n in ([args.grad_accum] if args.grad_accum > 1 else
+                                 [n for n in range(1, rows + 1) if rows % n == 0])
+             for each in sorted({args.reduce_every_micro_batch, n > 1})]  # no-sync first, where it is allowed
+    plans = {t: memory_plan(meta_model, bf16, *t) for t in tries}
+    accum, each = next((t for t in tries if sum(plans[t][0].values()) <= args.gpu_mem * 2**30), tries[0])
+    plan, checkpoint_bytes = plans[accum, each]
     print(f"preset {args.preset}: {total / 1e9:.2f}B parameters, {active / 1e9:.2f}B active | world {world_size}: "
           f"dense (dp_replicate={layout.dp_replicate}, dp_shard={layout.dp_shard}, cp={layout.cp}), experts "
           f"(ep_replicate={layout.ep_replicate}, ep_shard={layout.ep_shard}, ep={layout.ep}), "
-          f"{cfg.num_experts // layout.ep} experts a rank | {args.batch_size // layout.dp} x "
-          f"{args.seq_len // layout.cp} tokens a rank | {'bf16' if bf16 else 'fp32'} compute"
+          f"{cfg.num_experts // layout.ep} experts a rank | {rows // accum} x {args.seq_len // layout.cp} tokens a "
+          f"rank a forward, {accum} micro-batch{'es' * (accum > 1)} a step (--grad-accum {accum}"
+          f"{' --reduce-every-micro-batch' * each}) | "
+          f"{'bf16' if bf16 else 'fp32'} compute"
           f"{', activation checkpointing' if args.activation_checkpointing else ''}")
-    print(f"memory a rank (GiB): {in_gib(plan)} | total {sum(plan.values()) / 2**30:,.2f} | a checkpoint "
-          f"(all ranks) {checkpoint_bytes / 2**30:,.2f} GiB on disk")
+    fits = sum(plan.values()) <= args.gpu_mem * 2**30
+    print(f"memory a rank (GiB): {in_gib(plan)} | total {sum(plan.values()) / 2**30:,.2f}, "
+          f"{'within' if fits else 'MORE THAN'} --gpu-mem {args.gpu_mem:g} | a checkpoint (all ranks) "
+          f"{checkpoint_bytes / 2**30:,.2f} GiB on disk")
     sys.exit(0)
 
 rank, local_rank, world_size, device = init_distributed(None if args.device == "auto" else args.device)
 bf16 = args.precision == "bf16" or (args.precision == "auto" and device.type == "cuda")
 dense_mesh, expert_mesh, dense_fsdp_mesh, expert_fsdp_mesh = build_meshes(layout, device.type)
 dp_rank, cp_rank = layout.coords(rank)
-B_local, T_local = args.batch_size // layout.dp, args.seq_len // layout.cp  # this rank's share of the batch
+micro = args.batch_size // args.grad_accum  # sequences in a micro-batch, over all ranks
+B_local, T_local = micro // layout.dp, args.seq_len // layout.cp  # this rank's share of a micro-batch
 
 # -----------------------------------------------------------------------------
 # The run folder: --out holds metrics.jsonl and the checkpoints step-NNNNNNNN/. A checkpoint is written as
@@ -603,8 +630,8 @@ def get_batch(shards, windows):
 # -----------------------------------------------------------------------------
 # Model, sharding and optimizer
 
-plan, meta_model, checkpoint_bytes = memory_plan(cfg, bf16)  # first: a preset that cannot fit gets one line, not an OOM crash
-total, active = param_counts(meta_model)
+plan, checkpoint_bytes = memory_plan(meta_model, bf16, args.grad_accum, args.reduce_every_micro_batch)  # first: a preset that cannot fit gets
+# one line, not an out-of-memory crash
 need = sum(plan.values())
 if device.type == "cuda":
     available = torch.cuda.mem_get_info(device)[0]
@@ -691,11 +718,11 @@ def evaluate():
     losses = []
     for shards, windows in ((train_shards, eval_windows["train"]), (val_shards, eval_windows["val"])):
         total = 0.0
-        for i in range(0, len(windows), args.batch_size):
-            x, y, pos = get_batch(shards, windows[i:i + args.batch_size])
+        for i in range(0, len(windows), micro):
+            x, y, pos = get_batch(shards, windows[i:i + micro])
             with amp:
                 total += model(x, y, pos=pos)[1].item()
-        losses.append(mean_over_ranks(total / args.eval_batches))
+        losses.append(mean_over_ranks(total / (len(windows) // micro)))
     model.train()
     return losses
 
@@ -927,7 +954,7 @@ print0(f"preset {args.preset}: {total / 1e6:.2f}M parameters, {active / 1e6:.2f}
        f"dp_shard={layout.dp_shard}, cp={layout.cp}) expert mesh (ep_replicate={layout.ep_replicate}, "
        f"ep_shard={layout.ep_shard}, ep={layout.ep})" + (f", {cfg.num_experts // layout.ep} experts a rank, FSDP "
        f"Shard({expert_shard_dim(layout, cfg.num_experts)})" if world_size > 1 else "") + f" | {'bf16' if bf16 else 'fp32'} compute | peak "
-       f"{peak / 1e9:,.1f} GFLOP/s a rank ({peak_source})")
+       f"{peak / 1e9:,.1f} GFLOP/s a rank ({peak_source}) | {peak_memory() / 2**30:.2f} GiB peak so far (rank 0)")
 
 # -----------------------------------------------------------------------------
 # Pretraining loop
@@ -947,12 +974,17 @@ for step in range(start_step + 1, (args.steps if pretraining else start_step) + 
     t0 = time.perf_counter()
     for group in optimizer.param_groups:
         group["lr"] = args.lr * lr_factor(step - 1)
-    x, y, pos = get_batch(train_shards, train_windows.next(args.batch_size))
+    windows, loss = train_windows.next(args.batch_size), 0.0
     comm = CommCounter() if args.count_comm and step == start_step + 2 else contextlib.nullcontext()
     with comm:
-        with amp:
-            _, loss = model(x, y, pos=pos)  # mean over this rank's tokens; FSDP averages the gradients over ranks
-        loss.backward()
+        for k in range(args.grad_accum):  # gradients add up; FSDP reduce-scatters after the last micro-batch
+            x, y, pos = get_batch(train_shards, windows[k * micro:(k + 1) * micro])
+            if world_size > 1:
+                model.set_requires_gradient_sync(args.reduce_every_micro_batch or k == args.grad_accum - 1)
+            with amp:
+                _, micro_loss = model(x, y, pos=pos)  # mean over these tokens; FSDP averages over the ranks
+            (micro_loss / args.grad_accum).backward()  # equal token counts: the mean over the whole batch
+            loss += micro_loss.detach() / args.grad_accum
         grad_norm = clip_grad_norm(args.grad_clip)  # .item() inside: the backward has finished
         t_opt = time.perf_counter()
         optimizer.step()
