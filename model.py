@@ -187,7 +187,7 @@ class MLA(nn.Module):
         if cache is not None:  # this chunk's latents join the cached ones: [B, S, kv_lora + rope], S = cached + T
             kv_a, k_pos = cache.update(self.layer_id, kv_a), cache.k_pos
         if self.cp_group is not None:  # -> [B, S, kv_lora + rope], S = T * cp, in sequence order
-            kv_a = funcol.all_gather_tensor_autograd(kv_a.contiguous(), gather_dim=1, group=self.cp_group)
+            kv_a = funcol.all_gather_single(kv_a.contiguous(), 1, self.cp_group)
             k_pos = funcol.all_gather_tensor(pos, gather_dim=0, group=self.cp_group)
         S = kv_a.size(1)
         c_kv, k_pe = kv_a.split([cfg.kv_lora_rank, rope], dim=-1)
@@ -506,6 +506,30 @@ class Transformer(nn.Module):
             m.expert_bias += m.cfg.bias_update_rate * torch.sign(mu - load)
             m.tokens_per_expert.zero_()
         return (loads.max(-1, keepdim=True).values / mean).mean().item()
+
+
+class ContextParallel(nn.Module):
+    """Whole sequences through a context-parallel model (its MLA layers' cp_group set), for a trainer whose
+    batches arrive as whole rows (RL rollouts) on every rank of the CP group. This rank runs its chunk of the T
+    positions (T padded at the end to a multiple of cp: causal, so the padding changes nothing before it),
+    attention gathers the K/V latents, and the logits come back whole [B, T, V] through an all-gather with
+    autograd. Its backward sums the cp ranks' gradients (of the same loss) into each chunk: cp times the
+    gradient, which the FSDP mean over cp times as many ranks as there are data-parallel groups brings back to
+    the mean over those groups. The hidden states are split over CP; the vocabulary-sized logits are not."""
+
+    def __init__(self, model, group):
+        super().__init__()
+        self.model, self.group = model, group
+
+    def forward(self, idx):
+        """idx [B, T] -> (logits [B, T, V], None), as the model's forward without targets."""
+        cp, k = dist.get_world_size(self.group), dist.get_rank(self.group)
+        B, T = idx.shape
+        chunk = -(-T // cp)
+        idx = F.pad(idx, (0, chunk * cp - T), value=TOKEN["<|pad|>"])[:, k * chunk:(k + 1) * chunk]
+        logits, _ = self.model(idx, pos=torch.arange(k * chunk, (k + 1) * chunk, device=idx.device))
+        logits = funcol.all_gather_single(logits.contiguous(), 1, self.group)  # with autograd
+        return logits[:, :T], None
 
 
 # -----------------------------------------------------------------------------

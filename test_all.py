@@ -1057,8 +1057,8 @@ def test_signals_locks_and_kills_lose_nothing(par_data, tmp_path):
 
 def test_sigterm_under_torchrun_saves_mid_rl_and_resumes_at_another_world_size(tmp_path):
     """A preempted RL job (from a fresh model, --init scratch): SIGTERM to torchrun, which passes it on. Both ranks
-    (CP=2 folded into data parallelism for RL, EP=2; each samples its own groups with a gathered copy of the
-    policy) finish the RL step, save it and exit non-zero; the resume line is printed once and no rank prints a
+    (CP=2, EP=2: each samples its own group with a gathered copy of the policy, then both train on the two, each
+    sequence split over them) finish the RL step, save it and exit non-zero; the resume line is printed once and no rank prints a
     traceback. That mid-RL checkpoint, written by 2 ranks, then resumes in one process."""
     out = tmp_path / "run"
     p = start_torchrun(*RL_RUN, "--stage", "rl", "--init", "scratch", "--rl-steps", "50", "--cp", "2", "--ep", "2",
@@ -1069,7 +1069,7 @@ def test_sigterm_under_torchrun_saves_mid_rl_and_resumes_at_another_world_size(t
     r = finish(p)
     assert r.returncode != 0 and 'train.py", line' not in r.stderr, r.stderr[-3000:]
     assert r.stderr.count("stopped by SIGTERM") == 1, r.stderr[-3000:]
-    assert "(1 a rank)" in r.stdout and "--cp 2 folds into data parallelism" in r.stdout  # 2 tasks a step
+    assert "(1 a rank)" in r.stdout and "CP 2: the CP ranks train on their 2 groups together" in r.stdout
     step = int(re.search(r"stopped by SIGTERM after step (\d+)", r.stderr)[1])
     meta = json.loads((out / f"step-{step:08d}" / "meta.json").read_text())
     assert meta["stage"] == "rl" and meta["rl_step"] == step >= 1  # a fresh model: RL step = step
@@ -1655,18 +1655,23 @@ def test_initial_parameters_do_not_depend_on_the_layout():
     assert one[16]["layers.1.ffn.experts.w1"].std().item() == pytest.approx(M.ModelConfig().init_std, rel=0.02)
 
 
-def _rl_step_worker(rank, world, port, trajs, cfg, out):
-    """One RL step on this rank's whole groups, the tiny model sharded with FSDP2 as train.py shards it (the
-    same units; no EP, CP or mixed precision), old log-probs from old_logprobs under FSDP."""
+def _rl_step_worker(rank, world, port, trajs, cfg, degrees, out):
+    """One RL step on this rank's data-parallel group's whole groups, the tiny model placed as train.py places it
+    (mesh.shard; no mixed precision), old log-probs from old_logprobs. Under CP the ranks of a CP group take
+    the same trajectories and run them through model.ContextParallel, as train.py's RL stage does."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     import torch.distributed as dist
     from grpo import grpo_loss, old_logprobs
+    from mesh import make_layout
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
-    model = sharded_model(world, M.ModelConfig())
-    mine = trajs[rank * len(trajs) // world:(rank + 1) * len(trajs) // world]
-    loss, _, _, _ = grpo_loss(model, mine, cfg, old_logp=old_logprobs(model, mine, cfg))
+    model = sharded_model(world, M.ModelConfig(), **degrees)
+    layout, cp_group = make_layout(world, **degrees), model.layers[0].attn.cp_group
+    trainer = M.ContextParallel(model, cp_group) if cp_group else model
+    dp, n = layout.coords(rank)[0], world // layout.cp  # this rank's data-parallel group, of n
+    mine = trajs[dp * len(trajs) // n:(dp + 1) * len(trajs) // n]
+    loss, _, _, _ = grpo_loss(trainer, mine, cfg, old_logp=old_logprobs(trainer, mine, cfg))
     loss.backward()  # each rank: its trajectories x max_gen_tokens; FSDP's mean over ranks makes it global
     mean_loss = loss.detach().clone()
     dist.all_reduce(mean_loss)
@@ -1677,14 +1682,17 @@ def _rl_step_worker(rank, world, port, trajs, cfg, out):
     dist.destroy_process_group()
 
 
-def test_grpo_step_on_2_fsdp_ranks_equals_one_process():
+@pytest.mark.parametrize("world,degrees", [(2, {}), (2, dict(cp=2)), (4, dict(cp=2, ep=2))])
+def test_grpo_step_on_fsdp_and_cp_ranks_equals_one_process(world, degrees):
+    """The RL loss and gradients of one step: 2 FSDP ranks, each its own groups; CP=2, both ranks training on
+    all groups with each sequence split over them; 4 ranks as 2 data-parallel groups of CP=2, with EP=2."""
     from grpo import grpo_loss
     model, cfg, trajs = _rl_trajectories(sampler_bits=8)
     for t in trajs:
         t.env = None  # what a worker needs is tokens, masks, log-probs and rewards
     loss, _, _, _ = grpo_loss(model, trajs, cfg)
     loss.backward()
-    [(mean_loss, grads)] = run_workers(_rl_step_worker, 2, trajs, cfg)
+    [(mean_loss, grads)] = run_workers(_rl_step_worker, world, trajs, cfg, degrees)
     assert abs(mean_loss - loss.item()) < 1e-5 and loss.abs() > 1e-4
     full = {n: p.grad for n, p in model.named_parameters()}
     grads = {n: torch.from_numpy(g) for n, g in grads.items()}

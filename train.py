@@ -44,7 +44,7 @@ import sys
 import sysconfig
 import time
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -60,7 +60,7 @@ from mesh import CommCounter, LayoutError, build_meshes, expert_shard_dim, init_
 import tasks
 from feedback import RULES, Feedback, FeedbackConfig
 from grpo import SUMMARY_REQUEST, GRPOConfig, grpo_loss, minibatches, old_logprobs, rollout
-from model import (PRESETS, ModelConfig, MoE, Transformer, activation_elements, encode, flops_per_token,
+from model import (PRESETS, ContextParallel, ModelConfig, Transformer, activation_elements, encode, flops_per_token,
                    param_counts)
 from muon import Muon, param_groups
 
@@ -1031,16 +1031,15 @@ for step in range(start_step + 1, (args.steps if pretraining else start_step) + 
 # groups with a plain full copy of the policy (the shards gathered once a step; at world size 1 the model
 # itself), which also serves as the feedback teacher. The one forward and backward a step run on the sharded
 # model; each rank normalises by its own trajectories x max_gen_tokens, the same constant everywhere, and
-# FSDP's mean over ranks makes it the global one. Every random draw of a step is seeded from (seed, RL step,
-# rank), like the data order, so a resumed run draws what the uninterrupted one would have.
+# FSDP's mean over ranks makes it the global one. Under CP the ranks of a CP group train on the union of their
+# groups, each running its chunk of every sequence (model.ContextParallel). Every random draw of a step is
+# seeded from (seed, RL step, rank), like the data order, so a resumed run draws what the uninterrupted one
+# would have.
 
 if args.stage != "pretrain":
     rl_start = meta["rl_step"] if rl_resumed else 0
     base = step - rl_start  # the optimizer steps before RL, for step numbers
-    if layout.cp > 1:  # rollouts are whole sequences on each rank: the cp ranks act as data-parallel ranks here
-        print0(f"RL: --cp {layout.cp} folds into data parallelism (each rank samples and scores whole rollouts)")
-        for block in model.layers:
-            block.attn.cp_group = None
+    trainer = ContextParallel(model, dense_mesh["cp"].get_group()) if layout.cp > 1 else model
     rl = GRPOConfig(group_size=args.group_size, max_gen_tokens=args.max_gen_tokens, kl_coef=args.kl_coef,
                     kl_estimator=args.kl_estimator, sampler_bits=args.sampler_bits, temperature=args.temperature)
     sampler = model if world_size == 1 else Transformer(cfg).to(device)
@@ -1050,6 +1049,14 @@ if args.stage != "pretrain":
         if sampler is not model:  # an all-gather per tensor, in the same order on every rank
             sampler.load_state_dict({k: v.full_tensor() if isinstance(v, DTensor) else v
                                      for k, v in model.state_dict().items()})
+
+    def cp_union(trajs):
+        """This rank's trajectories -> those of its CP group, in CP-rank order (whole groups): what it trains on."""
+        if layout.cp == 1:
+            return trajs
+        everyone = [None] * layout.cp
+        dist.all_gather_object(everyone, [replace(t, env=None) for t in trajs], group=trainer.group)
+        return [t for part in everyone for t in part]
 
     make_task, make_env = ((tasks.make_chain_task, tasks.ChainEnv) if args.rl_tasks == "long" else
                            (tasks.make_tool_task, tasks.ToolEnv))
@@ -1104,7 +1111,9 @@ if args.stage != "pretrain":
         difficulty.load_state_dict(meta["difficulty"])
     groups = args.tasks_per_step // world_size  # this rank's share of the step's tasks
     print0(f"RL: {args.rl_steps} steps x {args.tasks_per_step} tasks x {args.group_size} rollouts "
-           f"({groups} a rank), lr {args.rl_lr}, feedback lambda {args.feedback_coef}, KL coef {args.kl_coef}")
+           f"({groups} a rank), lr {args.rl_lr}, feedback lambda {args.feedback_coef}, KL coef {args.kl_coef}" +
+           (f" | CP {layout.cp}: the CP ranks train on their {groups * layout.cp} groups together, each sequence "
+            f"split over them" if layout.cp > 1 else ""))
     for rl_step in range(rl_start + 1, args.rl_steps + 1):
         t0 = time.perf_counter()
         level = difficulty.sample(random.Random(f"{args.seed}/{rl_step}"))  # the same level on every rank
@@ -1113,20 +1122,21 @@ if args.stage != "pretrain":
         envs = [make_env(task) for task in (make_task(task_rng, level) for _ in range(groups))
                 for _ in range(args.group_size)]
         trajs = rollout(sampler, envs, rl, gen)
+        train = cp_union(trajs)  # under CP each trained trajectory is on layout.cp ranks: sums below divide by it
         # PPO: every minibatch's log-probs under the policy that sampled it are taken before the first update
         # (with one epoch and one minibatch the single update's own detached log-probs are those)
-        parts = minibatches(trajs, args.ppo_minibatches, args.group_size)
+        parts = minibatches(train, args.ppo_minibatches, args.group_size)
         reused = args.ppo_epochs > 1 or len(parts) > 1
         with amp:
-            olds = [old_logprobs(model, part, rl) if reused else None for part in parts]
+            olds = [old_logprobs(trainer, part, rl) if reused else None for part in parts]
         updates = []
         for epoch in range(args.ppo_epochs):
             for part, old in zip(parts, olds):
                 with amp:
-                    loss, stats, _, logits = grpo_loss(model, part, rl, ref=copies.get("reference"), old_logp=old)
+                    loss, stats, _, logits = grpo_loss(trainer, part, rl, ref=copies.get("reference"), old_logp=old)
                     fb = {}
                     if args.feedback_coef:  # lambda = 0 leaves the RL loss exactly as it is
-                        fb_loss, fb = feedback.loss(model, part, len(part) * rl.max_gen_tokens, logits=logits,
+                        fb_loss, fb = feedback.loss(trainer, part, len(part) * rl.max_gen_tokens, logits=logits,
                                                     current=sampler)
                         loss = loss + args.feedback_coef * fb_loss
                 loss.backward()
@@ -1135,15 +1145,15 @@ if args.stage != "pretrain":
                 optimizer.zero_grad(set_to_none=True)
                 updates.append((epoch, stats, fb))
         first = [(st, fb) for epoch, st, fb in updates if epoch == 0]  # each policy token once
-        stats = {"gen_tokens": sum(st["gen_tokens"] * len(p) for (st, _), p in zip(first, parts)) / len(trajs),
+        stats = {"gen_tokens": sum(st["gen_tokens"] * len(p) for (st, _), p in zip(first, parts)) / len(train),
                  "clip_frac": sum(st["clip_frac"] for _, st, _ in updates) / len(updates),
                  "tis_min": min(st["tis_min"] for st, _ in first), "tis_max": max(st["tis_max"] for st, _ in first)}
         # feedback means weighted by their counts: the KL by all targets, each teacher/student probe by its
         # rule's targets
         weighted = [("feedback_kl", "feedback_targets")] + [
             (f"p_{who}_{name}", name) for name, _ in feedback.rules for who in ("student", "teacher")]
-        fb_sums = [sum(f.get(key, 0.0) * f.get(count, 0) for _, f in first) for key, count in weighted]
-        fb_counts = [sum(f.get(count, 0) for _, f in first) for _, count in weighted]
+        fb_sums = [sum(f.get(key, 0.0) * f.get(count, 0) for _, f in first) / layout.cp for key, count in weighted]
+        fb_counts = [sum(f.get(count, 0) for _, f in first) / layout.cp for _, count in weighted]
         for moe in model.moe_layers():  # the router bias stays as pretraining left it: an RL batch is small and
             moe.tokens_per_expert.zero_()  # padded, so its load counts would mostly count padding
         refresh_sampler()
@@ -1156,7 +1166,7 @@ if args.stage != "pretrain":
         for r in rewards.tolist():
             difficulty.update(level, r)
         calls, errors, capital, malformed, summaries, n = episode_stats(envs, trajs)
-        tokens, stopping, *fb_all = sum_over_ranks([stats["gen_tokens"] * len(trajs), stop_signal is not None,
+        tokens, stopping, *fb_all = sum_over_ranks([stats["gen_tokens"] * len(train) / layout.cp, stop_signal is not None,
                                                     *fb_sums, *fb_counts])
         fb_sums, fb_counts = fb_all[:len(weighted)], fb_all[len(weighted):]
         fb = {key: total / count if count else None  # None: no target of that rule in this step
