@@ -579,13 +579,13 @@ def activation_elements(cfg: ModelConfig, layer_id: int, cp: int = 1):
 def bench_experts(device):
     """Forward and backward of the routed experts, torch._grouped_mm against a matmul per expert, on expert shapes
     of the small preset and of a slice of Kimi K2's layer (8 of its 384 experts, 7168 -> 2048), with tokens spread
-    unevenly. bf16 on CUDA (8192 rows, best of 5); on CPU fp32 and a quick look (128 rows, one run). Prints
-    ms of each and the ratio."""
+    unevenly. bf16 on CUDA (8192 rows, best of 5); on CPU fp32 and a quick look (128 rows, 2 of K2's experts,
+    one run). Prints ms of each and the ratio."""
     gpu = device.type == "cuda"
-    dtype, rows, repeats = (torch.bfloat16, 8192, 5) if gpu else (torch.float32, 128, 1)
+    dtype, rows, repeats, k2 = (torch.bfloat16, 8192, 5, 8) if gpu else (torch.float32, 128, 1, 2)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     gen = torch.Generator().manual_seed(0)
-    for name, (E, dim, hidden) in {"small": (32, 512, 256), "kimi-k2 x8": (8, 7168, 2048)}.items():
+    for name, (E, dim, hidden) in {"small": (32, 512, 256), f"kimi-k2 x{k2}": (k2, 7168, 2048)}.items():
         counts = torch.distributions.Dirichlet(torch.ones(E)).sample() * rows  # uneven loads
         counts = counts.floor().long().to(device)
         xs = torch.randn(int(counts.sum()), dim, generator=gen).to(device, dtype).requires_grad_()
