@@ -15,7 +15,7 @@ seeds an arm) and prints the held-out targeted rates and pass rates, mean ± std
     python feedback.py                   # Cursor's "tool not found" example on a tiny model pretrained on transcripts
     python feedback.py --ablation long   # lambda 0.1 against 0 on long episodes, 5 seeds an arm (--ablation short)
 """
-import copy
+import contextlib
 import json
 import os
 import re
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from grpo import rows as grpo_rows, turn_tokens
+from grpo import Weights, rows as grpo_rows, turn_tokens
 from model import TOKEN
 from tasks import FORMAT_REMINDER, STYLE_REMINDER, reminder
 
@@ -83,6 +83,11 @@ def find_targets(traj, rules=RULES):
 # The loss
 
 
+def pad(seqs):
+    """Token lists -> [len(seqs), longest] right-padded."""
+    return torch.tensor([s + [TOKEN["<|pad|>"]] * (max(map(len, seqs)) - len(s)) for s in seqs])
+
+
 def message_kl(s_logits, t_logits, tokens, estimator="full"):
     """KL(student || teacher) on one message's L tokens. s_logits (with grad), t_logits: [L, V], each row
     predicting tokens [L]. "full": sum_v p_s (log p_s - log p_t) per token, exact. "sampled": the student
@@ -98,28 +103,31 @@ def message_kl(s_logits, t_logits, tokens, estimator="full"):
 
 class Feedback:
     """The feedback term: finds targets in a batch of trajectories, builds student and teacher contexts, and
-    returns lambda-free L_fb (sum over target tokens / norm, the RL loss's constant)."""
+    returns lambda-free L_fb (sum over target tokens / norm, the RL loss's constant). The teacher is the policy
+    itself with the hint in its context ("current"), or other Weights of it (grpo.Weights, held as the policy
+    is held: shards under FSDP) loaded into the policy for the teacher's pass: the policy RL started from
+    ("frozen") or an EMA of it ("ema")."""
 
     def __init__(self, policy, cfg: FeedbackConfig, rules=RULES):
         if cfg.teacher not in ("current", "frozen", "ema"):
             raise ValueError(f"teacher must be current, frozen or ema, got {cfg.teacher!r}")
         self.cfg, self.rules = cfg, rules
-        self.teacher = None if cfg.teacher == "current" else copy.deepcopy(policy).requires_grad_(False)
+        self.teacher = None if cfg.teacher == "current" else Weights(policy)
 
-    @torch.no_grad()
     def update(self, policy):
         """After each optimizer step: the EMA teacher follows the policy (frozen and current need nothing)."""
         if self.cfg.teacher == "ema":
-            for t, p in zip(self.teacher.parameters(), policy.parameters()):
-                t.lerp_(p, 1 - self.cfg.ema_decay)
+            self.teacher.lerp_(policy, 1 - self.cfg.ema_decay)
 
-    def loss(self, policy, trajs, norm, logits=None, current=None):
-        """-> (L_fb, stats). The hint goes in as a system turn right before the message's role token, so the
-        teacher's message tokens sit len(hint tokens) later than the student's: positions are shifted to match.
-        logits: grpo_loss's [S, T-1, V] over grpo.batch(trajs); a target message is a prefix of its segment, so
-        under causal attention the student's logits are already there and cost no forward of their own.
-        current: a copy of the current policy that runs alone (under FSDP, the gathered sampler copy), for the
-        teacher's no-grad forward; default the policy itself."""
+    @torch.no_grad()
+    def targets(self, policy, trajs):
+        """The flagged messages of a batch and the teacher's logits on them: the teacher's pass, run before the
+        student's forward (the teacher's weights are swapped in and out around it). The hint goes in as a
+        system turn right before the message's role token, so the teacher's message tokens sit len(hint
+        tokens) later than the student's: positions are shifted to match. Every call runs exactly one forward
+        (one padding token when nothing is flagged), so ranks of a sharded policy stay in step.
+        -> (students [(row in grpo.batch, tokens)], spans [(start, end, hint length)], rule names, teacher
+        logits, counts a rule)"""
         rows = {id(s): r for r, (_, s) in enumerate(grpo_rows(trajs))}
         students, teachers, spans, names = [], [], [], []
         counts = {name: 0 for name, _ in self.rules}
@@ -132,7 +140,25 @@ class Feedback:
                 spans.append((start, end, len(h)))
                 names.append(name)
                 counts[name] += 1
-        pad = lambda seqs: torch.tensor([s + [TOKEN["<|pad|>"]] * (max(map(len, seqs)) - len(s)) for s in seqs])
+        was_training = policy.training
+        with self.teacher.loaded(policy) if self.teacher else contextlib.nullcontext():
+            # in eval mode: the teacher's pass must not count toward the router's expert loads
+            t_logits, _ = policy.eval()(pad(teachers or [[TOKEN["<|pad|>"]]]))
+        policy.train(was_training)
+        return students, spans, names, t_logits, counts
+
+    def loss(self, policy, trajs, norm, logits=None, targets=None):
+        """-> (L_fb, stats). logits: grpo_loss's [S, T-1, V] over grpo.batch(trajs); a target message is a
+        prefix of its segment, so under causal attention the student's logits are already there and cost no
+        forward of their own (else the student runs here). targets: self.targets(policy, trajs), taken before
+        that forward; computed here when None, which must then come before the student's forward: with
+        logits given, only the current policy can be the teacher."""
+        if targets is None:
+            if logits is not None and self.teacher is not None:
+                raise ValueError("a frozen or EMA teacher's pass must run before the student's forward: pass "
+                                 "targets=feedback.targets(policy, trajs) taken before it")
+            targets = self.targets(policy, trajs)
+        students, spans, names, t_logits, counts = targets
         if not students:
             zero = logits.sum() * 0 if logits is not None else sum(p.sum() * 0 for p in policy.parameters())
             return zero, {"feedback_kl": 0.0, "feedback_targets": 0, **counts, **self.probes({})}
@@ -140,11 +166,6 @@ class Feedback:
             s_logits, _ = policy(pad([s for _, s in students]))
         else:
             s_logits = logits[torch.tensor([r for r, _ in students])]
-        teacher = self.teacher or current or policy
-        was_training = teacher.training
-        with torch.no_grad():  # in eval mode: the teacher's pass must not count toward the router's expert loads
-            t_logits, _ = teacher.eval()(pad(teachers))
-        teacher.train(was_training)
         losses, kls, probes = [], [], {}
         for i, (start, end, h) in enumerate(spans):  # logits at position p predict token p + 1
             tokens = torch.tensor(students[i][1][start:end])

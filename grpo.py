@@ -17,12 +17,14 @@ importance sampling").
 
     python grpo.py          # one group of rollouts on the tool-use tasks with a fresh tiny model, and its loss
 """
-import copy
-import math
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from model import TOKEN, KVCache, Transformer, decode, encode
 
@@ -81,18 +83,92 @@ def turn_tokens(role, text):
 # Sampling
 
 
-def fake_quantize(model, bits=8, block=32):
-    """A copy of the model whose matrices are rounded to `bits`-bit integers with one scale per block of 32
-    values (MXFP8-like blocks; integer rounding stands in for the fp8 grid)."""
-    q = copy.deepcopy(model)
-    qmax = 2 ** (bits - 1) - 1
-    with torch.no_grad():
-        for p in q.parameters():
-            if p.ndim >= 2 and p.numel() % block == 0:
-                b = p.view(-1, block)
+def local(p):
+    """A parameter as this rank holds it: its shard under FSDP/EP (a DTensor's local tensor), else itself."""
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+class Weights:
+    """Another set of values for a model's parameters, held as this rank holds the model: its shards under FSDP
+    and EP, whole tensors in one process, so a copy costs 1/world of the model and no rank ever holds a whole
+    one. RL keeps its other policies so (the KL reference, a frozen or EMA teacher, the low-precision sampler):
+    `with weights.loaded(model):` runs the model itself with these values and puts its own back after. Only
+    between optimizer steps, never inside a forward and its backward (autograd saves the weights it used).
+    bits: fake-quantised to `bits`-bit integers with a scale for every 32 values of a row (MXFP8-like blocks;
+    integer rounding stands in for the fp8 grid); blocks run along the last dim, which no layout splits, so
+    the values do not depend on the layout. Buffers are shared (RL leaves the router bias as it is)."""
+
+    def __init__(self, model, bits=0, block=32):
+        self.bits, self.block = bits, block
+        self.tensors = [local(p).detach().clone() for p in model.parameters()]
+        self.quantize()
+
+    @torch.no_grad()
+    def quantize(self):
+        qmax = 2 ** (self.bits - 1) - 1
+        for t in self.tensors if self.bits else []:
+            if t.ndim >= 2 and t.size(-1) % self.block == 0:
+                b = t.view(-1, self.block)
                 scale = b.abs().amax(-1, keepdim=True).clamp(min=1e-12) / qmax
                 b.copy_((b / scale).round().clamp(-qmax, qmax) * scale)
-    return q
+
+    @torch.no_grad()
+    def copy_from(self, model):
+        for t, p in zip(self.tensors, model.parameters()):
+            t.copy_(local(p))
+        self.quantize()
+
+    @torch.no_grad()
+    def lerp_(self, model, weight):
+        """EMA: t <- t + weight * (model - t)."""
+        for t, p in zip(self.tensors, model.parameters()):
+            t.lerp_(local(p), weight)
+
+    def state_dict(self, model):
+        """{parameter name: tensor}, as DTensors placed like the model's parameters where those are DTensors,
+        sharing these tensors: what DCP saves, and loads into in place."""
+        return {n: DTensor.from_local(t, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
+                                      run_check=False) if isinstance(p, DTensor) else t
+                for (n, p), t in zip(model.named_parameters(), self.tensors)}
+
+    @contextlib.contextmanager
+    def loaded(self, model):
+        own = [local(p) for p in model.parameters()]
+        saved = [t.clone() for t in own]
+        with torch.no_grad():
+            for p, t in zip(own, self.tensors):
+                p.copy_(t)
+        try:
+            yield model
+        finally:
+            with torch.no_grad():
+                for p, t in zip(own, saved):
+                    p.copy_(t)
+
+
+class Lockstep(nn.Module):
+    """Sampling with a sharded model (FSDP all-gathers every unit, EP exchanges tokens): every rank must run as
+    many forwards as every other, though its rollouts end sooner or later. Each forward first agrees, in one
+    all-reduce, that some rank still works; a rank that is done calls drain(), which runs one-token forwards
+    as long as any other rank does, and returns once all are done."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.cfg = model, model.cfg
+
+    def agree(self, working):
+        flag = torch.tensor([float(working)], device=next(self.model.parameters()).device)
+        dist.all_reduce(flag)
+        return flag.item() > 0
+
+    def forward(self, idx, pos=None, cache=None):
+        self.agree(True)
+        return self.model(idx, pos=pos, cache=cache)
+
+    def drain(self):
+        while self.agree(False):
+            idx = torch.zeros(1, 1, dtype=torch.long, device=next(self.model.parameters()).device)
+            self.model(idx)
 
 
 @torch.no_grad()
@@ -125,49 +201,55 @@ def sample_messages(model, contexts, cfg, gen, limits=None):
 
 
 @torch.no_grad()
-def rollout(policy, envs, cfg, gen):
-    """Run one episode per env in lockstep until each ends or writes max_gen_tokens. -> [Trajectory]"""
-    sampler = fake_quantize(policy, cfg.sampler_bits) if cfg.sampler_bits else policy
+def rollout(policy, envs, cfg, gen, sharded=False):
+    """Run one episode per env, all batched, until each ends or writes max_gen_tokens. -> [Trajectory]
+    With cfg.sampler_bits the policy samples with its fake-quantised Weights loaded. sharded: the policy is
+    sharded over a process group (FSDP, EP), so every rank calls this together (Lockstep)."""
+    quantized = Weights(policy, cfg.sampler_bits) if cfg.sampler_bits else None
+    sampler = Lockstep(policy) if sharded else policy
     was_training = policy.training
-    policy.eval(), sampler.eval()
-    trajs = []
-    for env in envs:
-        t = Trajectory([Segment()], turns=list(env.first_turns()), env=env)
-        for role, text in t.turns:
-            t.segments[0].add(turn_tokens(role, text))
-        t.prompt = list(t.segments[0].tokens)
-        trajs.append(t)
-    while True:
-        live = [t for t in trajs if not t.done]
-        if not live:
-            break
-        for t in live:  # the role token opening the message is the template's, not the policy's
-            t.segments[-1].add([TOKEN["<|assistant|>"]])
-        msgs = sample_messages(sampler, [t.segments[-1].tokens for t in live], cfg, gen,
-                               [min(cfg.max_message_tokens, cfg.max_gen_tokens - t.written) for t in live])
-        for t, (ids, logps) in zip(live, msgs):
-            start = len(t.segments[-1].tokens)
-            t.segments[-1].add(ids, True, logps)
-            if not ids or ids[-1] != TOKEN["<|end|>"]:  # cut at its limit: close it (not a policy token)
-                t.segments[-1].add([TOKEN["<|end|>"]])
-            t.written += len(ids)
-            text = decode([i for i in ids if i < 256])
-            if t.summarizing:  # the summary ends the segment; the next one starts from prompt + summary
-                t.summarizing = False
-                t.segments.append(Segment())
-                t.segments[-1].add(t.prompt + turn_tokens("assistant", text))
-                t.done = t.written >= cfg.max_gen_tokens
-                continue
-            t.turns.append(("assistant", text))
-            t.spans.append((len(t.segments) - 1, start, start + len(ids)))
-            reply, t.done = t.env.step(text)
-            if reply is not None:
-                t.turns.append(("tool", reply))
-                t.segments[-1].add(turn_tokens("tool", reply))
-            t.done = t.done or t.written >= cfg.max_gen_tokens
-            if not t.done and len(t.segments[-1].tokens) > cfg.context_budget:
-                t.segments[-1].add(turn_tokens("user", SUMMARY_REQUEST))  # environment text: never trained
-                t.summarizing = True
+    policy.eval()
+    with quantized.loaded(policy) if quantized else contextlib.nullcontext():
+        trajs = []
+        for env in envs:
+            t = Trajectory([Segment()], turns=list(env.first_turns()), env=env)
+            for role, text in t.turns:
+                t.segments[0].add(turn_tokens(role, text))
+            t.prompt = list(t.segments[0].tokens)
+            trajs.append(t)
+        while True:
+            live = [t for t in trajs if not t.done]
+            if not live:
+                break
+            for t in live:  # the role token opening the message is the template's, not the policy's
+                t.segments[-1].add([TOKEN["<|assistant|>"]])
+            msgs = sample_messages(sampler, [t.segments[-1].tokens for t in live], cfg, gen,
+                                   [min(cfg.max_message_tokens, cfg.max_gen_tokens - t.written) for t in live])
+            for t, (ids, logps) in zip(live, msgs):
+                start = len(t.segments[-1].tokens)
+                t.segments[-1].add(ids, True, logps)
+                if not ids or ids[-1] != TOKEN["<|end|>"]:  # cut at its limit: close it (not a policy token)
+                    t.segments[-1].add([TOKEN["<|end|>"]])
+                t.written += len(ids)
+                text = decode([i for i in ids if i < 256])
+                if t.summarizing:  # the summary ends the segment; the next one starts from prompt + summary
+                    t.summarizing = False
+                    t.segments.append(Segment())
+                    t.segments[-1].add(t.prompt + turn_tokens("assistant", text))
+                    t.done = t.written >= cfg.max_gen_tokens
+                    continue
+                t.turns.append(("assistant", text))
+                t.spans.append((len(t.segments) - 1, start, start + len(ids)))
+                reply, t.done = t.env.step(text)
+                if reply is not None:
+                    t.turns.append(("tool", reply))
+                    t.segments[-1].add(turn_tokens("tool", reply))
+                t.done = t.done or t.written >= cfg.max_gen_tokens
+                if not t.done and len(t.segments[-1].tokens) > cfg.context_budget:
+                    t.segments[-1].add(turn_tokens("user", SUMMARY_REQUEST))  # environment text: never trained
+                    t.summarizing = True
+        if sharded:
+            sampler.drain()
     for t in trajs:
         t.reward = float(t.env.reward())
     policy.train(was_training)
@@ -238,9 +320,10 @@ def minibatches(trajs, n, group_size):
 
 
 @torch.no_grad()
-def old_logprobs(policy, trajs, cfg):
-    """The trainer's log-probs [S, T-1] of a minibatch before any PPO step: grpo_loss's old_logp. Computed
-    for every minibatch before the first one is stepped on; in eval mode, so the router counts nothing."""
+def logprobs(policy, trajs, cfg):
+    """A policy's log-probs [S, T-1] of a minibatch's tokens, at the sampler's temperature, in eval mode (so the
+    router counts nothing): grpo_loss's old_logp (the trainer's, before any PPO step on the minibatch) and
+    ref_logp (with the reference's Weights loaded), both taken before the training forward."""
     tokens = batch(trajs)[0]
     was_training = policy.training
     logits, _ = policy.eval()(tokens[:, :-1])
@@ -248,10 +331,11 @@ def old_logprobs(policy, trajs, cfg):
     return token_logprobs(logits / cfg.temperature, tokens)
 
 
-def grpo_loss(policy, trajs, cfg, ref=None, old_logp=None):
+def grpo_loss(policy, trajs, cfg, ref_logp=None, old_logp=None):
     """L_RL for a list of trajectories (groups of cfg.group_size consecutive ones), one forward of the policy.
     -> (loss, stats, old_logp, logits [S, T-1, V]); pass old_logp back in for further PPO epochs on the same
-    batch (or take it from old_logprobs); the logits serve the feedback term's student without a forward.
+    batch (or take it from logprobs); ref_logp: the reference policy's logprobs (needed when cfg.kl_coef > 0);
+    the logits serve the feedback term's student without a forward.
     Log-probs are taken at the sampler's temperature; the returned logits are raw (T = 1), and the feedback
     KL compares student and teacher on those."""
     tokens, mask, sampler_logp, owner = batch(trajs)
@@ -262,8 +346,6 @@ def grpo_loss(policy, trajs, cfg, ref=None, old_logp=None):
     rewards = torch.tensor([t.reward for t in trajs])
     kl = torch.zeros_like(logp)
     if cfg.kl_coef > 0:
-        with torch.no_grad():
-            ref_logp = token_logprobs(ref(tokens[:, :-1])[0] / cfg.temperature, tokens)
         kl = kl_estimates(logp, ref_logp)[cfg.kl_estimator] * mask
         if cfg.kl_estimator == "k1":  # folded into the reward at the sampled policy: the same in every epoch
             k1 = kl_estimates(old_logp, ref_logp)["k1"] * mask

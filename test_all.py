@@ -783,14 +783,20 @@ def test_dry_run_plans_kimi_k2_on_512_ranks_without_allocating():
         assert r.returncode == 0, r.stderr
         found = re.findall(r"([a-z][a-z ]*) ([\d,]+\.\d+)", r.stdout.splitlines()[-1].split(": ", 1)[1])
         return r.stdout, {k: float(v.replace(",", "")) for k, v in found}
-    runs = plan(), plan("--activation-checkpointing"), plan("--activation-checkpointing", "--batch-size", "4096")
-    (out, full), (_, ac), (big, accum) = map(gib, runs)
+    runs = plan(), plan("--activation-checkpointing"), plan("--activation-checkpointing", "--batch-size", "4096"), \
+        plan("--activation-checkpointing", "--stage", "rl", "--init", "scratch", "--kl-coef", "0.01",
+             "--feedback-teacher", "ema", "--sampler-bits", "8")
+    (out, full), (_, ac), (big, accum), (rl_out, rl) = map(gib, runs)
     assert "1026.41B parameters" in out and "ep_shard=8, ep=64), 6 experts a rank" in out
     assert full["weights"] == pytest.approx(4 * 1026.41e9 / 512 / 2**30, rel=1e-3)
     assert full["total"] == pytest.approx(sum(v for k, v in full.items() if k != "total"), abs=0.02)
     assert ac["activations"] < full["activations"] / 5 and ac["weights"] == full["weights"]
     # 8 sequences a rank do not fit 80 GiB in one forward; in two micro-batches they do, but only with a
     # reduce-scatter after each (the unsharded gradients of FSDP's no-sync would not fit)
+    # the RL stage keeps no whole model: the reference, the EMA teacher and the 8-bit sampler are shards, plus
+    # the model's own values while one of them is loaded
+    assert "other weights kept as shards: reference, teacher, 8-bit sampler" in rl_out
+    assert rl["rl copies"] == pytest.approx(4 * rl["weights"], rel=1e-3) and "rl copies" not in full
     assert "4 x 4096 tokens a rank a forward, 2 micro-batches a step (--grad-accum 2 --reduce-every-micro-batch)" \
         in big and accum["activations"] == pytest.approx(4 * ac["activations"], rel=1e-3) and accum["total"] <= 80
 
@@ -1486,7 +1492,7 @@ def test_equal_rewards_give_zero_gradient_and_summaries_share_the_reward():
 
 
 def test_sampler_precision_and_truncated_importance_weights():
-    from grpo import GRPOConfig, fake_quantize, grpo_loss, rollout, token_logprobs
+    from grpo import GRPOConfig, Weights, grpo_loss, rollout, token_logprobs
     torch.manual_seed(0)
     model = M.Transformer(M.ModelConfig())
     envs = lambda: [_ScriptedEnv(1.0), _ScriptedEnv(0.0)]
@@ -1501,10 +1507,12 @@ def test_sampler_precision_and_truncated_importance_weights():
     with torch.autocast("cpu", torch.bfloat16):  # a bf16 trainer and the fp32 sampler: weighted, not hidden
         _, bf16, _, _ = grpo_loss(model, trajs, same)
     assert bf16["tis_max"] - bf16["tis_min"] > 1e-4
-    q = fake_quantize(model, 8)
-    w = next(p for n, p in q.named_parameters() if n.endswith("experts.w1"))
-    w0 = next(p for n, p in model.named_parameters() if n.endswith("experts.w1"))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    q = Weights(model, 8)
+    with q.loaded(model):
+        w, w0 = model.layers[1].ffn.experts.w1.detach().clone(), before["layers.1.ffn.experts.w1"]
     assert 0 < (w - w0).abs().max() < 0.01 * w0.abs().max()  # 8-bit blocks: close, not equal
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # its own weights are back
     low = GRPOConfig(group_size=2, max_message_tokens=6, sampler_bits=8, tis_cap=1.5)
     trajs = rollout(model, envs(), low, torch.Generator().manual_seed(0))
     from grpo import batch
@@ -1579,7 +1587,7 @@ def test_grpo_loss_gradient_per_token_is_the_weighted_advantage_over_a_constant(
 def test_k2_loss_has_the_gradient_of_kl_pi_ref_and_k3_that_of_kl_ref_pi():
     """The expected gradient over on-policy samples (each outcome weighted by p, the samples held fixed) of
     each estimator used as a loss, against the exact KLs on a small categorical. Then k2, k3 in grpo_loss."""
-    from grpo import grpo_loss, kl_estimates
+    from grpo import grpo_loss, kl_estimates, logprobs
     z = torch.tensor([1.0, 0.2, -0.5, -1.5], requires_grad=True)  # the policy's logits
     ref = torch.tensor([0.1, 0.2, 0.3, 0.4]).log()
     logp = z.log_softmax(-1)
@@ -1603,7 +1611,7 @@ def test_k2_loss_has_the_gradient_of_kl_pi_ref_and_k3_that_of_kl_ref_pi():
     losses = {}
     for k in ("k2", "k3"):
         cfg.kl_estimator = k
-        loss, stats, _, _ = grpo_loss(model, trajs, cfg, ref=ref_model)
+        loss, stats, _, _ = grpo_loss(model, trajs, cfg, ref_logp=logprobs(ref_model, trajs, cfg))
         n = stats["gen_tokens"] * len(trajs)
         norm = len(trajs) * cfg.max_gen_tokens
         assert stats["kl"] > 0 and math.isclose(loss.item(), 0.5 * stats["kl"] * n / norm, rel_tol=1e-5)
@@ -1616,14 +1624,14 @@ def test_ppo_epochs_on_minibatches_clip_and_clipped_tokens_get_no_gradient(monke
     minibatch starts at ratio 1, later ones see the moved policy, the clip fires, and a token whose ratio is
     clipped on the side the advantage pushes (A > 0, ratio > 1 + eps_high; A < 0, ratio < 1 - eps_low) gets no
     gradient while every other policy token does."""
-    from grpo import batch, grpo_loss, minibatches, old_logprobs
+    from grpo import batch, grpo_loss, logprobs, minibatches
     model, cfg, trajs = _rl_trajectories(temperature=0.7)
     mbs = minibatches(trajs, 2, cfg.group_size)
     assert mbs == [trajs[:2], trajs[2:]] and minibatches(trajs, 1, 2) == [trajs]
     for bad in ((trajs, 3, 2), (trajs[:3], 1, 2)):  # more minibatches than groups; a broken group
         with pytest.raises(ValueError):
             minibatches(*bad)
-    olds = [old_logprobs(model, mb, cfg) for mb in mbs]  # before any step
+    olds = [logprobs(model, mb, cfg) for mb in mbs]  # before any step
     kept = _keep_logprobs(monkeypatch)
     opt = torch.optim.SGD(model.parameters(), lr=0.3)
     seen = []
@@ -1640,7 +1648,7 @@ def test_ppo_epochs_on_minibatches_clip_and_clipped_tokens_get_no_gradient(monke
             assert (grad[mask & held] == 0).all() and (grad[mask & ~held] != 0).all()
             seen.append((ratio[mask], stats["clip_frac"], (mask & held).sum().item()))
     (r00, c00, _), (r01, _, _), (r10, c10, h10), (r11, c11, h11) = seen
-    assert (r00 - 1).abs().max() < 1e-6 and c00 == 0  # old_logprobs is the trainer's own forward
+    assert (r00 - 1).abs().max() < 1e-6 and c00 == 0  # logprobs is the trainer's own forward
     assert (r01 - 1).abs().max() > 0.1  # the second minibatch already sees the first one's step
     assert c10 > 0 and c11 > 0 and h10 > 0 and h11 > 0 and (r10 - 1).abs().max() > 0.3
 
@@ -1703,14 +1711,56 @@ def test_initial_parameters_do_not_depend_on_the_layout():
     assert one[16]["layers.1.ffn.experts.w1"].std().item() == pytest.approx(M.ModelConfig().init_std, rel=0.02)
 
 
+def _sampling_worker(rank, world, port, cfg, degrees, out):
+    """Rollouts with the sharded model itself (grpo.Lockstep), unequal work a rank: rank r samples r + 1 episodes
+    of its own, with the FSDP units kept gathered while sampling as train.py keeps them."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    from grpo import rollout
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = sharded_model(world, M.ModelConfig(), **degrees)
+    model.set_reshard_after_forward(False)
+    envs = [_ScriptedEnv(1.0, turns=1 + (rank + i) % 3) for i in range(rank + 1)]
+    trajs = rollout(model, envs, cfg, torch.Generator().manual_seed(rank), sharded=True)
+    mine = [(t.segments[-1].tokens, t.segments[-1].sampler_logp) for t in trajs]
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    if rank == 0:
+        out.put(everyone)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("degrees", [{}, dict(ep=2)])
+def test_sharded_sampling_in_lockstep_equals_one_process(degrees):
+    """No rank holds a whole copy of the policy: 2 ranks sample with the FSDP (and EP) model itself, unequal
+    numbers of episodes of unequal lengths, all in step until the last ends; each rank's rollouts are the ones
+    one process samples from the same episodes and seeds, token for token, with the same log-probs. With the
+    8-bit sampler too (its blocks run along rows, so the quantized values do not depend on the layout)."""
+    from grpo import GRPOConfig, rollout
+    for bits in (0, 8):
+        cfg = GRPOConfig(group_size=1, max_message_tokens=6, max_gen_tokens=16, sampler_bits=bits)
+        torch.manual_seed(0)
+        model = M.Transformer(M.ModelConfig())
+        [got] = run_workers(_sampling_worker, 2, cfg, degrees)
+        for rank, mine in enumerate(got):
+            envs = [_ScriptedEnv(1.0, turns=1 + (rank + i) % 3) for i in range(rank + 1)]
+            trajs = rollout(model, envs, cfg, torch.Generator().manual_seed(rank))
+            assert [t.segments[-1].tokens for t in trajs] == [tokens for tokens, _ in mine], (bits, rank)
+            for t, (_, logp) in zip(trajs, mine):
+                np.testing.assert_allclose(logp, t.segments[-1].sampler_logp, atol=1e-5)
+
+
 def _rl_step_worker(rank, world, port, trajs, cfg, degrees, out):
     """One RL step on this rank's data-parallel group's whole groups, the tiny model placed as train.py places it
-    (mesh.shard; no mixed precision), old log-probs from old_logprobs. Under CP the ranks of a CP group take
+    (mesh.shard; no mixed precision), old log-probs from grpo.logprobs. Under CP the ranks of a CP group take
     the same trajectories and run them through model.ContextParallel, as train.py's RL stage does."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     import torch.distributed as dist
-    from grpo import grpo_loss, old_logprobs
+    from grpo import grpo_loss, logprobs
     from mesh import make_layout
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
@@ -1719,7 +1769,7 @@ def _rl_step_worker(rank, world, port, trajs, cfg, degrees, out):
     trainer = M.ContextParallel(model, cp_group) if cp_group else model
     dp, n = layout.coords(rank)[0], world // layout.cp  # this rank's data-parallel group, of n
     mine = trajs[dp * len(trajs) // n:(dp + 1) * len(trajs) // n]
-    loss, _, _, _ = grpo_loss(trainer, mine, cfg, old_logp=old_logprobs(trainer, mine, cfg))
+    loss, _, _, _ = grpo_loss(trainer, mine, cfg, old_logp=logprobs(trainer, mine, cfg))
     loss.backward()  # each rank: its trajectories x max_gen_tokens; FSDP's mean over ranks makes it global
     mean_loss = loss.detach().clone()
     dist.all_reduce(mean_loss)
@@ -2155,15 +2205,16 @@ def test_feedback_loss_with_a_hint_equals_message_kl_on_hand_aligned_logits():
 
 def test_frozen_and_ema_teachers_and_the_loss_uses_the_chosen_one():
     """After policy steps and Feedback.update: the frozen teacher is the starting policy bit for bit, the EMA
-    teacher is lerp(teacher, policy, 1 - decay), and Feedback.loss runs the chosen teacher."""
+    teacher is lerp(teacher, policy, 1 - decay), and Feedback's teacher pass runs the chosen teacher."""
     from feedback import Feedback, FeedbackConfig
+    from grpo import batch as grpo_batch
     model, _, trajs = _feedback_rollout()
     start = copy.deepcopy(model)
     fbs = {name: Feedback(model, FeedbackConfig(teacher=name, ema_decay=0.9))
            for name in ("current", "frozen", "ema")}
     with pytest.raises(ValueError):
         Feedback(model, FeedbackConfig(teacher="Frozen"))
-    ema_before = copy.deepcopy(fbs["ema"].teacher)
+    ema_before = [t.clone() for t in fbs["ema"].teacher.tensors]
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     for _ in range(2):  # policy steps on the feedback loss, with the current policy as the teacher
         opt.zero_grad()
@@ -2172,18 +2223,28 @@ def test_frozen_and_ema_teachers_and_the_loss_uses_the_chosen_one():
     for fb in fbs.values():
         fb.update(model)
     assert fbs["current"].teacher is None
-    frozen = fbs["frozen"].teacher.state_dict()
-    assert all(torch.equal(v, frozen[k]) for k, v in start.state_dict().items())  # bit-identical to the start
+    frozen = fbs["frozen"].teacher.state_dict(model)
+    assert all(torch.equal(p, frozen[n]) for n, p in start.named_parameters())  # bit-identical to the start
     moved = 0.0
-    for t, t0, p in zip(fbs["ema"].teacher.parameters(), ema_before.parameters(), model.parameters()):
-        assert torch.equal(t, torch.lerp(t0, p, 0.1)) and not t.requires_grad
+    for t, t0, p in zip(fbs["ema"].teacher.tensors, ema_before, model.parameters()):
+        assert torch.equal(t, torch.lerp(t0, p.detach(), 0.1))
         moved = max(moved, (t - t0).abs().max().item())
     assert moved > 1e-3
-    # the loss's teacher: the same KL as passing that model by hand as the current policy's copy
-    kls = {name: fb.loss(model, trajs, norm=100.0)[1]["feedback_kl"] for name, fb in fbs.items()}
-    by_hand = {name: fbs["current"].loss(model, trajs, norm=100.0, current=m)[1]["feedback_kl"]
-               for name, m in (("frozen", start), ("ema", fbs["ema"].teacher))}
-    assert kls["frozen"] == by_hand["frozen"] and kls["ema"] == by_hand["ema"]
+    # the teacher's pass runs the chosen weights: the logits of a model that holds them, and the policy's own
+    # weights are back after it
+    own = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ema_model = copy.deepcopy(model)
+    with torch.no_grad():
+        for q, t in zip(ema_model.parameters(), fbs["ema"].teacher.tensors):
+            q.copy_(t)
+    kls = {}
+    for name, holder in (("current", model), ("frozen", start), ("ema", ema_model)):
+        got, by_hand = fbs[name].targets(model, trajs), fbs["current"].targets(holder, trajs)
+        assert got[0] and torch.equal(got[3], by_hand[3]), name
+        kls[name] = fbs[name].loss(model, trajs, norm=100.0)[1]["feedback_kl"]
+    assert all(torch.equal(p, own[n]) for n, p in model.named_parameters())
+    with pytest.raises(ValueError, match="before the student's forward"):  # a swap after it: refused
+        fbs["ema"].loss(model, trajs, norm=100.0, logits=model(grpo_batch(trajs)[0][:, :-1])[0])
     assert abs(kls["frozen"] - kls["current"]) > 1e-3 and abs(kls["ema"] - kls["current"]) > 1e-4
 
 

@@ -26,7 +26,6 @@ back past a damaged one), and Ctrl-C or SIGTERM saves the current step and print
 import argparse
 import atexit
 import contextlib
-import copy
 import errno
 import functools
 import hashlib
@@ -54,12 +53,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from mesh import CommCounter, LayoutError, build_meshes, expert_shard_dim, init_distributed, make_layout, shard
 import tasks
 from feedback import RULES, Feedback, FeedbackConfig
-from grpo import SUMMARY_REQUEST, GRPOConfig, grpo_loss, minibatches, old_logprobs, rollout
+from grpo import SUMMARY_REQUEST, GRPOConfig, Weights, grpo_loss, logprobs, minibatches, rollout
 from model import (PRESETS, ContextParallel, ModelConfig, Transformer, activation_elements, encode, flops_per_token,
                    param_counts)
 from muon import Muon, param_groups
@@ -280,6 +280,17 @@ def memory_plan(m, bf16, accum, reduce_each):
     per_token = cfg.n_layer * cfg.dim + max(per_layer) if args.activation_checkpointing else sum(per_layer)
     tokens = args.batch_size // layout.dp // accum * (args.seq_len // layout.cp)
     plan["activations"] = tokens * (per_token * compute + 2 * 4 * cfg.vocab_size)
+    if args.stage != "pretrain":
+        # RL: the trainer's forward over a data-parallel group's rollouts, estimated at 3 x --max-gen-tokens
+        # tokens a trajectory (its own tokens, about as many of prompt, replies and summaries, and padding); under
+        # CP the hidden states split over the cp ranks and the logits come back whole
+        rl_tokens = args.tasks_per_step * args.group_size // (layout.world // layout.cp) * 3 * args.max_gen_tokens
+        plan["activations"] = max(plan["activations"], rl_tokens * (per_token * compute / layout.cp +
+                                                                    2 * 4 * cfg.vocab_size))
+        # other values of this rank's shards (grpo.Weights): the KL reference, a frozen or EMA teacher, the
+        # 8-bit sampler's, and the model's own, saved while one of those is loaded
+        n = len(wanted_copies) + (args.sampler_bits > 0)
+        plan["rl copies"] = (n + (n > 0)) * plan["weights"]
     return plan, checkpoint
 
 
@@ -307,6 +318,11 @@ if args.dry_run:  # everything above ran as it would under torchrun; nothing bel
           f"{' --reduce-every-micro-batch' * each}) | "
           f"{'bf16' if bf16 else 'fp32'} compute"
           f"{', activation checkpointing' if args.activation_checkpointing else ''}")
+    if args.stage != "pretrain":
+        kept = sorted(wanted_copies) + ["8-bit sampler"] * (args.sampler_bits > 0)
+        print(f"RL stage: {args.tasks_per_step * args.group_size // (layout.world // layout.cp)} trajectories a "
+              f"data-parallel group a step, ~{3 * args.max_gen_tokens} tokens each (estimated) | other weights "
+              f"kept as shards: {', '.join(kept) or 'none'}")
     fits = sum(plan.values()) <= args.gpu_mem * 2**30
     print(f"memory a rank (GiB): {in_gib(plan)} | total {sum(plan.values()) / 2**30:,.2f}, "
           f"{'within' if fits else 'MORE THAN'} --gpu-mem {args.gpu_mem:g} | a checkpoint (all ranks) "
@@ -767,14 +783,15 @@ def peak_memory():
 # -----------------------------------------------------------------------------
 # Checkpoints, metrics and signals
 
-# Whole-model copies the RL stage keeps beside the policy: the KL reference (the policy RL started from) and a
-# frozen or EMA feedback teacher. Made when RL starts; a resumed RL run loads them from its checkpoint.
-copies = {name: Transformer(cfg).to(device).requires_grad_(False) for name in wanted_copies if rl_resumed}
+# Other weights the RL stage keeps for the policy (grpo.Weights: this rank's shards only): the KL reference
+# (the policy RL started from) and a frozen or EMA feedback teacher. Made when RL starts; a resumed RL run
+# loads them from its checkpoint.
+copies = {name: Weights(model) for name in wanted_copies if rl_resumed}
 
 
 def state_dicts():
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {"model": model_sd, "optim": optim_sd, **{name: m.state_dict() for name, m in copies.items()}}
+    return {"model": model_sd, "optim": optim_sd, **{name: w.state_dict(model) for name, w in copies.items()}}
 
 
 def save_checkpoint(step, **run_state):
@@ -871,8 +888,6 @@ if meta:
     try:
         dcp.load(state, checkpoint_id=resume_path, no_dist=world_size == 1)  # reshards: any writer layout loads
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        for name, m in copies.items():
-            m.load_state_dict(state[name])
     except (Exception, CheckpointException) as e:  # its checksums passed, so this is not damage: say what it is
         die(f"--resume: checkpoint {resume_path} is intact but does not load into this run ({last_line(e)})")
     logging.disable(logging.NOTSET)
@@ -1027,10 +1042,11 @@ for step in range(start_step + 1, (args.steps if pretraining else start_step) + 
 
 # -----------------------------------------------------------------------------
 # RL: groups of rollouts on tool-use tasks at the sampler's difficulty, Dr. GRPO + lambda * feedback KL.
-# Sampling runs no collectives, so ranks may write rollouts of different lengths: each rank samples its own
-# groups with a plain full copy of the policy (the shards gathered once a step; at world size 1 the model
-# itself), which also serves as the feedback teacher. The one forward and backward a step run on the sharded
-# model; each rank normalises by its own trajectories x max_gen_tokens, the same constant everywhere, and
+# No rank holds a whole copy of the policy: each samples its own groups with the sharded model itself, FSDP
+# gathering one unit at a time and EP exchanging tokens, all ranks in step until the longest rollout ends
+# (grpo.Lockstep); the KL reference and a frozen or EMA teacher are other values of this rank's shards
+# (grpo.Weights), loaded into the model for their no-grad passes. The one forward and backward a step run on
+# the sharded model; each rank normalises by its own trajectories x max_gen_tokens, the same constant everywhere, and
 # FSDP's mean over ranks makes it the global one. Under CP the ranks of a CP group train on the union of their
 # groups, each running its chunk of every sequence (model.ContextParallel). Every random draw of a step is
 # seeded from (seed, RL step, rank), like the data order, so a resumed run draws what the uninterrupted one
@@ -1042,13 +1058,27 @@ if args.stage != "pretrain":
     trainer = ContextParallel(model, dense_mesh["cp"].get_group()) if layout.cp > 1 else model
     rl = GRPOConfig(group_size=args.group_size, max_gen_tokens=args.max_gen_tokens, kl_coef=args.kl_coef,
                     kl_estimator=args.kl_estimator, sampler_bits=args.sampler_bits, temperature=args.temperature)
-    sampler = model if world_size == 1 else Transformer(cfg).to(device)
 
-    @torch.no_grad()
-    def refresh_sampler():
-        if sampler is not model:  # an all-gather per tensor, in the same order on every rank
-            sampler.load_state_dict({k: v.full_tensor() if isinstance(v, DTensor) else v
-                                     for k, v in model.state_dict().items()})
+    def sample(envs, gen):
+        """Rollouts with the sharded model itself, every rank in step (grpo.Lockstep). FSDP gathers each unit at
+        its first forward and keeps it until the rollouts end, so decoding gathers nothing per token: a rank
+        holds the dense weights whole and its EP share of the experts while sampling, and EP exchanges tokens at
+        every step. Each rank decodes its own episodes whole, so attention gathers nothing over CP."""
+        cp_groups = [block.attn.cp_group for block in model.layers]
+        for block in model.layers:
+            block.attn.cp_group = None
+        if world_size > 1:
+            model.set_reshard_after_forward(False)
+        try:
+            return rollout(model, envs, rl, gen, sharded=world_size > 1)
+        finally:
+            for block, group in zip(model.layers, cp_groups):
+                block.attn.cp_group = group
+            if world_size > 1:
+                model.set_reshard_after_forward(True)
+                for m in model.modules():
+                    if isinstance(m, FSDPModule):
+                        m.reshard()
 
     def cp_union(trajs):
         """This rank's trajectories -> those of its CP group, in CP-rank order (whole groups): what it trains on."""
@@ -1079,7 +1109,7 @@ if args.stage != "pretrain":
         held_out = [(lvl, make_task(rng, lvl)) for lvl in (1, 2) for _ in range(per_level)]
         mine = held_out[rank::world_size]
         envs = [make_env(task) for _, task in mine]
-        trajs = rollout(sampler, envs, rl, gen_eval)
+        trajs = sample(envs, gen_eval)
         passed = sum_over_ranks([sum(t.reward for t, (lvl, _) in zip(trajs, mine) if lvl == lv) for lv in (1, 2)])
         calls, errors, capital, _, summaries, episodes = episode_stats(envs, trajs)
         record = {"stage": "rl_eval", "step": base + rl_step, "rl_step": rl_step,
@@ -1091,14 +1121,13 @@ if args.stage != "pretrain":
                f"level 2 {record['pass_level2']:.3f} | of calls: tool not found {record['tool_error_rate']:.3f}, "
                f"'Call' {record['capital_rate']:.3f} | {record['summaries']:.1f} summaries an episode")
 
-    refresh_sampler()
     if rl_start == 0:
         rl_eval(0)
-    feedback = Feedback(sampler, FeedbackConfig(coef=args.feedback_coef, estimator=args.feedback_estimator,
+    feedback = Feedback(model, FeedbackConfig(coef=args.feedback_coef, estimator=args.feedback_estimator,
                                                 teacher=args.feedback_teacher, ema_decay=args.feedback_ema_decay),
                         rules=[rule for rule in RULES if rule[0] in args.feedback_rules.split(",")])
     for name in wanted_copies - set(copies):  # the policy RL starts from (a resumed run loaded them above)
-        copies[name] = copy.deepcopy(sampler).requires_grad_(False)
+        copies[name] = Weights(model)
     feedback.teacher = copies.get("teacher")  # None: the current policy
     # A fresh optimizer: the pretraining momentum points nowhere useful for RL. Muon's update has the same size
     # whatever the gradient's, so the RL learning rate alone sets how far a step moves.
@@ -1121,23 +1150,29 @@ if args.stage != "pretrain":
         gen = torch.Generator().manual_seed(task_rng.getrandbits(63))
         envs = [make_env(task) for task in (make_task(task_rng, level) for _ in range(groups))
                 for _ in range(args.group_size)]
-        trajs = rollout(sampler, envs, rl, gen)
+        trajs = sample(envs, gen)
         train = cp_union(trajs)  # under CP each trained trajectory is on layout.cp ranks: sums below divide by it
         # PPO: every minibatch's log-probs under the policy that sampled it are taken before the first update
         # (with one epoch and one minibatch the single update's own detached log-probs are those)
         parts = minibatches(train, args.ppo_minibatches, args.group_size)
         reused = args.ppo_epochs > 1 or len(parts) > 1
         with amp:
-            olds = [old_logprobs(trainer, part, rl) if reused else None for part in parts]
+            olds = [logprobs(trainer, part, rl) if reused else None for part in parts]
+            if "reference" in copies:  # the reference's log-probs, its weights loaded in turn
+                with copies["reference"].loaded(model):
+                    refs = [logprobs(trainer, part, rl) for part in parts]
         updates = []
         for epoch in range(args.ppo_epochs):
-            for part, old in zip(parts, olds):
+            for k, (part, old) in enumerate(zip(parts, olds)):
                 with amp:
-                    loss, stats, _, logits = grpo_loss(trainer, part, rl, ref=copies.get("reference"), old_logp=old)
+                    # the teacher's pass before the student's forward: a teacher's weights are swapped in for it
+                    targets = feedback.targets(trainer, part) if args.feedback_coef else None
+                    loss, stats, _, logits = grpo_loss(trainer, part, rl, old_logp=old,
+                                                       ref_logp=refs[k] if "reference" in copies else None)
                     fb = {}
                     if args.feedback_coef:  # lambda = 0 leaves the RL loss exactly as it is
                         fb_loss, fb = feedback.loss(trainer, part, len(part) * rl.max_gen_tokens, logits=logits,
-                                                    current=sampler)
+                                                    targets=targets)
                         loss = loss + args.feedback_coef * fb_loss
                 loss.backward()
                 clip_grad_norm(args.grad_clip)
@@ -1156,8 +1191,7 @@ if args.stage != "pretrain":
         fb_counts = [sum(f.get(count, 0) for _, f in first) / layout.cp for _, count in weighted]
         for moe in model.moe_layers():  # the router bias stays as pretraining left it: an RL batch is small and
             moe.tokens_per_expert.zero_()  # padded, so its load counts would mostly count padding
-        refresh_sampler()
-        feedback.update(sampler)
+        feedback.update(model)
         rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float64, device=device)
         if world_size > 1:  # every rank's rewards move the one difficulty sampler
             gathered = [torch.empty_like(rewards) for _ in range(world_size)]
