@@ -529,10 +529,10 @@ def dist_bench(preset, worlds, repeats):
           f"{'NS GFLOP/rank':>13} {'of total':>8} {'a2a MiB/rank':>12} {'buffers MiB':>11}")
     base = total = None
     for world in worlds:
-        q = mp.get_context("spawn").SimpleQueue()
+        q = mp.get_context("forkserver").SimpleQueue()  # the workers fork from one process that imported torch
         with tempfile.TemporaryDirectory() as d:
             mp.start_processes(_dist_bench_worker, args=(world, os.path.join(d, "store"), preset, repeats, q),
-                               nprocs=world, start_method="spawn")
+                               nprocs=world, start_method="forkserver")
         rows = q.get()
         step, serial = max(r["overlap"] for r in rows), max(r["serial"] for r in rows)
         base = base or step

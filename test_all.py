@@ -571,8 +571,8 @@ class Launched:
     of them. So every process forks from one server that imported torch and the project's modules once
     (multiprocessing's forkserver, started with OMP_NUM_THREADS=1), then becomes the script. Above one rank the
     ranks get torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT) and, as
-    torchrun does, the others are stopped once one fails. Real `python` and `torchrun` processes run the README's
-    commands and the SIGTERM-under-torchrun test."""
+    torchrun does, the others are stopped once one fails. A real `python` runs the README's quick start, a real
+    `torchrun` the SIGTERM-under-torchrun test."""
     def __init__(self, script, *flags, world=1, cwd=None):
         self.args, self.dir = [str(HERE / script), *flags], Path(tempfile.mkdtemp(prefix="run-"))
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -1261,11 +1261,12 @@ def run_readme_command(line, cwd, shared_out):
                      for a in flags] + SHORT.get(script + " --ablation" * ("--ablation" in flags), [])
     cmd = [sys.executable, *(["-m", "torch.distributed.run", "--standalone", *launch[1:]] if launch[0] == "torchrun"
                              else []), str(HERE / script), *flags]
-    if launch[0] == "torchrun" or line == "python train.py":  # real launches; the rest fork from the preloaded server
-        r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600,
-                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if line == "python train.py":  # the quick start as a real process; the rest fork from the preloaded server,
+        r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600,  # torchrun's ranks with its
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})  # environment (a real torchrun: the SIGTERM test)
     else:
-        r = finish(Launched(script, *flags, cwd=cwd), timeout=600)
+        world = int(opt["nproc_per_node"]) if launch[0] == "torchrun" else 1
+        r = finish(Launched(script, *flags, world=world, cwd=cwd), timeout=600)
     assert r.returncode == 0, f"{line}\n  ran as: {shlex.join(cmd)}\n{r.stderr[-3000:]}"
     return None
 
@@ -1275,9 +1276,9 @@ def test_every_readme_command_runs(tmp_path):
     one validation batch, no held-out RL evaluation; fewer pretraining steps for feedback.py; the tiny preset
     for muon.py's benchmarks), and exits 0. A `--resume` with nothing to resume starts from a copy of the quick start's run;
     a checkpoint the README names is mapped to the shortened run's; REPO, TASKS/ID and TRAJECTORY.jsonl are a
-    fixture repository, the task `make` wrote and a clean trajectory. The quick start and torchrun's commands run
-    as real processes, the rest fork from the preloaded server (Launched). Many-node commands are planned with
-    --dry-run at their world size; CUDA commands are skipped on a machine without CUDA, `tasks.py env` where the
+    fixture repository, the task `make` wrote and a clean trajectory. The quick start runs as a real process, the
+    rest fork from the preloaded server (Launched; torchrun's ranks with its environment). Many-node commands are
+    planned with --dry-run at their world size; CUDA commands are skipped on a machine without CUDA, `tasks.py env` where the
     package index cannot be reached, and nothing else."""
     forkserver()  # started before the threads below
     groups = readme_commands()
@@ -1711,9 +1712,9 @@ def test_initial_parameters_do_not_depend_on_the_layout():
     assert one[16]["layers.1.ffn.experts.w1"].std().item() == pytest.approx(M.ModelConfig().init_std, rel=0.02)
 
 
-def _sampling_worker(rank, world, port, cfg, degrees, out):
+def _sampling_worker(rank, world, port, cfg, degrees, gather, out):
     """Rollouts with the sharded model itself (grpo.Lockstep), unequal work a rank: rank r samples r + 1 episodes
-    of its own, with the FSDP units kept gathered while sampling as train.py keeps them."""
+    of its own, the FSDP units gathered once and kept (train.py's --sample-gather rollout) or at every forward."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -1721,7 +1722,7 @@ def _sampling_worker(rank, world, port, cfg, degrees, out):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
     model = sharded_model(world, M.ModelConfig(), **degrees)
-    model.set_reshard_after_forward(False)
+    model.set_reshard_after_forward(gather == "forward")
     envs = [_ScriptedEnv(1.0, turns=1 + (rank + i) % 3) for i in range(rank + 1)]
     trajs = rollout(model, envs, cfg, torch.Generator().manual_seed(rank), sharded=True)
     mine = [(t.segments[-1].tokens, t.segments[-1].sampler_logp) for t in trajs]
@@ -1733,8 +1734,8 @@ def _sampling_worker(rank, world, port, cfg, degrees, out):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("degrees", [{}, dict(ep=2)])
-def test_sharded_sampling_in_lockstep_equals_one_process(degrees):
+@pytest.mark.parametrize("degrees,gather", [({}, "rollout"), (dict(ep=2), "forward")])
+def test_sharded_sampling_in_lockstep_equals_one_process(degrees, gather):
     """No rank holds a whole copy of the policy: 2 ranks sample with the FSDP (and EP) model itself, unequal
     numbers of episodes of unequal lengths, all in step until the last ends; each rank's rollouts are the ones
     one process samples from the same episodes and seeds, token for token, with the same log-probs. With the
@@ -1744,7 +1745,7 @@ def test_sharded_sampling_in_lockstep_equals_one_process(degrees):
         cfg = GRPOConfig(group_size=1, max_message_tokens=6, max_gen_tokens=16, sampler_bits=bits)
         torch.manual_seed(0)
         model = M.Transformer(M.ModelConfig())
-        [got] = run_workers(_sampling_worker, 2, cfg, degrees)
+        [got] = run_workers(_sampling_worker, 2, cfg, degrees, gather)
         for rank, mine in enumerate(got):
             envs = [_ScriptedEnv(1.0, turns=1 + (rank + i) % 3) for i in range(rank + 1)]
             trajs = rollout(model, envs, cfg, torch.Generator().manual_seed(rank))

@@ -160,6 +160,10 @@ g.add_argument("--rl-eval-every", type=int, default=2, help="RL steps between he
 g.add_argument("--rl-eval-tasks", type=int, default=8, help="held-out tasks a level (1 and 2) per evaluation; 0: none")
 g.add_argument("--sampler-bits", type=int, default=0, choices=[0, 8],
                help="8: sample with 8-bit block-quantised weights (MXFP8-like), corrected by truncated importance weights")
+g.add_argument("--sample-gather", default="rollout", choices=["rollout", "forward"],
+               help="under FSDP, sampling with the sharded model gathers each unit once for the whole rollout and "
+                    "keeps it (rollout: fast; a rank holds the dense weights whole and its EP share of the experts) "
+                    "or at every forward (forward: one unit at a time, an all-gather per unit per token)")
 g.add_argument("--count-comm", action="store_true",
                help="count the calls and bytes of every collective in the second step and print them")
 args = parser.parse_args()
@@ -291,6 +295,10 @@ def memory_plan(m, bf16, accum, reduce_each):
         # 8-bit sampler's, and the model's own, saved while one of those is loaded
         n = len(wanted_copies) + (args.sampler_bits > 0)
         plan["rl copies"] = (n + (n > 0)) * plan["weights"]
+        if args.sample_gather == "rollout" and layout.world > 1:  # the units kept gathered while sampling (counted
+            # on top of training's: an upper bound, as the two never run at once)
+            plan["sampling weights"] = compute * sum(p.numel() / (layout.ep if id(p) in expert_ids else 1)
+                                                     for p in m.parameters())
     return plan, checkpoint
 
 
@@ -1067,7 +1075,7 @@ if args.stage != "pretrain":
         cp_groups = [block.attn.cp_group for block in model.layers]
         for block in model.layers:
             block.attn.cp_group = None
-        if world_size > 1:
+        if world_size > 1 and args.sample_gather == "rollout":
             model.set_reshard_after_forward(False)
         try:
             return rollout(model, envs, rl, gen, sharded=world_size > 1)
