@@ -419,7 +419,7 @@ def normal_at(key: str, full_shape, offset, shape, device=None):
     """Standard normal values of the box [offset, offset + shape) of a tensor of full_shape, each a function of
     (key, its flat index in the full tensor) alone: a counter-based generator (hash the index, then Box-Muller),
     so any shard is made without making the rest. -> float32 tensor of `shape`."""
-    k = zlib.crc32(key.encode())
+    k = int(_mix32(torch.tensor(zlib.crc32(key.encode()))))
     idx = torch.zeros((), dtype=torch.int64, device=device)
     for d in range(len(full_shape)):  # the flat index in the full tensor, [*shape]
         coord = torch.arange(offset[d], offset[d] + shape[d], device=device)
@@ -427,7 +427,8 @@ def normal_at(key: str, full_shape, offset, shape, device=None):
     out = torch.empty(shape, device=device)
     chunk = 1 << 16 if out.device.type == "cpu" else 1 << 24  # CPU: in cache
     for i, o in zip(idx.view(-1).split(chunk), out.view(-1).split(chunk)):
-        h = _mix32(_mix32((i & 0xFFFFFFFF) ^ k) ^ (i >> 32))  # 64-bit index and key -> 32 bits
+        h = _mix32(_mix32(_mix32(i & 0xFFFFFFFF) ^ k) ^ (i >> 32))  # index mixed, then the key: no two keys
+        # give permutations of one set of values
         u1, u2 = (h.float() + 0.5) / 2**32, _mix32(h ^ 0x9E3779B9).float() / 2**32
         torch.mul(torch.sqrt(-2 * torch.log(u1)), torch.cos(2 * math.pi * u2), out=o)
     return out
