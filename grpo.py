@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from model import TOKEN, KVCache, Transformer, decode, encode
+from model import TOKEN, KVCache, Transformer, decode, encode, local
 
 
 @dataclass
@@ -83,11 +83,6 @@ def turn_tokens(role, text):
 # Sampling
 
 
-def local(p):
-    """A parameter as this rank holds it: its shard under FSDP/EP (a DTensor's local tensor), else itself."""
-    return p.to_local() if isinstance(p, DTensor) else p
-
-
 class Weights:
     """Another set of values for a model's parameters, held as this rank holds the model: its shards under FSDP
     and EP, whole tensors in one process, so a copy costs 1/world of the model and no rank ever holds a whole
@@ -111,12 +106,6 @@ class Weights:
                 b = t.view(-1, self.block)
                 scale = b.abs().amax(-1, keepdim=True).clamp(min=1e-12) / qmax
                 b.copy_((b / scale).round().clamp(-qmax, qmax) * scale)
-
-    @torch.no_grad()
-    def copy_from(self, model):
-        for t, p in zip(self.tensors, model.parameters()):
-            t.copy_(local(p))
-        self.quantize()
 
     @torch.no_grad()
     def lerp_(self, model, weight):

@@ -402,6 +402,11 @@ class Block(nn.Module):
 # Initial values that do not depend on how the model is sharded
 
 
+def local(p):
+    """A parameter as this rank holds it: its shard under FSDP/EP (a DTensor's local tensor), else itself."""
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
 def _mix32(x):
     """x: int64 values in [0, 2^32), changed in place into well-mixed 32-bit hashes (murmur3's finalizer; its
     multipliers are below 2^31, so no product leaves int64)."""
@@ -462,11 +467,11 @@ class Transformer(nn.Module):
                 p.fill_(1.0)
                 continue
             scale = std / math.sqrt(2 * self.cfg.n_layer) if name.endswith(("wo", "w2", "w2.weight")) else std
-            local = p.to_local() if isinstance(p, DTensor) else p
+            mine = local(p)
             shape, offset = (compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
                              if isinstance(p, DTensor) else (p.shape, (0,) * p.ndim))
-            assert tuple(local.shape) == tuple(shape), (name, local.shape, shape)
-            local.copy_(scale * normal_at(f"{seed}:{name}", p.shape, offset, shape, local.device))
+            assert tuple(mine.shape) == tuple(shape), (name, mine.shape, shape)
+            mine.copy_(scale * normal_at(f"{seed}:{name}", p.shape, offset, shape, mine.device))
         for m in self.moe_layers():
             m.expert_bias.zero_()
             m.tokens_per_expert.zero_()
