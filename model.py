@@ -4,8 +4,9 @@ Composer 2.5 is RL on top of Moonshot's Kimi K2.5 (1.04T total / 32B active para
 DeepSeek-V3 architecture: multi-head latent attention (MLA), a first dense layer, then MoE layers with
 many small routed experts, top-k sigmoid routing with an auxiliary-loss-free balancing bias, and one
 shared expert. Sources: DeepSeek-V3 technical report (arXiv 2412.19437) and its inference/model.py;
-Kimi K2 technical report (arXiv 2507.20534) and config.json. Simplifications: no YaRN rope scaling,
-no multi-token prediction head, no expert groups (Kimi K2 uses n_group=1 anyway).
+Kimi K2 technical report (arXiv 2507.20534) and config.json. Simplification: no multi-token prediction head.
+Released checkpoints in the Hugging Face layout (DeepSeek-V3, Kimi K2, Kimi K2.5's text model, Moonlight) load
+into it and are written back by the last section of this file; transformers' DeepseekV3 gives the same logits.
 
 Two layout choices serve the optimizer (muon.py) and the sharding (mesh.py):
 - expert weights are stacked, one tensor per projection, [num_experts, out, in];
@@ -19,12 +20,15 @@ parallelism (MLA.cp_group set; each rank holds a chunk of the sequence and gathe
     python model.py --bench-experts  # the experts' grouped GEMM against a matmul per expert (GPU check)
 """
 import contextlib
+import json
 import math
 import re
+import shutil
 import sys
 import time
 import zlib
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -93,8 +97,17 @@ class ModelConfig:
     route_scale: float = 1.0
     aux_loss_coef: float = 0.0  # switch-transformer balance loss; 0 = auxiliary-loss-free only
     bias_update_rate: float = 1e-2  # gamma for the selection-only bias (DeepSeek-V3: 1e-3 over a long run)
+    n_group: int = 1  # expert groups: a token picks topk_group groups first, then its experts in them (DeepSeek-V3)
+    topk_group: int = 1
     max_seq_len: int = 256
     rope_theta: float = 10000.0
+    # YaRN rope scaling (arXiv 2309.00071) as DeepSeek-V3 and Kimi K2 configure it; rope_factor 1 = plain rope
+    rope_factor: float = 1.0
+    rope_original_max_seq_len: int = 4096
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 1.0
+    rope_mscale_all_dim: float = 0.0
     norm_eps: float = 1e-6
     init_std: float = 0.02
 
@@ -116,7 +129,8 @@ PRESETS = {
     "kimi-k2": ModelConfig(vocab_size=163840, dim=7168, n_layer=61, n_dense_layers=1, n_head=64, q_lora_rank=1536,
                            kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
                            dense_hidden=18432, num_experts=384, top_k=8, moe_hidden=2048, n_shared_experts=1,
-                           route_scale=2.827, bias_update_rate=1e-3, max_seq_len=131072, rope_theta=50000.0),
+                           route_scale=2.827, bias_update_rate=1e-3, max_seq_len=131072, rope_theta=50000.0,
+                           rope_factor=32.0, rope_beta_fast=1.0, rope_beta_slow=1.0, rope_mscale_all_dim=1.0),
 }
 
 
@@ -134,12 +148,28 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.float(), (x.size(-1),), self.weight.float(), self.eps).type_as(x)  # fp32 under bf16
 
 
-def rope_tables(pos, dim, theta):
-    """cos/sin [..., T, dim/2] for integer positions pos [..., T] (global positions, so a context-parallel slice
-    stays right)."""
-    inv_freq = theta ** (-torch.arange(0, dim, 2, device=pos.device, dtype=torch.float32) / dim)  # [dim/2]
+def yarn_mscale(factor, mscale):
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def rope_tables(pos, cfg: ModelConfig):
+    """cos/sin [..., T, rope/2] for integer positions pos [..., T] (global positions, so a context-parallel slice
+    stays right). YaRN (rope_factor > 1): the low frequencies, which turn fewer than beta_slow times over the
+    original context, are divided by the factor (interpolated); the high ones, over beta_fast turns, are kept
+    (extrapolated); a linear ramp joins them. cos/sin are scaled by mscale / mscale_all_dim (1 for DeepSeek-V3
+    and Kimi K2), as transformers' _compute_yarn_parameters does."""
+    dim, base, factor = cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_factor
+    inv_freq = base ** (-torch.arange(0, dim, 2, device=pos.device, dtype=torch.float32) / dim)  # [dim/2]
+    attn_factor = 1.0
+    if factor > 1:
+        turns = lambda n: dim * math.log(cfg.rope_original_max_seq_len / (n * 2 * math.pi)) / (2 * math.log(base))
+        low, high = max(math.floor(turns(cfg.rope_beta_fast)), 0), min(math.ceil(turns(cfg.rope_beta_slow)), dim - 1)
+        ramp = ((torch.arange(dim // 2, device=pos.device) - low) / (high - low or 1e-3)).clamp(0, 1)  # 1: interpolate
+        inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)
+        attn_factor = (yarn_mscale(factor, cfg.rope_mscale) / yarn_mscale(factor, cfg.rope_mscale_all_dim)
+                       if cfg.rope_mscale and cfg.rope_mscale_all_dim else yarn_mscale(factor, 1.0))
     freqs = pos.float()[..., None] * inv_freq  # [..., T, dim/2]
-    return freqs.cos(), freqs.sin()
+    return freqs.cos() * attn_factor, freqs.sin() * attn_factor
 
 
 def apply_rope(x, cos, sin):
@@ -171,7 +201,9 @@ class MLA(nn.Module):
         self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps)
         self.wkv_b = nn.Parameter(torch.empty(H, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank))
         self.wo = nn.Parameter(torch.empty(H, cfg.dim, cfg.v_head_dim))  # per head [dim, v_head]
-        self.scale = qk_head ** -0.5
+        self.scale = qk_head ** -0.5  # YaRN sharpens the softmax by mscale^2 (about 1.81 for Kimi K2's factor 32)
+        if cfg.rope_mscale_all_dim:
+            self.scale *= yarn_mscale(cfg.rope_factor, cfg.rope_mscale_all_dim) ** 2
         self.cp_group = None  # set by train.py for context parallelism
 
     def forward(self, x, pos, cache=None):
@@ -185,7 +217,7 @@ class MLA(nn.Module):
             q = torch.einsum("btc,hdc->bhtd", x, self.wq)
         q_nope, q_pe = q.split([nope, rope], dim=-1)
         heads = lambda p: p[:, None] if p.ndim == 2 else p  # per-row positions broadcast over the heads
-        q = torch.cat([q_nope, apply_rope(q_pe, *rope_tables(heads(pos), rope, cfg.rope_theta))], dim=-1)
+        q = torch.cat([q_nope, apply_rope(q_pe, *rope_tables(heads(pos), cfg))], dim=-1)
         kv_a, k_pos = self.wkv_a(x), pos  # [B, T, kv_lora + rope]
         if cache is not None:  # this chunk's latents join the cached ones: [B, S, kv_lora + rope], S = cached + T
             kv_a, k_pos = cache.update(self.layer_id, kv_a), cache.k_pos
@@ -196,7 +228,7 @@ class MLA(nn.Module):
         c_kv, k_pe = kv_a.split([cfg.kv_lora_rank, rope], dim=-1)
         kv = torch.einsum("bsr,hdr->bhsd", self.kv_norm(c_kv), self.wkv_b)  # [B, H, S, nope+v]
         k_nope, v = kv.split([nope, cfg.v_head_dim], dim=-1)
-        k_pe = apply_rope(k_pe[:, None], *rope_tables(heads(k_pos), rope, cfg.rope_theta))  # one key for all heads
+        k_pe = apply_rope(k_pe[:, None], *rope_tables(heads(k_pos), cfg))  # one key for all heads
         k = torch.cat([k_nope, k_pe.expand(B, H, S, rope)], dim=-1)
         if cache is not None:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask, scale=self.scale)
@@ -347,7 +379,13 @@ class MoE(nn.Module):
         B, T, C = x.shape
         x = x.reshape(-1, C)  # [N, C]
         scores = torch.sigmoid(self.router(x).float())  # [N, E]
-        _, idx = torch.topk(scores + self.expert_bias, cfg.top_k, dim=-1)  # [N, k]: the bias picks experts...
+        choice = scores + self.expert_bias  # [N, E]
+        if cfg.n_group > 1:  # keep the topk_group groups whose two best experts score highest
+            by_group = choice.view(len(x), cfg.n_group, -1)  # [N, G, E/G]
+            best = by_group.topk(2, dim=-1).values.sum(-1).topk(cfg.topk_group, dim=-1).indices  # [N, topk_group]
+            keep = torch.zeros_like(by_group[..., 0], dtype=torch.bool).scatter_(1, best, True)  # [N, G]
+            choice = by_group.masked_fill(~keep[..., None], -math.inf).view_as(choice)
+        _, idx = torch.topk(choice, cfg.top_k, dim=-1)  # [N, k]: the bias picks experts...
         gates = scores.gather(1, idx)  # ...but the gate values are the unbiased scores
         gates = gates / gates.sum(-1, keepdim=True) * cfg.route_scale
         counts = torch.bincount(idx.flatten(), minlength=cfg.num_experts)  # [E]
@@ -405,6 +443,13 @@ class Block(nn.Module):
 def local(p):
     """A parameter as this rank holds it: its shard under FSDP/EP (a DTensor's local tensor), else itself."""
     return p.to_local() if isinstance(p, DTensor) else p
+
+
+def box(p):
+    """(shape, offset) of the block of a parameter this rank holds: a DTensor's shard, else the whole tensor."""
+    if isinstance(p, DTensor):
+        return compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return tuple(p.shape), (0,) * p.ndim
 
 
 def _mix32(x):
@@ -467,9 +512,7 @@ class Transformer(nn.Module):
                 p.fill_(1.0)
                 continue
             scale = std / math.sqrt(2 * self.cfg.n_layer) if name.endswith(("wo", "w2", "w2.weight")) else std
-            mine = local(p)
-            shape, offset = (compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-                             if isinstance(p, DTensor) else (p.shape, (0,) * p.ndim))
+            mine, (shape, offset) = local(p), box(p)
             assert tuple(mine.shape) == tuple(shape), (name, mine.shape, shape)
             mine.copy_(scale * normal_at(f"{seed}:{name}", p.shape, offset, shape, mine.device))
         for m in self.moe_layers():
@@ -539,6 +582,357 @@ class ContextParallel(nn.Module):
         logits, _ = self.model(idx, pos=torch.arange(k * chunk, (k + 1) * chunk, device=idx.device))
         logits = funcol.all_gather_single(logits.contiguous(), 1, self.group)  # with autograd
         return logits[:, :T], None
+
+
+# -----------------------------------------------------------------------------
+# Released checkpoints: the Hugging Face layout of DeepSeek-V3-architecture models (DeepSeek-V3, Kimi K2, Kimi
+# K2.5's text model, Moonlight), read into this model and written back. config.json maps onto ModelConfig; the
+# weights differ from ours in three ways: each expert is its own tensor (ours are stacked [E, out, in]), attention
+# projections are 2-D (ours are 3-D, per head), and the rope dimensions are interleaved pairs (DeepSeek's reference
+# rotates (x0, x1), (x2, x3), ...; apply_rope rotates (x_i, x_i+d/2)), which one fixed permutation of the rope
+# rows turns into each other. Each rank reads only the rows its shards hold: safetensors maps the files, and a
+# slice reads just its bytes. Quantized releases are dequantized as they are read: fp8 with 128x128 block scales
+# (DeepSeek-V3, Kimi K2) and compressed-tensors' INT4 with a scale a group of 32 inputs (Kimi K2.5).
+
+DEEPSEEK_V3 = dict(  # transformers' DeepseekV3Config defaults: what a config.json that omits a field means
+    vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+    num_attention_heads=128, n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512,
+    q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4,
+    num_experts_per_tok=8, first_k_dense_replace=3, max_position_embeddings=4096, initializer_range=0.02,
+    rms_norm_eps=1e-6, rope_theta=10000.0)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that does not fit this model; the message is one line naming the file and the fix."""
+
+
+def hf_config(path):
+    """DIR/config.json -> (ModelConfig, the text model's config as a dict, what is left out, in words). An
+    architecture or a feature this model does not have is refused in one line."""
+    f = Path(path) / "config.json"
+    if not f.is_file():
+        raise CheckpointError(f"{path}: no config.json; --init-from takes a Hugging Face checkpoint folder "
+                              "(config.json, *.safetensors)")
+    try:
+        c = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{f}: not readable JSON ({e})") from None
+    left_out, quant = [], c.get("quantization_config")
+    if isinstance(c.get("text_config"), dict):  # Kimi K2.5: a vision-language model around a DeepSeek-V3 text model
+        left_out.append(f"the {c.get('model_type')} vision tower and projector (the text model is loaded)")
+        c = {**c["text_config"], "weight_prefix": "language_model."}
+    arch = c.get("architectures") or []
+    if c.get("model_type") not in ("deepseek_v3", "kimi_k2") and "DeepseekV3ForCausalLM" not in arch:
+        raise CheckpointError(f"{f}: model_type {c.get('model_type')!r} ({', '.join(arch) or 'no architectures'}) is "
+                              "not modelled here; this loads DeepSeek-V3-architecture checkpoints (deepseek_v3, "
+                              "kimi_k2, kimi_k25)")
+    get = lambda k: c[k] if c.get(k) is not None else DEEPSEEK_V3[k]
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    quant = c.get("quantization_config") or quant
+    heads, experts = get("num_attention_heads"), get("n_routed_experts")
+    refused = [what for bad, what in [
+        (c.get("num_key_value_heads", heads) != heads, "num_key_value_heads != num_attention_heads"),
+        (c.get("hidden_act", "silu") != "silu", f"hidden_act {c.get('hidden_act')!r}"),
+        (c.get("attention_bias"), "attention_bias"),
+        (c.get("tie_word_embeddings"), "tie_word_embeddings"),
+        (c.get("norm_topk_prob") is False, "norm_topk_prob false"),
+        (c.get("scoring_func", "sigmoid") != "sigmoid", f"scoring_func {c.get('scoring_func')!r}"),
+        (c.get("topk_method", "noaux_tc") != "noaux_tc", f"topk_method {c.get('topk_method')!r}"),
+        (c.get("moe_layer_freq", 1) != 1, "moe_layer_freq != 1"),
+        (kind not in ("default", "yarn"), f"rope type {kind!r}"),
+        (rope.get("truncate") is False or rope.get("attention_factor") is not None, "YaRN truncate/attention_factor"),
+        (experts % get("n_group"), f"{experts} experts in {get('n_group')} groups"),
+        (quant and not quant_supported(quant), f"{(quant or {}).get('quant_method')} quantization "
+         f"{json.dumps(quant)[:120]} (dequantize to bf16 first; fp8 block scales and INT4 pack-quantized load)")]
+        if bad]
+    if refused:
+        raise CheckpointError(f"{f}: not supported here: {', '.join(refused)}")
+    mtp = c.get("num_nextn_predict_layers", c.get("num_mtp_layers")) or 0
+    if mtp:
+        left_out.append(f"{mtp} multi-token prediction layer(s) (inference-time speculation; their weights are skipped)")
+    factor = rope.get("factor") or get("max_position_embeddings") / rope.get("original_max_position_embeddings",
+                                                                           get("max_position_embeddings"))
+    cfg = ModelConfig(
+        vocab_size=get("vocab_size"), dim=get("hidden_size"), n_layer=get("num_hidden_layers"),
+        n_dense_layers=get("first_k_dense_replace"), n_head=heads, q_lora_rank=c.get("q_lora_rank", 1536) or 0,
+        kv_lora_rank=get("kv_lora_rank"), qk_nope_head_dim=get("qk_nope_head_dim"),
+        qk_rope_head_dim=get("qk_rope_head_dim"), v_head_dim=get("v_head_dim"), dense_hidden=get("intermediate_size"),
+        num_experts=experts, top_k=get("num_experts_per_tok"), moe_hidden=get("moe_intermediate_size"),
+        n_shared_experts=get("n_shared_experts"), route_scale=get("routed_scaling_factor"), n_group=get("n_group"),
+        topk_group=get("topk_group"), max_seq_len=get("max_position_embeddings"),
+        rope_theta=rope.get("rope_theta", get("rope_theta")), norm_eps=get("rms_norm_eps"),
+        init_std=get("initializer_range"), bias_update_rate=1e-3)
+    if kind == "yarn":
+        cfg.rope_factor, cfg.rope_mscale, cfg.rope_mscale_all_dim = factor, rope.get("mscale") or 0.0, rope.get(
+            "mscale_all_dim") or 0.0
+        cfg.rope_original_max_seq_len = rope.get("original_max_position_embeddings", cfg.max_seq_len)
+        cfg.rope_beta_fast, cfg.rope_beta_slow = rope.get("beta_fast") or 32.0, rope.get("beta_slow") or 1.0
+    c["quantization_config"] = quant
+    return cfg, c, left_out
+
+
+def quant_supported(q):
+    """The two quantized release formats this reads: fp8 e4m3 with block scales (DeepSeek-V3, Kimi K2) and
+    compressed-tensors' pack-quantized symmetric INT4 weights with group or channel scales (Kimi K2.5)."""
+    if q.get("quant_method") == "fp8":
+        return True
+    groups = [g.get("weights") or {} for g in (q.get("config_groups") or {}).values()]
+    return (q.get("quant_method") == "compressed-tensors" and q.get("format") == "pack-quantized" and groups and
+            all(w.get("num_bits") == 4 and w.get("type") == "int" and w.get("symmetric") and
+                w.get("strategy") in ("group", "channel") for w in groups) and
+            not any(g.get("input_activations") for g in q["config_groups"].values()))
+
+
+def hf_layout(cfg: ModelConfig, interleaved=True):
+    """Our parameter and buffer names -> (checkpoint key, how ours is laid out from it, a row permutation or None).
+    Kinds: "same" (rows maybe permuted), "heads" ([H*d, in] -> [H, d, in], each head's rows maybe permuted),
+    "wo" ([D, H*v] -> [H, D, v]) and "experts" (E keys [out, in] -> [E, out, in]; "{}" in the key is the expert)."""
+    r = cfg.qk_rope_head_dim  # interleaved pairs (0, 1), (2, 3), ... -> halves (0, 2, 4, ...), (1, 3, 5, ...)
+    rope = torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2)]) if interleaved else torch.arange(r)
+    q_rows = torch.cat([torch.arange(cfg.qk_nope_head_dim), cfg.qk_nope_head_dim + rope])
+    kv_rows = torch.cat([torch.arange(cfg.kv_lora_rank), cfg.kv_lora_rank + rope])
+    out = {"embed.weight": ("model.embed_tokens.weight", "same", None), "norm.weight": ("model.norm.weight", "same",
+           None), "lm_head.weight": ("lm_head.weight", "same", None)}
+    for i in range(cfg.n_layer):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        ours = {"attn_norm.weight": (f"model.layers.{i}.input_layernorm.weight", "same", None),
+                "ffn_norm.weight": (f"model.layers.{i}.post_attention_layernorm.weight", "same", None),
+                "attn.wkv_a.weight": (a + "kv_a_proj_with_mqa.weight", "same", kv_rows),
+                "attn.kv_norm.weight": (a + "kv_a_layernorm.weight", "same", None),
+                "attn.wkv_b": (a + "kv_b_proj.weight", "heads", None), "attn.wo": (a + "o_proj.weight", "wo", None)}
+        if cfg.q_lora_rank:
+            ours.update({"attn.wq_a.weight": (a + "q_a_proj.weight", "same", None),
+                         "attn.q_norm.weight": (a + "q_a_layernorm.weight", "same", None),
+                         "attn.wq_b": (a + "q_b_proj.weight", "heads", q_rows)})
+        else:
+            ours["attn.wq"] = (a + "q_proj.weight", "heads", q_rows)
+        swiglu = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+        if i < cfg.n_dense_layers:
+            ours.update({f"ffn.{w}.weight": (f"{m}{hf}.weight", "same", None) for w, hf in swiglu.items()})
+        else:
+            ours.update({"ffn.router.weight": (m + "gate.weight", "same", None),
+                         "ffn.expert_bias": (m + "gate.e_score_correction_bias", "same", None)})
+            ours.update({f"ffn.experts.{w}": (m + "experts.{}." + hf + ".weight", "experts", None)
+                         for w, hf in swiglu.items()})
+            if cfg.n_shared_experts:
+                ours.update({f"ffn.shared.{w}.weight": (f"{m}shared_experts.{hf}.weight", "same", None)
+                             for w, hf in swiglu.items()})
+        out.update({f"layers.{i}.{k}": v for k, v in ours.items()})
+    return out
+
+
+def to_hf(key, kind, rows, t):
+    """One of our tensors, whole -> {checkpoint key: tensor} (the inverse of SafetensorsFolder.read_ours)."""
+    if kind == "experts":
+        return {key.format(e): w for e, w in enumerate(t)}
+    if kind == "wo":  # ours [H, D, v] -> [D, H*v]
+        return {key: t.transpose(0, 1).reshape(t.size(1), -1)}
+    if rows is not None:
+        t = t[:, rows.argsort()] if kind == "heads" else t[rows.argsort()]
+    return {key: t.reshape(-1, t.size(-1)) if kind == "heads" else t}
+
+
+class SafetensorsFolder:
+    """The tensors of a Hugging Face checkpoint folder (model.safetensors.index.json and its shards, or one
+    model.safetensors), read by slices; quantized weights come back dequantized (fp8 with block scales, INT4)."""
+
+    def __init__(self, path, config: dict):
+        try:
+            from safetensors import safe_open
+        except ImportError:
+            raise CheckpointError("Hugging Face checkpoints need the safetensors package: pip install safetensors") \
+                from None
+        self.path, self.open, self.handles = Path(path), safe_open, {}
+        prefix = config.get("weight_prefix", "")
+        self.block = ((config.get("quantization_config") or {}).get("weight_block_size") or [128, 128])
+        index, single = self.path / "model.safetensors.index.json", self.path / "model.safetensors"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (OSError, ValueError, KeyError) as e:
+                raise CheckpointError(f"{index}: not a safetensors index ({e!r})") from None
+        elif single.is_file():
+            weight_map = dict.fromkeys(self._handle(single.name).keys(), single.name)
+        else:
+            raise CheckpointError(f"{path}: no model.safetensors.index.json or model.safetensors")
+        for name in sorted(set(weight_map.values())):
+            if not (self.path / name).is_file():
+                raise CheckpointError(f"{self.path / name}: missing (model.safetensors.index.json lists it); "
+                                      "download the checkpoint again")
+        # our key without the prefix -> (file, key in it); transformers 5 saves Kimi K2.5's text layers as
+        # "blocks" (its vision tower's rename, reversed), the release as "layers": both load
+        self.files = {re.sub(r"^model\.blocks\.", "model.layers.", k.removeprefix(prefix)): (f, k)
+                      for k, f in weight_map.items() if k.startswith(prefix)}
+
+    def _handle(self, name):
+        if name not in self.handles:
+            try:
+                self.handles[name] = self.open(self.path / name, framework="pt")
+            except Exception as e:  # safetensors' own error type: a truncated or corrupt file
+                raise CheckpointError(f"{self.path / name}: not a readable safetensors file ({e})") from None
+        return self.handles[name]
+
+    def _slice(self, key):
+        name, real = self.files[key]
+        return self._handle(name).get_slice(real)
+
+    def where(self, key):
+        """'file: key' of a tensor (its packed INT4 form, if that is how it is stored)."""
+        key = key if key in self.files or key + "_packed" not in self.files else key + "_packed"
+        if key not in self.files:
+            raise CheckpointError(f"{self.path}: no tensor {key} (the config.json and the weights disagree, or the "
+                                  "download is incomplete)")
+        return f"{self.path / self.files[key][0]}: {self.files[key][1]}"
+
+    def shape(self, key):
+        self.where(key)
+        if key + "_packed" in self.files:  # INT4: the unpacked shape is stored beside it
+            return tuple(int(n) for n in self._slice(key + "_shape")[:])
+        return tuple(self._slice(key).get_shape())
+
+    def read(self, key, r0=0, r1=None, c0=0, c1=None):
+        """Rows [r0, r1) and columns [c0, c1) of a 1-D or 2-D tensor, as float32."""
+        shape = self.shape(key)
+        r1 = shape[0] if r1 is None else r1
+        if len(shape) == 1:
+            return self._slice(key)[r0:r1].float()
+        c1 = shape[1] if c1 is None else c1
+        if key + "_packed" in self.files:
+            return self._int4(key, r0, r1, shape[1])[:, c0:c1]
+        w = self._slice(key)[r0:r1, c0:c1]
+        if key + "_scale_inv" in self.files:  # fp8: one float32 scale a block of weights
+            bo, bi = self.block
+            s = self._slice(key + "_scale_inv")[r0 // bo:-(-r1 // bo), c0 // bi:-(-c1 // bi)]
+            s = s.repeat_interleave(bo, 0).repeat_interleave(bi, 1)
+            return w.float() * s[r0 % bo:r0 % bo + r1 - r0, c0 % bi:c0 % bi + c1 - c0]
+        return w.float()
+
+    def _int4(self, key, r0, r1, cols):
+        """compressed-tensors' pack-quantized INT4, rows [r0, r1): eight values an int32, the first in the lowest
+        bits, each stored as value + 8 (a little-endian host reads byte j as values 2j and 2j+1); one scale a
+        group of input columns (a channel: one group)."""
+        nibbles = self._slice(key + "_packed")[r0:r1].contiguous().view(torch.uint8)  # [rows, 4 * words]
+        q = torch.stack([nibbles & 15, nibbles >> 4], -1).view(r1 - r0, -1)[:, :cols].float() - 8  # [rows, cols]
+        scale = self._slice(key + "_scale")[r0:r1].float()  # [rows, groups]
+        return q * scale.repeat_interleave(-(-cols // scale.size(1)), 1)[:, :cols]
+
+    def read_ours(self, key, kind, rows, shape, a, b):
+        """Our tensor of full shape `shape`, rows [a, b) of its first dim (every other dim whole), as float32."""
+        if kind == "experts":
+            return torch.stack([self.read(key.format(e)) for e in range(a, b)])
+        if kind == "wo":  # [D, H*v] -> [H, D, v]
+            _, D, v = shape
+            return self.read(key, c0=a * v, c1=b * v).view(D, b - a, v).transpose(0, 1)
+        if kind == "heads":  # [H*d, in] -> [H, d, in]
+            w = self.read(key, a * shape[1], b * shape[1]).view(b - a, shape[1], -1)
+            return w if rows is None else w[:, rows]
+        if rows is None:
+            return self.read(key, a, b)
+        need = rows[a:b]  # a permuted block: read the rows that cover it
+        return self.read(key, int(need.min()), int(need.max()) + 1)[need - need.min()]
+
+
+@torch.no_grad()
+def load_hf(model, path):
+    """Fill every parameter and buffer of `model` (built from hf_config(path)'s config, materialized on any device,
+    sharded or not) from the checkpoint folder; each rank reads only the blocks its shards hold. Every shape is
+    checked against the file headers first, so a mismatch is one line before anything is read."""
+    _, config, _ = hf_config(path)
+    ckpt, layout = SafetensorsFolder(path, config), hf_layout(model.cfg, config.get("rope_interleave", True))
+    tensors = {**dict(model.named_parameters()), **{n: b for n, b in model.named_buffers() if n in layout}}
+    for name, t in tensors.items():
+        key, kind, rows = layout[name]
+        for k, want in to_hf(key, kind, rows, torch.empty(t.shape, device="meta")).items():
+            if ckpt.shape(k) != tuple(want.shape):
+                raise CheckpointError(f"{ckpt.where(k)} has shape "
+                                      f"{list(ckpt.shape(k))}, config.json means {list(want.shape)}")
+    for name, t in tensors.items():
+        (shape, offset), mine = box(t), local(t)
+        if mine.numel():
+            block = ckpt.read_ours(*layout[name], t.shape, offset[0], offset[0] + shape[0])
+            mine.copy_(block[(slice(None),) + tuple(slice(o, o + s) for o, s in zip(offset[1:], shape[1:]))])
+    for m in model.moe_layers():
+        m.tokens_per_expert.zero_()
+
+
+def hf_config_dict(cfg: ModelConfig, dtype, base=None):
+    """ModelConfig -> a DeepSeek-V3 config.json for transformers, vLLM and SGLang; base (the config a run started
+    from) keeps its other fields, such as the special token ids."""
+    c = {k: v for k, v in (base or {}).items() if k not in (
+        "weight_prefix", "quantization_config", "auto_map", "rope_parameters", "rope_scaling", "num_mtp_layers")}
+    c.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=cfg.vocab_size,
+             hidden_size=cfg.dim, intermediate_size=cfg.dense_hidden, moe_intermediate_size=cfg.moe_hidden,
+             num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_head,
+             n_shared_experts=cfg.n_shared_experts, n_routed_experts=cfg.num_experts,
+             routed_scaling_factor=cfg.route_scale, kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank or None,
+             qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, qk_nope_head_dim=cfg.qk_nope_head_dim,
+             n_group=cfg.n_group, topk_group=cfg.topk_group, num_experts_per_tok=cfg.top_k,
+             first_k_dense_replace=cfg.n_dense_layers, norm_topk_prob=True, hidden_act="silu",
+             max_position_embeddings=cfg.max_seq_len, initializer_range=cfg.init_std, rms_norm_eps=cfg.norm_eps,
+             rope_theta=cfg.rope_theta, rope_interleave=True, tie_word_embeddings=False, num_nextn_predict_layers=0,
+             attention_bias=False, dtype=str(dtype).removeprefix("torch."))
+    if cfg.rope_factor > 1:
+        c["rope_scaling"] = {"type": "yarn", "factor": cfg.rope_factor, "beta_fast": cfg.rope_beta_fast,
+                             "beta_slow": cfg.rope_beta_slow, "mscale": cfg.rope_mscale,
+                             "mscale_all_dim": cfg.rope_mscale_all_dim,
+                             "original_max_position_embeddings": cfg.rope_original_max_seq_len}
+    return c
+
+
+@torch.no_grad()
+def save_hf(model, path, dtype=torch.bfloat16, base_config=None, shard_bytes=5 * 2**30):
+    """Write the model as a Hugging Face DeepSeek-V3 checkpoint folder: config.json, model-0000k-of-0000n.safetensors
+    (about shard_bytes each) and model.safetensors.index.json, with the rope rows interleaved as DeepSeek's
+    reference lays them out. Every rank must call it: a sharded tensor is gathered whole, one at a time; rank 0
+    writes into path.tmp and renames it to path when complete. The router and its bias stay in float32."""
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        raise CheckpointError("Hugging Face checkpoints need the safetensors package: pip install safetensors") \
+            from None
+    writer = not dist.is_initialized() or dist.get_rank() == 0
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    layout, files, pending, size = hf_layout(model.cfg), [], {}, 0
+    if writer:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+
+    def flush():
+        nonlocal pending, size
+        files.append(sorted(pending))
+        save_file(pending, tmp / f"part-{len(files)}.safetensors", metadata={"format": "pt"})
+        pending, size = {}, 0
+
+    for name, t in [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if n in layout)]:
+        whole = t.full_tensor() if isinstance(t, DTensor) else t
+        if not writer:
+            continue
+        keep = torch.float32 if name.endswith(("router.weight", "expert_bias")) else dtype
+        for key, v in to_hf(*layout[name], whole.detach().to("cpu", keep)).items():
+            pending[key] = v.contiguous()
+            size += v.numel() * v.element_size()
+        if size >= shard_bytes:
+            flush()
+    if writer:
+        if pending or not files:
+            flush()
+        n, weight_map = len(files), {}
+        for k, keys in enumerate(files, 1):
+            name = f"model-{k:05d}-of-{n:05d}.safetensors"
+            (tmp / f"part-{k}.safetensors").rename(tmp / name)
+            weight_map.update(dict.fromkeys(keys, name))
+        (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map},
+                                                                     indent=2))
+        (tmp / "config.json").write_text(json.dumps(hf_config_dict(model.cfg, dtype, base_config), indent=2))
+        old = path.with_name(path.name + ".old")
+        if path.exists():
+            path.rename(old)
+        tmp.rename(path)
+        shutil.rmtree(old, ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()
 
 
 # -----------------------------------------------------------------------------

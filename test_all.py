@@ -26,6 +26,7 @@ import tarfile
 import tempfile
 import time
 import zipfile
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -272,6 +273,220 @@ def test_switch_aux_loss_reaches_the_router():
     assert loss.item() > plain.item()  # same weights (same seed), plus a positive balance term
     loss.backward()
     assert m.layers[1].ffn.router.weight.grad.abs().sum() > 0
+
+
+# -----------------------------------------------------------------------------
+# model.py: released checkpoints in the Hugging Face layout, against transformers' DeepseekV3 as the reference
+# (an optional test dependency: the tests that need it are skipped, with the reason, where it is missing)
+
+HF_TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+               num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+               num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+               v_head_dim=16, qk_nope_head_dim=16, initializer_range=0.1, max_position_embeddings=512, num_mtp_layers=0)
+YARN = dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=64, beta_fast=32, beta_slow=1, mscale=1.0,
+            mscale_all_dim=1.0)
+HF_VARIANTS = {  # each config's distinctive fields: DeepSeek-V3 (expert groups), Moonlight (no query compression,
+    # two shared experts, plain rope), Kimi K2 (YaRN factor 32 with beta 1/1); Kimi K2.5 is K2's text model inside a
+    # vision-language wrapper
+    "deepseek-v3": dict(n_group=4, topk_group=2, rope_parameters={**YARN, "rope_theta": 10000.0}),
+    "moonlight": dict(q_lora_rank=None, n_group=1, topk_group=1, n_shared_experts=2, routed_scaling_factor=2.446,
+                      rope_parameters={"rope_type": "default", "rope_theta": 50000.0}),
+    "kimi-k2": dict(n_group=1, topk_group=1, routed_scaling_factor=2.827, rope_parameters={
+        **YARN, "rope_theta": 50000.0, "factor": 32.0, "original_max_position_embeddings": 16, "beta_fast": 1,
+        "beta_slow": 1}),
+}
+
+
+def hf_reference(path, variant, seed=0):
+    """A tiny random model of transformers' own implementation, saved with save_pretrained -> the model (eval)."""
+    tf = pytest.importorskip("transformers", reason="the reference implementation is optional: pip install "
+                                                    "transformers (CI installs it)")
+    torch.manual_seed(seed)
+    if variant == "kimi-k2.5":
+        text = {**HF_TINY, **HF_VARIANTS["kimi-k2"], "model_type": "deepseek_v3", "tie_word_embeddings": False}
+        vision = dict(pos_emb_height=4, pos_emb_width=4, pos_emb_time=2, num_attention_heads=2, num_hidden_layers=1,
+                      hidden_size=32, intermediate_size=64)
+        ref = tf.Kimi_K25ForConditionalGeneration(tf.Kimi_K25Config(
+            text_config=text, vision_config=vision, projection_hidden_size=32, tie_word_embeddings=False))
+    else:
+        ref = tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(**{**HF_TINY, **HF_VARIANTS[variant]}))
+    with torch.no_grad():  # norms and the balancing bias away from their initial 1 and 0
+        for name, t in [*ref.named_parameters(), *ref.named_buffers()]:
+            if "norm" in name:
+                t.normal_(1.0, 0.2)
+            elif "e_score_correction_bias" in name:
+                t.normal_(0.0, 0.05)
+    ref.save_pretrained(path)
+    return ref.eval()
+
+
+def load_ours(path, mutate=None):
+    """hf_config + load_hf the way train.py does (built on the meta device, then filled); mutate(cfg) -> cfg."""
+    cfg, _, _ = M.hf_config(path)
+    with torch.device("meta"):
+        model = M.Transformer(mutate(cfg) if mutate else cfg)
+    model.to_empty(device="cpu")
+    M.load_hf(model, path)
+    return model.eval()
+
+
+def test_released_checkpoints_give_the_logits_of_transformers(tmp_path, monkeypatch):
+    """DeepSeek-V3-, Moonlight-, Kimi-K2- and Kimi-K2.5-shaped checkpoints written by transformers: our logits
+    equal its DeepseekV3's within 1e-4 in fp32 over 96 tokens (past YaRN's original context), also through the KV
+    cache; each departure from plain rope and routing is needed for that (without the rope permutation, the
+    expert groups or YaRN the logits move by more than 0.1); --save-hf then --init-from gives identical tensors, and
+    transformers reads our export to the same logits."""
+    tf = pytest.importorskip("transformers", reason="pip install transformers")
+    idx = torch.randint(0, 300, (2, 96), generator=torch.Generator().manual_seed(0))
+    for variant in [*HF_VARIANTS, "kimi-k2.5"]:
+        ref = hf_reference(tmp_path / variant, variant)
+        ours = load_ours(tmp_path / variant)
+        with torch.no_grad():
+            want, (got, _) = ref(input_ids=idx).logits.float(), ours(idx)
+            cache = M.KVCache(ours.cfg.n_layer, 2)  # prefill 88, then decode one token at a time
+            decoded = [ours(idx[:, :88], pos=cache.advance(torch.tensor([88, 88]), 88), cache=cache)[0]]
+            decoded += [ours(idx[:, t:t + 1], pos=cache.advance(torch.tensor([1, 1]), 1), cache=cache)[0]
+                        for t in range(88, 96)]
+        assert want.std() > 0.5 and (got - want).abs().max() <= 1e-4, (variant, (got - want).abs().max())
+        assert (torch.cat(decoded, 1) - want).abs().max() <= 1e-4, variant
+        M.save_hf(ours, tmp_path / f"{variant}-export", torch.float32, M.hf_config(tmp_path / variant)[1])
+        again = load_ours(tmp_path / f"{variant}-export")
+        assert again.cfg == ours.cfg and all(torch.equal(a, b) for a, b in
+                                             zip(ours.state_dict().values(), again.state_dict().values()))
+        with torch.no_grad():
+            read = tf.DeepseekV3ForCausalLM.from_pretrained(tmp_path / f"{variant}-export").eval()
+            assert (read(idx).logits.float() - want).abs().max() <= 1e-4, variant
+    path = tmp_path / "deepseek-v3"
+    layout = M.hf_layout
+    monkeypatch.setattr(M, "hf_layout", lambda cfg, interleaved=True: layout(cfg, not interleaved))
+    wrong = [load_ours(path)]
+    monkeypatch.setattr(M, "hf_layout", layout)
+    wrong += [load_ours(path, lambda c: replace(c, n_group=1, topk_group=1)),
+              load_ours(path, lambda c: replace(c, rope_factor=1.0))]
+    ref = tf.DeepseekV3ForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        want = ref(idx).logits
+        assert all((m(idx)[0] - want).abs().max() > 0.1 for m in wrong)
+
+
+def fp8_blocks(w, block):
+    """w [out, in] -> ({"": fp8 e4m3 weights, "_scale_inv": float32 scales a block}, the values they stand for):
+    DeepSeek-V3's and Kimi K2's release format."""
+    bo, bi = block
+    s = torch.zeros(-(-w.size(0) // bo), -(-w.size(1) // bi))
+    for i in range(s.size(0)):
+        for j in range(s.size(1)):
+            s[i, j] = w[i * bo:(i + 1) * bo, j * bi:(j + 1) * bi].abs().max() / 448
+    wide = s.repeat_interleave(bo, 0).repeat_interleave(bi, 1)[:w.size(0), :w.size(1)]
+    q = (w / wide).to(torch.float8_e4m3fn)
+    return {"": q, "_scale_inv": s}, q.float() * wide
+
+
+def int4_groups(w, group):
+    """w [out, in] -> ({"_packed", "_scale", "_shape"}, the values they stand for): compressed-tensors'
+    pack-quantized symmetric INT4, Kimi K2.5's release format (this packing equals compressed_tensors'
+    pack_to_int32: eight values an int32, the first in the lowest bits, each stored as value + 8)."""
+    scale = (w.view(w.size(0), -1, group).abs().amax(-1) / 7).bfloat16()  # [out, in / group]
+    wide = scale.float().repeat_interleave(group, 1)
+    q = (w / wide).round().clamp(-8, 7).to(torch.int64)
+    u = (q + 8).view(w.size(0), -1, 8)
+    packed = sum(u[..., i] << (4 * i) for i in range(8))
+    packed = torch.where(packed < 2**31, packed, packed - 2**32).to(torch.int32)
+    return {"_packed": packed, "_scale": scale, "_shape": torch.tensor(w.shape, dtype=torch.int32)}, q * wide
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_quantized_release_checkpoints_load_dequantized(tmp_path, fmt):
+    """A checkpoint in a release format, written here from a model's linear weights: fp8 e4m3 with one float32
+    scale a block (DeepSeek-V3, Kimi K2; blocks that do not divide the shapes, so the edges are cut) or
+    pack-quantized INT4 with a bf16 scale a group of 32 inputs (Kimi K2.5; in its vision-language wrapper, the
+    quantization config outside the text config). Loaded, every weight equals the value its quantized form stands
+    for: the same as loading those values written in fp32."""
+    from safetensors.torch import load_file, save_file
+    m = tiny_model(n_group=2, topk_group=1)
+    M.save_hf(m, tmp_path / "fp32", torch.float32)
+    shutil.copytree(tmp_path / "fp32", tmp_path / "quantized")
+    shutil.copytree(tmp_path / "fp32", tmp_path / "values")
+    index = json.loads((tmp_path / "fp32" / "model.safetensors.index.json").read_text())
+    for f in sorted((tmp_path / "fp32").glob("*.safetensors")):
+        stored, values = {}, {}
+        for key, w in load_file(f).items():
+            if w.ndim == 2 and "proj" in key:  # the linear layers, as the releases quantize them
+                parts, values[key] = fp8_blocks(w, [16, 24]) if fmt == "fp8" else int4_groups(w, 32)
+                stored.update({key + suffix: v for suffix, v in parts.items()})
+                index["weight_map"].update({key + suffix: f.name for suffix in parts})
+            else:
+                stored[key] = values[key] = w
+        save_file(stored, tmp_path / "quantized" / f.name)
+        save_file(values, tmp_path / "values" / f.name)
+    (tmp_path / "quantized" / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = json.loads((tmp_path / "quantized" / "config.json").read_text())
+    if fmt == "fp8":
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 24]}
+    else:  # Kimi K2.5: the text model inside, its weights prefixed, the quantization config outside
+        weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
+        config = {"model_type": "kimi_k25", "text_config": config, "quantization_config": {
+            "quant_method": "compressed-tensors", "format": "pack-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}}}}
+        for f in (tmp_path / "quantized").glob("*.safetensors"):
+            save_file({"language_model." + k: v for k, v in load_file(f).items()}, f)
+        index["weight_map"] = {"language_model." + k: v for k, v in index["weight_map"].items()}
+        (tmp_path / "quantized" / "model.safetensors.index.json").write_text(json.dumps(index))
+    (tmp_path / "quantized" / "config.json").write_text(json.dumps(config))
+    a, b = load_ours(tmp_path / "quantized"), load_ours(tmp_path / "values")
+    for (name, p), q, orig in zip(a.named_parameters(), b.parameters(), m.parameters()):
+        assert torch.equal(p, q), name
+        assert (p - orig).abs().max() <= 0.1 * orig.abs().max(), name  # e4m3: 3 mantissa bits; int4: 15 levels
+    assert not torch.equal(a.layers[1].ffn.experts.w1, m.layers[1].ffn.experts.w1)
+    if fmt == "int4":  # asymmetric INT4 (zero points) is not read: one line
+        weights["symmetric"] = False
+        (tmp_path / "quantized" / "config.json").write_text(json.dumps(config))
+        with pytest.raises(M.CheckpointError, match="not supported here: compressed-tensors quantization"):
+            load_ours(tmp_path / "quantized")
+
+
+def _load_worker(rank, world, port, ckpt, cases, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    read, counted = M.SafetensorsFolder.read, [0]
+
+    def counting(self, *a, **kw):
+        t = read(self, *a, **kw)
+        counted[0] += t.numel()
+        return t
+    M.SafetensorsFolder.read = counting
+    for name, degrees in cases:
+        cfg = M.hf_config(ckpt / name)[0]
+        model, counted[0] = sharded_model(world, cfg, seed=1, **degrees), 0
+        M.load_hf(model, ckpt / name)
+        held = sum(M.local(t).numel() for t in [*model.parameters(), *(m.expert_bias for m in model.moe_layers())])
+        full = {n: p.detach().full_tensor().numpy() for n, p in model.named_parameters()}
+        M.save_hf(model, ckpt / f"{name}-{world}", torch.float32)  # every rank gathers, rank 0 writes
+        if rank == 0:
+            out.put((name, degrees, full, counted[0], held))
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_sharded_ranks_read_only_their_blocks_and_export_the_whole_model(tmp_path):
+    """Under FSDP, HSDP and EP (whole experts, and rows of experts when there are fewer experts than ranks) at 2 and
+    4 ranks, --init-from fills each rank's shards with the values one process loads, and a rank reads about what it
+    holds (whole experts where it holds rows of them), never the whole model; --save-hf from the sharded model
+    writes what one process writes."""
+    for name, experts in (("e16", 16), ("e2", 2)):
+        M.save_hf(tiny_model(seed=3, num_experts=experts), tmp_path / name, torch.float32)
+    one = {name: dict(load_ours(tmp_path / name).named_parameters()) for name in ("e16", "e2")}
+    total = {name: sum(p.numel() for p in ps.values()) for name, ps in one.items()}
+    for world, cases in {2: [("e16", {})], 4: [("e16", dict(dp_replicate=2, ep_replicate=2)), ("e2", dict(ep=2))]}.items():
+        for name, degrees, full, counted, held in run_workers(_load_worker, world, tmp_path, cases, results=len(cases)):
+            for n, p in full.items():
+                assert torch.equal(torch.from_numpy(p), one[name][n]), (world, degrees, n)
+            assert held <= counted <= (1.1 if name == "e16" else 2.1) * held, (world, degrees, counted, held)
+            assert counted < 0.7 * total[name], (world, degrees, counted, total[name])
+            again = load_ours(tmp_path / f"{name}-{world}")
+            assert all(torch.equal(p, one[name][n]) for n, p in again.named_parameters())
 
 
 # -----------------------------------------------------------------------------
@@ -526,6 +741,12 @@ def _become_script(script, argv, env, cwd, out, err):
         atexit._run_exitfuncs()
 
 
+# what train.py imports beyond this module's own (torch._dynamo: on the first op on the meta device), about a
+# second a process, loaded once in the server
+TRAIN_IMPORTS = ["torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict", "torch.distributed.fsdp",
+                 "torch._dynamo", "mesh", "grpo", "feedback"]
+
+
 @functools.cache
 def forkserver():
     """-> multiprocessing's forkserver context, its server started (once) with OMP_NUM_THREADS=1 and this module,
@@ -533,7 +754,7 @@ def forkserver():
     import multiprocessing
     import multiprocessing.forkserver
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["test_all"])
+    ctx.set_forkserver_preload(["test_all", *TRAIN_IMPORTS])
     saved = dict(os.environ)
     os.environ.update(OMP_NUM_THREADS="1", PYTHONPATH=str(HERE))  # read once, when torch loads
     try:
@@ -759,6 +980,87 @@ def test_train_bad_input_is_one_clear_line(tmp_path):
         assert p.returncode == 2, (expected, stderr)
         assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1, (expected, stderr)
         assert stderr.startswith("error: ") and expected in stderr, (expected, stderr)
+
+
+def test_continued_pretraining_from_a_released_checkpoint(tmp_path):
+    """train.py --init-from a checkpoint written by transformers, on --data shards: the first step's loss is
+    transformers' loss on the same batch, at one rank and at two (EP 2: each rank reads its half of the experts);
+    the run resumes, and --save-hf writes the trained weights, which load back equal and which transformers reads
+    to our logits."""
+    tf = pytest.importorskip("transformers", reason="pip install transformers")
+    ref = hf_reference(tmp_path / "ckpt", "deepseek-v3")
+    tokens = torch.randint(0, 300, (4, 33), generator=torch.Generator().manual_seed(1))
+    (tmp_path / "data").mkdir()  # one batch of 4 windows: step 1 sees all of them, in any order
+    write_shard(tmp_path / "data" / "tok_train_000000.bin", tokens.flatten().numpy(), vocab=300)
+    write_shard(tmp_path / "data" / "tok_val_000000.bin", tokens.flatten().numpy(), vocab=300)
+    with torch.no_grad():
+        want = torch.nn.functional.cross_entropy(ref(tokens[:, :-1]).logits.flatten(0, 1), tokens[:, 1:].flatten())
+    run = ["--init-from", str(tmp_path / "ckpt"), "--data", str(tmp_path / "data"), "--batch-size", "4",
+           "--seq-len", "32", "--eval-batches", "1", "--eval-every", "2", "--lr", "1e-3"]
+    runs = [start_train(*run, "--steps", "2", "--out", str(tmp_path / "w1"), "--save-hf", str(tmp_path / "export"),
+                        "--save-hf-dtype", "fp32"),
+            start_train(*run, "--steps", "2", "--ep", "2", "--out", str(tmp_path / "w2"), world=2)]
+    for p in map(finish, runs):
+        assert p.returncode == 0 and "note: --init-from leaves out" not in p.stdout, p.stderr[-3000:]
+    w1, w2 = read_metrics(tmp_path / "w1"), read_metrics(tmp_path / "w2")
+    assert w1[1]["loss"] == pytest.approx(want.item(), rel=1e-5) and w2[1]["loss"] == pytest.approx(want.item(), rel=1e-5)
+    assert w2[2]["loss"] == pytest.approx(w1[2]["loss"], rel=1e-5) and w1[2]["loss"] < w1[1]["loss"]
+    import torch.distributed.checkpoint as dcp  # the step-2 checkpoint holds what --save-hf wrote at step 2
+    trained = load_ours(tmp_path / "export")
+    state = {"model": trained.state_dict()}
+    expected = {k: v.clone() for k, v in state["model"].items()}
+    dcp.load(state, checkpoint_id=tmp_path / "w1" / "step-00000002", no_dist=True)
+    assert all(torch.equal(expected[k], v) for k, v in state["model"].items())
+    assert not torch.equal(trained.layers[1].ffn.experts.w1, load_ours(tmp_path / "ckpt").layers[1].ffn.experts.w1)
+    with torch.no_grad():
+        read = tf.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "export").eval()
+        assert (read(tokens).logits.float() - trained(tokens)[0]).abs().max() <= 1e-4
+    r = run_train(*run, "--steps", "3", "--resume", "--out", str(tmp_path / "w1"))
+    assert r.returncode == 0 and read_metrics(tmp_path / "w1")[-1]["step"] == 3, r.stderr[-2000:]
+
+
+def test_bad_checkpoints_are_one_line_naming_the_file(tmp_path, monkeypatch):
+    """--init-from with a folder without config.json, an architecture we do not model, a missing shard, a tensor
+    of the wrong shape, sizes that disagree with --preset, data from another tokenizer, the byte-level RL stage,
+    and no data: one line each, exit 2, on both ranks where two run; without the safetensors package, one line."""
+    good = tmp_path / "good"
+    M.save_hf(tiny_model(seed=1, vocab_size=300), good, torch.float32, shard_bytes=200_000)  # several files
+    (tmp_path / "empty").mkdir()
+    shutil.copytree(good, tmp_path / "llama")
+    (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    shutil.copytree(good, tmp_path / "missing")
+    second = sorted(good.glob("model-00002-of-*.safetensors"))[0].name
+    (tmp_path / "missing" / second).unlink()
+    shutil.copytree(good, tmp_path / "shape")
+    config = json.loads((good / "config.json").read_text())
+    (tmp_path / "shape" / "config.json").write_text(json.dumps({**config, "moe_intermediate_size": 64}))
+    for name, vocab in (("data", 300), ("wide", 400)):
+        (tmp_path / name).mkdir()
+        for split in ("train", "val"):
+            write_shard(tmp_path / name / f"a_{split}.bin", np.arange(2000) % vocab, vocab=vocab)
+    data = ["--data", str(tmp_path / "data"), "--seq-len", "32"]
+    cases = {
+        f"error: --init-from {tmp_path / 'empty'}: no config.json": [tmp_path / "empty", *data],
+        "model_type 'llama' (LlamaForCausalLM) is not modelled here": [tmp_path / "llama", *data],
+        f"{second}: missing (model.safetensors.index.json lists it)": [tmp_path / "missing", *data],
+        "model.layers.1.mlp.experts.0.gate_proj.weight has shape [128, 128], config.json means [64, 128]":
+            [tmp_path / "shape", *data],
+        "disagrees with --preset tiny: vocab_size 300 (preset 264)": [good, "--preset", "tiny", *data],
+        "token ids up to 399, but the checkpoint's vocabulary has 300": [good, "--data", tmp_path / "wide"],
+        "the RL stage speaks to the tasks through this project's byte tokenizer": [good, "--stage", "both", *data],
+        "--init-from needs --data: token shards made with the checkpoint's own tokenizer": [good],
+    }
+    procs = [start_train("--init-from", *map(str, flags), "--out", str(tmp_path / f"out{i}"), world=1 + i % 2)
+             for i, flags in enumerate(cases.values())]
+    for expected, p in zip(cases, procs):
+        finish(p)
+        codes, errs = [q.exitcode for q in p.procs], [err for _, err in p.outputs]
+        assert set(codes) == {2} and all(not e.strip() for e in errs[1:]), (expected, codes, errs)
+        assert len(errs[0].strip().splitlines()) == 1 and expected in errs[0] and "Traceback" not in errs[0], (
+            expected, errs[0])
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    with pytest.raises(M.CheckpointError, match="need the safetensors package: pip install safetensors"):
+        load_ours(good)
 
 
 # -----------------------------------------------------------------------------
@@ -1236,6 +1538,13 @@ def run_readme_command(line, cwd, shared_out):
         return "needs CUDA"
     if flags[:1] == ["env"] and not index_reachable():
         return "needs the package index"
+    if "--init-from" in flags and not importlib.util.find_spec("safetensors"):
+        return "needs safetensors"
+    if "MODEL" in flags and not (cwd / "MODEL").exists():  # a released checkpoint and shards of its tokenizer
+        M.save_hf(tiny_model(vocab_size=300, max_seq_len=4096), cwd / "MODEL", torch.float32)
+        (cwd / "SHARDS").mkdir()
+        for split in ("train", "val"):
+            write_shard(cwd / "SHARDS" / f"corpus_{split}_000000.bin", np.arange(20000) * 7 % 300, vocab=300)
     if int(opt.get("nnodes", 1)) > 1:  # many nodes: plan the same flags for that world instead
         launch, flags = ["python"], [*flags, "--dry-run", "--world", str(int(opt["nnodes"]) * int(opt["nproc_per_node"]))]
     else:
@@ -1278,8 +1587,9 @@ def test_every_readme_command_runs(tmp_path):
     a checkpoint the README names is mapped to the shortened run's; REPO, TASKS/ID and TRAJECTORY.jsonl are a
     fixture repository, the task `make` wrote and a clean trajectory. The quick start runs as a real process, the
     rest fork from the preloaded server (Launched; torchrun's ranks with its environment). Many-node commands are
-    planned with --dry-run at their world size; CUDA commands are skipped on a machine without CUDA, `tasks.py env` where the
-    package index cannot be reached, and nothing else."""
+    planned with --dry-run at their world size; MODEL and SHARDS are a tiny checkpoint in the Hugging Face layout and
+    token shards. CUDA commands are skipped on a machine without CUDA, `tasks.py env` where the package index
+    cannot be reached, --init-from without the safetensors package, and nothing else."""
     forkserver()  # started before the threads below
     groups = readme_commands()
     assert groups[0] == ["python train.py"]  # the quick start: the run the resume examples continue
@@ -1301,7 +1611,7 @@ def test_every_readme_command_runs(tmp_path):
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         list(pool.map(run_group, sorted(range(1, len(groups)), key=cost, reverse=True)))
     assert all(why == "needs CUDA" and "--device cuda" in line or why == "needs the package index" and " env " in line
-               for line, why in skipped), skipped
+               or why == "needs safetensors" and "--init-from" in line for line, why in skipped), skipped
 
 
 # -----------------------------------------------------------------------------

@@ -14,6 +14,8 @@ parallelism (--cp; in RL the cp ranks act as data-parallel ones) folded onto the
 each rank samples its own rollouts. On CUDA it computes in bf16 (FSDP2's mixed precision, fp32 weights and
 reductions). Checkpoints are checksummed and written atomically; --resume continues from any of them (or falls
 back past a damaged one), and Ctrl-C or SIGTERM saves the current step and prints the command that resumes.
+--init-from starts from a released checkpoint in the Hugging Face layout (DeepSeek-V3, Kimi K2/K2.5, Moonlight;
+each rank reads only its shards) and --save-hf writes the trained model back in that layout.
 
     python train.py                                            # tiny preset, CPU: pretraining, then RL
     python train.py --stage pretrain --out pre                 # pretraining only; then RL from its checkpoint:
@@ -21,6 +23,7 @@ back past a damaged one), and Ctrl-C or SIGTERM saves the current step and print
     torchrun --nproc_per_node=4 train.py --cp 2 --ep 4         # FSDP x CP=2, EP=4 (gloo on CPU)
     torchrun --nproc_per_node=8 train.py --dp-replicate 2 --ep 4
     python train.py --resume                                   # continue from the newest intact checkpoint in out/
+    python train.py --init-from DIR --data SHARDS --save-hf OUT  # continued pretraining of a released model
     python train.py --preset kimi-k2 --dry-run --world 512 --ep 64 --stage pretrain --seq-len 4096 --batch-size 512
 """
 import argparse
@@ -60,8 +63,8 @@ from mesh import CommCounter, LayoutError, build_meshes, expert_shard_dim, init_
 import tasks
 from feedback import RULES, Feedback, FeedbackConfig
 from grpo import SUMMARY_REQUEST, GRPOConfig, Weights, grpo_loss, logprobs, minibatches, rollout
-from model import (PRESETS, ContextParallel, ModelConfig, Transformer, activation_elements, encode, flops_per_token,
-                   param_counts)
+from model import (PRESETS, VOCAB_SIZE, CheckpointError, ContextParallel, ModelConfig, Transformer,
+                   activation_elements, encode, flops_per_token, hf_config, load_hf, param_counts, save_hf)
 from muon import Muon, param_groups
 
 # -----------------------------------------------------------------------------
@@ -70,7 +73,11 @@ from muon import Muon, param_groups
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 g = parser.add_argument_group("model")
-g.add_argument("--preset", default="tiny", help=f"model size, one of {list(PRESETS)}")
+g.add_argument("--preset", default=None, help=f"model size, one of {list(PRESETS)} (default: tiny)")
+g.add_argument("--init-from", default=None, metavar="DIR",
+               help="start from a released checkpoint: a Hugging Face folder (config.json, *.safetensors) of a "
+                    "DeepSeek-V3-architecture model (DeepSeek-V3, Kimi K2, Kimi K2.5, Moonlight); its config.json "
+                    "is the model. Needs the safetensors package and --data shards made with its tokenizer")
 g.add_argument("--num-experts", type=int, default=None, help="routed experts per MoE layer (default: the preset's)")
 g = parser.add_argument_group("run")
 g.add_argument("--steps", type=int, default=700, help="optimizer steps in total (a resumed run stops here too)")
@@ -117,6 +124,9 @@ g.add_argument("--data", default=None,
 g.add_argument("--out", default="out", help="folder for metrics.jsonl and the checkpoints (step-NNNNNNNN/)")
 g.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
                help="continue from the newest intact checkpoint in OUT, or from the step-NNNNNNNN folder given")
+g.add_argument("--save-hf", default=None, metavar="DIR",
+               help="at the end, write the model as a Hugging Face DeepSeek-V3 checkpoint folder (needs safetensors)")
+g.add_argument("--save-hf-dtype", default="bf16", choices=["bf16", "fp32"], help="the weights' dtype in --save-hf")
 g.add_argument("--keep", type=int, default=1,
                help="checkpoints kept: the newest KEEP, plus the last one of each stage (pretraining, RL)")
 g.add_argument("--log-every", type=int, default=20, help="steps between progress lines")
@@ -125,7 +135,8 @@ g.add_argument("--eval-batches", type=int, default=8, help="batches per validati
 g = parser.add_argument_group("RL stage: Dr. GRPO with textual feedback on the tool-use tasks")
 g.add_argument("--stage", default=None, choices=["pretrain", "rl", "both"],
                help="pretrain then RL, pretraining only, or RL only (from --resume); default: both, but only "
-                    "pretraining with --data (the RL tasks are this project's tool-use tasks, not your corpus)")
+                    "pretraining with --data or --init-from (the RL tasks are this project's tool-use tasks, "
+                    "not your corpus)")
 g.add_argument("--init", default=None, choices=["scratch"],
                help="scratch: let --stage rl start from random weights (a smoke test: it earns no reward)")
 g.add_argument("--rl-steps", type=int, default=4, help="RL steps (each: sample, then --ppo-epochs x --ppo-minibatches updates)")
@@ -190,9 +201,28 @@ def print0(*a, **kw):
         print(*a, **kw, flush=True)
 
 
-if args.preset not in PRESETS:
+if (args.preset or "tiny") not in PRESETS:
     die(f"unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}")
-cfg: ModelConfig = PRESETS[args.preset]
+cfg: ModelConfig = PRESETS[args.preset or "tiny"]
+hf_base = None  # --init-from: the checkpoint's own config.json, which --save-hf keeps
+if args.init_from:
+    try:
+        cfg, hf_base, left_out = hf_config(args.init_from)
+    except CheckpointError as e:
+        die(f"--init-from {e}")
+    for what in left_out:
+        print0(f"note: --init-from leaves out {what}")
+    preset = PRESETS.get(args.preset)
+    if preset is not None and preset != cfg:
+        differ = [f"{k} {v} (preset {getattr(preset, k)})" for k, v in asdict(cfg).items() if getattr(preset, k) != v]
+        die(f"--init-from {args.init_from}/config.json disagrees with --preset {args.preset}: {', '.join(differ[:4])}"
+            f"{' ...' if len(differ) > 4 else ''}; drop --preset (the checkpoint's config.json is the model)")
+    if args.num_experts not in (None, cfg.num_experts):
+        die(f"--num-experts {args.num_experts}: the checkpoint has {cfg.num_experts} experts a layer; drop the flag")
+    if args.data is None and cfg.vocab_size != VOCAB_SIZE and not args.dry_run:
+        die(f"--init-from needs --data: token shards made with the checkpoint's own tokenizer (vocab "
+            f"{cfg.vocab_size}); the built-in corpus is this project's bytes (README: Start from a released model)")
+args.preset = args.preset or ("tiny" if args.init_from is None else Path(args.init_from).name)
 if args.num_experts is not None:
     if not cfg.top_k <= args.num_experts:
         die(f"--num-experts {args.num_experts} is fewer than the {args.preset} preset's top-{cfg.top_k} routing")
@@ -220,7 +250,11 @@ except LayoutError as e:
 if args.batch_size // layout.dp % args.grad_accum:
     die(f"--grad-accum {args.grad_accum} does not divide the {args.batch_size // layout.dp} sequences a rank gets "
         f"(--batch-size {args.batch_size} over {layout.dp} data-parallel ranks)")
-args.stage = args.stage or ("pretrain" if args.data else "both")  # RL trains on the tool tasks, not on --data
+args.stage = args.stage or ("pretrain" if args.data or args.init_from else "both")  # RL: the tool tasks, not --data
+if args.init_from and args.stage != "pretrain" and cfg.vocab_size != VOCAB_SIZE:
+    die(f"--init-from: the RL stage speaks to the tasks through this project's byte tokenizer (model.encode/decode "
+        f"and model.TOKEN), not the checkpoint's (vocab {cfg.vocab_size}); plug the model's tokenizer in there "
+        "first, or run --stage pretrain")
 if args.stage == "rl" and not args.resume and args.init != "scratch":
     die("--stage rl needs a model to start from: run `python train.py --stage pretrain` first, then "
         "`python train.py --stage rl --resume` (or pass --init scratch to start RL from random weights)")
@@ -364,6 +398,11 @@ def agree(err):
         dist.all_gather_object(errs, err)
         err = next((e for e in errs if e), None)
     return err
+
+
+def last_line(e):
+    """An exception in one line: DCP's carry every rank's traceback."""
+    return f"{type(e).__name__}: " + (str(e).strip().splitlines()[-1][:160] if str(e).strip() else "no details")
 
 
 def checkpoints():
@@ -635,6 +674,9 @@ for name, shards in (("training", train_shards), ("validation", val_shards)):
 # a tokenizer's vocab from the shard header, else the largest id (a small corpus); a .bin from another
 # tokenizer (e.g. GPT-2's 50257) widens the embedding
 vocab_size = max(cfg.vocab_size, shard_vocab or 1 + max(int(s.max()) for s in train_shards + val_shards if len(s)))
+if args.init_from and vocab_size != cfg.vocab_size:
+    die(f"--data {args.data}: token ids up to {vocab_size - 1}, but the checkpoint's vocabulary has {cfg.vocab_size}: "
+        "make the shards with the checkpoint's tokenizer")
 if vocab_size != cfg.vocab_size:
     cfg = ModelConfig(**{**asdict(cfg), "vocab_size": vocab_size})
 train_windows = Windows(train_shards, args.seq_len + 1, args.seed)
@@ -679,7 +721,17 @@ if world_size > 1:  # the experts on the expert mesh, each block, the embedding 
           [m.experts for m in model.moe_layers()], [*model.layers, model.embed, [model.norm, model.lm_head]], model,
           cfg.num_experts, bf16)
 model.to_empty(device=device)
-model.init_weights(args.seed)  # values depend on the seed alone, not on the layout
+if args.init_from and not resume_path:  # each rank reads the blocks of its own shards
+    try:
+        load_hf(model, args.init_from)
+        err = None
+    except Exception as e:  # a file that fails on one rank stops every rank
+        err = str(e) if isinstance(e, CheckpointError) else f"{args.init_from}: {last_line(e)}"
+    err = agree(err)
+    if err:
+        die(f"--init-from {err}")
+else:
+    model.init_weights(args.seed)  # values depend on the seed alone, not on the layout
 
 ns_dtype = torch.float32 if args.precision == "fp32" else None  # None: Newton-Schulz in bf16 on CUDA, fp32 on CPU
 
@@ -851,11 +903,6 @@ def save_failure(e, path):
                 f"a checkpoint takes ~{checkpoint_bytes / 2**20:,.0f} MiB); the partial checkpoint was removed and "
                 f"the run stopped; free space, then resume")
     return f"checkpoint {path} could not be written ({last_line(e)})"
-
-
-def last_line(e):
-    """An exception in one line: DCP's carry every rank's traceback."""
-    return f"{type(e).__name__}: " + (str(e).strip().splitlines()[-1][:160] if str(e).strip() else "no details")
 
 
 def fsync_dir(path):
@@ -1235,6 +1282,12 @@ if args.stage != "pretrain":
             save_checkpoint(base + rl_step, **rl_state)
         if stopping:
             stop_here(base + rl_step, saving, **rl_state)
+if args.save_hf:  # every rank: each sharded tensor is gathered whole, rank 0 writes
+    try:
+        save_hf(model, args.save_hf, torch.bfloat16 if args.save_hf_dtype == "bf16" else torch.float32, hf_base)
+    except CheckpointError as e:
+        die(f"--save-hf {e}")
+    print0(f"wrote {args.save_hf}: a Hugging Face DeepSeek-V3 checkpoint ({args.save_hf_dtype})")
 print0(f"done: checkpoint {checkpoints()[-1]}, metrics {metrics_path}, peak memory {peak_memory() / 2**30:.2f} GiB "
        f"(rank 0)")
 if world_size > 1:
