@@ -124,7 +124,8 @@ PRESETS = {
     "moonlight": ModelConfig(vocab_size=163840, dim=2048, n_layer=27, n_dense_layers=1, n_head=16, q_lora_rank=0,
                              kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
                              dense_hidden=11264, num_experts=64, top_k=6, moe_hidden=1408, n_shared_experts=2,
-                             route_scale=2.446, bias_update_rate=1e-3, max_seq_len=8192, rope_theta=50000.0),
+                             route_scale=2.446, bias_update_rate=1e-3, max_seq_len=8192, rope_theta=50000.0,
+                             norm_eps=1e-5),
     # the real shape (Kimi K2 config.json): build it on the meta device
     "kimi-k2": ModelConfig(vocab_size=163840, dim=7168, n_layer=61, n_dense_layers=1, n_head=64, q_lora_rank=1536,
                            kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
@@ -632,7 +633,7 @@ def hf_config(path):
     quant = c.get("quantization_config") or quant
     heads, experts = get("num_attention_heads"), get("n_routed_experts")
     refused = [what for bad, what in [
-        (c.get("num_key_value_heads", heads) != heads, "num_key_value_heads != num_attention_heads"),
+        ((c.get("num_key_value_heads") or heads) != heads, "num_key_value_heads != num_attention_heads"),
         (c.get("hidden_act", "silu") != "silu", f"hidden_act {c.get('hidden_act')!r}"),
         (c.get("attention_bias"), "attention_bias"),
         (c.get("tie_word_embeddings"), "tie_word_embeddings"),
@@ -650,9 +651,12 @@ def hf_config(path):
         raise CheckpointError(f"{f}: not supported here: {', '.join(refused)}")
     mtp = c.get("num_nextn_predict_layers", c.get("num_mtp_layers")) or 0
     if mtp:
-        left_out.append(f"{mtp} multi-token prediction layer(s) (inference-time speculation; their weights are skipped)")
-    factor = rope.get("factor") or get("max_position_embeddings") / rope.get("original_max_position_embeddings",
-                                                                           get("max_position_embeddings"))
+        left_out.append(f"{mtp} multi-token prediction layer(s) (inference-time speculation; weights skipped)")
+    original = rope.get("original_max_position_embeddings", get("max_position_embeddings"))
+    yarn = {} if kind != "yarn" else dict(  # no factor: the ratio of the contexts, as transformers reads it
+        rope_factor=rope.get("factor") or get("max_position_embeddings") / original, rope_original_max_seq_len=original,
+        rope_beta_fast=rope.get("beta_fast") or 32.0, rope_beta_slow=rope.get("beta_slow") or 1.0,
+        rope_mscale=rope.get("mscale") or 0.0, rope_mscale_all_dim=rope.get("mscale_all_dim") or 0.0)
     cfg = ModelConfig(
         vocab_size=get("vocab_size"), dim=get("hidden_size"), n_layer=get("num_hidden_layers"),
         n_dense_layers=get("first_k_dense_replace"), n_head=heads, q_lora_rank=c.get("q_lora_rank", 1536) or 0,
@@ -662,12 +666,7 @@ def hf_config(path):
         n_shared_experts=get("n_shared_experts"), route_scale=get("routed_scaling_factor"), n_group=get("n_group"),
         topk_group=get("topk_group"), max_seq_len=get("max_position_embeddings"),
         rope_theta=rope.get("rope_theta", get("rope_theta")), norm_eps=get("rms_norm_eps"),
-        init_std=get("initializer_range"), bias_update_rate=1e-3)
-    if kind == "yarn":
-        cfg.rope_factor, cfg.rope_mscale, cfg.rope_mscale_all_dim = factor, rope.get("mscale") or 0.0, rope.get(
-            "mscale_all_dim") or 0.0
-        cfg.rope_original_max_seq_len = rope.get("original_max_position_embeddings", cfg.max_seq_len)
-        cfg.rope_beta_fast, cfg.rope_beta_slow = rope.get("beta_fast") or 32.0, rope.get("beta_slow") or 1.0
+        init_std=get("initializer_range"), bias_update_rate=1e-3, **yarn)
     c["quantization_config"] = quant
     return cfg, c, left_out
 
@@ -906,11 +905,14 @@ def save_hf(model, path, dtype=torch.bfloat16, base_config=None, shard_bytes=5 *
         pending, size = {}, 0
 
     for name, t in [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if n in layout)]:
-        whole = t.full_tensor() if isinstance(t, DTensor) else t
+        keep = torch.float32 if name.endswith(("router.weight", "expert_bias")) else dtype
+        t = t.detach()
+        if isinstance(t, DTensor):  # cast, then gather: the whole tensor exists once a rank, in the export dtype
+            t = DTensor.from_local(t.to_local().to(keep), t.device_mesh, t.placements, shape=t.shape,
+                                   stride=t.stride()).full_tensor()
         if not writer:
             continue
-        keep = torch.float32 if name.endswith(("router.weight", "expert_bias")) else dtype
-        for key, v in to_hf(*layout[name], whole.detach().to("cpu", keep)).items():
+        for key, v in to_hf(*layout[name], t.to("cpu", keep)).items():
             pending[key] = v.contiguous()
             size += v.numel() * v.element_size()
         if size >= shard_bytes:

@@ -369,6 +369,48 @@ def test_released_checkpoints_give_the_logits_of_transformers(tmp_path, monkeypa
         assert all((m(idx)[0] - want).abs().max() > 0.1 for m in wrong)
 
 
+PUBLISHED = {  # the config.json of moonshotai/Moonlight-16B-A3B and moonshotai/Kimi-K2-Instruct (model fields)
+    "moonlight": {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "attention_bias": False,
+                  "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+                  "intermediate_size": 11264, "kv_lora_rank": 512, "max_position_embeddings": 8192,
+                  "moe_intermediate_size": 1408, "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 64,
+                  "n_shared_experts": 2, "norm_topk_prob": True, "num_attention_heads": 16, "num_experts_per_tok": 6,
+                  "num_hidden_layers": 27, "num_key_value_heads": 16, "num_nextn_predict_layers": 0,
+                  "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-05,
+                  "rope_scaling": None, "rope_theta": 50000.0, "routed_scaling_factor": 2.446,
+                  "scoring_func": "sigmoid", "tie_word_embeddings": False, "topk_group": 1, "topk_method": "noaux_tc",
+                  "v_head_dim": 128, "vocab_size": 163840},
+    "kimi-k2": {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "attention_bias": False,
+                "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02,
+                "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 131072,
+                "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 384,
+                "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 64, "num_experts_per_tok": 8,
+                "num_hidden_layers": 61, "num_key_value_heads": 64, "num_nextn_predict_layers": 0, "q_lora_rank": 1536,
+                "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                        "weight_block_size": [128, 128]},
+                "rms_norm_eps": 1e-06,
+                "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0,
+                                 "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "type": "yarn"},
+                "rope_theta": 50000.0, "routed_scaling_factor": 2.827, "scoring_func": "sigmoid",
+                "tie_word_embeddings": False, "topk_group": 1, "topk_method": "noaux_tc", "v_head_dim": 128,
+                "vocab_size": 163840},
+}
+
+
+def test_published_configs_read_as_the_presets(tmp_path):
+    """Moonlight's and Kimi K2's published config.json (the older rope_scaling form, model_type kimi_k2, fp8) read
+    as the moonlight and kimi-k2 presets, YaRN included (Kimi K2's softmax scale grows by 1.81)."""
+    for name, config in PUBLISHED.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        cfg, _, left_out = M.hf_config(tmp_path / name)
+        assert cfg == M.PRESETS[name] and not left_out, name
+    with torch.device("meta"):
+        attn = M.MLA(M.PRESETS["kimi-k2"])
+    assert attn.scale * 192 ** 0.5 == pytest.approx((0.1 * math.log(32) + 1) ** 2) == pytest.approx(1.813, abs=1e-3)
+
+
 def fp8_blocks(w, block):
     """w [out, in] -> ({"": fp8 e4m3 weights, "_scale_inv": float32 scales a block}, the values they stand for):
     DeepSeek-V3's and Kimi K2's release format."""
@@ -479,7 +521,8 @@ def test_sharded_ranks_read_only_their_blocks_and_export_the_whole_model(tmp_pat
         M.save_hf(tiny_model(seed=3, num_experts=experts), tmp_path / name, torch.float32)
     one = {name: dict(load_ours(tmp_path / name).named_parameters()) for name in ("e16", "e2")}
     total = {name: sum(p.numel() for p in ps.values()) for name, ps in one.items()}
-    for world, cases in {2: [("e16", {})], 4: [("e16", dict(dp_replicate=2, ep_replicate=2)), ("e2", dict(ep=2))]}.items():
+    layouts = {2: [("e16", {})], 4: [("e16", dict(dp_replicate=2, ep_replicate=2)), ("e2", dict(ep=2))]}
+    for world, cases in layouts.items():
         for name, degrees, full, counted, held in run_workers(_load_worker, world, tmp_path, cases, results=len(cases)):
             for n, p in full.items():
                 assert torch.equal(torch.from_numpy(p), one[name][n]), (world, degrees, n)
@@ -1003,7 +1046,7 @@ def test_continued_pretraining_from_a_released_checkpoint(tmp_path):
     for p in map(finish, runs):
         assert p.returncode == 0 and "note: --init-from leaves out" not in p.stdout, p.stderr[-3000:]
     w1, w2 = read_metrics(tmp_path / "w1"), read_metrics(tmp_path / "w2")
-    assert w1[1]["loss"] == pytest.approx(want.item(), rel=1e-5) and w2[1]["loss"] == pytest.approx(want.item(), rel=1e-5)
+    assert w1[1]["loss"] == pytest.approx(want.item(), rel=1e-5) == w2[1]["loss"]
     assert w2[2]["loss"] == pytest.approx(w1[2]["loss"], rel=1e-5) and w1[2]["loss"] < w1[1]["loss"]
     import torch.distributed.checkpoint as dcp  # the step-2 checkpoint holds what --save-hf wrote at step 2
     trained = load_ours(tmp_path / "export")
@@ -1027,7 +1070,8 @@ def test_bad_checkpoints_are_one_line_naming_the_file(tmp_path, monkeypatch):
     M.save_hf(tiny_model(seed=1, vocab_size=300), good, torch.float32, shard_bytes=200_000)  # several files
     (tmp_path / "empty").mkdir()
     shutil.copytree(good, tmp_path / "llama")
-    (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    llama = {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+    (tmp_path / "llama" / "config.json").write_text(json.dumps(llama))
     shutil.copytree(good, tmp_path / "missing")
     second = sorted(good.glob("model-00002-of-*.safetensors"))[0].name
     (tmp_path / "missing" / second).unlink()
