@@ -759,12 +759,16 @@ def test_closure_and_validation():
 # train.py, run as a user would: a fresh process with its own argv, environment, folder and exit code
 
 
-def _become_script(script, argv, env, cwd, out, err):
+def _become_script(script, argv, env, cwd, out, err, address_space=None):
     """In a process forked from the preloaded server below: turn into `python SCRIPT ARGV` (run as __main__,
-    stdout and stderr to files, exit handlers run as at an interpreter's exit)."""
+    stdout and stderr to files, exit handlers run as at an interpreter's exit), its address space limited to
+    `address_space` bytes if given."""
     import atexit
+    import resource
     import runpy
     import traceback
+    if address_space:
+        resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -837,7 +841,7 @@ class Launched:
     ranks get torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT) and, as
     torchrun does, the others are stopped once one fails. A real `python` runs the README's quick start, a real
     `torchrun` the SIGTERM-under-torchrun test."""
-    def __init__(self, script, *flags, world=1, cwd=None):
+    def __init__(self, script, *flags, world=1, cwd=None, address_space=None):
         self.args, self.dir = [str(HERE / script), *flags], Path(tempfile.mkdtemp(prefix="run-"))
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         if world > 1:
@@ -851,7 +855,7 @@ class Launched:
             rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)} if world > 1 else env
             self.procs.append(forkserver().Process(target=_become_script, args=(
                 self.args[0], self.args[1:], rank_env, str(cwd or os.getcwd()), self.dir / f"out{rank}",
-                self.dir / f"err{rank}")))
+                self.dir / f"err{rank}", address_space)))
             self.procs[-1].start()
         self.pid, self.returncode, self.failed = self.procs[0].pid, None, None
 
@@ -1115,14 +1119,9 @@ def test_dry_run_plans_kimi_k2_on_512_ranks_without_allocating():
     """--dry-run builds the 1T model on the meta device: under a 12 GiB address-space limit (its fp32 weights
     alone are 3.8 TiB) it prints the plan; the weights a rank holds are 4 bytes x parameters / 512 (dense and
     expert weights both spread over all 512 ranks here), and activation checkpointing shrinks activations."""
-    import resource
-
     def plan(*flags):  # started in the background
-        limit = lambda: resource.setrlimit(resource.RLIMIT_AS, (12 * 2**30, 12 * 2**30))
-        return subprocess.Popen([sys.executable, str(HERE / "train.py"), "--preset", "kimi-k2", "--dry-run",
-                                 "--world", "512", "--ep", "64", "--stage", "pretrain", "--batch-size", "512",
-                                 "--seq-len", "4096", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, preexec_fn=limit)
+        return Launched("train.py", "--preset", "kimi-k2", "--dry-run", "--world", "512", "--ep", "64", "--stage",
+                        "pretrain", "--batch-size", "512", "--seq-len", "4096", *flags, address_space=12 * 2**30)
 
     def gib(proc):
         r = finish(proc, timeout=120)
