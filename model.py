@@ -6,7 +6,7 @@ many small routed experts, top-k sigmoid routing with an auxiliary-loss-free bal
 shared expert. Sources: DeepSeek-V3 technical report (arXiv 2412.19437) and its inference/model.py;
 Kimi K2 technical report (arXiv 2507.20534) and config.json. Simplification: no multi-token prediction head.
 Released checkpoints in the Hugging Face layout (DeepSeek-V3, Kimi K2, Kimi K2.5's text model, Moonlight) load
-into it and are written back by the last section of this file; transformers' DeepseekV3 gives the same logits.
+into it and are written back (section "Released checkpoints"); transformers' DeepseekV3 gives the same logits.
 
 Two layout choices serve the optimizer (muon.py) and the sharding (mesh.py):
 - expert weights are stacked, one tensor per projection, [num_experts, out, in];
@@ -884,7 +884,8 @@ def save_hf(model, path, dtype=torch.bfloat16, base_config=None, shard_bytes=5 *
     """Write the model as a Hugging Face DeepSeek-V3 checkpoint folder: config.json, model-0000k-of-0000n.safetensors
     (about shard_bytes each) and model.safetensors.index.json, with the rope rows interleaved as DeepSeek's
     reference lays them out. Every rank must call it: a sharded tensor is gathered whole, one at a time; rank 0
-    writes into path.tmp and renames it to path when complete. The router and its bias stay in float32."""
+    writes into path.tmp and renames it to path when complete. The router and its bias stay in float32. A file
+    that cannot be written raises CheckpointError on every rank, after every rank has done its gathers."""
     try:
         from safetensors.torch import save_file
     except ImportError:
@@ -892,11 +893,16 @@ def save_hf(model, path, dtype=torch.bfloat16, base_config=None, shard_bytes=5 *
             from None
     writer = not dist.is_initialized() or dist.get_rank() == 0
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    layout, files, pending, size = hf_layout(model.cfg), [], {}, 0
-    if writer:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+    layout, files, pending, size, err = hf_layout(model.cfg), [], {}, 0, None
+
+    def write(step):  # rank 0's file work: the first error is kept, and the gathers go on
+        nonlocal err
+        if writer and err is None:
+            try:
+                step()
+            except Exception as e:  # OSError, or safetensors' own error around one (a full disk)
+                err = f"{path}: {e.strerror if isinstance(e, OSError) else str(e).strip().splitlines()[-1]}"
 
     def flush():
         nonlocal pending, size
@@ -904,37 +910,44 @@ def save_hf(model, path, dtype=torch.bfloat16, base_config=None, shard_bytes=5 *
         save_file(pending, tmp / f"part-{len(files)}.safetensors", metadata={"format": "pt"})
         pending, size = {}, 0
 
+    def finish():
+        if pending or not files:
+            flush()
+        weight_map = {}
+        for k, keys in enumerate(files, 1):
+            name = f"model-{k:05d}-of-{len(files):05d}.safetensors"
+            (tmp / f"part-{k}.safetensors").rename(tmp / name)
+            weight_map.update(dict.fromkeys(keys, name))
+        index = {"metadata": {}, "weight_map": weight_map}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        (tmp / "config.json").write_text(json.dumps(hf_config_dict(model.cfg, dtype, base_config), indent=2))
+        if path.exists():
+            path.rename(old)
+        tmp.rename(path)
+        shutil.rmtree(old, ignore_errors=True)
+
+    write(lambda: (shutil.rmtree(tmp, ignore_errors=True), tmp.mkdir(parents=True)))
     for name, t in [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if n in layout)]:
         keep = torch.float32 if name.endswith(("router.weight", "expert_bias")) else dtype
         t = t.detach()
         if isinstance(t, DTensor):  # cast, then gather: the whole tensor exists once a rank, in the export dtype
             t = DTensor.from_local(t.to_local().to(keep), t.device_mesh, t.placements, shape=t.shape,
                                    stride=t.stride()).full_tensor()
-        if not writer:
-            continue
-        for key, v in to_hf(*layout[name], t.to("cpu", keep)).items():
-            pending[key] = v.contiguous()
-            size += v.numel() * v.element_size()
-        if size >= shard_bytes:
-            flush()
-    if writer:
-        if pending or not files:
-            flush()
-        n, weight_map = len(files), {}
-        for k, keys in enumerate(files, 1):
-            name = f"model-{k:05d}-of-{n:05d}.safetensors"
-            (tmp / f"part-{k}.safetensors").rename(tmp / name)
-            weight_map.update(dict.fromkeys(keys, name))
-        (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map},
-                                                                     indent=2))
-        (tmp / "config.json").write_text(json.dumps(hf_config_dict(model.cfg, dtype, base_config), indent=2))
-        old = path.with_name(path.name + ".old")
-        if path.exists():
-            path.rename(old)
-        tmp.rename(path)
-        shutil.rmtree(old, ignore_errors=True)
-    if dist.is_initialized():
-        dist.barrier()
+        if writer:
+            for key, v in to_hf(*layout[name], t.to("cpu", keep)).items():
+                pending[key] = v.contiguous()
+                size += v.numel() * v.element_size()
+            if size >= shard_bytes:
+                write(flush)
+    write(finish)
+    if dist.is_initialized():  # rank 0's verdict, to every rank
+        shared = [err]
+        dist.broadcast_object_list(shared, src=0)
+        err = shared[0]
+    if err:
+        if writer:  # no partial folder is left behind
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(err)
 
 
 # -----------------------------------------------------------------------------

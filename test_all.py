@@ -1111,6 +1111,29 @@ def test_bad_checkpoints_are_one_line_naming_the_file(tmp_path, monkeypatch):
         load_ours(good)
 
 
+def test_save_hf_on_a_full_disk_is_one_line_on_every_rank(tmp_path, par_data):
+    """--save-hf into a folder in the way is refused before the run; an export that fills its disk (a real 1 MiB
+    tmpfs) ends both ranks with one line and exit 2, after the run's own checkpoint is written, and leaves no
+    partial export behind."""
+    (tmp_path / "file").write_text("")
+    r = run_train("--save-hf", str(tmp_path / "file"), "--out", str(tmp_path / "o1"))
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [f"error: --save-hf {tmp_path / 'file'}: a file "
+                                                                  "is in the way"], r.stderr
+    disk = tmp_path / "disk"
+    try:
+        mount_tmpfs(disk, "size=1m")
+        p = start_train(*PAR_RUN, "--steps", "2", "--eval-every", "2", "--data", str(par_data), "--out",
+                        str(tmp_path / "out"), "--save-hf", str(disk / "export"), world=2)
+        finish(p)
+        codes, errs = [q.exitcode for q in p.procs], [err for _, err in p.outputs]
+        assert codes == [2, 2] and not errs[1].strip() and len(errs[0].strip().splitlines()) == 1, (codes, errs)
+        assert errs[0].startswith(f"error: --save-hf: {disk / 'export'}: ") and "No space left on device" in \
+            errs[0] and "step-00000002 is complete" in errs[0], errs[0]
+        assert (tmp_path / "out" / "step-00000002" / "meta.json").is_file() and not list(disk.iterdir())
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+
+
 # -----------------------------------------------------------------------------
 # mesh.py and train.py under torchrun: real gloo process groups on CPU, compared with one process
 

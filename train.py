@@ -223,6 +223,12 @@ if args.init_from:
         die(f"--init-from needs --data: token shards made with the checkpoint's own tokenizer (vocab "
             f"{cfg.vocab_size}); the built-in corpus is this project's bytes (README: Start from a released model)")
 args.preset = args.preset or ("tiny" if args.init_from is None else Path(args.init_from).name)
+if args.save_hf:  # checked now, not after the run: the nearest folder that exists must be writable
+    above = next(p for p in Path(args.save_hf).absolute().parents if p.exists())
+    if Path(args.save_hf).is_file():
+        die(f"--save-hf {args.save_hf}: a file is in the way")
+    if not (above.is_dir() and os.access(above, os.W_OK)):
+        die(f"--save-hf {args.save_hf}: {above} is not a writable folder")
 if args.num_experts is not None:
     if not cfg.top_k <= args.num_experts:
         die(f"--num-experts {args.num_experts} is fewer than the {args.preset} preset's top-{cfg.top_k} routing")
@@ -1286,7 +1292,7 @@ if args.save_hf:  # every rank: each sharded tensor is gathered whole, rank 0 wr
     try:
         save_hf(model, args.save_hf, torch.bfloat16 if args.save_hf_dtype == "bf16" else torch.float32, hf_base)
     except CheckpointError as e:
-        die(f"--save-hf {e}")
+        die(f"--save-hf: {e} (the run's own checkpoint {checkpoints()[-1]} is complete)")
     print0(f"wrote {args.save_hf}: a Hugging Face DeepSeek-V3 checkpoint ({args.save_hf_dtype})")
 print0(f"done: checkpoint {checkpoints()[-1]}, metrics {metrics_path}, peak memory {peak_memory() / 2**30:.2f} GiB "
        f"(rank 0)")
