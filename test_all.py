@@ -1111,6 +1111,19 @@ def test_bad_checkpoints_are_one_line_naming_the_file(tmp_path, monkeypatch):
         load_ours(good)
 
 
+def test_an_exported_byte_level_model_continues_into_rl(tmp_path, par_data):
+    """A model of this project's byte vocabulary, exported with --save-hf, starts RL with --init-from and
+    --stage rl (no --resume checkpoint needed); the export holds the pretraining checkpoint's weights exactly."""
+    r = run_train(*PAR_RUN, "--steps", "2", "--eval-every", "2", "--data", str(par_data), "--out",
+                  str(tmp_path / "pre"), "--save-hf", str(tmp_path / "hf"), "--save-hf-dtype", "fp32")
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = run_train("--init-from", str(tmp_path / "hf"), "--stage", "rl", "--rl-steps", "1", "--group-size", "2",
+                  "--max-gen-tokens", "32", "--rl-eval-tasks", "0", "--out", str(tmp_path / "rl"))
+    assert r.returncode == 0 and "rl step    1" in r.stdout, r.stderr[-2000:]
+    exported = load_ours(tmp_path / "hf").state_dict()
+    assert all(torch.equal(exported[k], v) for k, v in final_params(tmp_path / "pre").items())
+
+
 def test_save_hf_on_a_full_disk_is_one_line_on_every_rank(tmp_path, par_data):
     """--save-hf into a folder in the way is refused before the run; an export that fills its disk (a real 1 MiB
     tmpfs) ends both ranks with one line and exit 2, after the run's own checkpoint is written, and leaves no

@@ -261,7 +261,7 @@ if args.init_from and args.stage != "pretrain" and cfg.vocab_size != VOCAB_SIZE:
     die(f"--init-from: the RL stage speaks to the tasks through this project's byte tokenizer (model.encode/decode "
         f"and model.TOKEN), not the checkpoint's (vocab {cfg.vocab_size}); plug the model's tokenizer in there "
         "first, or run --stage pretrain")
-if args.stage == "rl" and not args.resume and args.init != "scratch":
+if args.stage == "rl" and not (args.resume or args.init_from) and args.init != "scratch":
     die("--stage rl needs a model to start from: run `python train.py --stage pretrain` first, then "
         "`python train.py --stage rl --resume` (or pass --init scratch to start RL from random weights)")
 if args.stage != "pretrain":
