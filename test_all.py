@@ -1094,7 +1094,8 @@ def test_bad_checkpoints_are_one_line_naming_the_file(tmp_path, monkeypatch):
         "model.layers.1.mlp.experts.0.gate_proj.weight has shape [128, 128], config.json means [64, 128]":
             [tmp_path / "shape", *data],
         "disagrees with --preset tiny: vocab_size 300 (preset 264)": [good, "--preset", "tiny", *data],
-        "token ids up to 399, but the checkpoint's vocabulary has 300": [good, "--data", tmp_path / "wide"],
+        "its tokens need a vocabulary of 400 (the shard header, or the largest id + 1), the checkpoint has 300":
+            [good, "--data", tmp_path / "wide"],
         "the RL stage speaks to the tasks through this project's byte tokenizer": [good, "--stage", "both", *data],
         "--init-from needs --data: token shards made with the checkpoint's own tokenizer": [good],
     }

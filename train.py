@@ -681,8 +681,8 @@ for name, shards in (("training", train_shards), ("validation", val_shards)):
 # tokenizer (e.g. GPT-2's 50257) widens the embedding
 vocab_size = max(cfg.vocab_size, shard_vocab or 1 + max(int(s.max()) for s in train_shards + val_shards if len(s)))
 if args.init_from and vocab_size != cfg.vocab_size:
-    die(f"--data {args.data}: token ids up to {vocab_size - 1}, but the checkpoint's vocabulary has {cfg.vocab_size}: "
-        "make the shards with the checkpoint's tokenizer")
+    die(f"--data {args.data}: its tokens need a vocabulary of {vocab_size} (the shard header, or the largest id + 1), "
+        f"the checkpoint has {cfg.vocab_size}: make the shards with the checkpoint's tokenizer")
 if vocab_size != cfg.vocab_size:
     cfg = ModelConfig(**{**asdict(cfg), "vocab_size": vocab_size})
 train_windows = Windows(train_shards, args.seq_len + 1, args.seed)
