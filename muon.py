@@ -162,26 +162,28 @@ def adjust_lr(lr, adjust_lr_fn, shape):
 
 def param_groups(named_params, lr, weight_decay, adamw_lr=None, adamw_weight_decay=None,
                  adamw_keywords=("embed", "lm_head", "router")):
-    """Split model.named_parameters() into [muon_group, adamw_group].
+    """Split model.named_parameters() into [muon_group, adamw_group, adamw_no_decay_group].
 
     Rule: a parameter with ndim < 2 (norm gains, biases) or whose name contains one of
     `adamw_keywords` (the embedding and lm_head map tokens to and from the hidden space, not one
     hidden state to another as Muon assumes; the router is small and its logits must stay
-    calibrated) goes to AdamW.
+    calibrated) goes to AdamW, and the ndim < 2 ones without weight decay: decay would pull the
+    norm gains toward 0, which no loss asks for (nanoGPT and most references exempt them too).
     Everything else, 2D weights and stacked 3D weights [E, out, in] / [H, head_dim, in], goes to
-    Muon. With adjust_lr_fn="match_rms_adamw" one lr serves both groups, so adamw_lr defaults to
+    Muon. With adjust_lr_fn="match_rms_adamw" one lr serves both algorithms, so adamw_lr defaults to
     lr and adamw_weight_decay to weight_decay.
     """
-    muon, adamw = [], []
+    muon, adamw, no_decay = [], [], []
     for name, p in named_params:
         if not p.requires_grad:
             continue
-        use_adamw = p.ndim < 2 or any(k in name for k in adamw_keywords)
-        (adamw if use_adamw else muon).append(p)
+        (no_decay if p.ndim < 2 else adamw if any(k in name for k in adamw_keywords) else muon).append(p)
+    adamw_lr = lr if adamw_lr is None else adamw_lr
     return [
         dict(params=muon, lr=lr, weight_decay=weight_decay, algorithm="muon"),
-        dict(params=adamw, lr=lr if adamw_lr is None else adamw_lr, algorithm="adamw",
+        dict(params=adamw, lr=adamw_lr, algorithm="adamw",
              weight_decay=weight_decay if adamw_weight_decay is None else adamw_weight_decay),
+        dict(params=no_decay, lr=adamw_lr, weight_decay=0.0, algorithm="adamw"),
     ]
 
 
@@ -482,7 +484,7 @@ def _preset_matrices(name):
     from model import PRESETS, Transformer  # lazy: muon.py itself never imports the model
     with torch.device("meta"):
         model = Transformer(PRESETS[name])
-    muon_group, _ = param_groups(model.named_parameters(), lr=0.02, weight_decay=0.1)
+    muon_group = param_groups(model.named_parameters(), lr=0.02, weight_decay=0.1)[0]
     return [tuple(p.shape) for p in muon_group["params"]]
 
 
@@ -529,6 +531,31 @@ def _bench_ns(shapes, repeats, max_batch, coefficients=CLASSIC):
         t_ns = _median_time(lambda: msign(X, coefficients, dtype=torch.float32), repeats)
         t_mm = _median_time(lambda: torch.bmm(X, Y), repeats)
         rows.append(((B, m, n), ns_flops / t_ns / 1e9, 2 * B * m * m * n / t_mm / 1e9))
+    return rows
+
+
+def _orthogonality_error(O):
+    """RMS over the k singular directions of O O^T - I (O [B, m, n], k = min(m, n)), the worst matrix of B."""
+    O = O.double()
+    k = min(O.shape[-2:])
+    M = O @ O.mT if O.size(-2) <= O.size(-1) else O.mT @ O
+    return ((M - torch.eye(k, dtype=M.dtype)).norm(dim=(-2, -1)) / k ** 0.5).max().item()
+
+
+def _bench_gram(shapes, repeats, dtype, coefficients=CLASSIC):
+    """Per [B, m, n]: ms of msign, standard against Gram Newton-Schulz, in `dtype`, and each one's
+    orthogonality error. -> rows (shape, FLOPs standard / Gram, ms standard, ms Gram, error standard, Gram)"""
+    rows, gen = [], torch.Generator().manual_seed(0)
+    for B, m, n in shapes:
+        X = torch.randn(B, m, n, generator=gen)
+        big = B * m * n > 1 << 22  # a K2 expert takes seconds: no warm-up run
+        t, err = {}, {}
+        for method in ("standard", "gram"):
+            run = lambda: msign(X, coefficients, dtype=dtype, method=method)
+            t[method] = _median_time(run, 1 if big else repeats, warmup=0 if big else 1)
+            err[method] = _orthogonality_error(run())
+        flops = ns_flops(m, n, len(coefficients)) / ns_flops(m, n, len(coefficients), "gram")
+        rows.append(((B, m, n), flops, t["standard"], t["gram"], err["standard"], err["gram"]))
     return rows
 
 
@@ -595,7 +622,8 @@ def dist_bench(preset, worlds, repeats):
               f"{max(r['peak_buffer_bytes'] for r in rows) / 2**20:11.2f}")
 
 
-def plan(shapes, gpus, dense_shard, ep, tflops, a2a_gbps, ns_steps=5, bytes_per_elem=2, num_experts=None):
+def plan(shapes, gpus, dense_shard, ep, tflops, a2a_gbps, ns_steps=5, bytes_per_elem=2, num_experts=None,
+         method="standard"):
     """Analytic time of one sharded Muon step, with train.py's layout: dense matrices FSDP-sharded on dim 0 over
     `dense_shard` ranks (dp_shard * cp) and replicated gpus/dense_shard times, each replica computing its NS;
     experts [E, out, in] split over `ep` ranks, each rank's E/ep FSDP-sharded over ep_shard = gpus/ep ranks, on
@@ -610,7 +638,7 @@ def plan(shapes, gpus, dense_shard, ep, tflops, a2a_gbps, ns_steps=5, bytes_per_
     for (expert, shape), names in buckets.items():
         n = len(names)
         m, k = sorted(shape[-2:])
-        f1 = ns_steps * (4 * m * m * k + 2 * m ** 3)  # one matrix
+        f1 = ns_flops(m, k, ns_steps, method)  # one matrix
         matrices, mat_bytes = n * math.prod(shape[:-2]), math.prod(shape[-2:]) * bytes_per_elem
         if expert:
             E_local, group = shape[0] // ep, gpus // ep
@@ -638,13 +666,14 @@ def print_plan(a):
     with torch.device("meta"):
         model = Transformer(PRESETS[a.preset])
     names = {id(p): n for n, p in model.named_parameters()}
-    muon_group, _ = param_groups(model.named_parameters(), lr=0.02, weight_decay=0.1)
+    muon_group = param_groups(model.named_parameters(), lr=0.02, weight_decay=0.1)[0]
     shapes = [(names[id(p)], tuple(p.shape)) for p in muon_group["params"]]
     ds, ep = min(a.dense_shard, a.gpus), min(a.ep, a.gpus)
     if ds % ep:
         sys.exit(f"error: ep({ep}) must divide the dense shard group dp_shard*cp ({ds}), as in mesh.py")
-    rows, t = plan(shapes, a.gpus, ds, ep, a.tflops, a.a2a_gbps)
-    print(f"[{a.preset}] sharded Muon on {a.gpus} GPUs: dense FSDP groups of {ds} ({a.gpus // ds} replicas), "
+    rows, t = plan(shapes, a.gpus, ds, ep, a.tflops, a.a2a_gbps, method=a.ns)
+    print(f"[{a.preset}] sharded Muon ({a.ns} Newton-Schulz) on {a.gpus} GPUs: dense FSDP groups of {ds} "
+          f"({a.gpus // ds} replicas), "
           f"experts ep={ep} x ep_shard={a.gpus // ep}; {a.tflops:g} TFLOP/s NS, {a.a2a_gbps:g} GB/s all-to-all a GPU")
     print(f"  {'bucket':<20} {'shape':>18} {'matrices':>8} {'path':>5} {'NS TFLOP':>9} {'TFLOP/GPU':>10} {'GB/GPU':>7}")
     for r in rows:
@@ -654,7 +683,7 @@ def print_plan(a):
     print(f"  experts: {ex:.1%} of the NS FLOPs | per GPU: compute {t['compute_s']:.3f} s, all-to-all "
           f"{t['comm_s']:.3f} s; serial {t['serial_s']:.3f} s, overlapped {t['overlap_s']:.3f} s")
     g = ep  # the smallest cluster (same dense group and ep, more expert-shard ranks) that reaches 0.2 s
-    while g <= 1 << 16 and plan(shapes, g, ds, ep, a.tflops, a.a2a_gbps)[1]["overlap_s"] > 0.2:
+    while g <= 1 << 16 and plan(shapes, g, ds, ep, a.tflops, a.a2a_gbps, method=a.ns)[1]["overlap_s"] > 0.2:
         g *= 2
     print(f"  0.2 s (the seed's claim for a 1T model) needs {g if g <= 1 << 16 else 'more than 65536'} GPUs at "
           f"{a.tflops:g} TFLOP/s achieved with this layout; at {a.gpus} GPUs the model gives "
@@ -675,6 +704,10 @@ if __name__ == "__main__":
     g.add_argument("--ep", type=int, default=64, help="expert-parallel degree")
     g.add_argument("--tflops", type=float, default=400.0, help="achieved bf16 NS TFLOP/s a GPU (H100-class)")
     g.add_argument("--a2a-gbps", type=float, default=50.0, help="all-to-all GB/s a GPU (one 400 Gb/s NIC)")
+    g.add_argument("--ns", default="standard", choices=["standard", "gram"], help="the Newton-Schulz method planned")
+    parser.add_argument("--k2", default="all", choices=["all", "heads", "none"],
+                        help="Kimi K2's shapes in the Gram table: per-head attention (64 heads) and one expert "
+                             "[1, 2048, 7168] (all), the heads only, or none (seconds each on a CPU)")
     parser.add_argument("--world", type=int, nargs="+", default=None,
                         help="instead: time the sharded step on these process counts (gloo), e.g. --world 1 2 4")
     args = parser.parse_args()
@@ -706,3 +739,22 @@ if __name__ == "__main__":
         print(f"  {'[B, m, n]':>18} {'NS GFLOP/s':>11} {'bmm GFLOP/s':>12} {'NS/bmm':>7}   (fp32)")
         for (B, m, n), ns, mm in _bench_ns(shapes, args.repeats, args.ns_max_batch):
             print(f"  {str([B, m, n]):>18} {ns:11.1f} {mm:12.1f} {ns / mm:7.0%}")
+    # standard against Gram Newton-Schulz: the presets' shapes (batch capped), Kimi K2's per-head attention
+    # matrices (64 heads) and expert matrices
+    from model import PRESETS
+    k2 = PRESETS["kimi-k2"]
+    shapes = sorted({(min(args.ns_max_batch, math.prod(s[:-2])), *s[-2:]) for name in args.presets
+                     for s in _preset_matrices(name)}, key=lambda s: s[0] * s[1] * s[2])
+    if args.k2 != "none":
+        shapes += [(k2.n_head, k2.qk_nope_head_dim + k2.qk_rope_head_dim, k2.q_lora_rank),
+                   (k2.n_head, k2.qk_nope_head_dim + k2.v_head_dim, k2.kv_lora_rank), (k2.n_head, k2.dim, k2.v_head_dim)]
+    if args.k2 == "all":
+        shapes.append((1, k2.moe_hidden, k2.dim))
+    for dtype in (torch.float32, torch.bfloat16):
+        print(f"\nstandard vs Gram Newton-Schulz (5 classic steps, restart before step {GRAM_RESTARTS[0]}), "
+              f"{str(dtype)[6:]}, median of {args.repeats} (K2 experts: one run):")
+        print(f"  {'[B, m, n]':>18} {'FLOPs std/Gram':>14} {'standard ms':>12} {'Gram ms':>9} {'speed-up':>8} "
+              f"{'orth. error std':>15} {'Gram':>6}")
+        for (B, m, n), fl, ts, tg, es, eg in _bench_gram(shapes, args.repeats, dtype):
+            print(f"  {str([B, m, n]):>18} {fl:13.2f}x {ts * 1e3:12.1f} {tg * 1e3:9.1f} {ts / tg:7.2f}x "
+                  f"{es:15.4f} {eg:6.4f}")

@@ -741,14 +741,24 @@ class _Tiny(torch.nn.Module):
 
 
 def test_param_groups_split():
+    """Matrices to Muon; the embedding, head and router to AdamW with decay; norm gains and biases to AdamW
+    without it: one step with zero gradients leaves a gain at exactly 1 while decay shrinks every weight."""
     model = _Tiny()
-    muon_g, adamw_g = param_groups(model.named_parameters(), lr=0.02, weight_decay=0.1)
+    muon_g, adamw_g, no_decay_g = param_groups(model.named_parameters(), lr=0.02, weight_decay=0.1)
     name = {id(p): n for n, p in model.named_parameters()}
     assert sorted(name[id(p)] for p in muon_g["params"]) == ["attn_w", "experts_w1", "proj.weight"]
-    assert sorted(name[id(p)] for p in adamw_g["params"]) == [
-        "embed.weight", "lm_head.weight", "norm.weight", "proj.bias", "router.weight"]
-    assert adamw_g["algorithm"] == "adamw" and adamw_g["lr"] == 0.02 and adamw_g["weight_decay"] == 0.1
-    Muon(param_groups(model.named_parameters(), lr=0.02, weight_decay=0.1), adjust_lr_fn="match_rms_adamw")
+    assert sorted(name[id(p)] for p in adamw_g["params"]) == ["embed.weight", "lm_head.weight", "router.weight"]
+    assert sorted(name[id(p)] for p in no_decay_g["params"]) == ["norm.weight", "proj.bias"]
+    assert adamw_g["algorithm"] == no_decay_g["algorithm"] == "adamw" and adamw_g["lr"] == no_decay_g["lr"] == 0.02
+    assert adamw_g["weight_decay"] == 0.1 and no_decay_g["weight_decay"] == 0.0
+    opt = Muon(param_groups(model.named_parameters(), lr=0.02, weight_decay=0.1), adjust_lr_fn="match_rms_adamw")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    after = dict(model.named_parameters())
+    assert torch.equal(after["norm.weight"], before["norm.weight"]) and (before["norm.weight"] == 1).all()
+    assert (after["embed.weight"].abs() < before["embed.weight"].abs()).all()  # decayed by (1 - lr * wd)
 
 
 def test_adamw_group_matches_torch_adamw():
@@ -1605,7 +1615,8 @@ def test_full_or_read_only_disk_is_one_line_and_leaves_no_partial_checkpoint(par
 
 SHORT = {"train.py": ["--eval-every", "2", "--eval-batches", "1", "--rl-eval-tasks", "0", "--group-size", "2",
                       "--max-gen-tokens", "32"],
-         "feedback.py": ["--pretrain-steps", "3"], "muon.py": ["--presets", "tiny", "--repeats", "1", "--ns-max-batch", "4"],
+         "feedback.py": ["--pretrain-steps", "3"], "muon.py": ["--presets", "tiny", "--repeats", "1", "--ns-max-batch", "4",
+                                                                          "--k2", "none"],
          "feedback.py --ablation": ["--seeds", "1", "--rl-steps", "1", "--steps", "2", "--eval-every", "2",
                                     "--eval-batches", "1", "--rl-eval-tasks", "1", "--group-size", "2",
                                     "--max-gen-tokens", "32"]}

@@ -95,6 +95,9 @@ g.add_argument("--lr", type=float, default=8e-3,
                help="peak learning rate for both groups: Muon uses adjust_lr_fn='match_rms_adamw' so one "
                     "AdamW-style lr serves the matrices and the embeddings/head/router/norms alike")
 g.add_argument("--weight-decay", type=float, default=0.1, help="decoupled weight decay")
+g.add_argument("--ns", default="standard", choices=["standard", "gram"],
+               help="Muon's Newton-Schulz: the standard iteration, or Gram Newton-Schulz, which iterates on X X^T "
+                    "where that takes fewer FLOPs (1.43x fewer on Kimi K2's experts)")
 g.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm to this (0: off)")
 g.add_argument("--warmup", type=int, default=30, help="linear warmup steps, then cosine decay to 10%%")
 g.add_argument("--seed", type=int, default=1337, help="seeds the weights and the data order")
@@ -744,7 +747,7 @@ ns_dtype = torch.float32 if args.precision == "fp32" else None  # None: Newton-S
 
 def make_optimizer(lr, weight_decay):
     return Muon(param_groups(model.named_parameters(), lr=lr, weight_decay=weight_decay),
-                adjust_lr_fn="match_rms_adamw", ns_dtype=ns_dtype)
+                adjust_lr_fn="match_rms_adamw", ns_dtype=ns_dtype, ns_method=args.ns)
 
 
 # the RL stage steps with a Muon of its own (see below): an RL checkpoint holds that one's state
