@@ -206,6 +206,7 @@ class MLA(nn.Module):
         if cfg.rope_mscale_all_dim:
             self.scale *= yarn_mscale(cfg.rope_factor, cfg.rope_mscale_all_dim) ** 2
         self.cp_group = None  # set by train.py for context parallelism
+        self.track_max_logit, self.max_logit = False, None  # QK-Clip: each head's largest logit [H] since a clip
 
     def forward(self, x, pos, cache=None):
         """x [B, T, C]; pos [T] global positions of these tokens, or [B, T] with a KVCache (rows differ)."""
@@ -231,6 +232,8 @@ class MLA(nn.Module):
         k_nope, v = kv.split([nope, cfg.v_head_dim], dim=-1)
         k_pe = apply_rope(k_pe[:, None], *rope_tables(heads(k_pos), cfg))  # one key for all heads
         k = torch.cat([k_nope, k_pe.expand(B, H, S, rope)], dim=-1)
+        if self.track_max_logit and self.training and cache is None:
+            self._track_max_logit(q, k, k_pos[None, :] <= pos[:, None])  # causal by position, CP included
         if cache is not None:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask, scale=self.scale)
         elif self.cp_group is None:
@@ -239,6 +242,29 @@ class MLA(nn.Module):
             mask = k_pos[None, :] <= pos[:, None]  # [T, S]
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         return torch.einsum("bhtv,hcv->btc", y, self.wo)
+
+    @torch.no_grad()
+    def _track_max_logit(self, q, k, allowed, chunk=256):
+        """Each head's largest pre-softmax logit q.k * scale over the positions attention may see (allowed
+        [T, S]), queries in chunks so that at most [B, H, chunk, S] scores exist at once."""
+        m = q.new_full((q.size(1),), -math.inf, dtype=torch.float32)
+        for t0 in range(0, q.size(2), chunk):
+            s = torch.einsum("bhtd,bhsd->bhts", q[:, :, t0:t0 + chunk], k).float() * self.scale
+            m = torch.maximum(m, s.masked_fill(~allowed[t0:t0 + chunk], -math.inf).amax(dim=(0, 2, 3)))
+        self.max_logit = m if self.max_logit is None else torch.maximum(self.max_logit, m)
+
+    @torch.no_grad()
+    def clip_heads(self, gamma):
+        """QK-Clip for MLA (Kimi K2 report, sec. 2.3): scale head h's logits by gamma[h] [H] through its own
+        weights: the head-specific query and key components (q_nope, k_nope) by sqrt(gamma), the query's rope
+        part by gamma, the rope key shared by all heads untouched. On a sharded weight each rank scales its
+        own block (heads and rows by their global index)."""
+        nope, root = self.cfg.qk_nope_head_dim, gamma.sqrt()[:, None]  # [H, 1]
+        q_scale = torch.cat([root.expand(-1, nope), gamma[:, None].expand(-1, self.cfg.qk_rope_head_dim)], 1)
+        kv_scale = torch.cat([root.expand(-1, nope), torch.ones_like(root).expand(-1, self.cfg.v_head_dim)], 1)
+        for w, scale in ((self.wq_b if self.cfg.q_lora_rank else self.wq, q_scale), (self.wkv_b, kv_scale)):
+            (shape, offset), mine = box(w), local(w)  # scale [H, rows of a head] -> this rank's block
+            mine.mul_(scale[offset[0]:offset[0] + shape[0], offset[1]:offset[1] + shape[1], None].to(mine.dtype))
 
 
 class KVCache:
@@ -541,6 +567,25 @@ class Transformer(nn.Module):
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100,
                                reduction=reduction)
         return logits, loss + aux if reduction == "mean" else loss
+
+    @torch.no_grad()
+    def qk_clip(self, tau, group=None):
+        """MuonClip's QK-Clip (Kimi K2 report, sec. 2.1), after each optimizer step: every head whose largest
+        logit since the last clip exceeds tau has its query/key weights rescaled by gamma = tau / max, so the
+        same inputs would now give tau. The maxima are first taken over `group` (every rank that trains), so
+        every shard of a head is scaled alike. -> (the largest logit seen, heads clipped)"""
+        attns = [block.attn for block in self.layers]
+        H = self.cfg.n_head
+        maxes = torch.stack([a.max_logit if a.max_logit is not None else torch.full((H,), -math.inf,
+                             device=self.norm.weight.device) for a in attns])  # [L, H]
+        if group is not None:
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
+        gamma = torch.where(maxes > tau, tau / maxes, torch.ones_like(maxes))
+        for a, g in zip(attns, gamma):
+            a.max_logit = None
+            if (g < 1).any():
+                a.clip_heads(g)
+        return maxes.max().item(), int((gamma < 1).sum())
 
     @torch.no_grad()
     def update_router_bias(self, group=None):

@@ -228,6 +228,71 @@ def test_activation_count_matches_what_autograd_saves(preset):
         assert measured == pytest.approx(M.activation_elements(cfg, layer), rel=0.05), (layer, measured)
 
 
+QK_CFG = M.ModelConfig(dim=64, n_layer=2, n_head=2, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+                       qk_rope_head_dim=8, v_head_dim=16, dense_hidden=128, num_experts=4, top_k=2, moe_hidden=32)
+
+
+def _qk_clip_run(tau, steps=12, lr=0.2):
+    """A small model trained at a learning rate that makes attention logits grow, QK-Clip after every step (tau
+    None: tracked, never clipped). -> (losses, the largest logit each step's forward saw, and per step and layer:
+    (the heads' largest logits in that forward [H], and on the same inputs with the stepped weights before and
+    after the clip [H], [H]))"""
+    import muon
+    torch.manual_seed(0)
+    model = M.Transformer(QK_CFG).train()
+    inputs = {}
+    for i, block in enumerate(model.layers):
+        block.attn.track_max_logit = True
+        block.attn.register_forward_pre_hook(lambda mod, args, i=i: inputs.__setitem__(i, args))
+    opt = muon.Muon(muon.param_groups(model.named_parameters(), lr=lr, weight_decay=0.0),
+                    adjust_lr_fn="match_rms_adamw")
+
+    def recompute(attn, args):  # the head maxima on these inputs with the weights as they are now
+        attn.max_logit = None
+        with torch.no_grad():
+            attn(*args)
+        return attn.max_logit
+
+    gen, losses, seen, heads = torch.Generator().manual_seed(1), [], [], []
+    for _ in range(steps):
+        x = torch.randint(0, 256, (4, 33), generator=gen)
+        _, loss = model(x[:, :-1], x[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        attns, args = [b.attn for b in model.layers], dict(inputs)
+        tracked = [a.max_logit for a in attns]
+        stepped = [recompute(a, args[i]) for i, a in enumerate(attns)]
+        for a, m in zip(attns, tracked):
+            a.max_logit = m
+        seen.append(model.qk_clip(math.inf if tau is None else tau)[0])
+        heads += [(m, s, recompute(a, args[i])) for i, (a, m, s) in enumerate(zip(attns, tracked, stepped))]
+        for a in attns:
+            a.max_logit = None
+        losses.append(loss.item())
+    return losses, seen, heads
+
+
+def test_qk_clip_scales_each_head_over_tau_and_bounds_the_logits():
+    """MuonClip's QK-Clip on MLA, as the Kimi K2 report's algorithm: a head whose largest logit in the step's
+    forward, S, exceeded tau has every logit scaled by exactly tau / S (its query/key weights: sqrt(gamma) on the
+    head-specific parts, gamma on the query's rope part); the other heads are untouched. At a learning rate where
+    the largest logit runs past 40 unclipped, the clipped run keeps it under 2 tau (the step after a clip can push
+    it past tau again, as the report's algorithm allows); a tau nothing reaches changes nothing, bit for bit."""
+    losses, seen, _ = _qk_clip_run(None)
+    tau = seen[-1] / 3
+    clipped_losses, clipped_seen, heads = _qk_clip_run(tau)
+    assert seen[-1] > 40 and max(clipped_seen) < 2 * tau
+    assert clipped_losses[:3] == losses[:3] and clipped_losses != losses  # the same until logits reach tau
+    n_clipped = 0
+    for s, before, after in heads:
+        gamma = torch.where(s > tau, tau / s, torch.ones_like(s))
+        torch.testing.assert_close(after, before * gamma, rtol=1e-4, atol=1e-6)
+        n_clipped += int((s > tau).sum())
+    assert n_clipped >= 4
+    assert _qk_clip_run(1e9)[0] == losses
+
+
 def test_router_bias_selects_but_does_not_weigh():
     m = tiny_model(num_experts=4, top_k=4)  # every expert picked: the bias can change nothing
     moe = m.layers[1].ffn
@@ -1388,6 +1453,23 @@ def test_gradient_accumulation_equals_the_whole_batch(par_data, tmp_path):
         for name, p in params.items():
             torch.testing.assert_close(params_k[name], p, rtol=1e-4, atol=2e-5, msg=lambda m: f"{key} {name}: {m}")
     assert whole[-1]["loss"] < whole[0]["loss"] - 0.05
+
+
+def test_qk_clip_on_sharded_heads_equals_one_process(par_data, tmp_path):
+    """--qk-clip under FSDP at 2 ranks: the head maxima are taken over both ranks and each rank scales its own
+    block of the per-head weights, so the run equals one process's (losses, logits, clipped heads, parameters)."""
+    run = [*PAR_RUN, "--steps", "3", "--eval-every", "3", "--data", str(par_data), "--lr", "0.05", "--qk-clip", "0.08"]
+    procs = [start_train(*run, "--out", str(tmp_path / f"w{w}"), world=w) for w in (1, 2)]
+    for p in map(finish, procs):
+        assert p.returncode == 0, p.stderr[-2000:]
+    one, two = (read_metrics(tmp_path / f"w{w}")[1:] for w in (1, 2))
+    assert all(r["clipped_heads"] > 0 for r in one) and [r["clipped_heads"] for r in one] == \
+        [r["clipped_heads"] for r in two]
+    for key in ("loss", "max_logit"):
+        np.testing.assert_allclose([r[key] for r in two], [r[key] for r in one], rtol=1e-5)
+    a, b = final_params(tmp_path / "w1"), final_params(tmp_path / "w2")
+    for name, p in a.items():
+        torch.testing.assert_close(b[name], p, rtol=1e-4, atol=2e-5, msg=lambda m: f"{name}: {m}")
 
 
 def test_checkpoint_resumes_at_another_world_size(two_ranks, par_data, single_process, tmp_path):

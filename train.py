@@ -95,6 +95,9 @@ g.add_argument("--lr", type=float, default=8e-3,
                help="peak learning rate for both groups: Muon uses adjust_lr_fn='match_rms_adamw' so one "
                     "AdamW-style lr serves the matrices and the embeddings/head/router/norms alike")
 g.add_argument("--weight-decay", type=float, default=0.1, help="decoupled weight decay")
+g.add_argument("--qk-clip", type=float, default=0.0, metavar="TAU",
+               help="MuonClip's QK-Clip (Kimi K2 uses 100): after each optimizer step, rescale the query/key weights "
+                    "of every head whose largest attention logit exceeded TAU (0: off)")
 g.add_argument("--ns", default="standard", choices=["standard", "gram"],
                help="Muon's Newton-Schulz: the standard iteration, or Gram Newton-Schulz, which iterates on X X^T "
                     "where that takes fewer FLOPs (1.43x fewer on Kimi K2's experts)")
@@ -721,6 +724,7 @@ with torch.device("meta"):  # shapes only: each rank materializes just its shard
     model = Transformer(cfg)
 for block in model.layers:
     block.checkpoint = args.activation_checkpointing
+    block.attn.track_max_logit = args.qk_clip > 0
     block.attn.cp_group = dense_mesh["cp"].get_group() if layout.cp > 1 else None
     if args.compile:  # the block's computation, inside activation checkpointing and FSDP's hooks (as torchtitan)
         block._forward = torch.compile(block._forward)
@@ -1071,6 +1075,7 @@ for step in range(start_step + 1, (args.steps if pretraining else start_step) + 
             torch.cuda.synchronize()
         t_opt = time.perf_counter() - t_opt
         optimizer.zero_grad(set_to_none=True)
+        qk = model.qk_clip(args.qk_clip, world_group) if args.qk_clip else None  # (largest logit, heads clipped)
         balance = model.update_router_bias(world_group)  # loads summed over all ranks, every bias nudged alike
     if isinstance(comm, CommCounter):
         kinds = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
@@ -1083,7 +1088,8 @@ for step in range(start_step + 1, (args.steps if pretraining else start_step) + 
         die(f"loss became {loss} at step {step}; lower --lr (now {args.lr})")
     dt = time.perf_counter() - t0
     record = {"step": step, "loss": loss, "lr": optimizer.param_groups[0]["lr"], "grad_norm": grad_norm,
-              "ms": 1000 * dt, "optimizer_ms": 1000 * t_opt, "balance": balance, "data_pos": train_windows.pos}
+              "ms": 1000 * dt, "optimizer_ms": 1000 * t_opt, "balance": balance, "data_pos": train_windows.pos,
+              **({"max_logit": qk[0], "clipped_heads": qk[1]} if qk else {})}
     n_log, t_opt_sum = n_log + 1, t_opt_sum + t_opt
     if step % args.log_every == 0 or step == args.steps:
         elapsed = (time.perf_counter() - t_log) / n_log
@@ -1242,6 +1248,8 @@ if args.stage != "pretrain":
                 clip_grad_norm(args.grad_clip)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+                if args.qk_clip:
+                    model.qk_clip(args.qk_clip, world_group)
                 updates.append((epoch, stats, fb))
         first = [(st, fb) for epoch, st, fb in updates if epoch == 0]  # each policy token once
         stats = {"gen_tokens": sum(st["gen_tokens"] * len(p) for (st, _), p in zip(first, parts)) / len(train),
