@@ -17,11 +17,13 @@ Sources:
   Liu et al., "Muon is Scalable for LLM Training", arXiv 2502.16982 (match_rms_adamw lr scaling)
   Amsel et al., "The Polar Express", arXiv 2505.16932 (per-iteration coefficients, POLAR_EXPRESS)
   torch.optim.Muon (torch/optim/_muon.py), whose update this file reproduces bit for bit.
+  Dao AI Lab, gram-newton-schulz (2026): Newton-Schulz iterated on the Gram matrix X X^T (ns_method="gram").
   Cursor, "Introducing Composer 2.5" (sharded Muon, dual-mesh HSDP); microsoft/dion for distributed Muon.
+  (MuonClip's QK-Clip rescales attention weights, so it lives with the attention: model.py, Transformer.qk_clip.)
 
-  python muon.py                                  # CPU benchmark: ours vs torch.optim.Muon, NS vs matmul
+  python muon.py                                  # CPU benchmark: ours vs torch.optim.Muon, NS vs matmul, Gram
   python muon.py --world 1 2 4                    # sharded step on 1, 2, 4 gloo processes
-  python muon.py --plan kimi-k2 --gpus 512        # analytic step time of the 1T model on a cluster
+  python muon.py --plan kimi-k2 --gpus 512        # analytic step time of the 1T model on a cluster (--ns gram)
 """
 
 import gc
