@@ -470,13 +470,16 @@ class Muon(torch.optim.Optimizer):
 
 
 def _median_time(fn, repeats, warmup=1):
-    import time
+    """Median seconds of fn() over `repeats` runs, after `warmup`; CUDA work is waited for."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t0)
     return float(np.median(times))
 
@@ -495,13 +498,13 @@ def _ratio(baseline, ours):
     return f"{baseline / ours:5.2f}x faster" if ours <= baseline else f"{ours / baseline:5.2f}x slower"
 
 
-def _bench_step(shapes, repeats):
+def _bench_step(shapes, repeats, device):
     """Seconds per step over ALL of a preset's Muon matrices: torch.optim.Muon (bf16 NS, one 2D param
     per expert / head slice, since it takes only 2D) vs ours (stacked params, batched NS, fp32 and bf16)."""
     gen = torch.Generator().manual_seed(0)
-    ours = [torch.randn(s, generator=gen) for s in shapes]
+    ours = [torch.randn(s, generator=gen).to(device) for s in shapes]
     for p in ours:
-        p.grad = torch.randn(p.shape, generator=gen)
+        p.grad = torch.randn(p.shape, generator=gen).to(device)
     ref = [m.clone() for p in ours for m in p.reshape(-1, *p.shape[-2:])]  # one [m, n] per slice
     for r, g in zip(ref, [g for p in ours for g in p.grad.reshape(-1, *p.shape[-2:])]):
         r.grad = g.clone()
@@ -512,13 +515,13 @@ def _bench_step(shapes, repeats):
     return t_torch, t_fp32, t_bf16, len(ref)
 
 
-def _matmul_gflops(n, dtype, repeats):
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+def _matmul_gflops(n, dtype, repeats, device="cpu"):
+    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
     return 2 * n**3 / _median_time(lambda: a @ b, repeats) / 1e9
 
 
-def _bench_ns(shapes, repeats, max_batch, coefficients=CLASSIC):
-    """Per matrix shape: GFLOP/s of one batched fp32 msign vs a plain fp32 bmm [B, m, n] @ [B, n, m]
+def _bench_ns(shapes, repeats, max_batch, device, dtype, coefficients=CLASSIC):
+    """Per matrix shape: GFLOP/s of one batched msign vs a plain bmm [B, m, n] @ [B, n, m] in `dtype`
     (m <= n, B capped at max_batch: throughput no longer depends on B there). NS per iteration
     costs 2m^2n (X X^T) + 2m^3 (A A) + 2m^2n (B X)."""
     per_shape = {}
@@ -527,10 +530,10 @@ def _bench_ns(shapes, repeats, max_batch, coefficients=CLASSIC):
         per_shape[mn] = min(max_batch, per_shape.get(mn, 0) + math.prod(s[:-2]))
     rows = []
     for (m, n), B in sorted(per_shape.items(), key=lambda kv: kv[0][0] ** 2 * kv[0][1]):
-        X = torch.randn(B, m, n)  # [B, m, n]
-        Y = torch.randn(B, n, m)  # [B, n, m]
+        X = torch.randn(B, m, n, device=device, dtype=dtype)  # [B, m, n]
+        Y = torch.randn(B, n, m, device=device, dtype=dtype)  # [B, n, m]
         ns_flops = len(coefficients) * B * (4 * m * m * n + 2 * m**3)
-        t_ns = _median_time(lambda: msign(X, coefficients, dtype=torch.float32), repeats)
+        t_ns = _median_time(lambda: msign(X, coefficients, dtype=dtype), repeats)
         t_mm = _median_time(lambda: torch.bmm(X, Y), repeats)
         rows.append(((B, m, n), ns_flops / t_ns / 1e9, 2 * B * m * m * n / t_mm / 1e9))
     return rows
@@ -544,13 +547,13 @@ def _orthogonality_error(O):
     return ((M - torch.eye(k, dtype=M.dtype)).norm(dim=(-2, -1)) / k ** 0.5).max().item()
 
 
-def _bench_gram(shapes, repeats, dtype, coefficients=CLASSIC):
+def _bench_gram(shapes, repeats, device, dtype, coefficients=CLASSIC):
     """Per [B, m, n]: ms of msign, standard against Gram Newton-Schulz, in `dtype`, and each one's
     orthogonality error. -> rows (shape, FLOPs standard / Gram, ms standard, ms Gram, error standard, Gram)"""
     rows, gen = [], torch.Generator().manual_seed(0)
     for B, m, n in shapes:
-        X = torch.randn(B, m, n, generator=gen)
-        big = B * m * n > 1 << 22  # a K2 expert takes seconds: no warm-up run
+        X = torch.randn(B, m, n, generator=gen).to(device)
+        big = device == "cpu" and B * m * n > 1 << 22  # a K2 expert takes seconds on a CPU: no warm-up run
         t, err = {}, {}
         for method in ("standard", "gram"):
             run = lambda: msign(X, coefficients, dtype=dtype, method=method)
@@ -694,11 +697,12 @@ def print_plan(a):
 
 if __name__ == "__main__":
     import argparse
-    parser = argparse.ArgumentParser(description="Benchmark batched Muon against torch.optim.Muon on CPU.")
+    parser = argparse.ArgumentParser(description="Benchmark batched Muon against torch.optim.Muon, CPU or GPU.")
     parser.add_argument("--presets", nargs="+", default=["tiny", "small"], help="model presets (model.py)")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats per measurement (median)")
     parser.add_argument("--ns-max-batch", type=int, default=32, help="batch cap in the NS throughput table")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
     g = parser.add_argument_group("--plan: analytic step time of sharded Muon on a cluster (nothing is run)")
     g.add_argument("--plan", default=None, help="preset to plan for, e.g. kimi-k2")
     g.add_argument("--gpus", type=int, default=512, help="GPUs in the job")
@@ -723,26 +727,29 @@ if __name__ == "__main__":
         sys.exit(0)
     if args.threads:
         torch.set_num_threads(args.threads)
-    # OpenMP threads wait at a barrier after every op: another busy process on the cores makes
-    # small ops milliseconds slower, so print the load next to the figures
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads on {os.cpu_count()} cores, "
-          f"load average {os.getloadavg()[0]:.2f} at start")
-    # torch.optim.Muon always runs NS in bf16; whether that is slow on a CPU decides the step ratio
-    f32, b16 = _matmul_gflops(512, torch.float32, 10), _matmul_gflops(512, torch.bfloat16, 10)
-    print(f"512x512 matmul on this CPU: fp32 {f32:.0f} GFLOP/s, bf16 {b16:.0f} GFLOP/s (bf16/fp32 {b16 / f32:.2f})")
+    device = "cuda" if args.device == "cuda" or args.device == "auto" and torch.cuda.is_available() else "cpu"
+    # the NS dtype each device is fast at (bf16 on a GPU; fp32 is our CPU default), and its matmul peak
+    ns_dtype, peak_n = (torch.bfloat16, 8192) if device == "cuda" else (torch.float32, 512)
+    print(f"torch {torch.__version__} on {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, "
+          f"{torch.get_num_threads()} threads on {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} "
+          "at start")  # another busy process makes small ops slower: the load stands next to the figures
+    # torch.optim.Muon always runs NS in bf16; whether bf16 is fast here decides the step ratio
+    f32, b16 = (_matmul_gflops(peak_n, dt, 10, device) for dt in (torch.float32, torch.bfloat16))
+    print(f"{peak_n}x{peak_n} matmul on {device}: fp32 {f32:.0f} GFLOP/s, bf16 {b16:.0f} GFLOP/s "
+          f"(bf16/fp32 {b16 / f32:.2f})")
     for name in args.presets:
         shapes = _preset_matrices(name)
-        tt, t32, t16, n = _bench_step(shapes, args.repeats)
+        tt, t32, t16, n = _bench_step(shapes, args.repeats, device)
         print(f"\n[{name}] one Muon step over all {n} matrices ({len(shapes)} parameters), "
               f"median of {args.repeats}:")
         print(f"  torch.optim.Muon, one 2D param per slice, bf16 NS {tt * 1e3:9.1f} ms")
         print(f"  ours, batched, fp32 NS (CPU default)             {t32 * 1e3:9.1f} ms  {_ratio(tt, t32)}")
-        print(f"  ours, batched, bf16 NS                           {t16 * 1e3:9.1f} ms  {_ratio(tt, t16)}")
-        print(f"  {'[B, m, n]':>18} {'NS GFLOP/s':>11} {'bmm GFLOP/s':>12} {'NS/bmm':>7}   (fp32)")
-        for (B, m, n), ns, mm in _bench_ns(shapes, args.repeats, args.ns_max_batch):
+        print(f"  ours, batched, bf16 NS (GPU default)             {t16 * 1e3:9.1f} ms  {_ratio(tt, t16)}")
+        print(f"  {'[B, m, n]':>18} {'NS GFLOP/s':>11} {'bmm GFLOP/s':>12} {'NS/bmm':>7}   ({str(ns_dtype)[6:]})")
+        for (B, m, n), ns, mm in _bench_ns(shapes, args.repeats, args.ns_max_batch, device, ns_dtype):
             print(f"  {str([B, m, n]):>18} {ns:11.1f} {mm:12.1f} {ns / mm:7.0%}")
     # standard against Gram Newton-Schulz: the presets' shapes (batch capped), Kimi K2's per-head attention
-    # matrices (64 heads) and expert matrices
+    # matrices (64 heads) and one of its experts; on a GPU, NS TFLOP/s against the measured bf16 matmul peak
     from model import PRESETS
     k2 = PRESETS["kimi-k2"]
     shapes = sorted({(min(args.ns_max_batch, math.prod(s[:-2])), *s[-2:]) for name in args.presets
@@ -751,12 +758,15 @@ if __name__ == "__main__":
         shapes += [(k2.n_head, k2.qk_nope_head_dim + k2.qk_rope_head_dim, k2.q_lora_rank),
                    (k2.n_head, k2.qk_nope_head_dim + k2.v_head_dim, k2.kv_lora_rank), (k2.n_head, k2.dim, k2.v_head_dim)]
     if args.k2 == "all":
-        shapes.append((1, k2.moe_hidden, k2.dim))
+        shapes += [(k, k2.moe_hidden, k2.dim) for k in ((1,) if device == "cpu" else (1, 4, 16))]
     for dtype in (torch.float32, torch.bfloat16):
+        peak = f32 if dtype == torch.float32 else b16
         print(f"\nstandard vs Gram Newton-Schulz (5 classic steps, restart before step {GRAM_RESTARTS[0]}), "
-              f"{str(dtype)[6:]}, median of {args.repeats} (K2 experts: one run):")
+              f"{str(dtype)[6:]} on {device}, median of {args.repeats} (K2 experts on a CPU: one run); "
+              f"of peak: NS FLOPs a second over the {peak_n}x{peak_n} matmul's:")
         print(f"  {'[B, m, n]':>18} {'FLOPs std/Gram':>14} {'standard ms':>12} {'Gram ms':>9} {'speed-up':>8} "
-              f"{'orth. error std':>15} {'Gram':>6}")
-        for (B, m, n), fl, ts, tg, es, eg in _bench_gram(shapes, args.repeats, dtype):
+              f"{'of peak std':>11} {'Gram':>5} {'orth. error std':>15} {'Gram':>6}")
+        for (B, m, n), fl, ts, tg, es, eg in _bench_gram(shapes, args.repeats, device, dtype):
+            work = [B * ns_flops(m, n, 5, method) / t / 1e9 / peak for method, t in (("standard", ts), ("gram", tg))]
             print(f"  {str([B, m, n]):>18} {fl:13.2f}x {ts * 1e3:12.1f} {tg * 1e3:9.1f} {ts / tg:7.2f}x "
-                  f"{es:15.4f} {eg:6.4f}")
+                  f"{work[0]:11.0%} {work[1]:5.0%} {es:15.4f} {eg:6.4f}")
