@@ -500,7 +500,8 @@ def _ratio(baseline, ours):
 
 def _bench_step(shapes, repeats, device):
     """Seconds per step over ALL of a preset's Muon matrices: torch.optim.Muon (bf16 NS, one 2D param
-    per expert / head slice, since it takes only 2D) vs ours (stacked params, batched NS, fp32 and bf16)."""
+    per expert / head slice, since it takes only 2D) vs ours (stacked params, batched NS, fp32, bf16, and bf16
+    with Gram Newton-Schulz)."""
     gen = torch.Generator().manual_seed(0)
     ours = [torch.randn(s, generator=gen).to(device) for s in shapes]
     for p in ours:
@@ -512,7 +513,8 @@ def _bench_step(shapes, repeats, device):
     t_torch = _median_time(torch.optim.Muon(ref, **kw).step, repeats)
     t_fp32 = _median_time(Muon(ours, ns_dtype=torch.float32, **kw).step, repeats)
     t_bf16 = _median_time(Muon(ours, ns_dtype=torch.bfloat16, **kw).step, repeats)
-    return t_torch, t_fp32, t_bf16, len(ref)
+    t_gram = _median_time(Muon(ours, ns_dtype=torch.bfloat16, ns_method="gram", **kw).step, repeats)
+    return t_torch, t_fp32, t_bf16, t_gram, len(ref)
 
 
 def _matmul_gflops(n, dtype, repeats, device="cpu"):
@@ -739,12 +741,13 @@ if __name__ == "__main__":
           f"(bf16/fp32 {b16 / f32:.2f})")
     for name in args.presets:
         shapes = _preset_matrices(name)
-        tt, t32, t16, n = _bench_step(shapes, args.repeats, device)
+        tt, t32, t16, tg, n = _bench_step(shapes, args.repeats, device)
         print(f"\n[{name}] one Muon step over all {n} matrices ({len(shapes)} parameters), "
               f"median of {args.repeats}:")
         print(f"  torch.optim.Muon, one 2D param per slice, bf16 NS {tt * 1e3:9.1f} ms")
         print(f"  ours, batched, fp32 NS (CPU default)             {t32 * 1e3:9.1f} ms  {_ratio(tt, t32)}")
         print(f"  ours, batched, bf16 NS (GPU default)             {t16 * 1e3:9.1f} ms  {_ratio(tt, t16)}")
+        print(f"  ours, batched, bf16 NS, Gram (--ns gram)         {tg * 1e3:9.1f} ms  {_ratio(tt, tg)}")
         print(f"  {'[B, m, n]':>18} {'NS GFLOP/s':>11} {'bmm GFLOP/s':>12} {'NS/bmm':>7}   ({str(ns_dtype)[6:]})")
         for (B, m, n), ns, mm in _bench_ns(shapes, args.repeats, args.ns_max_batch, device, ns_dtype):
             print(f"  {str([B, m, n]):>18} {ns:11.1f} {mm:12.1f} {ns / mm:7.0%}")
