@@ -578,15 +578,15 @@ def _load_worker(rank, world, port, ckpt, cases, out):
 
 
 def test_sharded_ranks_read_only_their_blocks_and_export_the_whole_model(tmp_path):
-    """Under FSDP, HSDP and EP (whole experts, and rows of experts when there are fewer experts than ranks) at 2 and
-    4 ranks, --init-from fills each rank's shards with the values one process loads, and a rank reads about what it
+    """Under HSDP (FSDP over 2 of 4 ranks) with EP, and EP with rows of experts (fewer experts than ranks), at 4
+    ranks, --init-from fills each rank's shards with the values one process loads, and a rank reads about what it
     holds (whole experts where it holds rows of them), never the whole model; --save-hf from the sharded model
     writes what one process writes."""
     for name, experts in (("e16", 16), ("e2", 2)):
         M.save_hf(tiny_model(seed=3, num_experts=experts), tmp_path / name, torch.float32)
     one = {name: dict(load_ours(tmp_path / name).named_parameters()) for name in ("e16", "e2")}
     total = {name: sum(p.numel() for p in ps.values()) for name, ps in one.items()}
-    layouts = {2: [("e16", {})], 4: [("e16", dict(dp_replicate=2, ep_replicate=2)), ("e2", dict(ep=2))]}
+    layouts = {4: [("e16", dict(dp_replicate=2, ep_replicate=2)), ("e2", dict(ep=2))]}  # FSDP within HSDP
     for world, cases in layouts.items():
         for name, degrees, full, counted, held in run_workers(_load_worker, world, tmp_path, cases, results=len(cases)):
             for n, p in full.items():
@@ -1178,7 +1178,8 @@ def test_continued_pretraining_from_a_released_checkpoint(tmp_path):
 def test_bad_checkpoints_are_one_line_naming_the_file(tmp_path, monkeypatch):
     """--init-from with a folder without config.json, an architecture we do not model, a missing shard, a tensor
     of the wrong shape, sizes that disagree with --preset, data from another tokenizer, the byte-level RL stage,
-    and no data: one line each, exit 2, on both ranks where two run; without the safetensors package, one line."""
+    and no data: one line each, exit 2 (on both ranks for the two found while loading: the missing shard and the
+    wrong shape); without the safetensors package, one line."""
     good = tmp_path / "good"
     M.save_hf(tiny_model(seed=1, vocab_size=300), good, torch.float32, shard_bytes=200_000)  # several files
     (tmp_path / "empty").mkdir()
@@ -1208,8 +1209,8 @@ def test_bad_checkpoints_are_one_line_naming_the_file(tmp_path, monkeypatch):
         "the RL stage speaks to the tasks through this project's byte tokenizer": [good, "--stage", "both", *data],
         "--init-from needs --data: token shards made with the checkpoint's own tokenizer": [good],
     }
-    procs = [start_train("--init-from", *map(str, flags), "--out", str(tmp_path / f"out{i}"), world=1 + i % 2)
-             for i, flags in enumerate(cases.values())]
+    procs = [start_train("--init-from", *map(str, flags), "--out", str(tmp_path / f"out{i}"), world=1 + (i in (2, 3)))
+             for i, flags in enumerate(cases.values())]  # the errors found while loading, on 2 ranks
     for expected, p in zip(cases, procs):
         finish(p)
         codes, errs = [q.exitcode for q in p.procs], [err for _, err in p.outputs]
@@ -1775,6 +1776,8 @@ def run_readme_command(line, cwd, shared_out):
         else:
             flags = [a.replace("/ID", "/" + min(p.name for p in (cwd / "TASKS").iterdir())) if "TASKS/" in a else a
                      for a in flags] + SHORT.get(script + " --ablation" * ("--ablation" in flags), [])
+            if script == "muon.py" and "--world" in flags:  # the sharded benchmark on 1 and 2 processes
+                flags += ["--world", "1", "2"]
     cmd = [sys.executable, *(["-m", "torch.distributed.run", "--standalone", *launch[1:]] if launch[0] == "torchrun"
                              else []), str(HERE / script), *flags]
     if line == "python train.py":  # the quick start as a real process; the rest fork from the preloaded server,
@@ -1790,7 +1793,7 @@ def run_readme_command(line, cwd, shared_out):
 def test_every_readme_command_runs(tmp_path):
     """Each python/torchrun command in README.md runs as written, shortened (for train.py --steps/--rl-steps,
     one validation batch, no held-out RL evaluation; fewer pretraining steps for feedback.py; the tiny preset
-    for muon.py's benchmarks), and exits 0. A `--resume` with nothing to resume starts from a copy of the quick start's run;
+    for muon.py's benchmarks, and --world 1 2 for its sharded one), and exits 0. A `--resume` with nothing to resume starts from a copy of the quick start's run;
     a checkpoint the README names is mapped to the shortened run's; REPO, TASKS/ID and TRAJECTORY.jsonl are a
     fixture repository, the task `make` wrote and a clean trajectory. The quick start runs as a real process, the
     rest fork from the preloaded server (Launched; torchrun's ranks with its environment). Many-node commands are
