@@ -465,12 +465,26 @@ PUBLISHED = {  # the config.json of moonshotai/Moonlight-16B-A3B and moonshotai/
 
 def test_published_configs_read_as_the_presets(tmp_path):
     """Moonlight's and Kimi K2's published config.json (the older rope_scaling form, model_type kimi_k2, fp8) read
-    as the moonlight and kimi-k2 presets, YaRN included (Kimi K2's softmax scale grows by 1.81)."""
-    for name, config in PUBLISHED.items():
+    as the moonlight and kimi-k2 presets, YaRN included (Kimi K2's softmax scale grows by 1.81). DeepSeek-V3's
+    (expert groups 8/4, 3 dense layers, YaRN 40, one multi-token prediction layer, named as left out) builds the
+    published 671B total / 37B active."""
+    deepseek_v3 = {**PUBLISHED["kimi-k2"], "model_type": "deepseek_v3", "first_k_dense_replace": 3,
+                   "max_position_embeddings": 163840, "n_group": 8, "topk_group": 4, "n_routed_experts": 256,
+                   "num_attention_heads": 128, "num_key_value_heads": 128, "num_nextn_predict_layers": 1,
+                   "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                    "original_max_position_embeddings": 4096, "type": "yarn"},
+                   "rope_theta": 10000, "routed_scaling_factor": 2.5, "vocab_size": 129280}
+    for name, config in {**PUBLISHED, "deepseek-v3": deepseek_v3}.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps(config))
         cfg, _, left_out = M.hf_config(tmp_path / name)
-        assert cfg == M.PRESETS[name] and not left_out, name
+        if name in M.PRESETS:
+            assert cfg == M.PRESETS[name] and not left_out, name
+    assert left_out == ["1 multi-token prediction layer(s) (inference-time speculation; weights skipped)"]
+    with torch.device("meta"):
+        total, active = M.param_counts(M.Transformer(cfg))
+    assert total / 671e9 == pytest.approx(1, abs=0.005) and active / 37e9 == pytest.approx(1, abs=0.02)
+    assert (cfg.n_group, cfg.topk_group, cfg.n_dense_layers, cfg.rope_factor) == (8, 4, 3, 40)
     with torch.device("meta"):
         attn = M.MLA(M.PRESETS["kimi-k2"])
     assert attn.scale * 192 ** 0.5 == pytest.approx((0.1 * math.log(32) + 1) ** 2) == pytest.approx(1.813, abs=1e-3)
