@@ -777,17 +777,22 @@ def to_hf(key, kind, rows, t):
     return {key: t.reshape(-1, t.size(-1)) if kind == "heads" else t}
 
 
+def safetensors_torch():
+    """The optional safetensors package (its torch API), or one line saying how to install it."""
+    try:
+        import safetensors.torch
+    except ImportError:
+        raise CheckpointError("Hugging Face checkpoints need the safetensors package: pip install safetensors") \
+            from None
+    return safetensors.torch
+
+
 class SafetensorsFolder:
     """The tensors of a Hugging Face checkpoint folder (model.safetensors.index.json and its shards, or one
     model.safetensors), read by slices; quantized weights come back dequantized (fp8 with block scales, INT4)."""
 
     def __init__(self, path, config: dict):
-        try:
-            from safetensors import safe_open
-        except ImportError:
-            raise CheckpointError("Hugging Face checkpoints need the safetensors package: pip install safetensors") \
-                from None
-        self.path, self.open, self.handles = Path(path), safe_open, {}
+        self.path, self.open, self.handles = Path(path), safetensors_torch().safe_open, {}
         prefix = config.get("weight_prefix", "")
         self.block = ((config.get("quantization_config") or {}).get("weight_block_size") or [128, 128])
         index, single = self.path / "model.safetensors.index.json", self.path / "model.safetensors"
@@ -931,11 +936,7 @@ def save_hf(model, path, dtype=torch.bfloat16, base_config=None, shard_bytes=5 *
     reference lays them out. Every rank must call it: a sharded tensor is gathered whole, one at a time; rank 0
     writes into path.tmp and renames it to path when complete. The router and its bias stay in float32. A file
     that cannot be written raises CheckpointError on every rank, after every rank has done its gathers."""
-    try:
-        from safetensors.torch import save_file
-    except ImportError:
-        raise CheckpointError("Hugging Face checkpoints need the safetensors package: pip install safetensors") \
-            from None
+    save_file = safetensors_torch().save_file
     writer = not dist.is_initialized() or dist.get_rank() == 0
     path = Path(path)
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
