@@ -18,6 +18,8 @@ importance sampling").
     python grpo.py          # one group of rollouts on the tool-use tasks with a fresh tiny model, and its loss
 """
 import contextlib
+import pickle
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -349,6 +351,130 @@ def grpo_loss(policy, trajs, cfg, ref_logp=None, old_logp=None):
              "gen_tokens": mask.sum().item() / len(trajs), "tis_min": tis.min().item(),
              "tis_max": tis.max().item(), "tis_capped": (tis > cfg.tis_cap).float().mean().item()}
     return loss, stats, old_logp, logits
+
+
+# -----------------------------------------------------------------------------
+# Asynchronous RL: rollout ranks apart from the trainer ranks (train.py --rollout-ranks K --max-staleness S)
+#
+# The launch's last K ranks only sample, the others only train; each role is a torch.distributed world of its
+# own (mesh.init_distributed), and the two talk over a bridge. After each optimizer step the trainers publish the
+# policy. A rollout rank samples step i's groups with policy version max(start, i - 1 - S), so it runs up to S
+# steps ahead while the trainers train, and sends every batch, tagged with its version, to the trainer rank whose
+# groups they are. The version is fixed by (i, S), not by timing: an asynchronous run is reproducible, and S = 0
+# is synchronous RL exactly. The trainer corrects the lag with the truncated importance weights it applies anyway
+# (pi_trainer / pi_sampler on each policy token, capped), as Composer 2's asynchronous RL corrects its samplers.
+#
+#   trainers   | sample 1 is awaited | train 1 -> v1 | train 2 -> v2 | train 3 -> v3 | ...
+#   samplers   | sample 1 (v0) | sample 2 (v0) | sample 3 (v1) | sample 4 (v2) | ...       (S = 1)
+
+
+class PeerLost(ConnectionError):
+    """A rank of the other role stopped: its connection closed."""
+
+
+class Bridge:
+    """Messages between the roles: point to point on a gloo group over every rank of the launch (global ranks;
+    the trainer ranks come first). A send returns at once and its buffer is kept until it completes. A peer
+    that dies closes its connection, and the next send or wait that involves it raises PeerLost naming it."""
+    WEIGHTS, BATCH = 1, 2  # message tags
+
+    def __init__(self, pg, trainers):
+        self.pg, self.trainers, self.sending = pg, trainers, []  # sending: (work, buffer, dst) in flight
+
+    def name(self, rank):
+        return f"trainer rank {rank}" if rank < self.trainers else f"rollout rank {rank - self.trainers}"
+
+    @contextlib.contextmanager
+    def talking_to(self, peer):
+        try:
+            yield
+        except RuntimeError as e:  # gloo: "Connection closed by peer"
+            raise PeerLost(f"lost {self.name(peer)} ({str(e).strip().splitlines()[0][:120]})") from None
+
+    def send(self, tensor, dst, tag):
+        with self.talking_to(dst):
+            self.sending.append((self.pg.send([tensor], dst, tag), tensor, dst))
+
+    def recv(self, tensor, src, tag):
+        with self.talking_to(src):
+            self.pg.recv([tensor], src, tag).wait()
+        return tensor
+
+    def send_object(self, obj, dst):
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        self.send(torch.tensor([data.numel()]), dst, self.BATCH)
+        self.send(data, dst, self.BATCH)
+
+    def recv_object(self, src):
+        n = int(self.recv(torch.zeros(1, dtype=torch.long), src, self.BATCH))
+        return pickle.loads(self.recv(torch.empty(n, dtype=torch.uint8), src, self.BATCH).numpy().tobytes())
+
+    def flush(self):
+        """Wait for every send in flight (the receivers take them in order, whatever they are doing now)."""
+        for work, _, dst in self.sending:
+            with self.talking_to(dst):
+                work.wait()
+        self.sending = []
+
+
+def policy_tensors(model):
+    """What a sampler needs of the policy, in a fixed order: every parameter, then the router biases."""
+    return list(model.parameters()) + [m.expert_bias for m in model.moe_layers()]
+
+
+@torch.no_grad()
+def pack_policy(model, version):
+    """-> [1 + n] fp32 on the CPU: the version, then every tensor of policy_tensors whole. Every trainer rank
+    calls it together: a sharded tensor is gathered whole (DTensor.full_tensor), one at a time."""
+    parts = [torch.tensor([float(version)])]
+    for t in policy_tensors(model):
+        parts.append((t.full_tensor() if isinstance(t, DTensor) else t).float().cpu().flatten())
+    return torch.cat(parts)
+
+
+@torch.no_grad()
+def unpack_policy(model, flat):
+    """pack_policy's values into a whole (unsharded) model. -> their version"""
+    i = 1
+    for t in policy_tensors(model):
+        t.copy_(flat[i:i + t.numel()].view_as(t))
+        i += t.numel()
+    return int(flat[0])
+
+
+def serve_rollouts(model, bridge, cfg, episodes, difficulty, staleness, me, samplers):
+    """A rollout rank's whole run. Trainer rank 0 first sends where RL starts and ends and the difficulty
+    sampler's state. Then, for each RL step: load the policy version the staleness bound allows (versions arrive
+    in order from trainer rank 0), sample the groups of each trainer rank this rank serves (trainer t is served by
+    rollout rank t % samplers; me is this one's index), send each trainer its batch, and move the difficulty
+    sampler by every trainer rank's rewards in trainer order, as the trainers move theirs (gathered over the
+    rollout ranks). episodes(step, t) -> (level, envs, gen): trainer rank t's episodes of that step, drawn and
+    seeded as the synchronous loop draws them."""
+    hello = bridge.recv_object(0)
+    start, steps = hello["start"], hello["steps"]
+    difficulty.load_state_dict(hello["difficulty"])
+    flat, version = torch.empty(1 + sum(t.numel() for t in policy_tensors(model))), None
+    served = [t for t in range(bridge.trainers) if t % samplers == me]
+    for step in range(start + 1, steps + 1):
+        t0 = time.perf_counter()
+        while version is None or version < max(start, step - 1 - staleness):
+            version = unpack_policy(model, bridge.recv(flat, 0, Bridge.WEIGHTS))
+        waited, rewards = time.perf_counter() - t0, {}
+        for t in served:
+            t1 = time.perf_counter()
+            level, envs, gen = episodes(step, t)
+            trajs = rollout(model, envs, cfg, gen)
+            rewards[t] = [tr.reward for tr in trajs]
+            bridge.send_object({"step": step, "version": version, "level": level, "trajs": trajs,
+                                "wait_s": waited, "sample_s": time.perf_counter() - t1}, t)
+        if samplers > 1:
+            everyone = [None] * samplers
+            dist.all_gather_object(everyone, rewards)
+            rewards = {t: r for part in everyone for t, r in part.items()}
+        for t in range(bridge.trainers):
+            for r in rewards[t]:
+                difficulty.update(level, r)
+    bridge.flush()
 
 
 if __name__ == "__main__":

@@ -93,19 +93,34 @@ def make_layout(world, dp_replicate=1, cp=1, ep=1, ep_replicate=1, num_experts=N
 # Processes and meshes
 
 
-def init_distributed(device_type=None):
-    """-> (rank, local_rank, world_size, device). torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; without them this
-    is one process, no process group, and every collective is skipped. nccl/cuda with a GPU, else gloo/cpu."""
+def init_distributed(device_type=None, rollout_ranks=0):
+    """-> (rank, local_rank, world_size, device, bridge). torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; without them
+    this is one process, no process group, and every collective is skipped. nccl/cuda with a GPU, else gloo/cpu.
+
+    rollout_ranks K > 0 splits the launch's W ranks into two roles: the first W - K train, the last K only sample
+    (train.py --rollout-ranks). Each role is a torch.distributed world of its own, its default process group
+    (so the trainers' FSDP, EP and CP never wait on a sampler), and rank and world_size are those inside the
+    role. bridge is a gloo group over all W ranks (global ranks) for the messages between the roles
+    (grpo.Bridge); None without roles."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+    backend, bridge = "nccl" if device.type == "cuda" else "gloo", None
+    if rollout_ranks and not dist.is_initialized():
+        store = next(dist.rendezvous("env://"))[0]  # torchrun's store: MASTER_ADDR, MASTER_PORT
+        trainers = world_size - rollout_ranks
+        role, role_rank, role_size = (("train", rank, trainers) if rank < trainers else
+                                      ("rollout", rank - trainers, rollout_ranks))
+        bridge = dist.ProcessGroupGloo(dist.PrefixStore("bridge", store), rank, world_size)
+        dist.init_process_group(backend, store=dist.PrefixStore(role, store), rank=role_rank, world_size=role_size,
                                 device_id=device if device.type == "cuda" else None)
-    return rank, local_rank, world_size, device
+        rank, world_size = role_rank, role_size
+    elif world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    return rank, local_rank, world_size, device, bridge
 
 
 def build_meshes(layout: Layout, device_type: str):

@@ -18,6 +18,7 @@ parallelism (MLA.cp_group set; each rank holds a chunk of the sequence and gathe
 
     python model.py                  # parameter counts of every preset (kimi-k2 on the meta device) + a forward
     python model.py --bench-experts  # the experts' grouped GEMM against a matmul per expert (GPU check)
+    python model.py --bench-decode   # decode tokens/s with the KV cache, absorbed MLA against expanded
 """
 import contextlib
 import json
@@ -212,26 +213,28 @@ class MLA(nn.Module):
         """x [B, T, C]; pos [T] global positions of these tokens, or [B, T] with a KVCache (rows differ)."""
         cfg = self.cfg
         B, T, C = x.shape
-        H, nope, rope = cfg.n_head, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        H, nope, rope, r = cfg.n_head, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
         if cfg.q_lora_rank:
             q = torch.einsum("btr,hdr->bhtd", self.q_norm(self.wq_a(x)), self.wq_b)  # [B, H, T, nope+rope]
         else:
             q = torch.einsum("btc,hdc->bhtd", x, self.wq)
         q_nope, q_pe = q.split([nope, rope], dim=-1)
-        heads = lambda p: p[:, None] if p.ndim == 2 else p  # per-row positions broadcast over the heads
-        q = torch.cat([q_nope, apply_rope(q_pe, *rope_tables(heads(pos), cfg))], dim=-1)
-        kv_a, k_pos = self.wkv_a(x), pos  # [B, T, kv_lora + rope]
-        if cache is not None:  # this chunk's latents join the cached ones: [B, S, kv_lora + rope], S = cached + T
+        q_pe = apply_rope(q_pe, *rope_tables(pos[:, None] if pos.ndim == 2 else pos, cfg))  # rows over heads
+        # each token's latent, normalised, and its rope key, rotated: what is cached and what CP gathers
+        c_kv, k_pe = self.wkv_a(x).split([r, rope], dim=-1)  # [B, T, r], [B, T, rope]
+        kv_a, k_pos = torch.cat([self.kv_norm(c_kv), apply_rope(k_pe, *rope_tables(pos, cfg))], -1), pos
+        if cache is not None:  # this chunk's latents join the cached ones: [B, S, r + rope], S = cached + T
             kv_a, k_pos = cache.update(self.layer_id, kv_a), cache.k_pos
-        if self.cp_group is not None:  # -> [B, S, kv_lora + rope], S = T * cp, in sequence order
+        if self.cp_group is not None:  # -> [B, S, r + rope], S = T * cp, in sequence order
             kv_a = funcol.all_gather_single(kv_a.contiguous(), 1, self.cp_group)
             k_pos = funcol.all_gather_tensor(pos, gather_dim=0, group=self.cp_group)
         S = kv_a.size(1)
-        c_kv, k_pe = kv_a.split([cfg.kv_lora_rank, rope], dim=-1)
-        kv = torch.einsum("bsr,hdr->bhsd", self.kv_norm(c_kv), self.wkv_b)  # [B, H, S, nope+v]
+        c_kv, k_pe = kv_a.split([r, rope], dim=-1)
+        if cache is not None and cache.absorbs(T, cfg):
+            return self._absorbed(q_nope, q_pe, c_kv, kv_a, cache.mask)
+        kv = torch.einsum("bsr,hdr->bhsd", c_kv, self.wkv_b)  # [B, H, S, nope+v]: every key, expanded
         k_nope, v = kv.split([nope, cfg.v_head_dim], dim=-1)
-        k_pe = apply_rope(k_pe[:, None], *rope_tables(heads(k_pos), cfg))  # one key for all heads
-        k = torch.cat([k_nope, k_pe.expand(B, H, S, rope)], dim=-1)
+        q, k = torch.cat([q_nope, q_pe], dim=-1), torch.cat([k_nope, k_pe[:, None].expand(B, H, S, rope)], dim=-1)
         if self.track_max_logit and self.training and cache is None:
             self._track_max_logit(q, k, k_pos[None, :] <= pos[:, None])  # causal by position, CP included
         if cache is not None:
@@ -242,6 +245,19 @@ class MLA(nn.Module):
             mask = k_pos[None, :] <= pos[:, None]  # [T, S]
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         return torch.einsum("bhtv,hcv->btc", y, self.wo)
+
+    def _absorbed(self, q_nope, q_pe, c_kv, kv_a, mask):
+        """Weight-absorbed attention (DeepSeek-V2 sec. 2.1.2, as DeepSeek-V3's inference code decodes): wkv_b's
+        key half folds into the query and its value half into the output, so the queries attend to the cached
+        latents themselves, one shared key and value for all heads, and nothing grows with S but the two
+        products with the cache. q_nope [B, H, T, nope], q_pe [B, H, T, rope] (rotated), c_kv [B, S, r],
+        kv_a [B, S, r + rope] (latent and rotated rope key), mask [B, 1, T, S]. -> [B, T, C]"""
+        w_uk, w_uv = self.wkv_b.split([self.cfg.qk_nope_head_dim, self.cfg.v_head_dim], dim=1)  # [H, nope|v, r]
+        q = torch.cat([torch.einsum("bhtd,hdr->bhtr", q_nope, w_uk), q_pe], dim=-1)  # [B, H, T, r + rope]
+        scores = torch.einsum("bhte,bse->bhts", q, kv_a) * self.scale  # q_nope.k_nope + q_pe.k_pe, per head
+        p = scores.float().masked_fill(~mask, -math.inf).softmax(-1).type_as(q)  # [B, H, T, S]
+        y = torch.einsum("bhts,bsr->bhtr", p, c_kv)  # [B, H, T, r]: the attended latent of each head
+        return torch.einsum("bhtv,hcv->btc", torch.einsum("bhtr,hvr->bhtv", y, w_uv), self.wo)
 
     @torch.no_grad()
     def _track_max_logit(self, q, k, allowed, chunk=256):
@@ -268,32 +284,64 @@ class MLA(nn.Module):
 
 
 class KVCache:
-    """MLA's decode cache: per layer the latent and rope key of every token so far, [B, S, kv_lora + rope] (576
-    numbers a token for Kimi K2, against 40,960 for expanded K and V); K and V are re-expanded from it at each
-    call. Rows advance independently: in a chunk [B, T] row b holds lens[b] real tokens and then padding, which
-    is stored but never attended to, so ragged prompts, one-token decode steps and finished rows share a batch."""
+    """MLA's decode cache: per layer the normalised latent and rotated rope key of every token so far,
+    [B, S, kv_lora + rope] (576 numbers a token for Kimi K2, against 40,960 for expanded K and V). Short chunks
+    (a decode step) attend to it with the weights absorbed (MLA._absorbed); long ones (a prefill) expand K and
+    V from it, whichever takes fewer FLOPs (absorbs). Rows advance independently: in a chunk [B, T] row b
+    holds lens[b] real tokens and then padding, which is stored but never attended to, so ragged prompts,
+    one-token decode steps and finished rows share a batch. The buffers are preallocated and double when
+    full, so a token costs O(S) to attend, not O(S) to copy the cache as well.
+    expand=True: always expand (the reference the absorbed path is tested and timed against)."""
 
-    def __init__(self, n_layer, B, device=None):
-        self.latents = [None] * n_layer
+    def __init__(self, n_layer, B, device=None, capacity=256, expand=False):
+        self.latents = [None] * n_layer  # [B, capacity, kv_lora + rope] each, allocated at first use
+        self.S, self.expand = 0, expand  # tokens cached per row, padding included
         self.next_pos = torch.zeros(B, dtype=torch.long, device=device)  # [B] each row's next position
-        self.k_pos = torch.zeros(B, 0, dtype=torch.long, device=device)  # [B, S] position of each cached key
-        self.k_real = torch.zeros(B, 0, dtype=torch.bool, device=device)  # [B, S] False for padding
+        self.pos_buf = torch.zeros(B, capacity, dtype=torch.long, device=device)  # [B, capacity] each key's
+        self.real_buf = torch.zeros(B, capacity, dtype=torch.bool, device=device)  # [B, capacity] False: padding
         self.mask = None
+
+    @property
+    def k_pos(self):
+        return self.pos_buf[:, :self.S]  # [B, S]
 
     def advance(self, lens, T):
         """Register the next chunk of T tokens, row b's first lens[b] real. -> their positions [B, T]"""
         pos = self.next_pos[:, None] + torch.arange(T, device=lens.device)
-        self.k_pos = torch.cat([self.k_pos, pos], 1)
-        self.k_real = torch.cat([self.k_real, torch.arange(T, device=lens.device) < lens[:, None]], 1)
+        S0, self.S = self.S, self.S + T
+        self.pos_buf, self.real_buf = grow(self.pos_buf, self.S), grow(self.real_buf, self.S)
+        self.pos_buf[:, S0:self.S] = pos
+        self.real_buf[:, S0:self.S] = torch.arange(T, device=lens.device) < lens[:, None]
         self.next_pos = self.next_pos + lens
         # a query sees the real keys at or before its position (a padding query sees earlier ones: never empty)
-        self.mask = (self.k_real[:, None, :] & (self.k_pos[:, None, :] <= pos[:, :, None]))[:, None]  # [B,1,T,S]
+        real = self.real_buf[:, :self.S]
+        self.mask = (real[:, None, :] & (self.k_pos[:, None, :] <= pos[:, :, None]))[:, None]  # [B, 1, T, S]
         return pos
 
     def update(self, layer, kv_a):
-        cached = self.latents[layer]
-        self.latents[layer] = kv_a if cached is None else torch.cat([cached, kv_a], 1)
-        return self.latents[layer]
+        """Write this chunk's kv_a [B, T, kv_lora + rope] at the end of the layer's cache. -> [B, S, ...]"""
+        buf = self.latents[layer]
+        if buf is None:
+            buf = kv_a.new_zeros(kv_a.size(0), self.pos_buf.size(1), kv_a.size(2))
+        self.latents[layer] = buf = grow(buf, self.S)
+        buf[:, self.S - kv_a.size(1):self.S] = kv_a
+        return buf[:, :self.S]
+
+    def absorbs(self, T, cfg):
+        """Absorbed attention for a chunk of T queries where it takes fewer FLOPs than expanding the keys: per
+        (query, key) and head it multiplies over r + rope and r, against nope + rope and v, and it saves
+        expanding each key, (nope + v) r a head (Kimi K2: absorbed below 171 queries; the tiny preset: always)."""
+        r, nope, v = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim
+        return not self.expand and T * (2 * r - nope - v) < (nope + v) * r
+
+
+def grow(buf, n):
+    """buf [B, capacity, ...] with room for n along dim 1, doubling its capacity when it has not."""
+    if buf.size(1) >= n:
+        return buf
+    bigger = buf.new_zeros(buf.size(0), max(n, 2 * buf.size(1)), *buf.shape[2:])
+    bigger[:, :buf.size(1)] = buf
+    return bigger
 
 
 class SwiGLU(nn.Module):
@@ -1075,9 +1123,38 @@ def bench_experts(device):
                  f"loop {l:.2f} ms (no grouped GEMM for these shapes here)"))
 
 
+def bench_decode(presets=("tiny", "small"), contexts=(256, 1024, 4096), B=16, steps=8):
+    """Decode speed with MLA's KV cache: B rows (16: a rank's rollouts in the default RL step) prefilled with
+    `contexts` tokens, then `steps` one-token steps, expanding every cached latent through wkv_b at each step
+    (KVCache(expand=True)) against the absorbed weights. Prints tokens/s of each (all rows) and the ratio."""
+    for name in presets:
+        torch.manual_seed(0)
+        model = Transformer(PRESETS[name]).eval()
+        for S in contexts:
+            rates = {}
+            for expand in (True, False):
+                cache, gen = KVCache(model.cfg.n_layer, B, expand=expand), torch.Generator().manual_seed(0)
+                full = torch.full((B,), S)
+                with torch.no_grad():
+                    for s0 in range(0, S, 512):  # prefill in chunks: [B, 512, 512] scores at most a head
+                        n = min(512, S - s0)
+                        model(torch.randint(256, (B, n), generator=gen), pos=cache.advance(full.clamp(max=n), n),
+                              cache=cache)
+                    t0 = time.perf_counter()
+                    for _ in range(steps):
+                        model(torch.randint(256, (B, 1), generator=gen), pos=cache.advance(full.clamp(max=1), 1),
+                              cache=cache)
+                rates[expand] = B * steps / (time.perf_counter() - t0)
+            print(f"decode {name:5s} context {S:5d}, {B} rows: expanded {rates[True]:7.0f} tok/s, "
+                  f"absorbed {rates[False]:7.0f} tok/s ({rates[False] / rates[True]:.2f}x)")
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--bench-experts"]:
         bench_experts(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        sys.exit(0)
+    if sys.argv[1:] == ["--bench-decode"]:
+        bench_decode()
         sys.exit(0)
     for name, cfg in PRESETS.items():
         with torch.device("meta"):  # shapes only, no memory: the 1T model builds in a blink

@@ -97,24 +97,34 @@ def test_causal_and_positions():
     assert not torch.allclose(a, c)
 
 
-def test_kv_cache_decodes_ragged_rows_like_a_full_forward():
-    """Ragged prompts in one padded prefill, then chunks of different lengths per row (0 = a finished row):
-    every real token's logits equal those of one uncached forward over that row alone."""
-    m = tiny_model().eval()
-    chunks = [[5, 9, 3], [4, 0, 2], [1, 1, 0]]  # row b's tokens in each call
+@pytest.mark.parametrize("kv_lora_rank", [32, 128])
+def test_kv_cache_decodes_ragged_rows_like_a_full_forward(kv_lora_rank):
+    """Ragged prompts in one padded prefill, then chunks of different lengths per row (0 = a finished row), in a
+    cache that starts with room for 4 tokens: every real token's logits equal those of one uncached forward over
+    that row alone, and its log-probs with absorbed attention equal those of the cache that always expands K and
+    V (fp32, 1e-5). kv_lora_rank 32 absorbs every chunk; 128 expands the 48-token prefill and absorbs the rest."""
+    m = tiny_model(kv_lora_rank=kv_lora_rank).eval()
+    chunks = [[48, 9, 3], [4, 0, 2], [1, 1, 0], [1, 1, 1]]  # row b's tokens in each call
     seqs = [[torch.randint(0, 256, (n,)).tolist() for n in row] for row in zip(*chunks)]  # [B][call] ids
-    cache, got = M.KVCache(m.cfg.n_layer, 3), [[] for _ in range(3)]
+    got = {}
+    for expand in (False, True):
+        cache, absorbed = M.KVCache(m.cfg.n_layer, 3, capacity=4, expand=expand), []
+        got[expand] = [[] for _ in range(3)]
+        with torch.no_grad():
+            for call in range(len(chunks)):
+                lens = torch.tensor(chunks[call])
+                T = int(lens.max())
+                idx = torch.tensor([seqs[b][call] + [M.TOKEN["<|pad|>"]] * (T - len(seqs[b][call])) for b in range(3)])
+                logits, _ = m(idx, pos=cache.advance(lens, T), cache=cache)
+                absorbed.append(cache.absorbs(T, m.cfg))
+                for b in range(3):
+                    got[expand][b].append(logits[b, :lens[b]].log_softmax(-1))
+        assert absorbed == ([False] * 4 if expand else [kv_lora_rank == 32, True, True, True])
     with torch.no_grad():
-        for call in range(len(chunks)):
-            lens = torch.tensor(chunks[call])
-            T = int(lens.max())
-            idx = torch.tensor([seqs[b][call] + [M.TOKEN["<|pad|>"]] * (T - len(seqs[b][call])) for b in range(3)])
-            logits, _ = m(idx, pos=cache.advance(lens, T), cache=cache)
-            for b in range(3):
-                got[b].append(logits[b, :lens[b]])
         for b in range(3):
             full, _ = m(torch.tensor([sum(seqs[b], [])]))
-            torch.testing.assert_close(torch.cat(got[b]), full[0], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(torch.cat(got[False][b]), full[0].log_softmax(-1), rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(torch.cat(got[False][b]), torch.cat(got[True][b]), rtol=0, atol=1e-5)
 
 
 def test_grouped_mm_padded_and_loop_paths_agree(monkeypatch):
@@ -245,7 +255,7 @@ def _qk_clip_run(tau, steps=12, lr=0.2):
         block.attn.track_max_logit = True
         block.attn.register_forward_pre_hook(lambda mod, args, i=i: inputs.__setitem__(i, args))
     opt = muon.Muon(muon.param_groups(model.named_parameters(), lr=lr, weight_decay=0.0),
-                    adjust_lr_fn="match_rms_adamw")
+                    adjust_lr_fn="match_rms_adamw", ns_dtype=torch.float32)  # the same on CPUs with bf16 units or not
 
     def recompute(attn, args):  # the head maxima on these inputs with the weights as they are now
         attn.max_logit = None
@@ -1142,6 +1152,8 @@ def test_train_bad_input_is_one_clear_line(tmp_path):
         "--rl-eval-tasks must be >= 0": ["--rl-eval-tasks", "-1"],
         "--ppo-minibatches 9: each is whole groups": ["--ppo-minibatches", "9"],
         "--grad-accum 3 does not divide the 8 sequences a rank gets": ["--grad-accum", "3"],
+        "--rollout-ranks 1 leaves no trainer rank: the launch has 1 rank(s)": ["--rollout-ranks", "1"],
+        "--max-staleness 2 needs --rollout-ranks": ["--max-staleness", "2"],
     }
     procs = [start_train(*v, *([] if "--out" in v else ["--out", str(tmp_path / f"out{i}")]))  # a lock each
              for i, v in enumerate(cases.values())]
@@ -1344,8 +1356,10 @@ def torchrun(world, *flags):
     return r
 
 
+# --precision fp32: Newton-Schulz in fp32 too, so that layouts agree to fp32 rounding on every CPU (bf16 NS, the
+# default on CPUs with bf16 units, makes them agree only to bf16's)
 PAR_RUN = ["--stage", "pretrain", "--batch-size", "8", "--seq-len", "32", "--eval-batches", "1", "--log-every", "1",
-           "--warmup", "40"]
+           "--warmup", "40", "--precision", "fp32"]
 
 
 @pytest.fixture(scope="module")
@@ -1526,7 +1540,7 @@ def same_run(a, b):
     """Two runs (records, final parameters) agree: the same training records (wall times aside), every held-out
     evaluation of a also in b (a run stopped early evaluates where it stops), the same parameters."""
     def strip(rows, evals):
-        return [{k: v for k, v in r.items() if k not in ("ms", "optimizer_ms")} for r in rows
+        return [{k: v for k, v in r.items() if not k.endswith("ms")} for r in rows
                 if (r.get("stage") == "rl_eval") == evals]
     assert strip(a[0], False) == strip(b[0], False)
     assert all(r in strip(b[0], True) for r in strip(a[0], True))
@@ -1568,6 +1582,46 @@ def test_resume_from_every_checkpoint_equals_the_uninterrupted_run(chain):
     assert sorted(p.name for p in (root / "whole").glob("step-*")) == ["step-00000004", "step-00000008"]
     meta = json.loads((root / "whole" / "step-00000004" / "meta.json").read_text())
     assert meta["stage"] == "pretrain" and len(meta["files"]) >= 2
+
+
+def test_async_rl_with_staleness_zero_is_synchronous_rl(chain, par_data, tmp_path):
+    """--rollout-ranks 1 at two ranks (one trains, one samples with a whole copy of the policy it is sent after
+    each step), from the same pretrained checkpoint: with --max-staleness 0 every record and the final weights
+    equal the synchronous one-process run's exactly. With --max-staleness 1 steps 2-4 are sampled with the policy
+    one step older, and the run logs that and where the time went."""
+    root, _ = chain
+    flags = [*RL_RUN, "--data", str(par_data), "--tasks-per-step", "1", "--stage", "rl", "--rl-steps", "4",
+             "--resume", str(root / "whole" / "step-00000004"), "--rollout-ranks", "1"]
+    runs = [start_train(*flags, "--max-staleness", str(s), "--out", str(tmp_path / f"s{s}"), world=2) for s in (0, 1)]
+    for r in map(finish, runs):
+        assert r.returncode == 0, r.stderr[-3000:]
+    whole = read_metrics(root / "whole")
+    same_run((whole[-7:], final_params(root / "whole")), (read_metrics(tmp_path / "s0"), final_params(tmp_path / "s0")))
+    rl = [r for r in read_metrics(tmp_path / "s1") if r.get("stage") == "rl"]
+    assert [r["staleness"] for r in rl] == [0, 1, 1, 1]
+    assert all(r["sample_ms"] > 0 and r["trainer_wait_ms"] >= 0 and r["tis_min"] <= 1 <= r["tis_max"] for r in rl)
+    assert [("publish_ms" in r) for r in rl] == [True, True, False, False]  # steps 3, 4 use versions 2 and 3
+
+
+@pytest.mark.parametrize("victim", ["rollout", "trainer"])
+def test_a_rank_that_dies_in_async_rl_stops_the_other_in_one_line(chain, par_data, tmp_path, victim):
+    """Kill one role's rank mid-RL (SIGKILL): the other exits by itself, with code 1 and one line naming what it
+    lost, well before the launcher would stop it."""
+    root, _ = chain
+    p = start_train(*RL_RUN, "--data", str(par_data), "--stage", "rl", "--rl-steps", "200", "--tasks-per-step",
+                    "1", "--resume", str(root / "whole" / "step-00000004"), "--rollout-ranks", "1", "--max-staleness",
+                    "1", "--out", str(tmp_path / "out"), world=2)
+    wait_for(lambda: (tmp_path / "out" / "metrics.jsonl").exists() and
+             any(r.get("stage") == "rl" for r in read_metrics(tmp_path / "out")), p)
+    dead, other = (1, 0) if victim == "rollout" else (0, 1)
+    p.procs[dead].kill()
+    p.procs[other].join(15)
+    code = p.procs[other].exitcode  # None: still running (finish stops it 20 s after the kill)
+    finish(p)
+    err = p.outputs[other][1].strip().splitlines()
+    assert code == 1, (code, err)
+    lost = "trainer rank 0: lost rollout rank 0" if victim == "rollout" else "rollout rank 0: lost trainer rank 0"
+    assert len(err) == 1 and err[0].startswith(f"error: {lost} ("), "\n".join(err)
 
 
 def test_resume_falls_back_past_a_damaged_checkpoint(chain, tmp_path):

@@ -62,7 +62,8 @@ from torch.distributed.tensor import DTensor
 from mesh import CommCounter, LayoutError, build_meshes, expert_shard_dim, init_distributed, make_layout, shard
 import tasks
 from feedback import RULES, Feedback, FeedbackConfig
-from grpo import SUMMARY_REQUEST, GRPOConfig, Weights, grpo_loss, logprobs, minibatches, rollout
+from grpo import (SUMMARY_REQUEST, Bridge, GRPOConfig, PeerLost, Weights, grpo_loss, logprobs, minibatches, pack_policy,
+                  rollout, serve_rollouts)
 from model import (PRESETS, VOCAB_SIZE, CheckpointError, ContextParallel, ModelConfig, Transformer,
                    activation_elements, encode, flops_per_token, hf_config, load_hf, param_counts, save_hf)
 from muon import Muon, param_groups
@@ -181,6 +182,13 @@ g.add_argument("--sample-gather", default="rollout", choices=["rollout", "forwar
                help="under FSDP, sampling with the sharded model gathers each unit once for the whole rollout and "
                     "keeps it (rollout: fast; a rank holds the dense weights whole and its EP share of the experts) "
                     "or at every forward (forward: one unit at a time, an all-gather per unit per token)")
+g.add_argument("--rollout-ranks", type=int, default=0, metavar="K",
+               help="asynchronous RL: the launch's last K ranks only sample (each with a whole copy of the policy), "
+                    "the others only train and send the new policy after each step (0: every rank samples, then "
+                    "trains)")
+g.add_argument("--max-staleness", type=int, default=0, metavar="S",
+               help="with --rollout-ranks: step i is sampled with the policy of step max(0, i - 1 - S), so the "
+                    "rollout ranks run up to S steps ahead of the trainers (0: exactly synchronous RL)")
 g.add_argument("--count-comm", action="store_true",
                help="count the calls and bytes of every collective in the second step and print them")
 args = parser.parse_args()
@@ -190,7 +198,8 @@ args = parser.parse_args()
 # every rank, so a bad layout stops all ranks with the same line instead of leaving some waiting forever.
 
 world_size = int(os.environ.get("WORLD_SIZE", "1"))
-is_rank0 = int(os.environ.get("RANK", "0")) == 0
+launch_rank = int(os.environ.get("RANK", "0"))  # with --rollout-ranks the trainers' ranks come first
+is_rank0 = launch_rank == 0
 
 
 def die(msg):
@@ -205,6 +214,11 @@ def die(msg):
 def print0(*a, **kw):
     if is_rank0:
         print(*a, **kw, flush=True)
+
+
+def last_line(e):
+    """An exception in one line: DCP's carry every rank's traceback."""
+    return f"{type(e).__name__}: " + (str(e).strip().splitlines()[-1][:160] if str(e).strip() else "no details")
 
 
 if (args.preset or "tiny") not in PRESETS:
@@ -250,6 +264,21 @@ if args.lr <= 0:
     die(f"--lr must be positive, got {args.lr}")
 if args.device == "cuda" and not torch.cuda.is_available():
     die("--device cuda but no CUDA device is available")
+if args.rollout_ranks or args.max_staleness:
+    if args.max_staleness < 0 or args.rollout_ranks < 0:
+        die(f"--rollout-ranks and --max-staleness must be >= 0, got {args.rollout_ranks} and {args.max_staleness}")
+    if not args.rollout_ranks:
+        die(f"--max-staleness {args.max_staleness} needs --rollout-ranks: without rollout ranks every rank samples "
+            f"with the current policy (synchronous RL)")
+    if args.rollout_ranks >= world_size:
+        die(f"--rollout-ranks {args.rollout_ranks} leaves no trainer rank: the launch has {world_size} rank(s); "
+            f"launch more (torchrun --nproc_per_node) or roll out on fewer")
+    if args.stage != "rl":
+        die("--rollout-ranks: rollout ranks sample RL rollouts only; pass --stage rl (after pretraining, "
+            "--resume it)")
+    if args.dry_run:
+        die("--rollout-ranks: --dry-run plans the trainer ranks; drop --rollout-ranks and set --world to them")
+    world_size -= args.rollout_ranks  # every check below is the trainers' world
 if args.world is not None and (not args.dry_run or args.world < 1 or world_size > 1):
     die("--world plans a layout with --dry-run in one process (torchrun sets the real world size)")
 if args.dry_run:
@@ -383,7 +412,50 @@ if args.dry_run:  # everything above ran as it would under torchrun; nothing bel
           f"{checkpoint_bytes / 2**30:,.2f} GiB on disk")
     sys.exit(0)
 
-rank, local_rank, world_size, device = init_distributed(None if args.device == "auto" else args.device)
+# RL's tasks and sampling, shared by the trainer ranks and, with --rollout-ranks, the rollout ranks
+trainers = world_size  # the ranks that train (all but the rollout ranks)
+grpo_cfg = GRPOConfig(group_size=args.group_size, max_gen_tokens=args.max_gen_tokens, kl_coef=args.kl_coef,
+                      kl_estimator=args.kl_estimator, sampler_bits=args.sampler_bits, temperature=args.temperature)
+make_task, make_env = ((tasks.make_chain_task, tasks.ChainEnv) if args.rl_tasks == "long" else
+                       (tasks.make_tool_task, tasks.ToolEnv))
+difficulty = tasks.DifficultySampler()
+
+
+def episodes(rl_step, data_rank):
+    """RL step rl_step's episodes for one data-parallel rank: its groups at the sampler's level, and the generator
+    that samples them. Every draw is seeded from (seed, RL step, rank), like the data order, so a resumed run
+    draws what the uninterrupted one would have, and a rollout rank draws what the trainer rank would.
+    -> (level, envs, gen)"""
+    level = difficulty.sample(random.Random(f"{args.seed}/{rl_step}"))  # the same level on every rank
+    task_rng = random.Random(f"{args.seed}/{rl_step}/{data_rank}")
+    gen = torch.Generator().manual_seed(task_rng.getrandbits(63))
+    groups = args.tasks_per_step // trainers  # a rank's share of the step's tasks
+    return level, [make_env(task) for task in (make_task(task_rng, level) for _ in range(groups))
+                   for _ in range(args.group_size)], gen
+
+
+rank, local_rank, world_size, device, bridge = init_distributed(None if args.device == "auto" else args.device,
+                                                                args.rollout_ranks)
+bridge = Bridge(bridge, trainers) if bridge is not None else None
+
+
+def peer_lost(why):
+    """--rollout-ranks: a rank of the other role stopped, or broke the protocol. This rank says so in one line and
+    exits by itself (a launcher may not stop it)."""
+    role = "rollout" if launch_rank >= trainers else "trainer"
+    print(f"error: {role} rank {rank}: {why}", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+if bridge is not None and launch_rank >= trainers:  # a rollout rank: it samples and never trains
+    torch.manual_seed(args.seed)
+    policy = Transformer(cfg).to(device)  # whole; its values come from the trainers
+    try:
+        serve_rollouts(policy, bridge, grpo_cfg, episodes, difficulty, args.max_staleness, rank, world_size)
+    except PeerLost as e:  # a trainer stopped
+        peer_lost(e)
+    dist.destroy_process_group()
+    sys.exit(0)
 bf16 = args.precision == "bf16" or (args.precision == "auto" and device.type == "cuda")
 dense_mesh, expert_mesh, dense_fsdp_mesh, expert_fsdp_mesh = build_meshes(layout, device.type)
 dp_rank, cp_rank = layout.coords(rank)
@@ -410,11 +482,6 @@ def agree(err):
         dist.all_gather_object(errs, err)
         err = next((e for e in errs if e), None)
     return err
-
-
-def last_line(e):
-    """An exception in one line: DCP's carry every rank's traceback."""
-    return f"{type(e).__name__}: " + (str(e).strip().splitlines()[-1][:160] if str(e).strip() else "no details")
 
 
 def checkpoints():
@@ -746,7 +813,8 @@ if args.init_from and not resume_path:  # each rank reads the blocks of its own 
 else:
     model.init_weights(args.seed)  # values depend on the seed alone, not on the layout
 
-ns_dtype = torch.float32 if args.precision == "fp32" else None  # None: Newton-Schulz in bf16 on CUDA, fp32 on CPU
+# --precision fp32: Newton-Schulz in fp32 too; else muon.default_ns_dtype (bf16 on a GPU or a CPU with bf16 units)
+ns_dtype = torch.float32 if args.precision == "fp32" else None
 
 
 def make_optimizer(lr, weight_decay):
@@ -1126,8 +1194,6 @@ if args.stage != "pretrain":
     rl_start = meta["rl_step"] if rl_resumed else 0
     base = step - rl_start  # the optimizer steps before RL, for step numbers
     trainer = ContextParallel(model, dense_mesh["cp"].get_group()) if layout.cp > 1 else model
-    rl = GRPOConfig(group_size=args.group_size, max_gen_tokens=args.max_gen_tokens, kl_coef=args.kl_coef,
-                    kl_estimator=args.kl_estimator, sampler_bits=args.sampler_bits, temperature=args.temperature)
 
     def sample(envs, gen):
         """Rollouts with the sharded model itself, every rank in step (grpo.Lockstep). FSDP gathers each unit at
@@ -1140,7 +1206,7 @@ if args.stage != "pretrain":
         if world_size > 1 and args.sample_gather == "rollout":
             model.set_reshard_after_forward(False)
         try:
-            return rollout(model, envs, rl, gen, sharded=world_size > 1)
+            return rollout(model, envs, grpo_cfg, gen, sharded=world_size > 1)
         finally:
             for block, group in zip(model.layers, cp_groups):
                 block.attn.cp_group = group
@@ -1150,6 +1216,33 @@ if args.stage != "pretrain":
                     if isinstance(m, FSDPModule):
                         m.reshard()
 
+    def publish(version, **hello):
+        """The policy to the rollout ranks: every trainer rank gathers its shards into whole tensors (pack_policy),
+        rank 0 sends them, after hello (where RL starts and ends, the difficulty state) the first time. The
+        previous version's sends complete first, so at most two copies are in flight."""
+        flat = pack_policy(model, version)
+        try:
+            if rank == 0:
+                bridge.flush()
+                for dst in range(trainers, trainers + args.rollout_ranks):
+                    if hello:
+                        bridge.send_object(hello, dst)
+                    bridge.send(flat, dst, Bridge.WEIGHTS)
+        except PeerLost as e:
+            peer_lost(e)
+
+    def receive(rl_step):
+        """This rank's batch of rl_step, from the rollout rank that serves it. A rollout rank that stopped, or a
+        batch past the staleness bound, ends the run with one line."""
+        try:
+            batch = bridge.recv_object(trainers + rank % args.rollout_ranks)
+        except PeerLost as e:
+            peer_lost(e)
+        if batch is not None and (batch["step"] != rl_step or rl_step - 1 - batch["version"] > args.max_staleness):
+            peer_lost(f"refused the batch of RL step {batch['step']} sampled with the policy of step "
+                      f"{batch['version']}: step {rl_step} may use steps {rl_step - 1 - args.max_staleness} and after")
+        return batch
+
     def cp_union(trajs):
         """This rank's trajectories -> those of its CP group, in CP-rank order (whole groups): what it trains on."""
         if layout.cp == 1:
@@ -1157,9 +1250,6 @@ if args.stage != "pretrain":
         everyone = [None] * layout.cp
         dist.all_gather_object(everyone, [replace(t, env=None) for t in trajs], group=trainer.group)
         return [t for part in everyone for t in part]
-
-    make_task, make_env = ((tasks.make_chain_task, tasks.ChainEnv) if args.rl_tasks == "long" else
-                           (tasks.make_tool_task, tasks.ToolEnv))
 
     def episode_stats(envs, trajs):
         """What a batch of episodes did, summed over the ranks: calls, absent-tool calls, "Call" calls,
@@ -1205,7 +1295,6 @@ if args.stage != "pretrain":
         optimizer = make_optimizer(args.rl_lr, 0.0)
     for group in optimizer.param_groups:
         group["lr"] = args.rl_lr
-    difficulty = tasks.DifficultySampler()
     if rl_resumed:
         difficulty.load_state_dict(meta["difficulty"])
     groups = args.tasks_per_step // world_size  # this rank's share of the step's tasks
@@ -1213,35 +1302,40 @@ if args.stage != "pretrain":
            f"({groups} a rank), lr {args.rl_lr}, feedback lambda {args.feedback_coef}, KL coef {args.kl_coef}" +
            (f" | CP {layout.cp}: the CP ranks train on their {groups * layout.cp} groups together, each sequence "
             f"split over them" if layout.cp > 1 else ""))
+    if bridge is not None:  # the rollout ranks start from here: where RL starts and ends, the policy RL starts from
+        publish(rl_start, start=rl_start, steps=args.rl_steps, difficulty=difficulty.state_dict())
     for rl_step in range(rl_start + 1, args.rl_steps + 1):
         t0 = time.perf_counter()
-        level = difficulty.sample(random.Random(f"{args.seed}/{rl_step}"))  # the same level on every rank
-        task_rng = random.Random(f"{args.seed}/{rl_step}/{rank}")
-        gen = torch.Generator().manual_seed(task_rng.getrandbits(63))
-        envs = [make_env(task) for task in (make_task(task_rng, level) for _ in range(groups))
-                for _ in range(args.group_size)]
-        trajs = sample(envs, gen)
+        if bridge is None:
+            level, envs, gen = episodes(rl_step, rank)
+            trajs, lag = sample(envs, gen), {"staleness": 0}
+        else:  # sampled by a rollout rank, with the policy of step max(rl_start, rl_step - 1 - S)
+            batch = receive(rl_step)
+            level, trajs = batch["level"], batch["trajs"]
+            envs = [t.env for t in trajs]
+            lag = {"staleness": rl_step - 1 - batch["version"], "trainer_wait_ms": 1000 * (time.perf_counter() - t0),
+                   "sample_ms": 1000 * batch["sample_s"], "sampler_wait_ms": 1000 * batch["wait_s"]}
         train = cp_union(trajs)  # under CP each trained trajectory is on layout.cp ranks: sums below divide by it
         # PPO: every minibatch's log-probs under the policy that sampled it are taken before the first update
         # (with one epoch and one minibatch the single update's own detached log-probs are those)
         parts = minibatches(train, args.ppo_minibatches, args.group_size)
         reused = args.ppo_epochs > 1 or len(parts) > 1
         with amp:
-            olds = [logprobs(trainer, part, rl) if reused else None for part in parts]
+            olds = [logprobs(trainer, part, grpo_cfg) if reused else None for part in parts]
             if "reference" in copies:  # the reference's log-probs, its weights loaded in turn
                 with copies["reference"].loaded(model):
-                    refs = [logprobs(trainer, part, rl) for part in parts]
+                    refs = [logprobs(trainer, part, grpo_cfg) for part in parts]
         updates = []
         for epoch in range(args.ppo_epochs):
             for k, (part, old) in enumerate(zip(parts, olds)):
                 with amp:
                     # the teacher's pass before the student's forward: a teacher's weights are swapped in for it
                     targets = feedback.targets(trainer, part) if args.feedback_coef else None
-                    loss, stats, _, logits = grpo_loss(trainer, part, rl, old_logp=old,
+                    loss, stats, _, logits = grpo_loss(trainer, part, grpo_cfg, old_logp=old,
                                                        ref_logp=refs[k] if "reference" in copies else None)
                     fb = {}
                     if args.feedback_coef:  # lambda = 0 leaves the RL loss exactly as it is
-                        fb_loss, fb = feedback.loss(trainer, part, len(part) * rl.max_gen_tokens, logits=logits,
+                        fb_loss, fb = feedback.loss(trainer, part, len(part) * grpo_cfg.max_gen_tokens, logits=logits,
                                                     targets=targets)
                         loss = loss + args.feedback_coef * fb_loss
                 loss.backward()
@@ -1264,6 +1358,10 @@ if args.stage != "pretrain":
         for moe in model.moe_layers():  # the router bias stays as pretraining left it: an RL batch is small and
             moe.tokens_per_expert.zero_()  # padded, so its load counts would mostly count padding
         feedback.update(model)
+        if bridge is not None and rl_step <= args.rl_steps - 1 - args.max_staleness:  # the last S are never used
+            t1 = time.perf_counter()
+            publish(rl_step)
+            lag["publish_ms"] = 1000 * (time.perf_counter() - t1)
         rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float64, device=device)
         if world_size > 1:  # every rank's rewards move the one difficulty sampler
             gathered = [torch.empty_like(rewards) for _ in range(world_size)]
@@ -1283,7 +1381,7 @@ if args.stage != "pretrain":
                   "gen_tokens": tokens / n, "feedback_targets": fb_counts[0],
                   "feedback_kl": fb["feedback_kl"] or 0.0,
                   **({k: v for k, v in fb.items() if k.startswith("p_")} if args.feedback_coef else {}),
-                  "clip_frac": mean_over_ranks(stats["clip_frac"]), "ms": 1000 * (time.perf_counter() - t0)}
+                  "clip_frac": mean_over_ranks(stats["clip_frac"]), **lag, "ms": 1000 * (time.perf_counter() - t0)}
         low, high = sum_over_ranks([-stats["tis_min"], stats["tis_max"]], op="max")
         record.update(tis_min=-low, tis_max=high)  # the spread of trainer / sampler over all ranks
         log(record)
@@ -1307,6 +1405,11 @@ if args.save_hf:  # every rank: each sharded tensor is gathered whole, rank 0 wr
     print0(f"wrote {args.save_hf}: a Hugging Face DeepSeek-V3 checkpoint ({args.save_hf_dtype})")
 print0(f"done: checkpoint {checkpoints()[-1]}, metrics {metrics_path}, peak memory {peak_memory() / 2**30:.2f} GiB "
        f"(rank 0)")
-if world_size > 1:
+if bridge is not None:
+    try:
+        bridge.flush()
+    except PeerLost as e:
+        peer_lost(e)
+if world_size > 1 or bridge is not None:
     dist.barrier()
     dist.destroy_process_group()
