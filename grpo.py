@@ -13,7 +13,8 @@ budget the model is asked to summarize, and the rollout continues from prompt + 
 trained with the trajectory's reward (Composer 2 report). Sampling may use a fake-quantised copy of the policy
 (8-bit blocks, like MXFP8); a truncated importance ratio between the trainer's and the sampler's recorded
 log-probs corrects that mismatch and any other (an fp32 sampler, a bf16 trainer; Yao et al. 2025, "truncated
-importance sampling").
+importance sampling"). The same weights correct a sampler that runs a bounded number of policy versions behind
+the trainer: asynchronous RL on rollout ranks (section at the end).
 
     python grpo.py          # one group of rollouts on the tool-use tasks with a fresh tiny model, and its loss
 """

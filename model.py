@@ -1150,11 +1150,18 @@ def bench_decode(presets=("tiny", "small"), contexts=(256, 1024, 4096), B=16, st
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--bench-experts"]:
+    import argparse
+    parser = argparse.ArgumentParser(description="Parameter counts of every preset and a forward, or a benchmark.")
+    parser.add_argument("--bench-experts", action="store_true", help="grouped GEMM against a matmul per expert")
+    parser.add_argument("--bench-decode", action="store_true", help="decode tokens/s, absorbed MLA against expanded")
+    parser.add_argument("--presets", nargs="+", default=["tiny", "small"], help="--bench-decode: these presets")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 4096], help="--bench-decode: contexts")
+    args = parser.parse_args()
+    if args.bench_experts:
         bench_experts(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-        sys.exit(0)
-    if sys.argv[1:] == ["--bench-decode"]:
-        bench_decode()
+    if args.bench_decode:
+        bench_decode(args.presets, args.contexts)
+    if args.bench_experts or args.bench_decode:
         sys.exit(0)
     for name, cfg in PRESETS.items():
         with torch.device("meta"):  # shapes only, no memory: the 1T model builds in a blink

@@ -1587,12 +1587,16 @@ def test_resume_from_every_checkpoint_equals_the_uninterrupted_run(chain):
 def test_async_rl_with_staleness_zero_is_synchronous_rl(chain, par_data, tmp_path):
     """--rollout-ranks 1 at two ranks (one trains, one samples with a whole copy of the policy it is sent after
     each step), from the same pretrained checkpoint: with --max-staleness 0 every record and the final weights
-    equal the synchronous one-process run's exactly. With --max-staleness 1 steps 2-4 are sampled with the policy
-    one step older, and the run logs that and where the time went."""
+    equal the synchronous one-process run's exactly. With --max-staleness 1 at four ranks (two train under FSDP,
+    so the policy is gathered to be sent; two sample, each for one trainer rank) steps 2-4 are sampled with the
+    policy one step older, and the run logs that and where the time went."""
     root, _ = chain
-    flags = [*RL_RUN, "--data", str(par_data), "--tasks-per-step", "1", "--stage", "rl", "--rl-steps", "4",
-             "--resume", str(root / "whole" / "step-00000004"), "--rollout-ranks", "1"]
-    runs = [start_train(*flags, "--max-staleness", str(s), "--out", str(tmp_path / f"s{s}"), world=2) for s in (0, 1)]
+    flags = [*RL_RUN, "--data", str(par_data), "--stage", "rl", "--rl-steps", "4",
+             "--resume", str(root / "whole" / "step-00000004")]
+    runs = [start_train(*flags, "--tasks-per-step", "1", "--rollout-ranks", "1", "--out", str(tmp_path / "s0"),
+                        world=2),
+            start_train(*flags, "--tasks-per-step", "2", "--rollout-ranks", "2", "--max-staleness", "1", "--out",
+                        str(tmp_path / "s1"), world=4)]
     for r in map(finish, runs):
         assert r.returncode == 0, r.stderr[-3000:]
     whole = read_metrics(root / "whole")
@@ -1768,6 +1772,7 @@ SHORT = {"train.py": ["--eval-every", "2", "--eval-batches", "1", "--rl-eval-tas
                       "--max-gen-tokens", "32"],
          "feedback.py": ["--pretrain-steps", "3"], "muon.py": ["--presets", "tiny", "--repeats", "1", "--ns-max-batch", "4",
                                                                           "--k2", "none"],
+         "model.py --bench-decode": ["--presets", "tiny", "--contexts", "64"],
          "feedback.py --ablation": ["--seeds", "1", "--rl-steps", "1", "--steps", "2", "--eval-every", "2",
                                     "--eval-batches", "1", "--rl-eval-tasks", "1", "--group-size", "2",
                                     "--max-gen-tokens", "32"]}
@@ -1843,7 +1848,9 @@ def run_readme_command(line, cwd, shared_out):
                                       str(meta.get("rl_step", 0) + 1), "--tasks-per-step", str(world)]
         else:
             flags = [a.replace("/ID", "/" + min(p.name for p in (cwd / "TASKS").iterdir())) if "TASKS/" in a else a
-                     for a in flags] + SHORT.get(script + " --ablation" * ("--ablation" in flags), [])
+                     for a in flags]
+            flags += SHORT.get(next((k for k in SHORT if k.split()[1:] and k.split()[0] == script
+                                     and k.split()[1] in flags), script), [])
             if script == "muon.py" and "--world" in flags:  # the sharded benchmark on 1 and 2 processes
                 flags += ["--world", "1", "2"]
     cmd = [sys.executable, *(["-m", "torch.distributed.run", "--standalone", *launch[1:]] if launch[0] == "torchrun"

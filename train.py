@@ -11,17 +11,20 @@ takes a folder of llm.c-style token shards (memory-mapped; the read position is 
 .bin file (nanoGPT's) or a folder of text. Under torchrun the same code shards dense weights with FSDP2/HSDP on
 the dense mesh and expert weights on the expert mesh (mesh.py), with expert parallelism (--ep) and context
 parallelism (--cp; in RL the cp ranks act as data-parallel ones) folded onto the same ranks; in the RL stage
-each rank samples its own rollouts. On CUDA it computes in bf16 (FSDP2's mixed precision, fp32 weights and
-reductions). Checkpoints are checksummed and written atomically; --resume continues from any of them (or falls
-back past a damaged one), and Ctrl-C or SIGTERM saves the current step and prints the command that resumes.
---init-from starts from a released checkpoint in the Hugging Face layout (DeepSeek-V3, Kimi K2/K2.5, Moonlight;
-each rank reads only its shards) and --save-hf writes the trained model back in that layout.
+each rank samples its own rollouts, or with --rollout-ranks K the last K ranks only sample, up to
+--max-staleness policy versions ahead of the ranks that train (asynchronous RL). On CUDA it computes in bf16
+(FSDP2's mixed precision, fp32 weights and reductions). Checkpoints are checksummed and written atomically;
+--resume continues from any of them (or falls back past a damaged one), and Ctrl-C or SIGTERM saves the
+current step and prints the command that resumes. --init-from starts from a released checkpoint in the Hugging
+Face layout (DeepSeek-V3, Kimi K2/K2.5, Moonlight; each rank reads only its shards) and --save-hf writes the
+trained model back in that layout.
 
     python train.py                                            # tiny preset, CPU: pretraining, then RL
     python train.py --stage pretrain --out pre                 # pretraining only; then RL from its checkpoint:
     python train.py --stage rl --resume --out pre
     torchrun --nproc_per_node=4 train.py --cp 2 --ep 4         # FSDP x CP=2, EP=4 (gloo on CPU)
     torchrun --nproc_per_node=8 train.py --dp-replicate 2 --ep 4
+    torchrun --nproc_per_node=4 train.py --stage rl --resume --rollout-ranks 1 --max-staleness 1  # async RL
     python train.py --resume                                   # continue from the newest intact checkpoint in out/
     python train.py --init-from DIR --data SHARDS --save-hf OUT  # continued pretraining of a released model
     python train.py --preset kimi-k2 --dry-run --world 512 --ep 64 --stage pretrain --seq-len 4096 --batch-size 512
@@ -62,8 +65,8 @@ from torch.distributed.tensor import DTensor
 from mesh import CommCounter, LayoutError, build_meshes, expert_shard_dim, init_distributed, make_layout, shard
 import tasks
 from feedback import RULES, Feedback, FeedbackConfig
-from grpo import (SUMMARY_REQUEST, Bridge, GRPOConfig, PeerLost, Weights, grpo_loss, logprobs, minibatches, pack_policy,
-                  rollout, serve_rollouts)
+from grpo import (SUMMARY_REQUEST, Bridge, GRPOConfig, PeerLost, Weights, grpo_loss, logprobs, minibatches,
+                  pack_policy, rollout, serve_rollouts)
 from model import (PRESETS, VOCAB_SIZE, CheckpointError, ContextParallel, ModelConfig, Transformer,
                    activation_elements, encode, flops_per_token, hf_config, load_hf, param_counts, save_hf)
 from muon import Muon, param_groups
@@ -1281,8 +1284,6 @@ if args.stage != "pretrain":
                f"level 2 {record['pass_level2']:.3f} | of calls: tool not found {record['tool_error_rate']:.3f}, "
                f"'Call' {record['capital_rate']:.3f} | {record['summaries']:.1f} summaries an episode")
 
-    if rl_start == 0:
-        rl_eval(0)
     feedback = Feedback(model, FeedbackConfig(coef=args.feedback_coef, estimator=args.feedback_estimator,
                                                 teacher=args.feedback_teacher, ema_decay=args.feedback_ema_decay),
                         rules=[rule for rule in RULES if rule[0] in args.feedback_rules.split(",")])
@@ -1304,6 +1305,8 @@ if args.stage != "pretrain":
             f"split over them" if layout.cp > 1 else ""))
     if bridge is not None:  # the rollout ranks start from here: where RL starts and ends, the policy RL starts from
         publish(rl_start, start=rl_start, steps=args.rl_steps, difficulty=difficulty.state_dict())
+    if rl_start == 0:  # (while the rollout ranks sample the first step)
+        rl_eval(0)
     for rl_step in range(rl_start + 1, args.rl_steps + 1):
         t0 = time.perf_counter()
         if bridge is None:
