@@ -11,6 +11,11 @@ locally; where matrices are split, same-shaped shards are batched, all-to-all'd 
 matrices, orthogonalized, and all-to-all'd back, the next bucket's transfer in flight during this one's NS.
 It equals full-matrix Muon (tested on 2, 4 and 8 gloo ranks); momentum stays sharded like the parameter.
 
+Reading order: the Newton-Schulz iterations (msign, Gram), the parameter groups, the optimizer (Muon.step in
+phases), the split-matrix bucket it sends around (SplitBucket), then the benchmarks and the cluster plan. Those
+close this file rather than sit in one of their own because they time and count this file's internals (msign's
+chunks, ns_flops, the sharded step's phases), and nothing else imports them.
+
 Sources:
   Keller Jordan, "Muon: An optimizer for hidden layers in neural networks" (2024),
     https://kellerjordan.github.io/posts/muon/ (the quintic iteration, the CLASSIC coefficients)
@@ -216,58 +221,6 @@ def _split_mesh_dims(p):
     return [i for i, pl in enumerate(p.placements) if pl.is_shard() and pl.dim % p.ndim >= p.ndim - 2]
 
 
-class _A2ATask:
-    """One bucket of split matrices: same global shape, placements and mesh; the matrices are cut along one
-    matrix dim over a shard group of W ranks, torch.chunk style (FSDP2's and DTensor's): pieces of c = ceil(S/W),
-    the tail ones shorter or empty. One all_to_all_single hands every rank k = ceil(M/W) whole matrices (the
-    count padded to a multiple of W, short pieces padded to c with zeros), NS runs on them, and a second
-    all_to_all_single returns each piece to its owner. Replicas (HSDP's Replicate dim) each do this within
-    their own shard group and compute the same result: redundant NS, but no traffic across replicas, which
-    typically sit on different nodes, to save a factor dp_replicate of a small, already-sharded compute."""
-
-    def __init__(self, ns, items, mesh_dim):
-        p = items[0][0]
-        self.ns, self.items = ns, items
-        mesh = p.device_mesh
-        self.group, self.W, self.rank = mesh.get_group(mesh_dim), mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
-        self.rows = p.placements[mesh_dim].dim % p.ndim == p.ndim - 2  # split rows, else columns (work on .mT)
-        self.S, self.other = (p.shape[-2], p.shape[-1]) if self.rows else (p.shape[-1], p.shape[-2])
-        self.c = -(-self.S // self.W)
-        self.mine = min(self.c, max(0, self.S - self.rank * self.c))  # rows of each matrix this rank holds
-        self.counts = [math.prod(u.shape[:-2]) for _, _, u in items]  # matrices per parameter
-        self.M = sum(self.counts)
-        self.k = -(-self.M // self.W)  # whole matrices each rank owns for NS
-        self.nbytes = self.k * self.W * self.c * self.other * items[0][2].element_size()
-
-    def send(self):
-        X = torch.cat([(u if self.rows else u.mT).reshape(n, self.mine, self.other)
-                       for (_, _, u), n in zip(self.items, self.counts)])  # [M, mine, other]
-        buf = X.new_zeros(self.k * self.W, self.c, self.other)  # block s (k matrices) goes to rank s
-        buf[:self.M, :self.mine] = X
-        self.recv = torch.empty_like(buf)
-        self.work = dist.all_to_all_single(self.recv, buf, group=self.group, async_op=True)
-
-    def whole_matrices(self):
-        """[k, m, n]: the received pieces (piece s came from rank s) joined, padding cut off."""
-        R = self.recv.view(self.W, self.k, self.c, self.other).transpose(0, 1)
-        R = R.reshape(self.k, self.W * self.c, self.other)[:, :self.S]
-        return R if self.rows else R.mT
-
-    def send_back(self, O):
-        O = O if self.rows else O.mT  # [k, S, other]
-        buf = O.new_zeros(self.k, self.W * self.c, self.other)
-        buf[:, :self.S] = O
-        buf = buf.view(self.k, self.W, self.c, self.other).transpose(0, 1).contiguous()  # piece s -> rank s
-        self.back = torch.empty_like(buf)
-        self.work = dist.all_to_all_single(self.back, buf, group=self.group, async_op=True)
-
-    def updates(self):
-        """This rank's piece of every orthogonalized matrix, shaped like each parameter's local shard."""
-        O = self.back.view(self.k * self.W, self.c, self.other)[:self.M, :self.mine]
-        for (_, _, u), o in zip(self.items, O.split(self.counts)):
-            yield o.reshape(u.shape) if self.rows else o.reshape(u.mT.shape).mT
-
-
 # -----------------------------------------------------------------------------
 # The optimizer
 
@@ -278,7 +231,16 @@ class Muon(torch.optim.Optimizer):
     groups with algorithm="adamw" (keys lr, betas, adamw_eps, weight_decay; torch.optim.AdamW
     semantics). Extra Muon options: ns_schedule (None: ns_coefficients repeated ns_steps times;
     "polar_express": POLAR_EXPRESS; or an explicit list of (a, b, c)), ns_dtype (None: bf16 on
-    a GPU or a CPU with bf16 units, else fp32) and ns_method ("standard", or "gram": Gram Newton-Schulz where it is cheaper)."""
+    a GPU or a CPU with bf16 units, else fp32) and ns_method ("standard", or "gram": Gram Newton-Schulz where
+    it is cheaper).
+
+    A step runs in phases: AdamW for its groups; momentum on each rank's shards and the updates bucketed
+    (_momentum_and_buckets); one batched NS a bucket of whole matrices (_orthogonalize_local); then the
+    all-to-all pipeline for buckets of split matrices (SplitBucket): every transfer is launched ahead of the NS
+    that consumes it, as many as max_inflight_bytes allows, so bucket i+1's whole matrices travel while bucket
+    i is orthogonalized and its pieces travel home; the first ones travel during the local NS. The updates are
+    applied as the pieces arrive. Communication is two all_to_all_single a split bucket, within its shard group
+    only, and nothing for whole matrices."""
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
                  ns_coefficients=(3.4445, -4.775, 2.0315), eps=1e-7, ns_steps=5,
@@ -351,13 +313,38 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.stats = {"ns_flops": 0, "a2a_bytes": 0, "a2a_wait_s": 0.0, "ns_s": 0.0, "peak_buffer_bytes": 0}
-        # 1) momentum on the local shards (the state is sharded like the parameter), then bucket the updates:
-        #    plain tensors by matrix shape, so all same-shaped matrices share one batched NS; DTensors by
-        #    (global shape, placements, mesh), so a bucket's shards line up for one all-to-all.
-        buckets = {}
         for g in self.param_groups:
             if g["algorithm"] == "adamw":
                 self._adamw(g)
+        local, split = self._momentum_and_buckets()
+        inflight, done = deque(), []
+        next_task = self._launch(split, inflight, 0)  # the first transfers travel while the local NS runs
+        self._orthogonalize_local(local)
+        while inflight:  # the all-to-all pipeline: whole matrices arrive, NS, pieces go home
+            task = inflight.popleft()
+            self._wait(task)
+            next_task = self._launch(split, inflight, next_task)  # the next ones travel during this NS
+            task.send_back(self._msign(task.whole_matrices(), *task.ns))
+            if not self.max_inflight_bytes:
+                self._wait(task)
+            done.append(task)
+            self.stats["peak_buffer_bytes"] = max(self.stats["peak_buffer_bytes"],
+                                                  sum(3 * t.nbytes for t in list(inflight) + done))
+        for task in done:
+            self._wait(task)
+            for (p, g, _), o in zip(task.items, task.updates()):
+                self._apply(p, g, o)
+        return loss
+
+    def _momentum_and_buckets(self):
+        """Phase 1: momentum on the local shards (the state is sharded like the parameter), and the updates
+        bucketed: plain tensors by matrix shape, so all same-shaped matrices share one batched NS; DTensors by
+        (global shape, placements, mesh), so a bucket's shards line up for one all-to-all. -> (local, split):
+        buckets whose shards hold whole matrices [(ns, [(param, group, update)])] (plain tensors; experts or
+        heads sharded on a batch dim), and SplitBucket's of matrices cut over a shard group."""
+        buckets = {}
+        for g in self.param_groups:
+            if g["algorithm"] == "adamw":
                 continue
             mu, coeffs = g["momentum"], tuple(self._schedule(g))
             for p in g["params"]:
@@ -377,8 +364,6 @@ class Muon(torch.optim.Optimizer):
                 else:
                     key = (tuple(p.shape[-2:]), p.dtype, p.device, ns)
                 buckets.setdefault(key, []).append((p, g, update))
-        # 2) Newton-Schulz. Buckets whose shards hold whole matrices (plain tensors; experts or heads sharded
-        #    on a batch dim) run locally. Buckets whose matrices are split go through the all-to-all pipeline.
         local, split = [], []
         for key, items in buckets.items():
             p = items[0][0]
@@ -386,14 +371,15 @@ class Muon(torch.optim.Optimizer):
             if not dims:
                 local.append((key[-1], items))
             elif len(dims) == 1:
-                split.append(_A2ATask(key[-1], items, dims[0]))
+                split.append(SplitBucket(key[-1], items, dims[0]))
             else:  # a matrix dim split over two mesh dims (no layout of ours does this): gather it whole
                 local.append((key[-1], [(q, g, DTensor.from_local(u, q.device_mesh, q.placements, shape=q.shape,
                                                                   stride=q.stride()).full_tensor())
                                         for q, g, u in items]))
-        overlap = self.max_inflight_bytes > 0  # 0: one transfer at a time, nothing overlapped (a baseline)
-        inflight, done = deque(), []
-        next_task = self._launch(split, inflight, 0) if overlap else 0  # transfers travel while local NS runs
+        return local, split
+
+    def _orthogonalize_local(self, local):
+        """Phase 2: one batched NS per bucket of whole matrices, no traffic."""
         for ns, items in local:
             shape = items[0][2].shape[-2:]
             O = self._msign(torch.cat([u.reshape(-1, *shape) for _, _, u in items]), *ns)
@@ -401,25 +387,6 @@ class Muon(torch.optim.Optimizer):
                 if o.numel() != _local(p).numel():  # gathered whole above: keep this rank's shard
                     o = distribute_tensor(o.view(p.shape), p.device_mesh, p.placements, src_data_rank=None)
                 self._apply(p, g, _local(o).view_as(_local(p)))
-        if not overlap:
-            next_task = self._launch(split, inflight, 0)
-        while inflight:
-            task = inflight.popleft()
-            self._wait(task)
-            if overlap:
-                next_task = self._launch(split, inflight, next_task)  # the next group travels during this NS
-            task.send_back(self._msign(task.whole_matrices(), *task.ns))
-            done.append(task)
-            self.stats["peak_buffer_bytes"] = max(self.stats["peak_buffer_bytes"],
-                                                  sum(3 * t.nbytes for t in list(inflight) + done))
-            if not overlap:
-                self._wait(task)
-                next_task = self._launch(split, inflight, next_task)
-        for task in done:
-            self._wait(task)
-            for (p, g, _), o in zip(task.items, task.updates()):
-                self._apply(p, g, o)
-        return loss
 
     def _wait(self, task):
         t0 = time.perf_counter()
@@ -428,10 +395,13 @@ class Muon(torch.optim.Optimizer):
 
     def _launch(self, tasks, inflight, i):
         """Start the all-to-alls of tasks[i:] while the bytes of transfers not yet turned into NS work stay
-        under max_inflight_bytes (at least one is always in flight). -> index of the next task to launch."""
+        under max_inflight_bytes (at least one is always in flight). -> index of the next task to launch.
+        max_inflight_bytes 0: one transfer at a time, each waited for as it starts (the no-overlap baseline)."""
         while i < len(tasks) and (not inflight or sum(t.nbytes for t in inflight) + tasks[i].nbytes
                                   <= self.max_inflight_bytes):
             tasks[i].send()
+            if not self.max_inflight_bytes:
+                self._wait(tasks[i])
             self.stats["a2a_bytes"] += 2 * tasks[i].nbytes  # there, and back after NS
             inflight.append(tasks[i])
             i += 1
@@ -476,6 +446,59 @@ class Muon(torch.optim.Optimizer):
             step_size = lr / (1 - beta1**step)
             denom = (state["exp_avg_sq"].sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
             p.addcdiv_(state["exp_avg"], denom, value=-step_size)
+
+
+class SplitBucket:
+    """One bucket of split matrices: the same global shape, placements and mesh, each matrix cut along one matrix
+    dim (`length` rows or columns) over a shard group of W ranks, torch.chunk style as FSDP2 and DTensor cut:
+    pieces of `piece` = ceil(length / W), the tail ones shorter or empty. One all_to_all_single hands every rank
+    `owned` = ceil(count / W) whole matrices (the count padded to a multiple of W, short pieces padded with
+    zeros), NS runs on them, and a second all_to_all_single returns each piece to its owner. Replicas (HSDP's
+    Replicate dim) each do this within their own shard group and compute the same result: redundant NS, but no
+    traffic across replicas, which typically sit on different nodes, to save a factor dp_replicate of a small,
+    already-sharded compute."""
+
+    def __init__(self, ns, items, mesh_dim):
+        p = items[0][0]
+        self.ns, self.items = ns, items  # items: (param, group, this rank's update [..., rows, cols])
+        mesh = p.device_mesh
+        self.group, self.W, self.rank = mesh.get_group(mesh_dim), mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
+        self.rows = p.placements[mesh_dim].dim % p.ndim == p.ndim - 2  # split rows, else columns (work on .mT)
+        self.length, self.other = (p.shape[-2], p.shape[-1]) if self.rows else (p.shape[-1], p.shape[-2])
+        self.piece = -(-self.length // self.W)
+        self.mine = min(self.piece, max(0, self.length - self.rank * self.piece))  # rows of each matrix held here
+        self.counts = [math.prod(u.shape[:-2]) for _, _, u in items]  # matrices per parameter
+        self.count = sum(self.counts)
+        self.owned = -(-self.count // self.W)  # whole matrices each rank orthogonalizes
+        self.nbytes = self.owned * self.W * self.piece * self.other * items[0][2].element_size()
+
+    def send(self):
+        X = torch.cat([(u if self.rows else u.mT).reshape(n, self.mine, self.other)
+                       for (_, _, u), n in zip(self.items, self.counts)])  # [count, mine, other]
+        buf = X.new_zeros(self.owned * self.W, self.piece, self.other)  # block s (owned matrices) goes to rank s
+        buf[:self.count, :self.mine] = X
+        self.recv = torch.empty_like(buf)
+        self.work = dist.all_to_all_single(self.recv, buf, group=self.group, async_op=True)
+
+    def whole_matrices(self):
+        """[owned, m, n]: the received pieces (piece s came from rank s) joined, padding cut off."""
+        R = self.recv.view(self.W, self.owned, self.piece, self.other).transpose(0, 1)
+        R = R.reshape(self.owned, self.W * self.piece, self.other)[:, :self.length]
+        return R if self.rows else R.mT
+
+    def send_back(self, O):
+        O = O if self.rows else O.mT  # [owned, length, other]
+        buf = O.new_zeros(self.owned, self.W * self.piece, self.other)
+        buf[:, :self.length] = O
+        buf = buf.view(self.owned, self.W, self.piece, self.other).transpose(0, 1).contiguous()  # piece s -> rank s
+        self.back = torch.empty_like(buf)
+        self.work = dist.all_to_all_single(self.back, buf, group=self.group, async_op=True)
+
+    def updates(self):
+        """This rank's piece of every orthogonalized matrix, shaped like each parameter's local shard."""
+        O = self.back.view(self.owned * self.W, self.piece, self.other)[:self.count, :self.mine]
+        for (_, _, u), o in zip(self.items, O.split(self.counts)):
+            yield o.reshape(u.shape) if self.rows else o.reshape(u.mT.shape).mT
 
 
 # -----------------------------------------------------------------------------
