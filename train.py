@@ -1124,74 +1124,82 @@ elif pretraining:
 model.train()
 t_log, n_log, t_opt_sum = time.perf_counter(), 0, 0.0
 step = start_step
-for step in range(start_step + 1, (args.steps if pretraining else start_step) + 1):
-    t0 = time.perf_counter()
-    for group in optimizer.param_groups:
-        group["lr"] = args.lr * lr_factor(step - 1)
-    windows, loss = train_windows.next(args.batch_size), 0.0
-    comm = CommCounter() if args.count_comm and step == start_step + 2 else contextlib.nullcontext()
-    with comm:
-        for k in range(args.grad_accum):  # gradients add up; FSDP reduce-scatters after the last micro-batch
-            x, y, pos = get_batch(train_shards, windows[k * micro:(k + 1) * micro])
-            if world_size > 1:
-                model.set_requires_gradient_sync(args.reduce_every_micro_batch or k == args.grad_accum - 1)
-            with amp:
-                _, micro_loss = model(x, y, pos=pos)  # mean over these tokens; FSDP averages over the ranks
-            (micro_loss / args.grad_accum).backward()  # equal token counts: the mean over the whole batch
-            loss += micro_loss.detach() / args.grad_accum
-        grad_norm = clip_grad_norm(args.grad_clip)  # .item() inside: the backward has finished
-        t_opt = time.perf_counter()
-        optimizer.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t_opt = time.perf_counter() - t_opt
-        optimizer.zero_grad(set_to_none=True)
-        qk = model.qk_clip(args.qk_clip, world_group) if args.qk_clip else None  # (largest logit, heads clipped)
-        balance = model.update_router_bias(world_group)  # loads summed over all ranks, every bias nudged alike
-    if isinstance(comm, CommCounter):
-        kinds = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
-        stats = [mean_over_ranks(float(d.get(k, 0))) for d in (comm.bytes, comm.calls) for k in kinds]
-        print0(f"step {step:5d} | communication a rank, mean over ranks: " + ", ".join(
-            f"{k} {b / 2**20:.2f} MiB in {c:.0f} calls" for k, b, c in zip(kinds, stats[:4], stats[4:])))
-    loss, stopping = sum_over_ranks([loss.item(), stop_signal is not None])  # .item() syncs: the timing is real
-    loss /= world_size
-    if not math.isfinite(loss):
-        die(f"loss became {loss} at step {step}; lower --lr (now {args.lr})")
-    dt = time.perf_counter() - t0
-    record = {"step": step, "loss": loss, "lr": optimizer.param_groups[0]["lr"], "grad_norm": grad_norm,
-              "ms": 1000 * dt, "optimizer_ms": 1000 * t_opt, "balance": balance, "data_pos": train_windows.pos,
-              **({"max_logit": qk[0], "clipped_heads": qk[1]} if qk else {})}
-    n_log, t_opt_sum = n_log + 1, t_opt_sum + t_opt
-    if step % args.log_every == 0 or step == args.steps:
-        elapsed = (time.perf_counter() - t_log) / n_log
-        print0(f"step {step:5d} | loss {loss:.4f} | {1000 * elapsed:6.1f} ms/step | "
-               f"{tokens_per_step / elapsed / world_size:8.0f} tok/s a rank | "
-               f"MFU {100 * flops_per_step / elapsed / (peak * world_size):5.1f}% | optimizer "
-               f"{1000 * t_opt_sum / n_log:.1f} ms | peak mem {peak_memory() / 2**30:.2f} GiB | "
-               f"load max/mean {balance:.2f}")
-        t_log, n_log, t_opt_sum = time.perf_counter(), 0, 0.0
-    saving = step % args.eval_every == 0 or step == args.steps
-    if saving:
-        record["train_loss_eval"], record["val_loss"] = evaluate()
-        print0(f"step {step:5d} | train loss {record['train_loss_eval']:.4f} | val loss {record['val_loss']:.4f}")
-    log(record)  # before its checkpoint appears: a resumed run never lacks the record of its checkpoint's step
-    if saving:
-        save_checkpoint(step, stage="pretrain")
-        t_log = time.perf_counter()  # evaluation and saving are not training time
-    if stopping:
-        stop_here(step, saving, stage="pretrain")
+if pretraining:  # --stage rl, and a resumed RL run, go straight to RL
+    for step in range(start_step + 1, args.steps + 1):
+        t0 = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = args.lr * lr_factor(step - 1)
+        windows, loss = train_windows.next(args.batch_size), 0.0
+        comm = CommCounter() if args.count_comm and step == start_step + 2 else contextlib.nullcontext()
+        with comm:
+            # gradients add up; FSDP reduce-scatters after the last micro-batch
+            for k in range(args.grad_accum):
+                x, y, pos = get_batch(train_shards, windows[k * micro:(k + 1) * micro])
+                if world_size > 1:
+                    last = k == args.grad_accum - 1
+                    model.set_requires_gradient_sync(args.reduce_every_micro_batch or last)
+                with amp:
+                    _, micro_loss = model(x, y, pos=pos)  # mean over these tokens; FSDP averages over ranks
+                (micro_loss / args.grad_accum).backward()  # equal token counts: the mean over the whole batch
+                loss += micro_loss.detach() / args.grad_accum
+            grad_norm = clip_grad_norm(args.grad_clip)  # .item() inside: the backward has finished
+            t_opt = time.perf_counter()
+            optimizer.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t_opt = time.perf_counter() - t_opt
+            optimizer.zero_grad(set_to_none=True)
+            # QK-Clip -> (largest logit, heads clipped); router loads summed over ranks, every bias nudged alike
+            qk = model.qk_clip(args.qk_clip, world_group) if args.qk_clip else None
+            balance = model.update_router_bias(world_group)
+        if isinstance(comm, CommCounter):
+            kinds = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
+            stats = [mean_over_ranks(float(d.get(k, 0))) for d in (comm.bytes, comm.calls) for k in kinds]
+            print0(f"step {step:5d} | communication a rank, mean over ranks: " + ", ".join(
+                f"{k} {b / 2**20:.2f} MiB in {c:.0f} calls" for k, b, c in zip(kinds, stats[:4], stats[4:])))
+        # .item() syncs, so the timing is real
+        loss, stopping = sum_over_ranks([loss.item(), stop_signal is not None])
+        loss /= world_size
+        if not math.isfinite(loss):
+            die(f"loss became {loss} at step {step}; lower --lr (now {args.lr})")
+        dt = time.perf_counter() - t0
+        record = {"step": step, "loss": loss, "lr": optimizer.param_groups[0]["lr"], "grad_norm": grad_norm,
+                  "ms": 1000 * dt, "optimizer_ms": 1000 * t_opt, "balance": balance,
+                  "data_pos": train_windows.pos,
+                  **({"max_logit": qk[0], "clipped_heads": qk[1]} if qk else {})}
+        n_log, t_opt_sum = n_log + 1, t_opt_sum + t_opt
+        if step % args.log_every == 0 or step == args.steps:
+            elapsed = (time.perf_counter() - t_log) / n_log
+            print0(f"step {step:5d} | loss {loss:.4f} | {1000 * elapsed:6.1f} ms/step | "
+                   f"{tokens_per_step / elapsed / world_size:8.0f} tok/s a rank | "
+                   f"MFU {100 * flops_per_step / elapsed / (peak * world_size):5.1f}% | optimizer "
+                   f"{1000 * t_opt_sum / n_log:.1f} ms | peak mem {peak_memory() / 2**30:.2f} GiB | "
+                   f"load max/mean {balance:.2f}")
+            t_log, n_log, t_opt_sum = time.perf_counter(), 0, 0.0
+        saving = step % args.eval_every == 0 or step == args.steps
+        if saving:
+            record["train_loss_eval"], record["val_loss"] = evaluate()
+            print0(f"step {step:5d} | train loss {record['train_loss_eval']:.4f} | "
+                   f"val loss {record['val_loss']:.4f}")
+        log(record)  # before its checkpoint appears: a resumed run never lacks its checkpoint step's record
+        if saving:
+            save_checkpoint(step, stage="pretrain")
+            t_log = time.perf_counter()  # evaluation and saving are not training time
+        if stopping:
+            stop_here(step, saving, stage="pretrain")
 
 # -----------------------------------------------------------------------------
 # RL: groups of rollouts on tool-use tasks at the sampler's difficulty, Dr. GRPO + lambda * feedback KL.
-# No rank holds a whole copy of the policy: each samples its own groups with the sharded model itself, FSDP
-# gathering one unit at a time and EP exchanging tokens, all ranks in step until the longest rollout ends
-# (grpo.Lockstep); the KL reference and a frozen or EMA teacher are other values of this rank's shards
-# (grpo.Weights), loaded into the model for their no-grad passes. The one forward and backward a step run on
-# the sharded model; each rank normalises by its own trajectories x max_gen_tokens, the same constant everywhere, and
-# FSDP's mean over ranks makes it the global one. Under CP the ranks of a CP group train on the union of their
-# groups, each running its chunk of every sequence (model.ContextParallel). Every random draw of a step is
-# seeded from (seed, RL step, rank), like the data order, so a resumed run draws what the uninterrupted one
-# would have.
+# No trainer rank holds a whole copy of the policy: each samples its own groups with the sharded model itself,
+# FSDP gathering one unit at a time and EP exchanging tokens, all ranks in step until the longest rollout ends
+# (grpo.Lockstep); or, with --rollout-ranks, the rollout ranks sample with whole copies, up to --max-staleness
+# policy versions behind (grpo.serve_rollouts), and the trainers receive the batches. The KL reference and a
+# frozen or EMA teacher are other values of this rank's shards (grpo.Weights), loaded into the model for their
+# no-grad passes. The one forward and backward a step run on the sharded model; each rank normalises by its
+# own trajectories x max_gen_tokens, the same constant everywhere, and FSDP's mean over ranks makes it the
+# global one. Under CP the ranks of a CP group train on the union of their groups, each running its chunk of
+# every sequence (model.ContextParallel). Every random draw of a step is seeded from (seed, RL step, rank),
+# like the data order, so a resumed run draws what the uninterrupted one would have.
 
 if args.stage != "pretrain":
     rl_start = meta["rl_step"] if rl_resumed else 0
