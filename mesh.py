@@ -187,6 +187,19 @@ def shard(layout: Layout, meshes, experts, units, root, num_experts, bf16=False)
     fully_shard(root, mesh=dense_fsdp, mp_policy=mp)
 
 
+def parallelize(model, layout: Layout, meshes, bf16=False):
+    """All of a Transformer's placement in one call, as torchtitan's parallelize_deepseekv3: context parallelism
+    in every attention (its CP group), then the experts on the expert mesh and each block, the embedding, and the
+    norm with the output head as FSDP2 units on the dense mesh (shard), the whole model last. Duck-typed on the
+    model's structure: model.layers (blocks with .attn), model.moe_layers() (MoE layers with .experts),
+    model.embed, model.norm, model.lm_head, model.cfg.num_experts. meshes: build_meshes' four."""
+    for block in model.layers:
+        block.attn.cp_group = meshes[0]["cp"].get_group() if layout.cp > 1 else None
+    if layout.world > 1:
+        shard(layout, meshes, [m.experts for m in model.moe_layers()],
+              [*model.layers, model.embed, [model.norm, model.lm_head]], model, model.cfg.num_experts, bf16)
+
+
 class CommCounter(TorchDispatchMode):
     """Counts, on this rank, the calls and bytes of each kind of collective that passes the dispatcher: c10d ops
     (FSDP2's all-gathers and reduce-scatters), functional collectives (EP all-to-all, CP gathers, DTensor

@@ -2252,17 +2252,13 @@ def test_ppo_epochs_on_minibatches_clip_and_clipped_tokens_get_no_gradient(monke
 
 
 def sharded_model(world, cfg, seed=None, **degrees):
-    """The model as train.py places it on a layout of `world` ranks (mesh.shard: EP, then FSDP2 units), built on
-    the meta device and materialized shard by shard."""
-    from mesh import build_meshes, make_layout, shard
+    """The model as train.py places it on a layout of `world` ranks (mesh.parallelize: CP groups, EP, then FSDP2
+    units), built on the meta device and materialized shard by shard."""
+    from mesh import build_meshes, make_layout, parallelize
     layout = make_layout(world, num_experts=cfg.num_experts, **degrees)
-    meshes = build_meshes(layout, "cpu")
     with torch.device("meta"):
         model = M.Transformer(cfg)
-    for block in model.layers:
-        block.attn.cp_group = meshes[0]["cp"].get_group() if layout.cp > 1 else None
-    shard(layout, meshes, [m.experts for m in model.moe_layers()],
-          [*model.layers, model.embed, [model.norm, model.lm_head]], model, cfg.num_experts)
+    parallelize(model, layout, build_meshes(layout, "cpu"))
     model.to_empty(device="cpu")
     model.init_weights(seed)
     return model
@@ -2353,7 +2349,7 @@ def test_sharded_sampling_in_lockstep_equals_one_process(degrees, gather):
 
 def _rl_step_worker(rank, world, port, trajs, cfg, degrees, out):
     """One RL step on this rank's data-parallel group's whole groups, the tiny model placed as train.py places it
-    (mesh.shard; no mixed precision), old log-probs from grpo.logprobs. Under CP the ranks of a CP group take
+    (mesh.parallelize; no mixed precision), old log-probs from grpo.logprobs. Under CP the ranks of a CP group take
     the same trajectories and run them through model.ContextParallel, as train.py's RL stage does."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -62,7 +62,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from mesh import CommCounter, LayoutError, build_meshes, expert_shard_dim, init_distributed, make_layout, shard
+from mesh import (CommCounter, LayoutError, build_meshes, expert_shard_dim, init_distributed, make_layout,
+                  parallelize)
 import tasks
 from feedback import RULES, Feedback, FeedbackConfig
 from grpo import (SUMMARY_REQUEST, Bridge, GRPOConfig, PeerLost, Weights, grpo_loss, logprobs, minibatches,
@@ -795,14 +796,10 @@ with torch.device("meta"):  # shapes only: each rank materializes just its shard
 for block in model.layers:
     block.checkpoint = args.activation_checkpointing
     block.attn.track_max_logit = args.qk_clip > 0
-    block.attn.cp_group = dense_mesh["cp"].get_group() if layout.cp > 1 else None
     if args.compile:  # the block's computation, inside activation checkpointing and FSDP's hooks (as torchtitan)
         block._forward = torch.compile(block._forward)
 amp = torch.autocast(device.type, torch.bfloat16, enabled=bf16 and world_size == 1)  # one process: autocast
-if world_size > 1:  # the experts on the expert mesh, each block, the embedding and the output head on the dense one
-    shard(layout, (dense_mesh, expert_mesh, dense_fsdp_mesh, expert_fsdp_mesh),
-          [m.experts for m in model.moe_layers()], [*model.layers, model.embed, [model.norm, model.lm_head]], model,
-          cfg.num_experts, bf16)
+parallelize(model, layout, (dense_mesh, expert_mesh, dense_fsdp_mesh, expert_fsdp_mesh), bf16)  # CP, EP, FSDP2
 model.to_empty(device=device)
 if args.init_from and not resume_path:  # each rank reads the blocks of its own shards
     try:
