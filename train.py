@@ -1198,96 +1198,103 @@ if pretraining:  # --stage rl, and a resumed RL run, go straight to RL
 # every sequence (model.ContextParallel). Every random draw of a step is seeded from (seed, RL step, rank),
 # like the data order, so a resumed run draws what the uninterrupted one would have.
 
+
+def sample(envs, gen):
+    """Rollouts with the sharded model itself, every rank in step (grpo.Lockstep). FSDP gathers each unit at
+    its first forward and keeps it until the rollouts end, so decoding gathers nothing per token: a rank
+    holds the dense weights whole and its EP share of the experts while sampling, and EP exchanges tokens at
+    every step. Each rank decodes its own episodes whole, so attention gathers nothing over CP."""
+    cp_groups = [block.attn.cp_group for block in model.layers]
+    for block in model.layers:
+        block.attn.cp_group = None
+    if world_size > 1 and args.sample_gather == "rollout":
+        model.set_reshard_after_forward(False)
+    try:
+        return rollout(model, envs, grpo_cfg, gen, sharded=world_size > 1)
+    finally:
+        for block, group in zip(model.layers, cp_groups):
+            block.attn.cp_group = group
+        if world_size > 1:
+            model.set_reshard_after_forward(True)
+            for m in model.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
+
+
+def publish(version, **hello):
+    """The policy to the rollout ranks: every trainer rank gathers its shards into whole tensors (pack_policy),
+    rank 0 sends them, after hello (where RL starts and ends, the difficulty state) the first time. The
+    previous version's sends complete first, so at most two copies are in flight."""
+    flat = pack_policy(model, version)
+    try:
+        if rank == 0:
+            bridge.flush()
+            for dst in range(trainers, trainers + args.rollout_ranks):
+                if hello:
+                    bridge.send_object(hello, dst)
+                bridge.send(flat, dst, Bridge.WEIGHTS)
+    except PeerLost as e:
+        peer_lost(e)
+
+
+def receive(rl_step):
+    """This rank's batch of rl_step, from the rollout rank that serves it. A rollout rank that stopped, or a
+    batch past the staleness bound, ends the run with one line."""
+    try:
+        batch = bridge.recv_object(trainers + rank % args.rollout_ranks)
+    except PeerLost as e:
+        peer_lost(e)
+    if batch is not None and (batch["step"] != rl_step or rl_step - 1 - batch["version"] > args.max_staleness):
+        peer_lost(f"refused the batch of RL step {batch['step']} sampled with the policy of step "
+                  f"{batch['version']}: step {rl_step} may use steps {rl_step - 1 - args.max_staleness} and after")
+    return batch
+
+
+def cp_union(trajs):
+    """This rank's trajectories -> those of its CP group, in CP-rank order (whole groups): what it trains on."""
+    if layout.cp == 1:
+        return trajs
+    everyone = [None] * layout.cp
+    dist.all_gather_object(everyone, [replace(t, env=None) for t in trajs], group=trainer.group)
+    return [t for part in everyone for t in part]
+
+
+def episode_stats(envs, trajs):
+    """What a batch of episodes did, summed over the ranks: calls, absent-tool calls, "Call" calls,
+    malformed messages, summaries (segments past the first), episodes."""
+    return sum_over_ranks([sum(e.tool_calls for e in envs), sum(e.tool_errors for e in envs),
+                           sum(e.capital for e in envs), sum(e.malformed for e in envs),
+                           sum(len(t.segments) - 1 for t in trajs), len(envs)])
+
+
+@torch.no_grad()
+def rl_eval(rl_step, per_level=args.rl_eval_tasks):
+    """Pass rate, the targeted rates (absent-tool calls and "Call" calls, per call) and summaries on the same
+    held-out tasks every time (levels 1 and 2, sampling seeded alike), so evaluations differ only by the
+    policy; the tasks are split over the ranks."""
+    if not per_level:  # --rl-eval-tasks 0: no held-out evaluation
+        return
+    rng, gen_eval = random.Random(10**6), torch.Generator().manual_seed(10**6 + rank)
+    held_out = [(lvl, make_task(rng, lvl)) for lvl in (1, 2) for _ in range(per_level)]
+    mine = held_out[rank::world_size]
+    envs = [make_env(task) for _, task in mine]
+    trajs = sample(envs, gen_eval)
+    passed = sum_over_ranks([sum(t.reward for t, (lvl, _) in zip(trajs, mine) if lvl == lv) for lv in (1, 2)])
+    calls, errors, capital, _, summaries, episodes = episode_stats(envs, trajs)
+    record = {"stage": "rl_eval", "step": base + rl_step, "rl_step": rl_step,
+              "pass_level1": passed[0] / per_level, "pass_level2": passed[1] / per_level,
+              "tool_error_rate": errors / max(1, calls), "capital_rate": capital / max(1, calls),
+              "summaries": summaries / episodes}
+    log(record)
+    print0(f"rl eval after {rl_step:3d} steps | held-out pass rate level 1 {record['pass_level1']:.3f}, "
+           f"level 2 {record['pass_level2']:.3f} | of calls: tool not found {record['tool_error_rate']:.3f}, "
+           f"'Call' {record['capital_rate']:.3f} | {record['summaries']:.1f} summaries an episode")
+
+
 if args.stage != "pretrain":
     rl_start = meta["rl_step"] if rl_resumed else 0
     base = step - rl_start  # the optimizer steps before RL, for step numbers
     trainer = ContextParallel(model, dense_mesh["cp"].get_group()) if layout.cp > 1 else model
-
-    def sample(envs, gen):
-        """Rollouts with the sharded model itself, every rank in step (grpo.Lockstep). FSDP gathers each unit at
-        its first forward and keeps it until the rollouts end, so decoding gathers nothing per token: a rank
-        holds the dense weights whole and its EP share of the experts while sampling, and EP exchanges tokens at
-        every step. Each rank decodes its own episodes whole, so attention gathers nothing over CP."""
-        cp_groups = [block.attn.cp_group for block in model.layers]
-        for block in model.layers:
-            block.attn.cp_group = None
-        if world_size > 1 and args.sample_gather == "rollout":
-            model.set_reshard_after_forward(False)
-        try:
-            return rollout(model, envs, grpo_cfg, gen, sharded=world_size > 1)
-        finally:
-            for block, group in zip(model.layers, cp_groups):
-                block.attn.cp_group = group
-            if world_size > 1:
-                model.set_reshard_after_forward(True)
-                for m in model.modules():
-                    if isinstance(m, FSDPModule):
-                        m.reshard()
-
-    def publish(version, **hello):
-        """The policy to the rollout ranks: every trainer rank gathers its shards into whole tensors (pack_policy),
-        rank 0 sends them, after hello (where RL starts and ends, the difficulty state) the first time. The
-        previous version's sends complete first, so at most two copies are in flight."""
-        flat = pack_policy(model, version)
-        try:
-            if rank == 0:
-                bridge.flush()
-                for dst in range(trainers, trainers + args.rollout_ranks):
-                    if hello:
-                        bridge.send_object(hello, dst)
-                    bridge.send(flat, dst, Bridge.WEIGHTS)
-        except PeerLost as e:
-            peer_lost(e)
-
-    def receive(rl_step):
-        """This rank's batch of rl_step, from the rollout rank that serves it. A rollout rank that stopped, or a
-        batch past the staleness bound, ends the run with one line."""
-        try:
-            batch = bridge.recv_object(trainers + rank % args.rollout_ranks)
-        except PeerLost as e:
-            peer_lost(e)
-        if batch is not None and (batch["step"] != rl_step or rl_step - 1 - batch["version"] > args.max_staleness):
-            peer_lost(f"refused the batch of RL step {batch['step']} sampled with the policy of step "
-                      f"{batch['version']}: step {rl_step} may use steps {rl_step - 1 - args.max_staleness} and after")
-        return batch
-
-    def cp_union(trajs):
-        """This rank's trajectories -> those of its CP group, in CP-rank order (whole groups): what it trains on."""
-        if layout.cp == 1:
-            return trajs
-        everyone = [None] * layout.cp
-        dist.all_gather_object(everyone, [replace(t, env=None) for t in trajs], group=trainer.group)
-        return [t for part in everyone for t in part]
-
-    def episode_stats(envs, trajs):
-        """What a batch of episodes did, summed over the ranks: calls, absent-tool calls, "Call" calls,
-        malformed messages, summaries (segments past the first), episodes."""
-        return sum_over_ranks([sum(e.tool_calls for e in envs), sum(e.tool_errors for e in envs),
-                               sum(e.capital for e in envs), sum(e.malformed for e in envs),
-                               sum(len(t.segments) - 1 for t in trajs), len(envs)])
-
-    @torch.no_grad()
-    def rl_eval(rl_step, per_level=args.rl_eval_tasks):
-        """Pass rate, the targeted rates (absent-tool calls and "Call" calls, per call) and summaries on the same
-        held-out tasks every time (levels 1 and 2, sampling seeded alike), so evaluations differ only by the
-        policy; the tasks are split over the ranks."""
-        if not per_level:  # --rl-eval-tasks 0: no held-out evaluation
-            return
-        rng, gen_eval = random.Random(10**6), torch.Generator().manual_seed(10**6 + rank)
-        held_out = [(lvl, make_task(rng, lvl)) for lvl in (1, 2) for _ in range(per_level)]
-        mine = held_out[rank::world_size]
-        envs = [make_env(task) for _, task in mine]
-        trajs = sample(envs, gen_eval)
-        passed = sum_over_ranks([sum(t.reward for t, (lvl, _) in zip(trajs, mine) if lvl == lv) for lv in (1, 2)])
-        calls, errors, capital, _, summaries, episodes = episode_stats(envs, trajs)
-        record = {"stage": "rl_eval", "step": base + rl_step, "rl_step": rl_step,
-                  "pass_level1": passed[0] / per_level, "pass_level2": passed[1] / per_level,
-                  "tool_error_rate": errors / max(1, calls), "capital_rate": capital / max(1, calls),
-                  "summaries": summaries / episodes}
-        log(record)
-        print0(f"rl eval after {rl_step:3d} steps | held-out pass rate level 1 {record['pass_level1']:.3f}, "
-               f"level 2 {record['pass_level2']:.3f} | of calls: tool not found {record['tool_error_rate']:.3f}, "
-               f"'Call' {record['capital_rate']:.3f} | {record['summaries']:.1f} summaries an episode")
 
     feedback = Feedback(model, FeedbackConfig(coef=args.feedback_coef, estimator=args.feedback_estimator,
                                                 teacher=args.feedback_teacher, ema_decay=args.feedback_ema_decay),
