@@ -360,7 +360,20 @@ class DifficultySampler:
 # -----------------------------------------------------------------------------
 # Feature deletion on real codebases: make cuts a tested feature out of a repo, verify scores the agent's
 # re-implementation with the repo's own tests, scan and scrub keep the deleted code from leaking, monitor flags
-# trajectories that look for it. Everything below up to the Demo is this family; its CLI is cli().
+# trajectories that look for it. Everything below up to the Demo is this family; its CLI is cli(). The map:
+#
+#   Sandbox        Sandbox: every untrusted run (tests, solutions) in bubblewrap, with a timeout; REPORTER,
+#                  the pytest plugin whose descriptor is the only source of outcomes
+#   Layout         which files are source, which are tests and configuration (never editable)
+#   Environment    make_env: a venv per repository with the test requirements it declares
+#   Tracing        trace_tests: TRACER profiles each test's calls into the package -> test -> feature map
+#   Splicing       delete_edit: byte ranges that delete a feature (stub or remove), the rest byte-identical
+#   Fingerprints   what the deleted code looks like, for the scanner
+#   Scan           scan: leak sources (bytecode, caches, git history, archives, builds) and what each holds
+#   Verify         verify: the solution on a pristine snapshot, the task's tests and canaries in the sandbox
+#   Make           make: baseline, map, pick, delete, validate, scrub, scan, write a task
+#   Monitor        monitor: trajectory steps that read leak sources or tamper with the verifier
+#   CLI            cli: python tasks.py env|make|verify|scan|monitor
 
 
 class TaskError(Exception):
