@@ -1,4 +1,6 @@
-"""Tests for the whole stack: honest, small, and under five minutes on two cores.
+"""Tests for the whole stack: honest, small, and under five minutes on two cores. Sections follow the README's
+reading order (model.py, muon.py, train.py with mesh.py, grpo.py, feedback.py, tasks.py), then the README's own
+commands; each section's first line names the file it covers.
 
     python -m pytest -q test_all.py
 """
@@ -646,7 +648,7 @@ def _random_with_spectrum(s, m, n, gen):
 
 
 # -----------------------------------------------------------------------------
-# parity with torch.optim.Muon
+# muon.py: parity with torch.optim.Muon
 
 
 @pytest.mark.parametrize("nesterov", [True, False])
@@ -688,7 +690,7 @@ def test_stacked_equals_separate(reference):
 
 
 # -----------------------------------------------------------------------------
-# Newton-Schulz properties
+# muon.py: Newton-Schulz properties
 
 
 @pytest.mark.parametrize("name,coeffs", [("classic", CLASSIC), ("polar_express", POLAR_EXPRESS)])
@@ -793,7 +795,7 @@ def test_bf16_params_momentum_not_corrupted():
 
 
 # -----------------------------------------------------------------------------
-# state, groups, AdamW, validation
+# muon.py: state, groups, AdamW, validation
 
 
 def test_state_dict_round_trip():
@@ -886,6 +888,97 @@ def test_closure_and_validation():
     with pytest.raises(ValueError):
         Muon([torch.randn(8, 8)], ns_schedule="fast")
     Muon([dict(params=[torch.randn(8)], algorithm="adamw")])  # 1-D is fine for AdamW
+
+
+# -----------------------------------------------------------------------------
+# muon.py, sharded: DTensor parameters on gloo process groups equal full-matrix Muon on one process
+
+
+def _sharded_muon_cases(world):
+    """name -> (global shape, mesh shape, placements); built the same way on every rank."""
+    from torch.distributed.tensor import Replicate, Shard
+    cases = {
+        "2d-shard0-uneven": ((37, 50), (world,), [Shard(0)]),
+        "2d-shard0-empty": ((5, 24), (world,), [Shard(0)]),  # 5 rows over up to 8 ranks: some hold none
+        "2d-shard1-uneven": ((24, 13), (world,), [Shard(1)]),
+        "experts-dim0-local": ((6, 16, 24), (world,), [Shard(0)]),  # whole matrices per rank, no traffic
+        "experts-dim1-a2a": ((6, 16, 24), (world,), [Shard(1)]),
+        "heads-dim0-local": ((3, 8, 32), (world,), [Shard(0)]),
+        "hsdp-replicate-shard": ((37, 50), (2, world // 2), [Replicate(), Shard(0)]),
+    }
+    for i in range(3):  # one bucket of 3 matrices, not a multiple of the group size
+        cases[f"count-not-multiple-{i}"] = ((20, 30), (world,), [Shard(0)])
+    return cases
+
+
+def _sharded_muon_worker(rank, world, port, method, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from mesh import build_meshes, make_layout
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cases = _sharded_muon_cases(world)
+    meshes = {}
+    full, dparams = {}, {}
+    gen = torch.Generator().manual_seed(0)
+    for name, (shape, mesh_shape, placements) in cases.items():
+        if mesh_shape not in meshes:
+            meshes[mesh_shape] = DeviceMesh("cpu", torch.arange(world).view(mesh_shape))
+        full[name] = torch.randn(shape, generator=gen)
+        dparams[name] = distribute_tensor(full[name].clone(), meshes[mesh_shape], placements, src_data_rank=None)
+    # both meshes of the dual layout at once: a dense weight on the dense FSDP mesh, experts on the expert mesh
+    L = make_layout(world, cp=2, ep=2)
+    _, expert_mesh, dense_fsdp, expert_fsdp = build_meshes(L, "cpu")
+    full["dual-dense"], full["dual-experts"] = torch.randn(40, 24, generator=gen), torch.randn(4, 16, 24, generator=gen)
+    dparams["dual-dense"] = distribute_tensor(full["dual-dense"].clone(), dense_fsdp, [Shard(0)], src_data_rank=None)
+    dparams["dual-experts"] = distribute_tensor(full["dual-experts"].clone(), expert_mesh["ep_shard", "ep"],
+                                                [Shard(1), Shard(0)], src_data_rank=None)
+    names = list(full)
+    kw = dict(lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw", ns_dtype=torch.float32, ns_method=method)
+    ref = [full[n].clone() for n in names]
+    inflight = {2: 0, 4: 1, 8: 256 << 20}[world]  # serial; one transfer ahead; the default window
+    opt_ref, opt = Muon(ref, **kw), Muon([dparams[n] for n in names], **kw, max_inflight_bytes=inflight)
+    naive = [dparams[n].to_local().clone() for n in names]  # the classic mistake: NS on each local shard
+    opt_naive = Muon([t for t in naive if t.numel()], **kw)
+    for step in range(3):
+        for n, r, q in zip(names, ref, naive):
+            g = torch.randn(full[n].shape, generator=gen)
+            r.grad = g.clone()
+            dparams[n].grad = distribute_tensor(g.clone(), dparams[n].device_mesh, dparams[n].placements,
+                                                src_data_rank=None)
+            q.grad = dparams[n].grad.to_local().clone()
+        opt_ref.step(), opt.step(), opt_naive.step()
+    errs = {n: (dparams[n].full_tensor() - r).abs().max().item() for n, r in zip(names, ref)}
+    moved = {n: (r - full[n]).abs().max().item() for n, r in zip(names, ref)}
+    naive_err = {}
+    for n, q in zip(names, naive):  # compare the naive local result with the matching piece of the reference
+        piece = distribute_tensor(ref[names.index(n)], dparams[n].device_mesh, dparams[n].placements,
+                                  src_data_rank=None).to_local()
+        naive_err[n] = (q - piece).abs().max().item() if q.numel() else 0.0
+    naive_err = {n: max(e, 0.0) for n, e in naive_err.items()}
+    all_naive = [None] * world
+    dist.all_gather_object(all_naive, naive_err)
+    if rank == 0:
+        out.put((errs, moved, {n: max(d[n] for d in all_naive) for n in names}, opt.stats))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("method", ["standard", "gram"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_muon_equals_full_matrix_muon(world, method):
+    """Gram Newton-Schulz too (in the all-to-all path: whole matrices after the transfer, as in the local one)."""
+    [(errs, moved, naive, stats)] = run_workers(_sharded_muon_worker, world, method)
+    for name, err in errs.items():
+        assert err < 1e-5, (name, err)
+        assert moved[name] > 1e-2, (name, moved[name])  # the parameters really moved
+    # negative control: NS on each rank's piece alone is a different update wherever a matrix is split
+    for name in ("2d-shard0-uneven", "2d-shard1-uneven", "experts-dim1-a2a") + ("hsdp-replicate-shard",) * (world > 2):
+        assert naive[name] > 1e-3, (name, naive[name])
+    assert naive["experts-dim0-local"] < 1e-5  # whole matrices per rank: local NS is the right thing there
+    assert stats["a2a_bytes"] > 0
 
 
 # -----------------------------------------------------------------------------
@@ -1766,231 +1859,6 @@ def test_full_or_read_only_disk_is_one_line_and_leaves_no_partial_checkpoint(par
 
 
 # -----------------------------------------------------------------------------
-# README: every python/torchrun command in it runs as written (shortened)
-
-SHORT = {"train.py": ["--eval-every", "2", "--eval-batches", "1", "--rl-eval-tasks", "0", "--group-size", "2",
-                      "--max-gen-tokens", "32"],
-         "feedback.py": ["--pretrain-steps", "3"], "muon.py": ["--presets", "tiny", "--repeats", "1", "--ns-max-batch", "4",
-                                                                          "--k2", "none"],
-         "model.py --bench-decode": ["--presets", "tiny", "--contexts", "64"],
-         "feedback.py --ablation": ["--seeds", "1", "--rl-steps", "1", "--steps", "2", "--eval-every", "2",
-                                    "--eval-batches", "1", "--rl-eval-tasks", "1", "--group-size", "2",
-                                    "--max-gen-tokens", "32"]}
-
-
-def readme_commands():
-    """-> groups of command lines that run one of this project's scripts with python or torchrun, in reading
-    order: each ```bash block is one group (its lines run in order in one folder), each `inline` command a
-    group of its own. A line holding several commands (`;`, `&&`) gives each; duplicates run once, and so does
-    a command that an earlier group runs with an --out added."""
-    groups = []
-    for i, part in enumerate(re.split(r"^```.*$", (HERE / "README.md").read_text(), flags=re.M)):
-        if i % 2:  # a fenced block: join continued lines, drop comments
-            found = [c for line in part.replace("\\\n", " ").splitlines()
-                     for c in re.split(r";|&&", line.split(" #")[0])]
-        else:
-            found = re.findall(r"`((?:python|torchrun) [^`]*)`", part)
-        found = [" ".join(c.split()) for c in found
-                 if re.match(r"\s*(python|torchrun) ", c) and " -m " not in c  # python -m pytest: this very file
-                 and any((HERE / a).is_file() for a in c.split() if a.endswith(".py"))]
-        groups += [found] if i % 2 and found else [[c] for c in found]
-    unique, no_out = [], lambda c: re.sub(r" --out \S+", "", c)
-    for g in groups:
-        if not (g in unique or len(g) == 1 and any(no_out(g[0]) == no_out(c) for u in unique for c in u)):
-            unique.append(g)
-    return unique
-
-
-@functools.cache
-def index_reachable():
-    """Whether pip can download from the package index here (tests that build environments need it)."""
-    with tempfile.TemporaryDirectory() as d:
-        return subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", d, "pytest-timeout"],
-                              capture_output=True, timeout=120).returncode == 0
-
-
-def run_readme_command(line, cwd, shared_out):
-    """Run one README command in cwd, shortened. -> None, or why it was not run here."""
-    argv = shlex.split(line.replace("$HEAD_NODE", "head").replace("$JOB_ID", "1"))
-    at = next(i for i, a in enumerate(argv) if a.endswith(".py"))
-    launch, script, flags = argv[:at], argv[at], argv[at + 1:]
-    opt = dict(re.fullmatch(r"--([a-z_]+)=(\d+)", a).groups() for a in launch if re.fullmatch(r"--[a-z_]+=\d+", a))
-    if "cuda" in flags and not torch.cuda.is_available():
-        return "needs CUDA"
-    if flags[:1] == ["env"] and not index_reachable():
-        return "needs the package index"
-    if "--init-from" in flags and not importlib.util.find_spec("safetensors"):
-        return "needs safetensors"
-    if "MODEL" in flags and not (cwd / "MODEL").exists():  # a released checkpoint and shards of its tokenizer
-        M.save_hf(tiny_model(vocab_size=300, max_seq_len=4096), cwd / "MODEL", torch.float32)
-        (cwd / "SHARDS").mkdir()
-        for split in ("train", "val"):
-            write_shard(cwd / "SHARDS" / f"corpus_{split}_000000.bin", np.arange(20000) * 7 % 300, vocab=300)
-    if int(opt.get("nnodes", 1)) > 1:  # many nodes: plan the same flags for that world instead
-        launch, flags = ["python"], [*flags, "--dry-run", "--world", str(int(opt["nnodes"]) * int(opt["nproc_per_node"]))]
-    else:
-        if script == "train.py" and "--dry-run" not in flags:
-            out = cwd / flags[flags.index("--out") + 1] if "--out" in flags else cwd / "out"
-            at = flags.index("--resume") + 1 if "--resume" in flags else 0
-            if at and (at == len(flags) or flags[at].startswith("-")) and not out.exists():
-                shutil.copytree(shared_out, out)  # a resume needs a run before it: the quick start's
-            default_steps = re.search(r'"--steps", type=int, default=(\d+)', (HERE / "train.py").read_text())[1]
-            for k, a in enumerate(flags):  # a pretraining checkpoint of the full-length run -> the shortened run's
-                if re.fullmatch(r".*step-\d{8}", a) and not (cwd / a).exists():
-                    assert int(a[-8:]) == int(default_steps), f"{line}: the default run ends at {default_steps}"
-                    flags[k] = str(max(p for p in (cwd / a).parent.glob("step-*")
-                                       if json.loads((p / "meta.json").read_text())["stage"] == "pretrain"))
-            source = (cwd / flags[at] if at < len(flags) and not flags[at].startswith("-") else max(out.glob("step-*"))) \
-                if at else None
-            meta = json.loads((source / "meta.json").read_text()) if source else {}
-            world = int(opt.get("nproc_per_node", 1))  # one RL task a rank; one RL step more than the checkpoint's
-            flags += SHORT[script] + ["--steps", str(meta.get("step", 1) + 1), "--rl-steps",
-                                      str(meta.get("rl_step", 0) + 1), "--tasks-per-step", str(world)]
-        else:
-            flags = [a.replace("/ID", "/" + min(p.name for p in (cwd / "TASKS").iterdir())) if "TASKS/" in a else a
-                     for a in flags]
-            flags += SHORT.get(next((k for k in SHORT if k.split()[1:] and k.split()[0] == script
-                                     and k.split()[1] in flags), script), [])
-            if script == "muon.py" and "--world" in flags:  # the sharded benchmark on 1 and 2 processes
-                flags += ["--world", "1", "2"]
-    cmd = [sys.executable, *(["-m", "torch.distributed.run", "--standalone", *launch[1:]] if launch[0] == "torchrun"
-                             else []), str(HERE / script), *flags]
-    if line == "python train.py":  # the quick start as a real process; the rest fork from the preloaded server,
-        r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600,  # torchrun's ranks with its
-                           env={**os.environ, "OMP_NUM_THREADS": "1"})  # environment (a real torchrun: the SIGTERM test)
-    else:
-        world = int(opt["nproc_per_node"]) if launch[0] == "torchrun" else 1
-        r = finish(Launched(script, *flags, world=world, cwd=cwd), timeout=600)
-    assert r.returncode == 0, f"{line}\n  ran as: {shlex.join(cmd)}\n{r.stderr[-3000:]}"
-    return None
-
-
-def test_every_readme_command_runs(tmp_path):
-    """Each python/torchrun command in README.md runs as written, shortened (for train.py --steps/--rl-steps,
-    one validation batch, no held-out RL evaluation; fewer pretraining steps for feedback.py; the tiny preset
-    for muon.py's benchmarks, and --world 1 2 for its sharded one), and exits 0. A `--resume` with nothing to resume starts from a copy of the quick start's run;
-    a checkpoint the README names is mapped to the shortened run's; REPO, TASKS/ID and TRAJECTORY.jsonl are a
-    fixture repository, the task `make` wrote and a clean trajectory. The quick start runs as a real process, the
-    rest fork from the preloaded server (Launched; torchrun's ranks with its environment). Many-node commands are
-    planned with --dry-run at their world size; MODEL and SHARDS are a tiny checkpoint in the Hugging Face layout and
-    token shards. CUDA commands are skipped on a machine without CUDA, `tasks.py env` where the package index
-    cannot be reached, --init-from without the safetensors package, and nothing else."""
-    forkserver()  # started before the threads below
-    groups = readme_commands()
-    assert groups[0] == ["python train.py"]  # the quick start: the run the resume examples continue
-    assert sum(len(g) for g in groups) >= 25
-    skipped = []
-
-    def run_group(k):
-        cwd = tmp_path / f"g{k}"
-        commit(write_fixture(cwd / "REPO"))
-        (cwd / "TRAJECTORY.jsonl").write_text(json.dumps({"action": "bash", "command": "pytest -q",
-                                                          "output": "3 passed"}) + "\n")
-        for line in groups[k]:
-            why = run_readme_command(line, cwd, tmp_path / "g0" / "out")
-            if why:
-                skipped.append((line, why))
-
-    run_group(0)
-    cost = lambda k: sum(4 if c.startswith("torchrun") else 1 for c in groups[k])  # the longest start first
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        list(pool.map(run_group, sorted(range(1, len(groups)), key=cost, reverse=True)))
-    assert all(why == "needs CUDA" and "--device cuda" in line or why == "needs the package index" and " env " in line
-               or why == "needs safetensors" and "--init-from" in line for line, why in skipped), skipped
-
-
-# -----------------------------------------------------------------------------
-# Sharded Muon: DTensor parameters on gloo process groups equal full-matrix Muon on one process
-
-
-def _sharded_muon_cases(world):
-    """name -> (global shape, mesh shape, placements); built the same way on every rank."""
-    from torch.distributed.tensor import Replicate, Shard
-    cases = {
-        "2d-shard0-uneven": ((37, 50), (world,), [Shard(0)]),
-        "2d-shard0-empty": ((5, 24), (world,), [Shard(0)]),  # 5 rows over up to 8 ranks: some hold none
-        "2d-shard1-uneven": ((24, 13), (world,), [Shard(1)]),
-        "experts-dim0-local": ((6, 16, 24), (world,), [Shard(0)]),  # whole matrices per rank, no traffic
-        "experts-dim1-a2a": ((6, 16, 24), (world,), [Shard(1)]),
-        "heads-dim0-local": ((3, 8, 32), (world,), [Shard(0)]),
-        "hsdp-replicate-shard": ((37, 50), (2, world // 2), [Replicate(), Shard(0)]),
-    }
-    for i in range(3):  # one bucket of 3 matrices, not a multiple of the group size
-        cases[f"count-not-multiple-{i}"] = ((20, 30), (world,), [Shard(0)])
-    return cases
-
-
-def _sharded_muon_worker(rank, world, port, method, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-    from mesh import build_meshes, make_layout
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    cases = _sharded_muon_cases(world)
-    meshes = {}
-    full, dparams = {}, {}
-    gen = torch.Generator().manual_seed(0)
-    for name, (shape, mesh_shape, placements) in cases.items():
-        if mesh_shape not in meshes:
-            meshes[mesh_shape] = DeviceMesh("cpu", torch.arange(world).view(mesh_shape))
-        full[name] = torch.randn(shape, generator=gen)
-        dparams[name] = distribute_tensor(full[name].clone(), meshes[mesh_shape], placements, src_data_rank=None)
-    # both meshes of the dual layout at once: a dense weight on the dense FSDP mesh, experts on the expert mesh
-    L = make_layout(world, cp=2, ep=2)
-    _, expert_mesh, dense_fsdp, expert_fsdp = build_meshes(L, "cpu")
-    full["dual-dense"], full["dual-experts"] = torch.randn(40, 24, generator=gen), torch.randn(4, 16, 24, generator=gen)
-    dparams["dual-dense"] = distribute_tensor(full["dual-dense"].clone(), dense_fsdp, [Shard(0)], src_data_rank=None)
-    dparams["dual-experts"] = distribute_tensor(full["dual-experts"].clone(), expert_mesh["ep_shard", "ep"],
-                                                [Shard(1), Shard(0)], src_data_rank=None)
-    names = list(full)
-    kw = dict(lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw", ns_dtype=torch.float32, ns_method=method)
-    ref = [full[n].clone() for n in names]
-    inflight = {2: 0, 4: 1, 8: 256 << 20}[world]  # serial; one transfer ahead; the default window
-    opt_ref, opt = Muon(ref, **kw), Muon([dparams[n] for n in names], **kw, max_inflight_bytes=inflight)
-    naive = [dparams[n].to_local().clone() for n in names]  # the classic mistake: NS on each local shard
-    opt_naive = Muon([t for t in naive if t.numel()], **kw)
-    for step in range(3):
-        for n, r, q in zip(names, ref, naive):
-            g = torch.randn(full[n].shape, generator=gen)
-            r.grad = g.clone()
-            dparams[n].grad = distribute_tensor(g.clone(), dparams[n].device_mesh, dparams[n].placements,
-                                                src_data_rank=None)
-            q.grad = dparams[n].grad.to_local().clone()
-        opt_ref.step(), opt.step(), opt_naive.step()
-    errs = {n: (dparams[n].full_tensor() - r).abs().max().item() for n, r in zip(names, ref)}
-    moved = {n: (r - full[n]).abs().max().item() for n, r in zip(names, ref)}
-    naive_err = {}
-    for n, q in zip(names, naive):  # compare the naive local result with the matching piece of the reference
-        piece = distribute_tensor(ref[names.index(n)], dparams[n].device_mesh, dparams[n].placements,
-                                  src_data_rank=None).to_local()
-        naive_err[n] = (q - piece).abs().max().item() if q.numel() else 0.0
-    naive_err = {n: max(e, 0.0) for n, e in naive_err.items()}
-    all_naive = [None] * world
-    dist.all_gather_object(all_naive, naive_err)
-    if rank == 0:
-        out.put((errs, moved, {n: max(d[n] for d in all_naive) for n in names}, opt.stats))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-@pytest.mark.parametrize("method", ["standard", "gram"])
-@pytest.mark.parametrize("world", [2, 4])
-def test_sharded_muon_equals_full_matrix_muon(world, method):
-    """Gram Newton-Schulz too (in the all-to-all path: whole matrices after the transfer, as in the local one)."""
-    [(errs, moved, naive, stats)] = run_workers(_sharded_muon_worker, world, method)
-    for name, err in errs.items():
-        assert err < 1e-5, (name, err)
-        assert moved[name] > 1e-2, (name, moved[name])  # the parameters really moved
-    # negative control: NS on each rank's piece alone is a different update wherever a matrix is split
-    for name in ("2d-shard0-uneven", "2d-shard1-uneven", "experts-dim1-a2a") + ("hsdp-replicate-shard",) * (world > 2):
-        assert naive[name] > 1e-3, (name, naive[name])
-    assert naive["experts-dim0-local"] < 1e-5  # whole matrices per rank: local NS is the right thing there
-    assert stats["a2a_bytes"] > 0
-
-
-# -----------------------------------------------------------------------------
 # grpo.py: the Dr. GRPO objective
 
 
@@ -2395,6 +2263,189 @@ def test_grpo_step_on_fsdp_and_cp_ranks_equals_one_process(world, degrees):
 
 
 # -----------------------------------------------------------------------------
+# feedback.py: the hinted teacher
+
+
+class _ToolNotFoundEnv(_ScriptedEnv):
+    """Every reply says the called tool is absent, so every assistant message is a feedback target."""
+
+    def step(self, text):
+        self.left -= 1
+        return "error: tool not found: mul. available tools: add, sub", self.left == 0
+
+
+def _feedback_rollout(env_cls=_ToolNotFoundEnv):
+    from grpo import GRPOConfig, rollout
+    torch.manual_seed(0)
+    model = M.Transformer(M.ModelConfig())
+    cfg = GRPOConfig(group_size=2, max_message_tokens=6)
+    return model, cfg, rollout(model, [env_cls(1.0, 2), env_cls(0.0, 2)], cfg, torch.Generator().manual_seed(0))
+
+
+def test_feedback_rules_find_the_tool_not_found_turn():
+    from feedback import find_targets, tool_not_found
+    env = ToolEnv(make_tool_task(random.Random(0), 1))
+    absent = next(name for name in TOOLS if name not in env.task.tools)
+    reply, _ = env.step(f"call {absent}(1,2)")
+    assert tool_not_found("", reply) == "Reminder: Available tools: " + ", ".join(env.task.tools)
+    _, _, trajs = _feedback_rollout()
+    targets = find_targets(trajs[0])
+    assert len(targets) == 2 and all(name == "tool_not_found" for *_, name in targets)
+    seg, start, end, _, _ = targets[0]
+    assert all(trajs[0].segments[seg].policy[start:end]) and trajs[0].segments[seg].tokens[start - 1] == \
+        M.TOKEN["<|assistant|>"]
+
+
+def test_empty_hint_gives_zero_kl_and_gradient_and_only_the_target_moves():
+    from feedback import Feedback, FeedbackConfig
+    model, cfg, trajs = _feedback_rollout()
+    fb = Feedback(model, FeedbackConfig(), rules=[("empty", lambda message, reply: "")])
+    loss, stats = fb.loss(model, trajs, norm=100.0)
+    loss.backward()
+    assert stats["feedback_kl"] == 0.0 and stats["feedback_targets"] == 4
+    assert max(p.grad.abs().max().item() for p in model.parameters() if p.grad is not None) < 1e-7
+    # with the real rule: gradient reaches the student's logits at the target messages' positions only
+    model.zero_grad()
+    captured = []
+    def keep(module, inputs, out):  # the student's pass (the teacher's runs under no_grad); returns None
+        if out.requires_grad:
+            out.retain_grad()
+            captured.append(out)
+    hook = model.lm_head.register_forward_hook(keep)
+    fb = Feedback(model, FeedbackConfig())
+    loss, stats = fb.loss(model, trajs, norm=100.0)
+    hook.remove()
+    loss.backward()
+    assert stats["feedback_kl"] > 0
+    grad = captured[0].grad.abs().sum(-1)  # [targets, T]: the student batch (teacher ran under no_grad)
+    from feedback import find_targets
+    spans = [(start, end) for t in trajs for _, start, end, _, _ in find_targets(t)]
+    for row, (start, end) in zip(grad, spans):
+        inside = torch.zeros_like(row, dtype=torch.bool)
+        inside[start - 1:end - 1] = True
+        assert (row[inside] > 0).all() and (row[~inside] == 0).all()
+
+
+def test_feedback_reuses_the_rl_forward_and_lambda_zero_is_pure_rl():
+    """The student's logits taken from grpo_loss's forward equal a forward of its own; and adding the feedback
+    term with lambda = 0 leaves every gradient and the router's load counts bit-identical to pure RL."""
+    from feedback import Feedback, FeedbackConfig
+    from grpo import grpo_loss
+    model, cfg, trajs = _feedback_rollout()
+    trajs[0].reward = 0.0  # a non-zero advantage, so pure RL has a gradient to compare
+    fb = Feedback(model, FeedbackConfig())
+    own, _ = fb.loss(model, trajs, norm=100.0)
+    grads = {}
+    for lam in (None, 0.0):
+        model.zero_grad()
+        for m in model.moe_layers():
+            m.tokens_per_expert.zero_()
+        loss, _, _, logits = grpo_loss(model, trajs, cfg)
+        if lam is not None:
+            fb_loss, stats = fb.loss(model, trajs, norm=100.0, logits=logits)
+            torch.testing.assert_close(fb_loss, own)  # no forward of its own, same value
+            loss = loss + lam * fb_loss
+        loss.backward()
+        grads[lam] = [p.grad.clone() for p in model.parameters() if p.grad is not None] + \
+            [m.tokens_per_expert.clone() for m in model.moe_layers()]
+    assert len(grads[None]) == len(grads[0.0]) and all(torch.equal(a, b) for a, b in zip(grads[None], grads[0.0]))
+    assert any(g.abs().sum() > 0 for g in grads[None])
+
+
+def test_sampled_estimator_matches_full_kl_in_expectation():
+    from feedback import message_kl
+    torch.manual_seed(0)
+    s_logits, t_logits = torch.randn(1, 6, requires_grad=True), torch.randn(1, 6)
+    full, full_kl = message_kl(s_logits, t_logits, None, "full")
+    g_full, = torch.autograd.grad(full.sum(), s_logits)
+    p = torch.softmax(s_logits.detach(), -1)[0]
+    g_exp, kl_exp = torch.zeros_like(s_logits), 0.0
+    for x in range(6):  # the expectation over the student's own samples, exactly
+        loss, kl = message_kl(s_logits, t_logits, torch.tensor([x]), "sampled")
+        g, = torch.autograd.grad(loss.sum(), s_logits)
+        g_exp += p[x] * g
+        kl_exp += p[x] * kl.item()
+    torch.testing.assert_close(g_exp, g_full, rtol=1e-5, atol=1e-6)
+    assert abs(kl_exp - full_kl.item()) < 1e-5 and full_kl.item() > 0
+
+
+def test_feedback_loss_with_a_hint_equals_message_kl_on_hand_aligned_logits():
+    """The real hint shifts the teacher's message tokens by its length: each target recomputed alone, the
+    student over tokens[:end], the teacher over tokens[:start-1] + hint turn + tokens[start-1:end], the
+    message's L tokens read as the last L of each sequence."""
+    from feedback import Feedback, FeedbackConfig, find_targets, message_kl
+    from grpo import turn_tokens
+    model, _, trajs = _feedback_rollout()
+    loss, stats = Feedback(model, FeedbackConfig()).loss(model, trajs, norm=100.0)
+    total, n, probes = 0.0, 0, {}
+    for t in trajs:
+        for seg, start, end, hint, name in find_targets(t):
+            tokens, h, L = t.segments[seg].tokens, turn_tokens("system", hint), end - start
+            assert len(h) > 10
+            s_logits = model(torch.tensor([tokens[:end]]))[0][0]
+            with torch.no_grad():
+                t_logits = model(torch.tensor([tokens[:start - 1] + h + tokens[start - 1:end]]))[0][0]
+            kl, _ = message_kl(s_logits[-L - 1:-1], t_logits[-L - 1:-1], torch.tensor(tokens[start:end]))
+            total, n = total + kl.sum(), n + 1
+            # the probe: both probabilities of the sampled token of largest log p_student - log p_teacher
+            p_s, p_t = (x[-L - 1:-1].softmax(-1)[torch.arange(L), tokens[start:end]]
+                        for x in (s_logits, t_logits))
+            j = (p_s.log() - p_t.log()).argmax()
+            probes.setdefault(name, []).append((p_s[j].item(), p_t[j].item()))
+    assert n == stats["feedback_targets"] == 4 and stats["feedback_kl"] > 0
+    torch.testing.assert_close(loss, total / 100.0)
+    assert set(probes) == {"tool_not_found"} and stats["p_student_capital"] == stats["p_teacher_capital"] == 0
+    for i, who in enumerate(("student", "teacher")):
+        by_hand = statistics.mean(p[i] for p in probes["tool_not_found"])
+        assert math.isclose(stats[f"p_{who}_tool_not_found"], by_hand, rel_tol=1e-4)
+
+
+def test_frozen_and_ema_teachers_and_the_loss_uses_the_chosen_one():
+    """After policy steps and Feedback.update: the frozen teacher is the starting policy bit for bit, the EMA
+    teacher is lerp(teacher, policy, 1 - decay), and Feedback's teacher pass runs the chosen teacher."""
+    from feedback import Feedback, FeedbackConfig
+    from grpo import batch as grpo_batch
+    model, _, trajs = _feedback_rollout()
+    start = copy.deepcopy(model)
+    fbs = {name: Feedback(model, FeedbackConfig(teacher=name, ema_decay=0.9))
+           for name in ("current", "frozen", "ema")}
+    with pytest.raises(ValueError):
+        Feedback(model, FeedbackConfig(teacher="Frozen"))
+    ema_before = [t.clone() for t in fbs["ema"].teacher.tensors]
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for _ in range(2):  # policy steps on the feedback loss, with the current policy as the teacher
+        opt.zero_grad()
+        fbs["current"].loss(model, trajs, norm=1.0)[0].backward()
+        opt.step()
+    for fb in fbs.values():
+        fb.update(model)
+    assert fbs["current"].teacher is None
+    frozen = fbs["frozen"].teacher.state_dict(model)
+    assert all(torch.equal(p, frozen[n]) for n, p in start.named_parameters())  # bit-identical to the start
+    moved = 0.0
+    for t, t0, p in zip(fbs["ema"].teacher.tensors, ema_before, model.parameters()):
+        assert torch.equal(t, torch.lerp(t0, p.detach(), 0.1))
+        moved = max(moved, (t - t0).abs().max().item())
+    assert moved > 1e-3
+    # the teacher's pass runs the chosen weights: the logits of a model that holds them, and the policy's own
+    # weights are back after it
+    own = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ema_model = copy.deepcopy(model)
+    with torch.no_grad():
+        for q, t in zip(ema_model.parameters(), fbs["ema"].teacher.tensors):
+            q.copy_(t)
+    kls = {}
+    for name, holder in (("current", model), ("frozen", start), ("ema", ema_model)):
+        got, by_hand = fbs[name].targets(model, trajs), fbs["current"].targets(holder, trajs)
+        assert got[0] and torch.equal(got[3], by_hand[3]), name
+        kls[name] = fbs[name].loss(model, trajs, norm=100.0)[1]["feedback_kl"]
+    assert all(torch.equal(p, own[n]) for n, p in model.named_parameters())
+    with pytest.raises(ValueError, match="before the student's forward"):  # a swap after it: refused
+        fbs["ema"].loss(model, trajs, norm=100.0, logits=model(grpo_batch(trajs)[0][:, :-1])[0])
+    assert abs(kls["frozen"] - kls["current"]) > 1e-3 and abs(kls["ema"] - kls["current"]) > 1e-4
+
+
+# -----------------------------------------------------------------------------
 # tasks.py: the tool-use task family
 
 def _replay(task, turns):
@@ -2660,194 +2711,13 @@ def test_chain_rollouts_summarize_and_feedback_flags_slips_and_capitals():
 
 
 # -----------------------------------------------------------------------------
-# feedback.py: the hinted teacher
-
-
-class _ToolNotFoundEnv(_ScriptedEnv):
-    """Every reply says the called tool is absent, so every assistant message is a feedback target."""
-
-    def step(self, text):
-        self.left -= 1
-        return "error: tool not found: mul. available tools: add, sub", self.left == 0
-
-
-def _feedback_rollout(env_cls=_ToolNotFoundEnv):
-    from grpo import GRPOConfig, rollout
-    torch.manual_seed(0)
-    model = M.Transformer(M.ModelConfig())
-    cfg = GRPOConfig(group_size=2, max_message_tokens=6)
-    return model, cfg, rollout(model, [env_cls(1.0, 2), env_cls(0.0, 2)], cfg, torch.Generator().manual_seed(0))
-
-
-def test_feedback_rules_find_the_tool_not_found_turn():
-    from feedback import find_targets, tool_not_found
-    env = ToolEnv(make_tool_task(random.Random(0), 1))
-    absent = next(name for name in TOOLS if name not in env.task.tools)
-    reply, _ = env.step(f"call {absent}(1,2)")
-    assert tool_not_found("", reply) == "Reminder: Available tools: " + ", ".join(env.task.tools)
-    _, _, trajs = _feedback_rollout()
-    targets = find_targets(trajs[0])
-    assert len(targets) == 2 and all(name == "tool_not_found" for *_, name in targets)
-    seg, start, end, _, _ = targets[0]
-    assert all(trajs[0].segments[seg].policy[start:end]) and trajs[0].segments[seg].tokens[start - 1] == \
-        M.TOKEN["<|assistant|>"]
-
-
-def test_empty_hint_gives_zero_kl_and_gradient_and_only_the_target_moves():
-    from feedback import Feedback, FeedbackConfig
-    model, cfg, trajs = _feedback_rollout()
-    fb = Feedback(model, FeedbackConfig(), rules=[("empty", lambda message, reply: "")])
-    loss, stats = fb.loss(model, trajs, norm=100.0)
-    loss.backward()
-    assert stats["feedback_kl"] == 0.0 and stats["feedback_targets"] == 4
-    assert max(p.grad.abs().max().item() for p in model.parameters() if p.grad is not None) < 1e-7
-    # with the real rule: gradient reaches the student's logits at the target messages' positions only
-    model.zero_grad()
-    captured = []
-    def keep(module, inputs, out):  # the student's pass (the teacher's runs under no_grad); returns None
-        if out.requires_grad:
-            out.retain_grad()
-            captured.append(out)
-    hook = model.lm_head.register_forward_hook(keep)
-    fb = Feedback(model, FeedbackConfig())
-    loss, stats = fb.loss(model, trajs, norm=100.0)
-    hook.remove()
-    loss.backward()
-    assert stats["feedback_kl"] > 0
-    grad = captured[0].grad.abs().sum(-1)  # [targets, T]: the student batch (teacher ran under no_grad)
-    from feedback import find_targets
-    spans = [(start, end) for t in trajs for _, start, end, _, _ in find_targets(t)]
-    for row, (start, end) in zip(grad, spans):
-        inside = torch.zeros_like(row, dtype=torch.bool)
-        inside[start - 1:end - 1] = True
-        assert (row[inside] > 0).all() and (row[~inside] == 0).all()
-
-
-def test_feedback_reuses_the_rl_forward_and_lambda_zero_is_pure_rl():
-    """The student's logits taken from grpo_loss's forward equal a forward of its own; and adding the feedback
-    term with lambda = 0 leaves every gradient and the router's load counts bit-identical to pure RL."""
-    from feedback import Feedback, FeedbackConfig
-    from grpo import grpo_loss
-    model, cfg, trajs = _feedback_rollout()
-    trajs[0].reward = 0.0  # a non-zero advantage, so pure RL has a gradient to compare
-    fb = Feedback(model, FeedbackConfig())
-    own, _ = fb.loss(model, trajs, norm=100.0)
-    grads = {}
-    for lam in (None, 0.0):
-        model.zero_grad()
-        for m in model.moe_layers():
-            m.tokens_per_expert.zero_()
-        loss, _, _, logits = grpo_loss(model, trajs, cfg)
-        if lam is not None:
-            fb_loss, stats = fb.loss(model, trajs, norm=100.0, logits=logits)
-            torch.testing.assert_close(fb_loss, own)  # no forward of its own, same value
-            loss = loss + lam * fb_loss
-        loss.backward()
-        grads[lam] = [p.grad.clone() for p in model.parameters() if p.grad is not None] + \
-            [m.tokens_per_expert.clone() for m in model.moe_layers()]
-    assert len(grads[None]) == len(grads[0.0]) and all(torch.equal(a, b) for a, b in zip(grads[None], grads[0.0]))
-    assert any(g.abs().sum() > 0 for g in grads[None])
-
-
-def test_sampled_estimator_matches_full_kl_in_expectation():
-    from feedback import message_kl
-    torch.manual_seed(0)
-    s_logits, t_logits = torch.randn(1, 6, requires_grad=True), torch.randn(1, 6)
-    full, full_kl = message_kl(s_logits, t_logits, None, "full")
-    g_full, = torch.autograd.grad(full.sum(), s_logits)
-    p = torch.softmax(s_logits.detach(), -1)[0]
-    g_exp, kl_exp = torch.zeros_like(s_logits), 0.0
-    for x in range(6):  # the expectation over the student's own samples, exactly
-        loss, kl = message_kl(s_logits, t_logits, torch.tensor([x]), "sampled")
-        g, = torch.autograd.grad(loss.sum(), s_logits)
-        g_exp += p[x] * g
-        kl_exp += p[x] * kl.item()
-    torch.testing.assert_close(g_exp, g_full, rtol=1e-5, atol=1e-6)
-    assert abs(kl_exp - full_kl.item()) < 1e-5 and full_kl.item() > 0
-
-
-def test_feedback_loss_with_a_hint_equals_message_kl_on_hand_aligned_logits():
-    """The real hint shifts the teacher's message tokens by its length: each target recomputed alone, the
-    student over tokens[:end], the teacher over tokens[:start-1] + hint turn + tokens[start-1:end], the
-    message's L tokens read as the last L of each sequence."""
-    from feedback import Feedback, FeedbackConfig, find_targets, message_kl
-    from grpo import turn_tokens
-    model, _, trajs = _feedback_rollout()
-    loss, stats = Feedback(model, FeedbackConfig()).loss(model, trajs, norm=100.0)
-    total, n, probes = 0.0, 0, {}
-    for t in trajs:
-        for seg, start, end, hint, name in find_targets(t):
-            tokens, h, L = t.segments[seg].tokens, turn_tokens("system", hint), end - start
-            assert len(h) > 10
-            s_logits = model(torch.tensor([tokens[:end]]))[0][0]
-            with torch.no_grad():
-                t_logits = model(torch.tensor([tokens[:start - 1] + h + tokens[start - 1:end]]))[0][0]
-            kl, _ = message_kl(s_logits[-L - 1:-1], t_logits[-L - 1:-1], torch.tensor(tokens[start:end]))
-            total, n = total + kl.sum(), n + 1
-            # the probe: both probabilities of the sampled token of largest log p_student - log p_teacher
-            p_s, p_t = (x[-L - 1:-1].softmax(-1)[torch.arange(L), tokens[start:end]]
-                        for x in (s_logits, t_logits))
-            j = (p_s.log() - p_t.log()).argmax()
-            probes.setdefault(name, []).append((p_s[j].item(), p_t[j].item()))
-    assert n == stats["feedback_targets"] == 4 and stats["feedback_kl"] > 0
-    torch.testing.assert_close(loss, total / 100.0)
-    assert set(probes) == {"tool_not_found"} and stats["p_student_capital"] == stats["p_teacher_capital"] == 0
-    for i, who in enumerate(("student", "teacher")):
-        by_hand = statistics.mean(p[i] for p in probes["tool_not_found"])
-        assert math.isclose(stats[f"p_{who}_tool_not_found"], by_hand, rel_tol=1e-4)
-
-
-def test_frozen_and_ema_teachers_and_the_loss_uses_the_chosen_one():
-    """After policy steps and Feedback.update: the frozen teacher is the starting policy bit for bit, the EMA
-    teacher is lerp(teacher, policy, 1 - decay), and Feedback's teacher pass runs the chosen teacher."""
-    from feedback import Feedback, FeedbackConfig
-    from grpo import batch as grpo_batch
-    model, _, trajs = _feedback_rollout()
-    start = copy.deepcopy(model)
-    fbs = {name: Feedback(model, FeedbackConfig(teacher=name, ema_decay=0.9))
-           for name in ("current", "frozen", "ema")}
-    with pytest.raises(ValueError):
-        Feedback(model, FeedbackConfig(teacher="Frozen"))
-    ema_before = [t.clone() for t in fbs["ema"].teacher.tensors]
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    for _ in range(2):  # policy steps on the feedback loss, with the current policy as the teacher
-        opt.zero_grad()
-        fbs["current"].loss(model, trajs, norm=1.0)[0].backward()
-        opt.step()
-    for fb in fbs.values():
-        fb.update(model)
-    assert fbs["current"].teacher is None
-    frozen = fbs["frozen"].teacher.state_dict(model)
-    assert all(torch.equal(p, frozen[n]) for n, p in start.named_parameters())  # bit-identical to the start
-    moved = 0.0
-    for t, t0, p in zip(fbs["ema"].teacher.tensors, ema_before, model.parameters()):
-        assert torch.equal(t, torch.lerp(t0, p.detach(), 0.1))
-        moved = max(moved, (t - t0).abs().max().item())
-    assert moved > 1e-3
-    # the teacher's pass runs the chosen weights: the logits of a model that holds them, and the policy's own
-    # weights are back after it
-    own = {n: p.detach().clone() for n, p in model.named_parameters()}
-    ema_model = copy.deepcopy(model)
-    with torch.no_grad():
-        for q, t in zip(ema_model.parameters(), fbs["ema"].teacher.tensors):
-            q.copy_(t)
-    kls = {}
-    for name, holder in (("current", model), ("frozen", start), ("ema", ema_model)):
-        got, by_hand = fbs[name].targets(model, trajs), fbs["current"].targets(holder, trajs)
-        assert got[0] and torch.equal(got[3], by_hand[3]), name
-        kls[name] = fbs[name].loss(model, trajs, norm=100.0)[1]["feedback_kl"]
-    assert all(torch.equal(p, own[n]) for n, p in model.named_parameters())
-    with pytest.raises(ValueError, match="before the student's forward"):  # a swap after it: refused
-        fbs["ema"].loss(model, trajs, norm=100.0, logits=model(grpo_batch(trajs)[0][:, :-1])[0])
-    assert abs(kls["frozen"] - kls["current"]) > 1e-3 and abs(kls["ema"] - kls["current"]) > 1e-4
-
-
-# -----------------------------------------------------------------------------
 # tasks.py: feature-deletion tasks (make, verify, scan and scrub, monitor), on a fixture repository and on real
 # packages. Each test runs pytest in subprocesses; the module fixture `made` runs make twice (5-8 s).
 
+
 # -----------------------------------------------------------------------------
-# feature deletion, the fixture repository: package calc, 15 tests (one flaky), one function run at import time.
+# tasks.py, feature deletion, the fixture repository: package calc, 15 tests (one flaky), one function run
+# at import time.
 
 CORE = '''"""Core arithmetic. Comments and unicode (“ü”) must survive splicing byte for byte."""
 # a comment between definitions
@@ -2997,7 +2867,7 @@ def task_dir(made, qualname):
 
 
 # -----------------------------------------------------------------------------
-# feature deletion: splicing
+# tasks.py, feature deletion: splicing
 
 
 def test_splice_is_byte_exact_and_remove_mends_reexports(tmp_path):
@@ -3028,7 +2898,7 @@ def test_splice_is_byte_exact_and_remove_mends_reexports(tmp_path):
 
 
 # -----------------------------------------------------------------------------
-# feature deletion: make
+# tasks.py, feature deletion: make
 
 
 def test_make_picks_the_right_features_and_test_sets(made):
@@ -3064,7 +2934,7 @@ def test_make_picks_the_right_features_and_test_sets(made):
 
 
 # -----------------------------------------------------------------------------
-# feature deletion: verify
+# tasks.py, feature deletion: verify
 
 
 def test_verify_gold_scores_1_untouched_0(made):
@@ -3250,7 +3120,7 @@ attempt("connect", lambda: socket.create_connection(("127.0.0.1", {server.getsoc
 
 
 # -----------------------------------------------------------------------------
-# feature deletion: scan and scrub, one planted leak per kind
+# tasks.py, feature deletion: scan and scrub, one planted leak per kind
 
 
 def class_file(*utf8):
@@ -3377,7 +3247,7 @@ def test_scan_real_mypy_cache(made, tmp_path):
 
 
 # -----------------------------------------------------------------------------
-# feature deletion: monitor
+# tasks.py, feature deletion: monitor
 
 MONITOR_CASES = [  # (pattern, flagged action, similar action that must pass)
     ("git-history", {"action": "bash", "command": "git log -p --all -- calc/core.py"}, {"action": "bash", "command": "git status"}),
@@ -3416,7 +3286,7 @@ def test_monitor_flags_each_pattern_and_passes_lookalikes(tmp_path, capsys):
 
 
 # -----------------------------------------------------------------------------
-# feature deletion: CLI errors, one line, no traceback
+# tasks.py, feature deletion: CLI errors, one line, no traceback
 
 
 def test_make_refuses_bad_repositories_in_one_line_and_never_touches_the_source(tmp_path):
@@ -3515,7 +3385,8 @@ def test_env_installs_what_the_configuration_needs(tmp_path):
 
 
 # -----------------------------------------------------------------------------
-# feature deletion on real packages: tinydb and toolz sdists from the package index (skipped when it cannot be reached)
+# tasks.py, feature deletion on real packages: tinydb and toolz sdists from the package index (skipped when
+# it cannot be reached)
 
 
 def test_real_package_tinydb(tmp_path):
@@ -3532,3 +3403,137 @@ def test_real_package_tinydb(tmp_path):
         d = tmp_path / "out" / task["id"]
         assert task["fail_to_pass"] and task["pass_to_pass"] and task["scan"]["after_scrub"] == []
         assert tasks.verify(d, patch=d / "gold.patch")[0] == 1
+
+
+# -----------------------------------------------------------------------------
+# README: every python/torchrun command in it runs as written (shortened)
+
+SHORT = {"train.py": ["--eval-every", "2", "--eval-batches", "1", "--rl-eval-tasks", "0", "--group-size", "2",
+                      "--max-gen-tokens", "32"],
+         "feedback.py": ["--pretrain-steps", "3"], "muon.py": ["--presets", "tiny", "--repeats", "1", "--ns-max-batch", "4",
+                                                                          "--k2", "none"],
+         "model.py --bench-decode": ["--presets", "tiny", "--contexts", "64"],
+         "feedback.py --ablation": ["--seeds", "1", "--rl-steps", "1", "--steps", "2", "--eval-every", "2",
+                                    "--eval-batches", "1", "--rl-eval-tasks", "1", "--group-size", "2",
+                                    "--max-gen-tokens", "32"]}
+
+
+def readme_commands():
+    """-> groups of command lines that run one of this project's scripts with python or torchrun, in reading
+    order: each ```bash block is one group (its lines run in order in one folder), each `inline` command a
+    group of its own. A line holding several commands (`;`, `&&`) gives each; duplicates run once, and so does
+    a command that an earlier group runs with an --out added."""
+    groups = []
+    for i, part in enumerate(re.split(r"^```.*$", (HERE / "README.md").read_text(), flags=re.M)):
+        if i % 2:  # a fenced block: join continued lines, drop comments
+            found = [c for line in part.replace("\\\n", " ").splitlines()
+                     for c in re.split(r";|&&", line.split(" #")[0])]
+        else:
+            found = re.findall(r"`((?:python|torchrun) [^`]*)`", part)
+        found = [" ".join(c.split()) for c in found
+                 if re.match(r"\s*(python|torchrun) ", c) and " -m " not in c  # python -m pytest: this very file
+                 and any((HERE / a).is_file() for a in c.split() if a.endswith(".py"))]
+        groups += [found] if i % 2 and found else [[c] for c in found]
+    unique, no_out = [], lambda c: re.sub(r" --out \S+", "", c)
+    for g in groups:
+        if not (g in unique or len(g) == 1 and any(no_out(g[0]) == no_out(c) for u in unique for c in u)):
+            unique.append(g)
+    return unique
+
+
+@functools.cache
+def index_reachable():
+    """Whether pip can download from the package index here (tests that build environments need it)."""
+    with tempfile.TemporaryDirectory() as d:
+        return subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", d, "pytest-timeout"],
+                              capture_output=True, timeout=120).returncode == 0
+
+
+def run_readme_command(line, cwd, shared_out):
+    """Run one README command in cwd, shortened. -> None, or why it was not run here."""
+    argv = shlex.split(line.replace("$HEAD_NODE", "head").replace("$JOB_ID", "1"))
+    at = next(i for i, a in enumerate(argv) if a.endswith(".py"))
+    launch, script, flags = argv[:at], argv[at], argv[at + 1:]
+    opt = dict(re.fullmatch(r"--([a-z_]+)=(\d+)", a).groups() for a in launch if re.fullmatch(r"--[a-z_]+=\d+", a))
+    if "cuda" in flags and not torch.cuda.is_available():
+        return "needs CUDA"
+    if flags[:1] == ["env"] and not index_reachable():
+        return "needs the package index"
+    if "--init-from" in flags and not importlib.util.find_spec("safetensors"):
+        return "needs safetensors"
+    if "MODEL" in flags and not (cwd / "MODEL").exists():  # a released checkpoint and shards of its tokenizer
+        M.save_hf(tiny_model(vocab_size=300, max_seq_len=4096), cwd / "MODEL", torch.float32)
+        (cwd / "SHARDS").mkdir()
+        for split in ("train", "val"):
+            write_shard(cwd / "SHARDS" / f"corpus_{split}_000000.bin", np.arange(20000) * 7 % 300, vocab=300)
+    if int(opt.get("nnodes", 1)) > 1:  # many nodes: plan the same flags for that world instead
+        launch, flags = ["python"], [*flags, "--dry-run", "--world", str(int(opt["nnodes"]) * int(opt["nproc_per_node"]))]
+    else:
+        if script == "train.py" and "--dry-run" not in flags:
+            out = cwd / flags[flags.index("--out") + 1] if "--out" in flags else cwd / "out"
+            at = flags.index("--resume") + 1 if "--resume" in flags else 0
+            if at and (at == len(flags) or flags[at].startswith("-")) and not out.exists():
+                shutil.copytree(shared_out, out)  # a resume needs a run before it: the quick start's
+            default_steps = re.search(r'"--steps", type=int, default=(\d+)', (HERE / "train.py").read_text())[1]
+            for k, a in enumerate(flags):  # a pretraining checkpoint of the full-length run -> the shortened run's
+                if re.fullmatch(r".*step-\d{8}", a) and not (cwd / a).exists():
+                    assert int(a[-8:]) == int(default_steps), f"{line}: the default run ends at {default_steps}"
+                    flags[k] = str(max(p for p in (cwd / a).parent.glob("step-*")
+                                       if json.loads((p / "meta.json").read_text())["stage"] == "pretrain"))
+            source = (cwd / flags[at] if at < len(flags) and not flags[at].startswith("-") else max(out.glob("step-*"))) \
+                if at else None
+            meta = json.loads((source / "meta.json").read_text()) if source else {}
+            world = int(opt.get("nproc_per_node", 1))  # one RL task a rank; one RL step more than the checkpoint's
+            flags += SHORT[script] + ["--steps", str(meta.get("step", 1) + 1), "--rl-steps",
+                                      str(meta.get("rl_step", 0) + 1), "--tasks-per-step", str(world)]
+        else:
+            flags = [a.replace("/ID", "/" + min(p.name for p in (cwd / "TASKS").iterdir())) if "TASKS/" in a else a
+                     for a in flags]
+            flags += SHORT.get(next((k for k in SHORT if k.split()[1:] and k.split()[0] == script
+                                     and k.split()[1] in flags), script), [])
+            if script == "muon.py" and "--world" in flags:  # the sharded benchmark on 1 and 2 processes
+                flags += ["--world", "1", "2"]
+    cmd = [sys.executable, *(["-m", "torch.distributed.run", "--standalone", *launch[1:]] if launch[0] == "torchrun"
+                             else []), str(HERE / script), *flags]
+    if line == "python train.py":  # the quick start as a real process; the rest fork from the preloaded server,
+        r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600,  # torchrun's ranks with its
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})  # environment (a real torchrun: the SIGTERM test)
+    else:
+        world = int(opt["nproc_per_node"]) if launch[0] == "torchrun" else 1
+        r = finish(Launched(script, *flags, world=world, cwd=cwd), timeout=600)
+    assert r.returncode == 0, f"{line}\n  ran as: {shlex.join(cmd)}\n{r.stderr[-3000:]}"
+    return None
+
+
+def test_every_readme_command_runs(tmp_path):
+    """Each python/torchrun command in README.md runs as written, shortened (for train.py --steps/--rl-steps,
+    one validation batch, no held-out RL evaluation; fewer pretraining steps for feedback.py; the tiny preset
+    for muon.py's benchmarks, and --world 1 2 for its sharded one), and exits 0. A `--resume` with nothing to resume starts from a copy of the quick start's run;
+    a checkpoint the README names is mapped to the shortened run's; REPO, TASKS/ID and TRAJECTORY.jsonl are a
+    fixture repository, the task `make` wrote and a clean trajectory. The quick start runs as a real process, the
+    rest fork from the preloaded server (Launched; torchrun's ranks with its environment). Many-node commands are
+    planned with --dry-run at their world size; MODEL and SHARDS are a tiny checkpoint in the Hugging Face layout and
+    token shards. CUDA commands are skipped on a machine without CUDA, `tasks.py env` where the package index
+    cannot be reached, --init-from without the safetensors package, and nothing else."""
+    forkserver()  # started before the threads below
+    groups = readme_commands()
+    assert groups[0] == ["python train.py"]  # the quick start: the run the resume examples continue
+    assert sum(len(g) for g in groups) >= 25
+    skipped = []
+
+    def run_group(k):
+        cwd = tmp_path / f"g{k}"
+        commit(write_fixture(cwd / "REPO"))
+        (cwd / "TRAJECTORY.jsonl").write_text(json.dumps({"action": "bash", "command": "pytest -q",
+                                                          "output": "3 passed"}) + "\n")
+        for line in groups[k]:
+            why = run_readme_command(line, cwd, tmp_path / "g0" / "out")
+            if why:
+                skipped.append((line, why))
+
+    run_group(0)
+    cost = lambda k: sum(4 if c.startswith("torchrun") else 1 for c in groups[k])  # the longest start first
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        list(pool.map(run_group, sorted(range(1, len(groups)), key=cost, reverse=True)))
+    assert all(why == "needs CUDA" and "--device cuda" in line or why == "needs the package index" and " env " in line
+               or why == "needs safetensors" and "--init-from" in line for line, why in skipped), skipped
