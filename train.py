@@ -1281,7 +1281,7 @@ def rl_eval(rl_step, per_level=args.rl_eval_tasks):
     trajs = sample(envs, gen_eval)
     passed = sum_over_ranks([sum(t.reward for t, (lvl, _) in zip(trajs, mine) if lvl == lv) for lv in (1, 2)])
     calls, errors, capital, _, summaries, episodes = episode_stats(envs, trajs)
-    record = {"stage": "rl_eval", "step": base + rl_step, "rl_step": rl_step,
+    record = {"stage": "rl_eval", "step": steps_before_rl + rl_step, "rl_step": rl_step,
               "pass_level1": passed[0] / per_level, "pass_level2": passed[1] / per_level,
               "tool_error_rate": errors / max(1, calls), "capital_rate": capital / max(1, calls),
               "summaries": summaries / episodes}
@@ -1293,7 +1293,7 @@ def rl_eval(rl_step, per_level=args.rl_eval_tasks):
 
 if args.stage != "pretrain":
     rl_start = meta["rl_step"] if rl_resumed else 0
-    base = step - rl_start  # the optimizer steps before RL, for step numbers
+    steps_before_rl = step - rl_start  # the optimizer steps before RL: rl_step + this is the step number
     trainer = ContextParallel(model, dense_mesh["cp"].get_group()) if layout.cp > 1 else model
 
     feedback = Feedback(model, FeedbackConfig(coef=args.feedback_coef, estimator=args.feedback_estimator,
@@ -1348,10 +1348,10 @@ if args.stage != "pretrain":
                     targets = feedback.targets(trainer, part) if args.feedback_coef else None
                     loss, stats, _, logits = grpo_loss(trainer, part, grpo_cfg, old_logp=old,
                                                        ref_logp=refs[k] if "reference" in copies else None)
-                    fb = {}
+                    fb_stats = {}
                     if args.feedback_coef:  # lambda = 0 leaves the RL loss exactly as it is
-                        fb_loss, fb = feedback.loss(trainer, part, len(part) * grpo_cfg.max_gen_tokens, logits=logits,
-                                                    targets=targets)
+                        fb_loss, fb_stats = feedback.loss(trainer, part, len(part) * grpo_cfg.max_gen_tokens,
+                                                          logits=logits, targets=targets)
                         loss = loss + args.feedback_coef * fb_loss
                 loss.backward()
                 clip_grad_norm(args.grad_clip)
@@ -1359,8 +1359,8 @@ if args.stage != "pretrain":
                 optimizer.zero_grad(set_to_none=True)
                 if args.qk_clip:
                     model.qk_clip(args.qk_clip, world_group)
-                updates.append((epoch, stats, fb))
-        first = [(st, fb) for epoch, st, fb in updates if epoch == 0]  # each policy token once
+                updates.append((epoch, stats, fb_stats))
+        first = [(st, fs) for epoch, st, fs in updates if epoch == 0]  # each policy token once
         stats = {"gen_tokens": sum(st["gen_tokens"] * len(p) for (st, _), p in zip(first, parts)) / len(train),
                  "clip_frac": sum(st["clip_frac"] for _, st, _ in updates) / len(updates),
                  "tis_min": min(st["tis_min"] for st, _ in first), "tis_max": max(st["tis_max"] for st, _ in first)}
@@ -1384,18 +1384,18 @@ if args.stage != "pretrain":
             rewards = torch.cat(gathered)
         for r in rewards.tolist():
             difficulty.update(level, r)
-        calls, errors, capital, malformed, summaries, n = episode_stats(envs, trajs)
-        tokens, stopping, *fb_all = sum_over_ranks([stats["gen_tokens"] * len(train) / layout.cp, stop_signal is not None,
-                                                    *fb_sums, *fb_counts])
+        calls, errors, capital, malformed, summaries, n_episodes = episode_stats(envs, trajs)
+        tokens, stopping, *fb_all = sum_over_ranks([stats["gen_tokens"] * len(train) / layout.cp,
+                                                    stop_signal is not None, *fb_sums, *fb_counts])
         fb_sums, fb_counts = fb_all[:len(weighted)], fb_all[len(weighted):]
-        fb = {key: total / count if count else None  # None: no target of that rule in this step
+        fb_means = {key: total / count if count else None  # None: no target of that rule in this step
               for (key, _), total, count in zip(weighted, fb_sums, fb_counts)}
-        record = {"stage": "rl", "step": base + rl_step, "rl_step": rl_step, "level": level,
+        record = {"stage": "rl", "step": steps_before_rl + rl_step, "rl_step": rl_step, "level": level,
                   "reward": rewards.mean().item(), "tool_error_rate": errors / max(1, calls),
-                  "capital_rate": capital / max(1, calls), "malformed_rate": malformed / n, "summaries": summaries / n,
-                  "gen_tokens": tokens / n, "feedback_targets": fb_counts[0],
-                  "feedback_kl": fb["feedback_kl"] or 0.0,
-                  **({k: v for k, v in fb.items() if k.startswith("p_")} if args.feedback_coef else {}),
+                  "capital_rate": capital / max(1, calls), "malformed_rate": malformed / n_episodes,
+                  "summaries": summaries / n_episodes, "gen_tokens": tokens / n_episodes,
+                  "feedback_targets": fb_counts[0], "feedback_kl": fb_means["feedback_kl"] or 0.0,
+                  **({k: v for k, v in fb_means.items() if k.startswith("p_")} if args.feedback_coef else {}),
                   "clip_frac": mean_over_ranks(stats["clip_frac"]), **lag, "ms": 1000 * (time.perf_counter() - t0)}
         low, high = sum_over_ranks([-stats["tis_min"], stats["tis_max"]], op="max")
         record.update(tis_min=-low, tis_max=high)  # the spread of trainer / sampler over all ranks
@@ -1409,9 +1409,9 @@ if args.stage != "pretrain":
             rl_eval(rl_step)
         rl_state = {"stage": "rl", "rl_step": rl_step, "difficulty": difficulty.state_dict()}
         if saving:
-            save_checkpoint(base + rl_step, **rl_state)
+            save_checkpoint(steps_before_rl + rl_step, **rl_state)
         if stopping:
-            stop_here(base + rl_step, saving, **rl_state)
+            stop_here(steps_before_rl + rl_step, saving, **rl_state)
 if args.save_hf:  # every rank: each sharded tensor is gathered whole, rank 0 writes
     try:
         save_hf(model, args.save_hf, torch.bfloat16 if args.save_hf_dtype == "bf16" else torch.float32, hf_base)
