@@ -1085,6 +1085,55 @@ def activation_elements(cfg: ModelConfig, layer_id: int, cp: int = 1):
         + 4 * cfg.moe_hidden * cfg.n_shared_experts
 
 
+def memory_plan(model, layout, muon_params, bf16=False, accum=1, reduce_each=False, checkpointing=False,
+                batch_size=8, seq_len=256, rl_tokens=0, rl_copies=0, sample_gathered=False):
+    """What a rank holds at its peak, from shapes alone (model on the meta device), so a layout can be sized
+    before any GPU is booked. -> ({kind: bytes a rank}, bytes of a checkpoint).
+    layout: mesh.Layout's degrees (world, dp, dp_shard, cp, ep, ep_shard); muon_params: the parameters Muon steps
+    (one momentum; the others get AdamW's two moments). fp32 weights, gradients and optimizer state, sharded as
+    mesh.parallelize shards them: dense weights over dp_shard * cp ranks, experts over ep * ep_shard. With
+    gradient accumulation (accum > 1, not reduce_each) the gradients stay unsharded until the last micro-batch
+    (FSDP's no-sync: dense ones whole, experts over ep). FSDP's unsharded working set: the two largest units in the
+    compute dtype (the current one and the prefetched next) plus one unit's fp32 gradient before its
+    reduce-scatter; in one process with bf16, autocast's bf16 copy of every weight instead. Activations of this
+    rank's tokens for a micro-batch: activation_elements per layer (with activation checkpointing only each
+    block's input, plus one block being recomputed) in the compute dtype, and the fp32 logits with their
+    gradient. RL (rl_tokens > 0: a data-parallel group's trainer tokens) adds its forward under CP, rl_copies
+    other values of the rank's shards (grpo.Weights) and the model's own saved while one is loaded, and with
+    sample_gathered the units kept whole while sampling (an upper bound: sampling and training never overlap).
+    A checkpoint holds the fp32 weights and optimizer state of all ranks together."""
+    cfg, L = model.cfg, layout
+    expert_ids = {id(p) for moe in model.moe_layers() for p in moe.experts.parameters()}
+    muon_ids = {id(p) for p in muon_params}
+    plan = dict.fromkeys(["weights", "gradients", "optimizer", "working copies", "activations"], 0.0)
+    checkpoint = sum((8 if id(p) in muon_ids else 12) * p.numel() for p in model.parameters())
+    for p in model.parameters():
+        n = p.numel() / (L.ep * L.ep_shard if id(p) in expert_ids else L.dp_shard * L.cp)
+        plan["weights"] += 4 * n
+        plan["gradients"] += 4 * (p.numel() / (L.ep if id(p) in expert_ids else 1)
+                                  if accum > 1 and not reduce_each and L.world > 1 else n)
+        plan["optimizer"] += (4 if id(p) in muon_ids else 8) * n
+    compute = 2 if bf16 else 4
+    gathered = lambda mods: sum(p.numel() / (L.ep if id(p) in expert_ids else 1) for mod in mods
+                                for p in mod.parameters())  # a unit as FSDP gathers it (experts stay EP-split)
+    if L.world > 1:
+        units = [[block] for block in model.layers] + [[model.embed], [model.norm, model.lm_head]]
+        plan["working copies"] = max(map(gathered, units)) * (2 * compute + 4)
+    elif bf16:
+        plan["working copies"] = 2 * sum(p.numel() for p in model.parameters())
+    per_layer = [activation_elements(cfg, i, cp=L.cp) for i in range(cfg.n_layer)]
+    per_token = cfg.n_layer * cfg.dim + max(per_layer) if checkpointing else sum(per_layer)
+    tokens = batch_size // L.dp // accum * (seq_len // L.cp)
+    plan["activations"] = tokens * (per_token * compute + 2 * 4 * cfg.vocab_size)
+    if rl_tokens:  # under CP the hidden states split over the cp ranks and the logits come back whole
+        plan["activations"] = max(plan["activations"],
+                                  rl_tokens * (per_token * compute / L.cp + 2 * 4 * cfg.vocab_size))
+        plan["rl copies"] = (rl_copies + (rl_copies > 0)) * plan["weights"]
+        if sample_gathered and L.world > 1:
+            plan["sampling weights"] = compute * gathered([model])
+    return plan, checkpoint
+
+
 def bench_experts(device):
     """Forward and backward of the routed experts, torch._grouped_mm against a matmul per expert, on expert shapes
     of the small preset and of a slice of Kimi K2's layer (8 of its 384 experts, 7168 -> 2048), with tokens spread

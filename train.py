@@ -68,8 +68,8 @@ import tasks
 from feedback import RULES, Feedback, FeedbackConfig
 from grpo import (SUMMARY_REQUEST, Bridge, GRPOConfig, PeerLost, Weights, grpo_loss, logprobs, minibatches,
                   pack_policy, rollout, serve_rollouts)
-from model import (PRESETS, VOCAB_SIZE, CheckpointError, ContextParallel, ModelConfig, Transformer,
-                   activation_elements, encode, flops_per_token, hf_config, load_hf, param_counts, save_hf)
+from model import (PRESETS, VOCAB_SIZE, CheckpointError, ContextParallel, ModelConfig, Transformer, encode,
+                   flops_per_token, hf_config, load_hf, memory_plan, param_counts, save_hf)
 from muon import Muon, param_groups
 
 # -----------------------------------------------------------------------------
@@ -326,59 +326,23 @@ wanted_copies = {name for name, on in (("reference", args.kl_coef > 0), ("teache
 
 
 # -----------------------------------------------------------------------------
-# Memory plan: what a rank holds at its peak, from shapes alone, so a layout can be sized before any GPU is
-# booked (--dry-run) and a preset that cannot fit stops with one line instead of an out-of-memory crash.
+# Memory plan (model.memory_plan): what a rank holds at its peak, from shapes alone, so a layout can be
+# sized before any GPU is booked (--dry-run), and a preset that cannot fit stops with one line, not an
+# out-of-memory crash.
 
 
-def memory_plan(m, bf16, accum, reduce_each):
-    """Model m (on the meta device) -> ({kind: bytes a rank}, bytes of a checkpoint). fp32 weights, fp32 gradients
-    and optimizer state (Muon: one momentum; AdamW: two moments), sharded as below: dense weights over
-    dp_shard * cp ranks, experts over ep * ep_shard; with gradient accumulation (accum > 1, not reduce_each) the
-    gradients stay unsharded until the last micro-batch (FSDP's no-sync: dense ones whole, experts over ep). FSDP's unsharded working set: the two largest units in the compute dtype (the current
-    one and the prefetched next) plus one unit's fp32 gradient before its reduce-scatter; in one process with
-    bf16, autocast's bf16 copy of every weight instead. Activations of this rank's tokens: model.py's
-    activation_elements per layer (under activation checkpointing only each block's input, plus one block
-    being recomputed) in the compute dtype, and the fp32 logits with their gradient, for a micro-batch. A
-    checkpoint holds the fp32 weights and optimizer state of all ranks together (not held in memory)."""
-    cfg = m.cfg
-    expert_ids = {id(p) for moe in m.moe_layers() for p in moe.experts.parameters()}
-    muon_ids = {id(p) for p in param_groups(m.named_parameters(), lr=1.0, weight_decay=0.0)[0]["params"]}
-    plan = dict.fromkeys(["weights", "gradients", "optimizer", "working copies", "activations"], 0.0)
-    checkpoint = sum((8 if id(p) in muon_ids else 12) * p.numel() for p in m.parameters())
-    for p in m.parameters():
-        n = p.numel() / (layout.ep * layout.ep_shard if id(p) in expert_ids else layout.dp_shard * layout.cp)
-        plan["weights"] += 4 * n
-        plan["gradients"] += 4 * (p.numel() / (layout.ep if id(p) in expert_ids else 1)
-                                  if accum > 1 and not reduce_each and layout.world > 1 else n)
-        plan["optimizer"] += (4 if id(p) in muon_ids else 8) * n
-    compute = 2 if bf16 else 4
-    if layout.world > 1:
-        units = [*m.layers, m.embed, [m.norm, m.lm_head]]  # the fully_shard units below
-        unit = max(sum(p.numel() / (layout.ep if id(p) in expert_ids else 1)
-                       for mod in (u if isinstance(u, list) else [u]) for p in mod.parameters()) for u in units)
-        plan["working copies"] = unit * (2 * compute + 4)
-    elif bf16:
-        plan["working copies"] = 2 * sum(p.numel() for p in m.parameters())
-    per_layer = [activation_elements(cfg, i, cp=layout.cp) for i in range(cfg.n_layer)]
-    per_token = cfg.n_layer * cfg.dim + max(per_layer) if args.activation_checkpointing else sum(per_layer)
-    tokens = args.batch_size // layout.dp // accum * (args.seq_len // layout.cp)
-    plan["activations"] = tokens * (per_token * compute + 2 * 4 * cfg.vocab_size)
-    if args.stage != "pretrain":
-        # RL: the trainer's forward over a data-parallel group's rollouts, estimated at 3 x --max-gen-tokens
-        # tokens a trajectory (its own tokens, about as many of prompt, replies and summaries, and padding); under
-        # CP the hidden states split over the cp ranks and the logits come back whole
-        rl_tokens = args.tasks_per_step * args.group_size // (layout.world // layout.cp) * 3 * args.max_gen_tokens
-        plan["activations"] = max(plan["activations"], rl_tokens * (per_token * compute / layout.cp +
-                                                                    2 * 4 * cfg.vocab_size))
-        # other values of this rank's shards (grpo.Weights): the KL reference, a frozen or EMA teacher, the
-        # 8-bit sampler's, and the model's own, saved while one of those is loaded
-        n = len(wanted_copies) + (args.sampler_bits > 0)
-        plan["rl copies"] = (n + (n > 0)) * plan["weights"]
-        if args.sample_gather == "rollout" and layout.world > 1:  # the units kept gathered while sampling (counted
-            # on top of training's: an upper bound, as the two never run at once)
-            plan["sampling weights"] = compute * sum(p.numel() / (layout.ep if id(p) in expert_ids else 1)
-                                                     for p in m.parameters())
-    return plan, checkpoint
+def plan_memory(accum, reduce_each, bf16):
+    """model.memory_plan for this run's layout and flags (RL's too when the run has an RL stage)."""
+    rl = {}
+    if args.stage != "pretrain":  # the trainer's forward over a data-parallel group's rollouts, estimated at
+        # 3 x --max-gen-tokens tokens a trajectory (its own, about as many of prompt, replies, summaries, padding)
+        per_group = args.tasks_per_step * args.group_size // (layout.world // layout.cp)
+        rl = dict(rl_tokens=per_group * 3 * args.max_gen_tokens, sample_gathered=args.sample_gather == "rollout",
+                  rl_copies=len(wanted_copies) + (args.sampler_bits > 0))
+    muon_params = param_groups(meta_model.named_parameters(), lr=1.0, weight_decay=0.0)[0]["params"]
+    return memory_plan(meta_model, layout, muon_params, bf16=bf16, accum=accum, reduce_each=reduce_each,
+                       checkpointing=args.activation_checkpointing, batch_size=args.batch_size,
+                       seq_len=args.seq_len, **rl)
 
 
 def in_gib(plan):
@@ -394,7 +358,7 @@ if args.dry_run:  # everything above ran as it would under torchrun; nothing bel
     tries = [(n, each) for n in ([args.grad_accum] if args.grad_accum > 1 else
                                  [n for n in range(1, rows + 1) if rows % n == 0])
              for each in sorted({args.reduce_every_micro_batch, n > 1})]  # no-sync first, where it is allowed
-    plans = {t: memory_plan(meta_model, bf16, *t) for t in tries}
+    plans = {t: plan_memory(*t, bf16) for t in tries}
     accum, each = next((t for t in tries if sum(plans[t][0].values()) <= args.gpu_mem * 2**30), tries[0])
     plan, checkpoint_bytes = plans[accum, each]
     print(f"preset {args.preset}: {total / 1e9:.2f}B parameters, {active / 1e9:.2f}B active | world {world_size}: "
@@ -779,7 +743,7 @@ def get_batch(shards, windows):
 # -----------------------------------------------------------------------------
 # Model, sharding and optimizer
 
-plan, checkpoint_bytes = memory_plan(meta_model, bf16, args.grad_accum, args.reduce_every_micro_batch)  # first: a preset that cannot fit gets
+plan, checkpoint_bytes = plan_memory(args.grad_accum, args.reduce_every_micro_batch, bf16)  # first: a preset that cannot fit gets
 # one line, not an out-of-memory crash
 need = sum(plan.values())
 if device.type == "cuda":
