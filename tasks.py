@@ -37,6 +37,7 @@ import configparser
 import contextlib
 import functools
 import hashlib
+import inspect
 import io
 import json
 import marshal
@@ -53,6 +54,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 import tomllib
 import zipfile
@@ -366,7 +368,7 @@ class DifficultySampler:
 #                  the pytest plugin whose descriptor is the only source of outcomes
 #   Layout         which files are source, which are tests and configuration (never editable)
 #   Environment    make_env: a venv per repository with the test requirements it declares
-#   Tracing        trace_tests: TRACER profiles each test's calls into the package -> test -> feature map
+#   Tracing        trace_tests: Tracer profiles each test's calls into the package -> test -> feature map
 #   Splicing       delete_edit: byte ranges that delete a feature (stub or remove), the rest byte-identical
 #   Fingerprints   what the deleted code looks like, for the scanner
 #   Scan           scan: leak sources (bytecode, caches, git history, archives, builds) and what each holds
@@ -690,45 +692,56 @@ def make_env(repo, venv, isolate=True, log=print):
 # Test -> feature map: a pytest plugin (loaded with -p) profiles every Python call into the package and
 # files it under the running test's node id; calls made before the first test are the import bucket.
 
-TRACER = r'''
-import json, os, sys, threading
-ROOTS = tuple(os.environ["FEATDEL_ROOTS"].split(os.pathsep))
-calls, current, keys = {"<import>": set()}, "<import>", {}
 
-def _profile(frame, event, arg):
-    if event != "call":
-        return
-    code = frame.f_code
-    key = keys.get(code, 0)
-    if key == 0:  # first sight of this code object: inside the package or not
-        path = os.path.realpath(code.co_filename)
-        key = keys[code] = (path, code.co_qualname) if path.startswith(ROOTS) else None
-    if key is not None:
-        calls.setdefault(current, set()).add(key)
+class Tracer:
+    """The tracing plugin. It runs inside the repository's pytest, not here: trace_tests writes this class's
+    source into the plugin module it loads with -p, which makes one Tracer at import (before collection imports
+    any of the package) and hands pytest its hooks. roots: the package folders; out: where the calls go."""
 
-sys.setprofile(_profile)
-threading.setprofile(_profile)
+    def __init__(self, roots, out):
+        self.out, self.current, self.calls = out, "<import>", {"<import>": set()}
+        keys = {}  # code object -> (file, qualname) inside the package, or None
 
-def pytest_runtest_logstart(nodeid, location):
-    global current
-    current = nodeid  # setup, call and teardown all count: a fixture that needs the feature breaks the test
+        def profile(frame, event, arg):  # a closure, not a method: it runs on every call the tests make
+            if event != "call":
+                return
+            code = frame.f_code
+            key = keys.get(code, 0)
+            if key == 0:  # first sight of this code object: inside the package or not
+                path = os.path.realpath(code.co_filename)
+                key = keys[code] = (path, code.co_qualname) if path.startswith(roots) else None
+            if key is not None:
+                self.calls.setdefault(self.current, set()).add(key)
 
-def pytest_runtest_logfinish(nodeid, location):
-    global current
-    current = "<between>"
+        sys.setprofile(profile)
+        threading.setprofile(profile)
 
-def pytest_sessionfinish(session):
-    sys.setprofile(None)
-    with open(os.environ["FEATDEL_TRACE_OUT"], "w") as f:
-        json.dump({k: sorted(v) for k, v in calls.items()}, f)
-'''
+    def pytest_runtest_logstart(self, nodeid, location):
+        self.current = nodeid  # setup, call and teardown all count: a fixture that needs the feature breaks it
+
+    def pytest_runtest_logfinish(self, nodeid, location):
+        self.current = "<between>"
+
+    def pytest_sessionfinish(self, session):
+        sys.setprofile(None)
+        with open(self.out, "w") as f:
+            json.dump({k: sorted(v) for k, v in self.calls.items()}, f)
+
+
+TRACER_MODULE = f"""import json, os, sys, threading
+{inspect.getsource(Tracer)}
+_tracer = Tracer(tuple(os.environ["FEATDEL_ROOTS"].split(os.pathsep)), os.environ["FEATDEL_TRACE_OUT"])
+pytest_runtest_logstart = _tracer.pytest_runtest_logstart
+pytest_runtest_logfinish = _tracer.pytest_runtest_logfinish
+pytest_sessionfinish = _tracer.pytest_sessionfinish
+"""
 
 
 def trace_tests(root, box):
     """One traced pytest run: (passed ids, {node id: {(file, qualname)}}, the import-time set)."""
     root = Path(root).resolve()
     with tempfile.TemporaryDirectory() as tmp:
-        Path(tmp, "_featdel_tracer.py").write_text(TRACER)
+        Path(tmp, "_featdel_tracer.py").write_text(TRACER_MODULE)
         out = Path(tmp, "trace.json")
         roots = os.pathsep.join(str(root / p) + os.sep for p in packages(root))
         r = box.pytest(root, ["-p", "_featdel_tracer"], path=[tmp], writable=[tmp],
