@@ -364,7 +364,7 @@ class DifficultySampler:
 # re-implementation with the repo's own tests, scan and scrub keep the deleted code from leaking, monitor flags
 # trajectories that look for it. Everything below up to the Demo is this family; its CLI is cli(). The map:
 #
-#   Sandbox        Sandbox: every untrusted run (tests, solutions) in bubblewrap, with a timeout; REPORTER,
+#   Sandbox        Sandbox: every untrusted run (tests, solutions) in bubblewrap, with a timeout; Reporter,
 #                  the pytest plugin whose descriptor is the only source of outcomes
 #   Layout         which files are source, which are tests and configuration (never editable)
 #   Environment    make_env: a venv per repository with the test requirements it declares
@@ -555,20 +555,30 @@ class Report(NamedTuple):
 # it from read-only folders, keep theirs: the whole run under PYTHONPYCACHEPREFIX took 1.3x as long). In verify,
 # code that forges what pytest prints or patches the runner is caught by the canaries (further down), not by this
 # report alone.
-REPORTER = rf'''
-import json, os, sys
-sys.pycache_prefix = {NO_BYTECODE!r}  # from here on (conftests, tests, the solution) no bytecode is read or written
-_fd = os.environ.pop("FEATDEL_REPORT_FD", None)  # absent in pytest-xdist's workers: the controller reports
-_out = os.fdopen(int(_fd), "w", buffering=1) if _fd else None
+class Reporter:
+    """The reporting plugin. It runs inside the repository's pytest, not here: Sandbox.pytest writes REPORTER,
+    this class's source after a line that turns bytecode off, into the module it loads with -p. fd: the
+    descriptor the outcomes go to (None in pytest-xdist's workers, whose controller reports)."""
 
-def pytest_runtest_logreport(report):
-    if _out:
-        _out.write(json.dumps([report.nodeid, report.when, report.outcome]) + "\n")
+    def __init__(self, fd):
+        self.out = os.fdopen(int(fd), "w", buffering=1) if fd else None
 
-def pytest_sessionfinish(session, exitstatus):
-    if _out:
-        _out.write(json.dumps(["<end>", "", int(exitstatus)]) + "\n")
-'''
+    def pytest_runtest_logreport(self, report):
+        if self.out:
+            self.out.write(json.dumps([report.nodeid, report.when, report.outcome]) + "\n")
+
+    def pytest_sessionfinish(self, session, exitstatus):
+        if self.out:
+            self.out.write(json.dumps(["<end>", "", int(exitstatus)]) + "\n")
+
+
+REPORTER = f"""import json, os, sys
+sys.pycache_prefix = {NO_BYTECODE!r}  # from here on (conftests, tests, the solution) no bytecode is used
+{inspect.getsource(Reporter)}
+_reporter = Reporter(os.environ.pop("FEATDEL_REPORT_FD", None))  # popped: the tests never see which descriptor
+pytest_runtest_logreport = _reporter.pytest_runtest_logreport
+pytest_sessionfinish = _reporter.pytest_sessionfinish
+"""
 
 
 # -----------------------------------------------------------------------------
