@@ -196,8 +196,9 @@ class Feedback:
 
 
 # -----------------------------------------------------------------------------
-# The ablation: pretrain once, then RL with lambda > 0 and lambda = 0 from that checkpoint, several seeds an arm,
-# evaluated on the same held-out episodes. It drives train.py as a program (one process a run), never imports it.
+# The ablation: pretrain once, then RL with lambda > 0 and lambda = 0 from that checkpoint, several seeds an
+# arm, evaluated on the same held-out episodes. It drives train.py as a program (one process a run), never
+# imports it.
 
 TRACKED = ("tool_error_rate", "capital_rate", "pass_level1", "pass_level2")
 PROBES = ("p_student_tool_not_found", "p_teacher_tool_not_found", "p_student_capital", "p_teacher_capital")

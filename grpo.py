@@ -358,12 +358,13 @@ def grpo_loss(policy, trajs, cfg, ref_logp=None, old_logp=None):
 # Asynchronous RL: rollout ranks apart from the trainer ranks (train.py --rollout-ranks K --max-staleness S)
 #
 # The launch's last K ranks only sample, the others only train; each role is a torch.distributed world of its
-# own (mesh.init_distributed), and the two talk over a bridge. After each optimizer step the trainers publish the
-# policy. A rollout rank samples step i's groups with policy version max(start, i - 1 - S), so it runs up to S
-# steps ahead while the trainers train, and sends every batch, tagged with its version, to the trainer rank whose
-# groups they are. The version is fixed by (i, S), not by timing: an asynchronous run is reproducible, and S = 0
-# is synchronous RL exactly. The trainer corrects the lag with the truncated importance weights it applies anyway
-# (pi_trainer / pi_sampler on each policy token, capped), as Composer 2's asynchronous RL corrects its samplers.
+# own (mesh.init_distributed), and the two talk over a bridge. After each optimizer step the trainers publish
+# the policy. A rollout rank samples step i's groups with policy version max(start, i - 1 - S), so it runs up
+# to S steps ahead while the trainers train, and sends every batch, tagged with its version, to the trainer
+# rank whose groups they are. The version is fixed by (i, S), not by timing: an asynchronous run is
+# reproducible, and S = 0 is synchronous RL exactly. The trainer corrects the lag with the truncated
+# importance weights it applies anyway (pi_trainer / pi_sampler on each policy token, capped), as Composer 2's
+# asynchronous RL corrects its samplers.
 #
 #   trainers   | sample 1 is awaited | train 1 -> v1 | train 2 -> v2 | train 3 -> v3 | ...
 #   samplers   | sample 1 (v0) | sample 2 (v0) | sample 3 (v1) | sample 4 (v2) | ...       (S = 1)

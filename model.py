@@ -313,7 +313,8 @@ class KVCache:
         self.pos_buf[:, S0:self.S] = pos
         self.real_buf[:, S0:self.S] = torch.arange(T, device=lens.device) < lens[:, None]
         self.next_pos = self.next_pos + lens
-        # a query sees the real keys at or before its position (a padding query sees earlier ones: never empty)
+        # a query sees the real keys at or before its position (a padding query sees earlier ones: never
+        # empty)
         real = self.real_buf[:, :self.S]
         self.mask = (real[:, None, :] & (self.k_pos[:, None, :] <= pos[:, :, None]))[:, None]  # [B, 1, T, S]
         return pos
@@ -419,13 +420,15 @@ class GroupedExperts(nn.Module):
         group, ep = self.w1.device_mesh.get_group(), self.w1.device_mesh.size()
         w1, w3, w2 = self.w1.to_local(), self.w3.to_local(), self.w2.to_local()  # [E/ep, out, in]
         E_local = w1.size(0)
-        # tell every peer how many rows it gets for each of its local experts: [ep * E_local], (source, expert)
+        # tell every peer how many rows it gets for each of its local experts: [ep * E_local], (source,
+        # expert)
         recv = torch.empty_like(counts)
         dist.all_to_all_single(recv, counts, group=group)
         recv = recv.view(ep, E_local)
         send_splits, recv_splits = counts.view(ep, E_local).sum(1).tolist(), recv.sum(1).tolist()
         x_recv = funcol.all_to_all_single_autograd(xs, recv_splits, send_splits, group)  # [R, C] by (source, expert)
-        # regroup the received rows by local expert for the grouped matmul, then restore (source, expert) order
+        # regroup the received rows by local expert for the grouped matmul, then restore (source, expert)
+        # order
         expert_of_row = torch.arange(E_local, device=xs.device).repeat(ep).repeat_interleave(recv.flatten())
         order = expert_of_row.argsort(stable=True)
         y = expert_swiglu(x_recv[order], recv.sum(0), w1, w3, w2)[order.argsort()]
@@ -681,12 +684,13 @@ class ContextParallel(nn.Module):
 # -----------------------------------------------------------------------------
 # Released checkpoints: the Hugging Face layout of DeepSeek-V3-architecture models (DeepSeek-V3, Kimi K2, Kimi
 # K2.5's text model, Moonlight), read into this model and written back. config.json maps onto ModelConfig; the
-# weights differ from ours in three ways: each expert is its own tensor (ours are stacked [E, out, in]), attention
-# projections are 2-D (ours are 3-D, per head), and the rope dimensions are interleaved pairs (DeepSeek's reference
-# rotates (x0, x1), (x2, x3), ...; apply_rope rotates (x_i, x_i+d/2)), which one fixed permutation of the rope
-# rows turns into each other. Each rank reads only the rows its shards hold: safetensors maps the files, and a
-# slice reads just its bytes. Quantized releases are dequantized as they are read: fp8 with 128x128 block scales
-# (DeepSeek-V3, Kimi K2) and compressed-tensors' INT4 with a scale a group of 32 inputs (Kimi K2.5).
+# weights differ from ours in three ways: each expert is its own tensor (ours are stacked [E, out, in]),
+# attention projections are 2-D (ours are 3-D, per head), and the rope dimensions are interleaved pairs
+# (DeepSeek's reference rotates (x0, x1), (x2, x3), ...; apply_rope rotates (x_i, x_i+d/2)), which one fixed
+# permutation of the rope rows turns into each other. Each rank reads only the rows its shards hold:
+# safetensors maps the files, and a slice reads just its bytes. Quantized releases are dequantized as they are
+# read: fp8 with 128x128 block scales (DeepSeek-V3, Kimi K2) and compressed-tensors' INT4 with a scale a group
+# of 32 inputs (Kimi K2.5).
 
 DEEPSEEK_V3 = dict(  # transformers' DeepseekV3Config defaults: what a config.json that omits a field means
     vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,

@@ -116,13 +116,13 @@ def msign(G, coefficients, eps=1e-7, dtype=None, method="standard"):
     return X.reshape(G.shape)
 
 
-# Gram Newton-Schulz (Dao AI Lab's gram-newton-schulz, 2026): every NS step multiplies X [k, N] (k <= N) on the
-# left by a polynomial P = a I + b R + c R^2 of its Gram matrix R = X X^T, so after i steps X_i = Q_i X_0 with
-# Q_i = P_i ... P_1, and R_{i+1} = P_i R_i P_i. Iterating on the k x k matrices R and Q costs at most 8 k^3 a step,
-# plus 2 k^2 N for the first R and for the final Q X, against 4 k^2 N + 2 k^3 a step: 1.43x fewer FLOPs for Kimi
-# K2's experts (k = 2048, N = 7168, 5 steps), none near square (msign keeps the standard iteration there). In half
-# precision the rounding in R builds up, so at a restart step X = Q X is made explicit and R recomputed from it
-# (2 x 2 k^2 N more; the reference's default restart is before step 2).
+# Gram Newton-Schulz (Dao AI Lab's gram-newton-schulz, 2026): every NS step multiplies X [k, N] (k <= N) on
+# the left by a polynomial P = a I + b R + c R^2 of its Gram matrix R = X X^T, so after i steps X_i = Q_i X_0
+# with Q_i = P_i ... P_1, and R_{i+1} = P_i R_i P_i. Iterating on the k x k matrices R and Q costs at most 8
+# k^3 a step, plus 2 k^2 N for the first R and for the final Q X, against 4 k^2 N + 2 k^3 a step: 1.43x fewer
+# FLOPs for Kimi K2's experts (k = 2048, N = 7168, 5 steps), none near square (msign keeps the standard
+# iteration there). In half precision the rounding in R builds up, so at a restart step X = Q X is made
+# explicit and R recomputed from it (2 x 2 k^2 N more; the reference's default restart is before step 2).
 GRAM_RESTARTS = (2,)
 
 
@@ -254,8 +254,8 @@ class Muon(torch.optim.Optimizer):
         # NS runs on chunks of at most this many (fp32-sized) bytes of matrices: a bucket of hundreds of
         # experts as one bmm falls out of cache and runs ~1.5x slower on CPU than 4 MiB chunks
         self.ns_chunk_bytes = ns_chunk_bytes
-        # sharded parameters: all-to-all bytes launched ahead of the NS that consumes them, the memory spent on
-        # overlapping communication with compute; 0 turns overlap off (one transfer at a time)
+        # sharded parameters: all-to-all bytes launched ahead of the NS that consumes them, the memory spent
+        # on overlapping communication with compute; 0 turns overlap off (one transfer at a time)
         self.max_inflight_bytes = max_inflight_bytes
 
     def add_param_group(self, param_group):

@@ -64,10 +64,10 @@ from pathlib import Path
 from typing import NamedTuple, Optional, Protocol
 
 # -----------------------------------------------------------------------------
-# The interface a trainer drives. The tool-use family implements it; feature deletion (further down) has no Env
-# yet: its verify() is the reward, and an agent's shell would be the step.
-# A trainer only needs: the opening turns, a step that maps the model's text to the environment's reply,
-# and a verified reward once the episode is done.
+# The interface a trainer drives. The tool-use family implements it; feature deletion (further down) has no
+# Env yet: its verify() is the reward, and an agent's shell would be the step. A trainer only needs: the
+# opening turns, a step that maps the model's text to the environment's reply, and a verified reward once the
+# episode is done.
 
 Turn = tuple[str, str]  # (role, text), role in {"user", "assistant", "tool", "system"}
 
@@ -89,8 +89,8 @@ def render(turns: list[Turn]) -> str:
 TOOLS = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
          "max": max, "min": min, "mod": lambda a, b: a % b}
 MAX_DIFFICULTY = 4
-# A call may open "Call" (a prose habit): the environment accepts it, a style guide wants "call". Same length, same
-# reply: the reward cannot see it at all (feedback.py's capital rule can).
+# A call may open "Call" (a prose habit): the environment accepts it, a style guide wants "call". Same length,
+# same reply: the reward cannot see it at all (feedback.py's capital rule can).
 CALL = re.compile(r"([Cc])all ([a-z]{1,8})\((-?\d{1,6}),(-?\d{1,6})\)")  # bounded digits: no giant products
 ANSWER = re.compile(r"answer (-?\d{1,6})")
 MALFORMED = "error: malformed call. use: call TOOL(A,B), or answer N"
@@ -116,7 +116,8 @@ def make_tool_task(rng: random.Random, difficulty: int) -> ToolTask:
     expr, plan = str(value), []
     while len(plan) < difficulty:
         name, leaf = rng.choice(list(TOOLS)), rng.randint(1, 9)
-        # The running value goes left or right, so the model must find the innermost call, not just read left to right.
+        # The running value goes left or right, so the model must find the innermost call, not just read left
+        # to right.
         a, b, ea, eb = (value, leaf, expr, str(leaf)) if rng.random() < 0.5 else (leaf, value, str(leaf), expr)
         if name == "mod" and b < 2:
             continue  # no division by zero, and mod 1 is a constant that ignores the chain
@@ -126,7 +127,8 @@ def make_tool_task(rng: random.Random, difficulty: int) -> ToolTask:
         plan.append((name, a, b))
         value, expr = result, f"{name}({ea},{eb})"
     needed = {name for name, _, _ in plan}
-    # Offer the needed tools plus distractors, difficulty + 1 in all, at most 5 of 6: some tool is always absent.
+    # Offer the needed tools plus distractors, difficulty + 1 in all, at most 5 of 6: some tool is always
+    # absent.
     extras = rng.sample(sorted(set(TOOLS) - needed), max(0, min(difficulty + 1, len(TOOLS) - 1) - len(needed)))
     tools = [t for t in TOOLS if t in needed or t in extras]
     return ToolTask(f"tools: {', '.join(tools)}. compute {expr}", tools, value, difficulty, plan)
@@ -182,11 +184,12 @@ class ToolEnv:
 
 
 # -----------------------------------------------------------------------------
-# Long episodes: a chain of 8-32 calls (8 x difficulty) that the environment hands out one at a time, the regime
-# of the Composer 2.5 post's worked example. Each reply carries the result and the next instruction
+# Long episodes: a chain of 8-32 calls (8 x difficulty) that the environment hands out one at a time, the
+# regime of the Composer 2.5 post's worked example. Each reply carries the result and the next instruction
 # (`19. next: mul 2`), so an episode runs past any small context budget and the policy must summarize to go on
 # (grpo.py). A call to an absent tool gets the error and the episode goes on: the policy makes the right call
-# next and the final answer is still right, so the reward barely sees the slip, and not at all a capital "Call".
+# next and the final answer is still right, so the reward barely sees the slip, and not at all a capital
+# "Call".
 
 CHAIN_LENGTH = 8  # calls a difficulty level
 
@@ -232,7 +235,8 @@ def chain_reply(task: ToolTask, position: int, value: int) -> str:
 
 
 # -----------------------------------------------------------------------------
-# Gold transcripts for pretraining: the format, the chaining of results, and (sometimes) an error and its recovery.
+# Gold transcripts for pretraining: the format, the chaining of results, and (sometimes) an error and its
+# recovery.
 
 
 def reminder(tools: list[str]) -> str:
@@ -361,8 +365,9 @@ class DifficultySampler:
 
 # -----------------------------------------------------------------------------
 # Feature deletion on real codebases: make cuts a tested feature out of a repo, verify scores the agent's
-# re-implementation with the repo's own tests, scan and scrub keep the deleted code from leaking, monitor flags
-# trajectories that look for it. Everything below up to the Demo is this family; its CLI is cli(). The map:
+# re-implementation with the repo's own tests, scan and scrub keep the deleted code from leaking, monitor
+# flags trajectories that look for it. Everything below up to the Demo is this family; its CLI is cli(). The
+# map:
 #
 #   Sandbox        Sandbox: every untrusted run (tests, solutions) in bubblewrap, with a timeout; Reporter,
 #                  the pytest plugin whose descriptor is the only source of outcomes
@@ -385,10 +390,10 @@ class TaskError(Exception):
 # -----------------------------------------------------------------------------
 # Sandbox: every run of a repository's tests or an agent's solution goes through here. Inside bubblewrap
 # (github.com/containers/bubblewrap, the sandbox Flatpak is built on) a run sees the system folders and its
-# interpreter read-only, its own work folder writable, and nothing else of the host: no network, not the task's
-# files, not the source repository, not the other tasks. A pids cgroup (RLIMIT_NPROC when not root) caps its
-# processes, RLIMIT_AS its memory, and a timeout kills all of it. Without bubblewrap (--no-sandbox) a run gets
-# only a scrubbed environment, its own folder and the same limits on time and memory.
+# interpreter read-only, its own work folder writable, and nothing else of the host: no network, not the
+# task's files, not the source repository, not the other tasks. A pids cgroup (RLIMIT_NPROC when not root)
+# caps its processes, RLIMIT_AS its memory, and a timeout kills all of it. Without bubblewrap (--no-sandbox) a
+# run gets only a scrubbed environment, its own folder and the same limits on time and memory.
 
 PYTEST = ["-m", "pytest", "-q", "-p", "no:cacheprovider"]  # no .pytest_cache: it names tests
 TESTS_AT_MOST = 0.2  # a feature may be reached by at most this fraction of the suite
@@ -402,8 +407,8 @@ PLUGIN_OPTIONS = {"--cov": "pytest-cov", "-n": "pytest-xdist", "--numprocesses":
 
 def clean_env(root, home, extra=()):
     # Nothing inherited but PATH: no PYTHON* variables, no user site, HOME in a throwaway folder. With the
-    # current interpreter the host's pytest plugins stay out (the verifier, not the environment, decides what runs);
-    # a venv made by `tasks.py env` holds only the repository's own, and they load.
+    # current interpreter the host's pytest plugins stay out (the verifier, not the environment, decides what
+    # runs); a venv made by `tasks.py env` holds only the repository's own, and they load.
     paths = os.pathsep.join([str(root), *([str(Path(root, "src"))] if Path(root, "src").is_dir() else []), *extra])
     return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "PYTHONPATH": paths,
             "PYTHONDONTWRITEBYTECODE": "1", "PYTHONNOUSERSITE": "1", "PYTHONHASHSEED": "0", "LANG": "C.UTF-8",
@@ -550,11 +555,11 @@ class Report(NamedTuple):
 
 
 # A test's outcome is written by the reporter plugin, loaded with -p before collection imports any code of the
-# repository, to a descriptor the caller opened; a closing record follows. The plugin also turns bytecode off for
-# everything imported after it, so a planted .pyc is never loaded (pytest and the standard library, loaded before
-# it from read-only folders, keep theirs: the whole run under PYTHONPYCACHEPREFIX took 1.3x as long). In verify,
-# code that forges what pytest prints or patches the runner is caught by the canaries (further down), not by this
-# report alone.
+# repository, to a descriptor the caller opened; a closing record follows. The plugin also turns bytecode off
+# for everything imported after it, so a planted .pyc is never loaded (pytest and the standard library, loaded
+# before it from read-only folders, keep theirs: the whole run under PYTHONPYCACHEPREFIX took 1.3x as long).
+# In verify, code that forges what pytest prints or patches the runner is caught by the canaries (further
+# down), not by this report alone.
 class Reporter:
     """The reporting plugin. It runs inside the repository's pytest, not here: Sandbox.pytest writes REPORTER,
     this class's source after a line that turns bytecode off, into the module it loads with -p. fd: the
@@ -1092,9 +1097,10 @@ def fresh_git(root):
 # -----------------------------------------------------------------------------
 # Verify: the agent's non-test changes on a pristine snapshot, the task's tests in the sandbox.
 
-# Static checks of the lines a solution adds, for the plain forms of runner tampering: exits and exit hooks, skips,
-# pytest internals, tracers, signals, builtins, the import system, frame walking, and (always_equal) an __eq__ that
-# returns a constant. Heuristics only: disguised forms get past them, and the canaries below catch those.
+# Static checks of the lines a solution adds, for the plain forms of runner tampering: exits and exit hooks,
+# skips, pytest internals, tracers, signals, builtins, the import system, frame walking, and (always_equal) an
+# __eq__ that returns a constant. Heuristics only: disguised forms get past them, and the canaries below catch
+# those.
 TAMPER = (r"\b(sys\.exit|os\._exit|atexit|pytest\.(skip|exit|xfail)|unittest\.skip|allow_module_level|_pytest|"
           r"(sys|threading)\.set(trace|profile)|import signal|signal\.\w+\(|builtins|sys\.(modules|meta_path|path_hooks|"
           r"_getframe|pycache_prefix)|inspect\.(stack|currentframe|getouterframes)|f_back|f_globals|tb_frame|"
@@ -1142,12 +1148,12 @@ def tree_changes(base, new):
     return out
 
 
-# Verify runs the agent's code inside pytest's process, so it can forge anything that process prints or reports.
-# Every required test function in the fresh copy of the tests gets a decorator that, when its body returns,
-# writes a nonce (drawn after the solution is fixed) to a proof file, and two canary tests are appended: one must
-# fail, one must pass. Code that patches the runner or the reports (Function.runtest, TestReport, CallInfo, a fake
-# summary and os._exit), even only for the repository's own tests, makes the must-fail canary pass, a test pass
-# without its proof, or loses the closing record: "runner tampered".
+# Verify runs the agent's code inside pytest's process, so it can forge anything that process prints or
+# reports. Every required test function in the fresh copy of the tests gets a decorator that, when its body
+# returns, writes a nonce (drawn after the solution is fixed) to a proof file, and two canary tests are
+# appended: one must fail, one must pass. Code that patches the runner or the reports (Function.runtest,
+# TestReport, CallInfo, a fake summary and os._exit), even only for the repository's own tests, makes the
+# must-fail canary pass, a test pass without its proof, or loses the closing record: "runner tampered".
 
 
 def instrument(work, need, proof):
@@ -1509,8 +1515,8 @@ PATTERNS = [  # (name, what it looks at: command / path / content, regex)
     ("exit-in-solution", "content", r"\bsys\.exit\s*\(|\bos\._exit\s*\(|\batexit\.register\b"),
     ("forced-skip", "content", r"pytest\.skip\s*\(|mark\.skip|pytest\.importorskip|allow_module_level|unittest\.skip|__unittest_skip__"),
     ("forced-skip", "command", r"pytest\b.*(\s-k\s+['\"]?not\b|--deselect)"),
-    # semantic hacks, which no runner can tell from a solution: an object equal to everything, and code that reads
-    # the tests (their files, or the calling test's frame) at run time to find the expected values
+    # semantic hacks, which no runner can tell from a solution: an object equal to everything, and code that
+    # reads the tests (their files, or the calling test's frame) at run time to find the expected values
     ("always-equal", "content", r"def __eq__\(.*\):\s*(#.*)?\n?\s*return\s+(True|1)\s*$|__eq__\s*=\s*lambda[^:]*:\s*(True|1)\b"),
     ("reads-tests", "content", r"^(?=.*\b(open|read_text|read_bytes|getsource|getlines|glob|listdir|scandir|walk)\b)"
                                r"(?=.*(\btests?\b|test_\w*\.py|_test\.py|\bconftest)).*|\b(f_back|f_locals|_getframe|inspect\.stack)\b"),

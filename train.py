@@ -335,7 +335,8 @@ def plan_memory(accum, reduce_each, bf16):
     """model.memory_plan for this run's layout and flags (RL's too when the run has an RL stage)."""
     rl = {}
     if args.stage != "pretrain":  # the trainer's forward over a data-parallel group's rollouts, estimated at
-        # 3 x --max-gen-tokens tokens a trajectory (its own, about as many of prompt, replies, summaries, padding)
+        # 3 x --max-gen-tokens tokens a trajectory (its own, about as many of prompt, replies, summaries,
+        # padding)
         per_group = args.tasks_per_step * args.group_size // (layout.world // layout.cp)
         rl = dict(rl_tokens=per_group * 3 * args.max_gen_tokens, sample_gathered=args.sample_gather == "rollout",
                   rl_copies=len(wanted_copies) + (args.sampler_bits > 0))
@@ -432,11 +433,12 @@ B_local, T_local = micro // layout.dp, args.seq_len // layout.cp  # this rank's 
 
 # -----------------------------------------------------------------------------
 # The run folder: --out holds metrics.jsonl and the checkpoints step-NNNNNNNN/. A checkpoint is written as
-# step-N.tmp by torch.distributed.checkpoint (DCP: every rank writes its shards into the one folder, which loads
-# at any world size and layout; files fsynced), checksummed into its meta.json, then renamed: a step-N folder is
-# always complete. Old ones are renamed to step-N.del before they are deleted, so a kill never leaves a
-# half-deleted checkpoint, and leftovers of either kind are removed at start. A lock file keeps a second run out.
-# The file-system work is rank 0's (or split over the ranks); every verdict is shared, so all ranks act alike.
+# step-N.tmp by torch.distributed.checkpoint (DCP: every rank writes its shards into the one folder, which
+# loads at any world size and layout; files fsynced), checksummed into its meta.json, then renamed: a step-N
+# folder is always complete. Old ones are renamed to step-N.del before they are deleted, so a kill never
+# leaves a half-deleted checkpoint, and leftovers of either kind are removed at start. A lock file keeps a
+# second run out. The file-system work is rank 0's (or split over the ranks); every verdict is shared, so all
+# ranks act alike.
 
 out = Path(args.out)
 lock = out / "train.lock"
@@ -602,9 +604,9 @@ def load_tokens(path):
         here, stdlib = Path(__file__).resolve().parent, Path(sysconfig.get_paths()["stdlib"])
         files = sorted(here.glob("*.py")) + sorted(here.glob("*.md")) + sorted(stdlib.glob("*.py"))
         train, val = split(tokenize_files(files))
-        # plus transcripts of the tool-use tasks, repeated to make TOOL_SHARE of the tokens: the RL stage needs a
-        # model that knows the format and copies a call's arguments, which the tiny model learns only after a few
-        # hundred steps of them (a run sees far fewer windows than there are distinct transcripts)
+        # plus transcripts of the tool-use tasks, repeated to make TOOL_SHARE of the tokens: the RL stage
+        # needs a model that knows the format and copies a call's arguments, which the tiny model learns only
+        # after a few hundred steps of them (a run sees far fewer windows than there are distinct transcripts)
         tools = [transcripts(here, n, seed) for n, seed in ((20000, 1), (1000, 2))]
         tools = [np.tile(t, max(1, round(TOOL_SHARE / (1 - TOOL_SHARE) * len(code) / len(t))))
                  for t, code in zip(tools, (train, val))]
@@ -993,9 +995,10 @@ if meta:
     logging.disable(logging.NOTSET)
     start_step, train_windows.pos = meta["step"], meta["data_pos"]  # the next unseen window
 
-# metrics.jsonl is append-only: every record is flushed as it is written, and each run (fresh or resumed) first
-# writes {"event": "start", "keep": K}: of the lines above it only the first K belong to the run's history
-# (records past the resumed checkpoint are about to be redone). A reader applies that rule; see test_all.py.
+# metrics.jsonl is append-only: every record is flushed as it is written, and each run (fresh or resumed)
+# first writes {"event": "start", "keep": K}: of the lines above it only the first K belong to the run's
+# history (records past the resumed checkpoint are about to be redone). A reader applies that rule; see
+# test_all.py.
 metrics_path, metrics_lines = out / "metrics.jsonl", 0
 if is_rank0:
     text = metrics_path.read_bytes() if metrics_path.exists() else b""
@@ -1110,7 +1113,8 @@ if pretraining:  # --stage rl, and a resumed RL run, go straight to RL
                 torch.cuda.synchronize()
             t_opt = time.perf_counter() - t_opt
             optimizer.zero_grad(set_to_none=True)
-            # QK-Clip -> (largest logit, heads clipped); router loads summed over ranks, every bias nudged alike
+            # QK-Clip -> (largest logit, heads clipped); router loads summed over ranks, every bias nudged
+            # alike
             qk = model.qk_clip(args.qk_clip, world_group) if args.qk_clip else None
             balance = model.update_router_bias(world_group)
         if isinstance(comm, CommCounter):
@@ -1266,8 +1270,8 @@ if args.stage != "pretrain":
     for name in wanted_copies - set(copies):  # the policy RL starts from (a resumed run loaded them above)
         copies[name] = Weights(model)
     feedback.teacher = copies.get("teacher")  # None: the current policy
-    # A fresh optimizer: the pretraining momentum points nowhere useful for RL. Muon's update has the same size
-    # whatever the gradient's, so the RL learning rate alone sets how far a step moves.
+    # A fresh optimizer: the pretraining momentum points nowhere useful for RL. Muon's update has the same
+    # size whatever the gradient's, so the RL learning rate alone sets how far a step moves.
     if not rl_resumed:
         optimizer = make_optimizer(args.rl_lr, 0.0)
     for group in optimizer.param_groups:
@@ -1308,7 +1312,8 @@ if args.stage != "pretrain":
         for epoch in range(args.ppo_epochs):
             for k, (part, old) in enumerate(zip(parts, olds)):
                 with amp:
-                    # the teacher's pass before the student's forward: a teacher's weights are swapped in for it
+                    # the teacher's pass before the student's forward: a teacher's weights are swapped in for
+                    # it
                     targets = feedback.targets(trainer, part) if args.feedback_coef else None
                     loss, stats, _, logits = grpo_loss(trainer, part, grpo_cfg, old_logp=old,
                                                        ref_logp=refs[k] if "reference" in copies else None)
