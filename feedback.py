@@ -3,14 +3,14 @@
 A trajectory-level reward says little about which of hundreds of messages went wrong. So at a target message
 (picked by a rule: it called a tool the episode does not offer, it broke a style rule, it was malformed) we
 write a short hint about the wanted improvement and insert it into the local context just before that message.
-The policy under the hinted context is the teacher, the same policy under the original context is the
-student, and the student is pulled toward the teacher on that message's tokens only: per-token reverse
-KL(student || teacher) over the full vocabulary (or a sampled-token estimator), teacher under no_grad, added to
-the RL loss as L_RL + lambda * L_fb.
-The same self-distillation primitive appears in arXiv 2601.19897, 2601.20802 and 2601.18734 (cited by the post).
+The policy under the hinted context is the teacher, the same policy under the original context is the student,
+and the student is pulled toward the teacher on that message's tokens only: per-token reverse KL(student ||
+teacher) over the full vocabulary (or a sampled-token estimator), teacher under no_grad, added to the RL loss
+as L_RL + lambda * L_fb. The same self-distillation primitive appears in arXiv 2601.19897, 2601.20802 and
+2601.18734 (cited by the post).
 
-The ablation runs train.py (pretraining once, then RL with lambda > 0 and lambda = 0 from that checkpoint, several
-seeds an arm) and prints the held-out targeted rates and pass rates, mean ± std over the seeds.
+The ablation runs train.py (pretraining once, then RL with lambda > 0 and lambda = 0 from that checkpoint,
+several seeds an arm) and prints the held-out targeted rates and pass rates, mean ± std over the seeds.
 
     python feedback.py                   # Cursor's "tool not found" example on a tiny model pretrained on transcripts
     python feedback.py --ablation long   # lambda 0.1 against 0 on long episodes, 5 seeds an arm (--ablation short)
@@ -103,10 +103,10 @@ def message_kl(s_logits, t_logits, tokens, estimator="full"):
 
 class Feedback:
     """The feedback term: finds targets in a batch of trajectories, builds student and teacher contexts, and
-    returns lambda-free L_fb (sum over target tokens / norm, the RL loss's constant). The teacher is the policy
-    itself with the hint in its context ("current"), or other Weights of it (grpo.Weights, held as the policy
-    is held: shards under FSDP) loaded into the policy for the teacher's pass: the policy RL started from
-    ("frozen") or an EMA of it ("ema")."""
+    returns lambda-free L_fb (sum over target tokens / norm, the RL loss's constant). The teacher is the
+    policy itself with the hint in its context ("current"), or other Weights of it (grpo.Weights, held as the
+    policy is held: shards under FSDP) loaded into the policy for the teacher's pass: the policy RL started
+    from ("frozen") or an EMA of it ("ema")."""
 
     def __init__(self, policy, cfg: FeedbackConfig, rules=RULES):
         if cfg.teacher not in ("current", "frozen", "ema"):
@@ -205,8 +205,9 @@ PROBES = ("p_student_tool_not_found", "p_teacher_tool_not_found", "p_student_cap
 
 
 def ablation(regime, seeds, rl_steps, out, coef, jobs, start=None, extra=()):
-    """Run (or reuse) every arm and seed. -> {(lambda, when): {metric: [value a seed]}}, `when` an RL step of a
-    held-out evaluation or "train a-b", the mean over RL steps a..b of the training rollouts (metrics.jsonl)."""
+    """Run (or reuse) every arm and seed. -> {(lambda, when): {metric: [value a seed]}}, `when` an RL step of
+    a held-out evaluation or "train a-b", the mean over RL steps a..b of the training rollouts
+    (metrics.jsonl)."""
     out, train = Path(out), Path(__file__).resolve().parent / "train.py"
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // jobs))}
     if start is None:  # one pretraining for every arm and seed (skipped when it is already there)

@@ -1,20 +1,20 @@
 """Dr. GRPO on multi-turn rollouts, with self-summarization and a low-precision sampler: the RL objective
 Composer 2 and 2.5 inherit.
 
-A group of G rollouts of the same task is sampled, the whole batch in lockstep with MLA's KV cache (model.KVCache:
-one prefill a turn, then one token a row); each trajectory's advantage is its reward minus the group's
-mean reward, with no division by the group's std (Dr. GRPO, "Understanding R1-Zero-Like Training", arXiv
-2503.20783). Every token the policy wrote gets the PPO clipped-ratio loss with separate low/high epsilons
-(DAPO's clip-higher, arXiv 2503.14476), for one or more epochs over minibatches of whole groups; token losses
-are summed and divided by a constant (trajectories x the max generation length), not by each sequence's
-length. Only the policy's own tokens are trained: prompt, tool output and inserted requests are attended to
-but masked by a boolean mask built while sampling, never inferred from token ids. When a context passes its
-budget the model is asked to summarize, and the rollout continues from prompt + summary; every segment is
-trained with the trajectory's reward (Composer 2 report). Sampling may use a fake-quantised copy of the policy
-(8-bit blocks, like MXFP8); a truncated importance ratio between the trainer's and the sampler's recorded
-log-probs corrects that mismatch and any other (an fp32 sampler, a bf16 trainer; Yao et al. 2025, "truncated
-importance sampling"). The same weights correct a sampler that runs a bounded number of policy versions behind
-the trainer: asynchronous RL on rollout ranks (section at the end).
+A group of G rollouts of the same task is sampled, the whole batch in lockstep with MLA's KV cache
+(model.KVCache: one prefill a turn, then one token a row); each trajectory's advantage is its reward minus the
+group's mean reward, with no division by the group's std (Dr. GRPO, "Understanding R1-Zero-Like Training",
+arXiv 2503.20783). Every token the policy wrote gets the PPO clipped-ratio loss with separate low/high
+epsilons (DAPO's clip-higher, arXiv 2503.14476), for one or more epochs over minibatches of whole groups;
+token losses are summed and divided by a constant (trajectories x the max generation length), not by each
+sequence's length. Only the policy's own tokens are trained: prompt, tool output and inserted requests are
+attended to but masked by a boolean mask built while sampling, never inferred from token ids. When a context
+passes its budget the model is asked to summarize, and the rollout continues from prompt + summary; every
+segment is trained with the trajectory's reward (Composer 2 report). Sampling may use a fake-quantised copy of
+the policy (8-bit blocks, like MXFP8); a truncated importance ratio between the trainer's and the sampler's
+recorded log-probs corrects that mismatch and any other (an fp32 sampler, a bf16 trainer; Yao et al. 2025,
+"truncated importance sampling"). The same weights correct a sampler that runs a bounded number of policy
+versions behind the trainer: asynchronous RL on rollout ranks (section at the end).
 
     python grpo.py          # one group of rollouts on the tool-use tasks with a fresh tiny model, and its loss
 """
@@ -53,8 +53,8 @@ SUMMARY_REQUEST = "Context full. Summarize in one line."
 
 @dataclass
 class Segment:
-    """One training sequence: tokens [T], policy [T] (True where the policy sampled the token) and the sampler's
-    log-prob of each policy token (0 elsewhere)."""
+    """One training sequence: tokens [T], policy [T] (True where the policy sampled the token) and the
+    sampler's log-prob of each policy token (0 elsewhere)."""
     tokens: list = field(default_factory=list)
     policy: list = field(default_factory=list)
     sampler_logp: list = field(default_factory=list)
@@ -87,14 +87,15 @@ def turn_tokens(role, text):
 
 
 class Weights:
-    """Another set of values for a model's parameters, held as this rank holds the model: its shards under FSDP
-    and EP, whole tensors in one process, so a copy costs 1/world of the model and no rank ever holds a whole
-    one. RL keeps its other policies so (the KL reference, a frozen or EMA teacher, the low-precision sampler):
-    `with weights.loaded(model):` runs the model itself with these values and puts its own back after. Only
-    between optimizer steps, never inside a forward and its backward (autograd saves the weights it used).
-    bits: fake-quantised to `bits`-bit integers with a scale for every 32 values of a row (MXFP8-like blocks;
-    integer rounding stands in for the fp8 grid); blocks run along the last dim, which no layout splits, so
-    the values do not depend on the layout. Buffers are shared (RL leaves the router bias as it is)."""
+    """Another set of values for a model's parameters, held as this rank holds the model: its shards under
+    FSDP and EP, whole tensors in one process, so a copy costs 1/world of the model and no rank ever holds a
+    whole one. RL keeps its other policies so (the KL reference, a frozen or EMA teacher, the low-precision
+    sampler): `with weights.loaded(model):` runs the model itself with these values and puts its own back
+    after. Only between optimizer steps, never inside a forward and its backward (autograd saves the weights
+    it used). bits: fake-quantised to `bits`-bit integers with a scale for every 32 values of a row
+    (MXFP8-like blocks; integer rounding stands in for the fp8 grid); blocks run along the last dim, which no
+    layout splits, so the values do not depend on the layout. Buffers are shared (RL leaves the router bias as
+    it is)."""
 
     def __init__(self, model, bits=0, block=32):
         self.bits, self.block = bits, block
@@ -139,10 +140,10 @@ class Weights:
 
 
 class Lockstep(nn.Module):
-    """Sampling with a sharded model (FSDP all-gathers every unit, EP exchanges tokens): every rank must run as
-    many forwards as every other, though its rollouts end sooner or later. Each forward first agrees, in one
-    all-reduce, that some rank still works; a rank that is done calls drain(), which runs one-token forwards
-    as long as any other rank does, and returns once all are done."""
+    """Sampling with a sharded model (FSDP all-gathers every unit, EP exchanges tokens): every rank must run
+    as many forwards as every other, though its rollouts end sooner or later. Each forward first agrees, in
+    one all-reduce, that some rank still works; a rank that is done calls drain(), which runs one-token
+    forwards as long as any other rank does, and returns once all are done."""
 
     def __init__(self, model):
         super().__init__()
@@ -259,7 +260,8 @@ def group_advantages(rewards, group_size):
 
 
 def token_logprobs(logits, tokens):
-    """logits [N, T-1, V] of a forward over tokens [N, T] minus its last -> log-prob of each next token [N, T-1]."""
+    """logits [N, T-1, V] of a forward over tokens [N, T] minus its last -> log-prob of each next token [N,
+    T-1]."""
     return torch.gather(F.log_softmax(logits, -1), -1, tokens[:, 1:, None]).squeeze(-1)
 
 
@@ -287,7 +289,8 @@ def policy_loss(logp, old_logp, sampler_logp, adv, mask, cfg, norm):
 
 
 def rows(trajs):
-    """The training sequences of a batch, in order: (trajectory index, segment) for each segment the policy wrote in."""
+    """The training sequences of a batch, in order: (trajectory index, segment) for each segment the policy
+    wrote in."""
     return [(i, s) for i, t in enumerate(trajs) for s in t.segments if any(s.policy)]
 
 
@@ -313,8 +316,8 @@ def minibatches(trajs, n, group_size):
 
 @torch.no_grad()
 def logprobs(policy, trajs, cfg):
-    """A policy's log-probs [S, T-1] of a minibatch's tokens, at the sampler's temperature, in eval mode (so the
-    router counts nothing): grpo_loss's old_logp (the trainer's, before any PPO step on the minibatch) and
+    """A policy's log-probs [S, T-1] of a minibatch's tokens, at the sampler's temperature, in eval mode (so
+    the router counts nothing): grpo_loss's old_logp (the trainer's, before any PPO step on the minibatch) and
     ref_logp (with the reference's Weights loaded), both taken before the training forward."""
     tokens = batch(trajs)[0]
     was_training = policy.training
@@ -446,12 +449,12 @@ def unpack_policy(model, flat):
 
 def serve_rollouts(model, bridge, cfg, episodes, difficulty, staleness, me, samplers):
     """A rollout rank's whole run. Trainer rank 0 first sends where RL starts and ends and the difficulty
-    sampler's state. Then, for each RL step: load the policy version the staleness bound allows (versions arrive
-    in order from trainer rank 0), sample the groups of each trainer rank this rank serves (trainer t is served by
-    rollout rank t % samplers; me is this one's index), send each trainer its batch, and move the difficulty
-    sampler by every trainer rank's rewards in trainer order, as the trainers move theirs (gathered over the
-    rollout ranks). episodes(step, t) -> (level, envs, gen): trainer rank t's episodes of that step, drawn and
-    seeded as the synchronous loop draws them."""
+    sampler's state. Then, for each RL step: load the policy version the staleness bound allows (versions
+    arrive in order from trainer rank 0), sample the groups of each trainer rank this rank serves (trainer t
+    is served by rollout rank t % samplers; me is this one's index), send each trainer its batch, and move the
+    difficulty sampler by every trainer rank's rewards in trainer order, as the trainers move theirs (gathered
+    over the rollout ranks). episodes(step, t) -> (level, envs, gen): trainer rank t's episodes of that step,
+    drawn and seeded as the synchronous loop draws them."""
     hello = bridge.recv_object(0)
     start, steps = hello["start"], hello["steps"]
     difficulty.load_state_dict(hello["difficulty"])

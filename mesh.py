@@ -97,10 +97,10 @@ def init_distributed(device_type=None, rollout_ranks=0):
     """-> (rank, local_rank, world_size, device, bridge). torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; without them
     this is one process, no process group, and every collective is skipped. nccl/cuda with a GPU, else gloo/cpu.
 
-    rollout_ranks K > 0 splits the launch's W ranks into two roles: the first W - K train, the last K only sample
-    (train.py --rollout-ranks). Each role is a torch.distributed world of its own, its default process group
-    (so the trainers' FSDP, EP and CP never wait on a sampler), and rank and world_size are those inside the
-    role. bridge is a gloo group over all W ranks (global ranks) for the messages between the roles
+    rollout_ranks K > 0 splits the launch's W ranks into two roles: the first W - K train, the last K only
+    sample (train.py --rollout-ranks). Each role is a torch.distributed world of its own, its default process
+    group (so the trainers' FSDP, EP and CP never wait on a sampler), and rank and world_size are those inside
+    the role. bridge is a gloo group over all W ranks (global ranks) for the messages between the roles
     (grpo.Bridge); None without roles."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
@@ -124,11 +124,11 @@ def init_distributed(device_type=None, rollout_ranks=0):
 
 
 def build_meshes(layout: Layout, device_type: str):
-    """The dense and expert DeviceMesh (all None at world size 1), plus the meshes FSDP2 shards on:
-    dense: (dp_replicate, dp_shard*cp) -- HSDP, CP ranks shard the dense weights too (torchtitan's dp_shard_cp);
-    expert: (ep_replicate, ep_shard) -- HSDP across the ranks that hold the same experts.
-    The 2-D dense mesh is built first from the explicit grid and unflattened into (dp_replicate, dp_shard, cp),
-    so both views share one set of process groups."""
+    """The dense and expert DeviceMesh (all None at world size 1), plus the meshes FSDP2 shards on: dense:
+    (dp_replicate, dp_shard*cp) -- HSDP, CP ranks shard the dense weights too (torchtitan's dp_shard_cp);
+    expert: (ep_replicate, ep_shard) -- HSDP across the ranks that hold the same experts. The 2-D dense mesh
+    is built first from the explicit grid and unflattened into (dp_replicate, dp_shard, cp), so both views
+    share one set of process groups."""
     if layout.world == 1:
         return None, None, None, None
     from torch.distributed.device_mesh import DeviceMesh
@@ -188,11 +188,12 @@ def shard(layout: Layout, meshes, experts, units, root, num_experts, bf16=False)
 
 
 def parallelize(model, layout: Layout, meshes, bf16=False):
-    """All of a Transformer's placement in one call, as torchtitan's parallelize_deepseekv3: context parallelism
-    in every attention (its CP group), then the experts on the expert mesh and each block, the embedding, and the
-    norm with the output head as FSDP2 units on the dense mesh (shard), the whole model last. Duck-typed on the
-    model's structure: model.layers (blocks with .attn), model.moe_layers() (MoE layers with .experts),
-    model.embed, model.norm, model.lm_head, model.cfg.num_experts. meshes: build_meshes' four."""
+    """All of a Transformer's placement in one call, as torchtitan's parallelize_deepseekv3: context
+    parallelism in every attention (its CP group), then the experts on the expert mesh and each block, the
+    embedding, and the norm with the output head as FSDP2 units on the dense mesh (shard), the whole model
+    last. Duck-typed on the model's structure: model.layers (blocks with .attn), model.moe_layers() (MoE
+    layers with .experts), model.embed, model.norm, model.lm_head, model.cfg.num_experts. meshes:
+    build_meshes' four."""
     for block in model.layers:
         block.attn.cp_group = meshes[0]["cp"].get_group() if layout.cp > 1 else None
     if layout.world > 1:
@@ -201,11 +202,11 @@ def parallelize(model, layout: Layout, meshes, bf16=False):
 
 
 class CommCounter(TorchDispatchMode):
-    """Counts, on this rank, the calls and bytes of each kind of collective that passes the dispatcher: c10d ops
-    (FSDP2's all-gathers and reduce-scatters), functional collectives (EP all-to-all, CP gathers, DTensor
-    redistributes) and their backward passes. Bytes are the full buffer of the collective: the gathered output of
-    an all-gather, the unreduced input of a reduce-scatter, what this rank sends in an all-to-all, the tensor of
-    an all-reduce (a ring moves (W-1)/W of that per rank).
+    """Counts, on this rank, the calls and bytes of each kind of collective that passes the dispatcher: c10d
+    ops (FSDP2's all-gathers and reduce-scatters), functional collectives (EP all-to-all, CP gathers, DTensor
+    redistributes) and their backward passes. Bytes are the full buffer of the collective: the gathered output
+    of an all-gather, the unreduced input of a reduce-scatter, what this rank sends in an all-to-all, the
+    tensor of an all-reduce (a ring moves (W-1)/W of that per rank).
 
         with CommCounter() as comm: ...one training step...
         comm.bytes  # {"all_gather": ..., "reduce_scatter": ..., "all_to_all": ..., "all_reduce": ...}"""

@@ -155,11 +155,11 @@ def yarn_mscale(factor, mscale):
 
 
 def rope_tables(pos, cfg: ModelConfig):
-    """cos/sin [..., T, rope/2] for integer positions pos [..., T] (global positions, so a context-parallel slice
-    stays right). YaRN (rope_factor > 1): the low frequencies, which turn fewer than beta_slow times over the
-    original context, are divided by the factor (interpolated); the high ones, over beta_fast turns, are kept
-    (extrapolated); a linear ramp joins them. cos/sin are scaled by mscale / mscale_all_dim (1 for DeepSeek-V3
-    and Kimi K2), as transformers' _compute_yarn_parameters does."""
+    """cos/sin [..., T, rope/2] for integer positions pos [..., T] (global positions, so a context-parallel
+    slice stays right). YaRN (rope_factor > 1): the low frequencies, which turn fewer than beta_slow times
+    over the original context, are divided by the factor (interpolated); the high ones, over beta_fast turns,
+    are kept (extrapolated); a linear ramp joins them. cos/sin are scaled by mscale / mscale_all_dim (1 for
+    DeepSeek-V3 and Kimi K2), as transformers' _compute_yarn_parameters does."""
     dim, base, factor = cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_factor
     inv_freq = base ** (-torch.arange(0, dim, 2, device=pos.device, dtype=torch.float32) / dim)  # [dim/2]
     attn_factor = 1.0
@@ -247,10 +247,10 @@ class MLA(nn.Module):
         return torch.einsum("bhtv,hcv->btc", y, self.wo)
 
     def _absorbed(self, q_nope, q_pe, c_kv, kv_a, mask):
-        """Weight-absorbed attention (DeepSeek-V2 sec. 2.1.2, as DeepSeek-V3's inference code decodes): wkv_b's
-        key half folds into the query and its value half into the output, so the queries attend to the cached
-        latents themselves, one shared key and value for all heads, and nothing grows with S but the two
-        products with the cache. q_nope [B, H, T, nope], q_pe [B, H, T, rope] (rotated), c_kv [B, S, r],
+        """Weight-absorbed attention (DeepSeek-V2 sec. 2.1.2, as DeepSeek-V3's inference code decodes):
+        wkv_b's key half folds into the query and its value half into the output, so the queries attend to the
+        cached latents themselves, one shared key and value for all heads, and nothing grows with S but the
+        two products with the cache. q_nope [B, H, T, nope], q_pe [B, H, T, rope] (rotated), c_kv [B, S, r],
         kv_a [B, S, r + rope] (latent and rotated rope key), mask [B, 1, T, S]. -> [B, T, C]"""
         w_uk, w_uv = self.wkv_b.split([self.cfg.qk_nope_head_dim, self.cfg.v_head_dim], dim=1)  # [H, nope|v, r]
         q = torch.cat([torch.einsum("bhtd,hdr->bhtr", q_nope, w_uk), q_pe], dim=-1)  # [B, H, T, r + rope]
@@ -284,14 +284,14 @@ class MLA(nn.Module):
 
 
 class KVCache:
-    """MLA's decode cache: per layer the normalised latent and rotated rope key of every token so far,
-    [B, S, kv_lora + rope] (576 numbers a token for Kimi K2, against 40,960 for expanded K and V). Short chunks
-    (a decode step) attend to it with the weights absorbed (MLA._absorbed); long ones (a prefill) expand K and
-    V from it, whichever takes fewer FLOPs (absorbs). Rows advance independently: in a chunk [B, T] row b
-    holds lens[b] real tokens and then padding, which is stored but never attended to, so ragged prompts,
-    one-token decode steps and finished rows share a batch. The buffers are preallocated and double when
-    full, so a token costs O(S) to attend, not O(S) to copy the cache as well.
-    expand=True: always expand (the reference the absorbed path is tested and timed against)."""
+    """MLA's decode cache: per layer the normalised latent and rotated rope key of every token so far, [B, S,
+    kv_lora + rope] (576 numbers a token for Kimi K2, against 40,960 for expanded K and V). Short chunks (a
+    decode step) attend to it with the weights absorbed (MLA._absorbed); long ones (a prefill) expand K and V
+    from it, whichever takes fewer FLOPs (absorbs). Rows advance independently: in a chunk [B, T] row b holds
+    lens[b] real tokens and then padding, which is stored but never attended to, so ragged prompts, one-token
+    decode steps and finished rows share a batch. The buffers are preallocated and double when full, so a
+    token costs O(S) to attend, not O(S) to copy the cache as well. expand=True: always expand (the reference
+    the absorbed path is tested and timed against)."""
 
     def __init__(self, n_layer, B, device=None, capacity=256, expand=False):
         self.latents = [None] * n_layer  # [B, capacity, kv_lora + rope] each, allocated at first use
@@ -331,7 +331,8 @@ class KVCache:
     def absorbs(self, T, cfg):
         """Absorbed attention for a chunk of T queries where it takes fewer FLOPs than expanding the keys: per
         (query, key) and head it multiplies over r + rope and r, against nope + rope and v, and it saves
-        expanding each key, (nope + v) r a head (Kimi K2: absorbed below 171 queries; the tiny preset: always)."""
+        expanding each key, (nope + v) r a head (Kimi K2: absorbed below 171 queries; the tiny preset:
+        always)."""
         r, nope, v = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim
         return not self.expand and T * (2 * r - nope - v) < (nope + v) * r
 
@@ -363,8 +364,8 @@ ALIGN_M = {"cuda": 8}
 
 def grouped_mm_ok(x, w):
     """torch._grouped_mm runs on CPU (any float dtype; bf16 only under torch.compile) and on CUDA for bf16 on
-    sm90+ with 16-byte aligned strides (inner dims a multiple of 8); elsewhere (odd shapes, older GPUs) we take
-    the per-expert loop."""
+    sm90+ with 16-byte aligned strides (inner dims a multiple of 8); elsewhere (odd shapes, older GPUs) we
+    take the per-expert loop."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     if x.device.type == "cpu":  # torch.compile's shape rules for _grouped_mm accept bf16 only
@@ -378,7 +379,8 @@ def expert_swiglu(xs, counts, w1, w3, w2):
     Grouped path: one torch._grouped_mm a projection; where the device wants aligned groups (ALIGN_M) each
     expert's rows are first copied into a zero-padded slot starting at a multiple of align, and the padding
     rows are dropped at the end; the padded buffer has a static bound of N + E * (align - 1) rows, so no
-    device-to-host sync is needed. Loop path (no grouped GEMM for these shapes): a matmul per expert. -> [N, out]"""
+    device-to-host sync is needed. Loop path (no grouped GEMM for these shapes): a matmul per expert. -> [N,
+    out]"""
     if torch.is_autocast_enabled(xs.device.type):  # autocast does not cover _grouped_mm: cast by hand
         dtype = torch.get_autocast_dtype(xs.device.type)
         xs, w1, w3, w2 = xs.to(dtype), w1.to(dtype), w3.to(dtype), w2.to(dtype)
@@ -544,9 +546,9 @@ def _mix32(x):
 
 
 def normal_at(key: str, full_shape, offset, shape, device=None):
-    """Standard normal values of the box [offset, offset + shape) of a tensor of full_shape, each a function of
-    (key, its flat index in the full tensor) alone: a counter-based generator (hash the index, then Box-Muller),
-    so any shard is made without making the rest. -> float32 tensor of `shape`."""
+    """Standard normal values of the box [offset, offset + shape) of a tensor of full_shape, each a function
+    of (key, its flat index in the full tensor) alone: a counter-based generator (hash the index, then
+    Box-Muller), so any shard is made without making the rest. -> float32 tensor of `shape`."""
     k = int(_mix32(torch.tensor(zlib.crc32(key.encode()))))
     idx = torch.zeros((), dtype=torch.int64, device=device)
     for d in range(len(full_shape)):  # the flat index in the full tensor, [*shape]
@@ -581,9 +583,9 @@ class Transformer(nn.Module):
     def init_weights(self, seed=None):
         """N(0, init_std) everywhere, output projections scaled down by sqrt(2 n_layer) (GPT-2), norms at 1.
 
-        Each value is a function of (seed, the parameter's name, its index in the whole tensor) alone, so a rank
-        that holds a shard (a DTensor: FSDP, EP) computes just its own values, and they are the same for every
-        layout and world size. seed None: the one drawn when the model was built (on any device)."""
+        Each value is a function of (seed, the parameter's name, its index in the whole tensor) alone, so a
+        rank that holds a shard (a DTensor: FSDP, EP) computes just its own values, and they are the same for
+        every layout and world size. seed None: the one drawn when the model was built (on any device)."""
         std, seed = self.cfg.init_std, self.seed if seed is None else seed
         for name, p in self.named_parameters():
             if p.ndim == 1:
@@ -602,8 +604,9 @@ class Transformer(nn.Module):
 
     def forward(self, idx, targets=None, pos=None, reduction="mean", cache=None):
         """idx [B, T] token ids; pos [T] global positions (default 0..T-1; a context-parallel rank passes its
-        chunk's), or [B, T] from cache.advance() when decoding with a KVCache; targets [B, T] with -100 = ignore.
-        Returns (logits [B, T, V], loss or None); loss includes the switch auxiliary loss when enabled."""
+        chunk's), or [B, T] from cache.advance() when decoding with a KVCache; targets [B, T] with -100 =
+        ignore. Returns (logits [B, T, V], loss or None); loss includes the switch auxiliary loss when
+        enabled."""
         B, T = idx.shape
         if pos is None:
             pos = torch.arange(T, device=idx.device)
@@ -659,8 +662,8 @@ class Transformer(nn.Module):
 
 class ContextParallel(nn.Module):
     """Whole sequences through a context-parallel model (its MLA layers' cp_group set), for a trainer whose
-    batches arrive as whole rows (RL rollouts) on every rank of the CP group. This rank runs its chunk of the T
-    positions (T padded at the end to a multiple of cp: causal, so the padding changes nothing before it),
+    batches arrive as whole rows (RL rollouts) on every rank of the CP group. This rank runs its chunk of the
+    T positions (T padded at the end to a multiple of cp: causal, so the padding changes nothing before it),
     attention gathers the K/V latents, and the logits come back whole [B, T, V] through an all-gather with
     autograd. Its backward sums the cp ranks' gradients (of the same loss) into each chunk: cp times the
     gradient, which the FSDP mean over cp times as many ranks as there are data-parallel groups brings back to
@@ -781,9 +784,10 @@ def quant_supported(q):
 
 
 def hf_layout(cfg: ModelConfig, interleaved=True):
-    """Our parameter and buffer names -> (checkpoint key, how ours is laid out from it, a row permutation or None).
-    Kinds: "same" (rows maybe permuted), "heads" ([H*d, in] -> [H, d, in], each head's rows maybe permuted),
-    "wo" ([D, H*v] -> [H, D, v]) and "experts" (E keys [out, in] -> [E, out, in]; "{}" in the key is the expert)."""
+    """Our parameter and buffer names -> (checkpoint key, how ours is laid out from it, a row permutation or
+    None). Kinds: "same" (rows maybe permuted), "heads" ([H*d, in] -> [H, d, in], each head's rows maybe
+    permuted), "wo" ([D, H*v] -> [H, D, v]) and "experts" (E keys [out, in] -> [E, out, in]; "{}" in the key
+    is the expert)."""
     r = cfg.qk_rope_head_dim  # interleaved pairs (0, 1), (2, 3), ... -> halves (0, 2, 4, ...), (1, 3, 5, ...)
     rope = torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2)]) if interleaved else torch.arange(r)
     q_rows = torch.cat([torch.arange(cfg.qk_nope_head_dim), cfg.qk_nope_head_dim + rope])
@@ -910,9 +914,9 @@ class SafetensorsFolder:
         return w.float()
 
     def _int4(self, key, r0, r1, cols):
-        """compressed-tensors' pack-quantized INT4, rows [r0, r1): eight values an int32, the first in the lowest
-        bits, each stored as value + 8 (a little-endian host reads byte j as values 2j and 2j+1); one scale a
-        group of input columns (a channel: one group)."""
+        """compressed-tensors' pack-quantized INT4, rows [r0, r1): eight values an int32, the first in the
+        lowest bits, each stored as value + 8 (a little-endian host reads byte j as values 2j and 2j+1); one
+        scale a group of input columns (a channel: one group)."""
         nibbles = self._slice(key + "_packed")[r0:r1].contiguous().view(torch.uint8)  # [rows, 4 * words]
         q = torch.stack([nibbles & 15, nibbles >> 4], -1).view(r1 - r0, -1)[:, :cols].float() - 8  # [rows, cols]
         scale = self._slice(key + "_scale")[r0:r1].float()  # [rows, groups]
@@ -936,9 +940,9 @@ class SafetensorsFolder:
 
 @torch.no_grad()
 def load_hf(model, path):
-    """Fill every parameter and buffer of `model` (built from hf_config(path)'s config, materialized on any device,
-    sharded or not) from the checkpoint folder; each rank reads only the blocks its shards hold. Every shape is
-    checked against the file headers first, so a mismatch is one line before anything is read."""
+    """Fill every parameter and buffer of `model` (built from hf_config(path)'s config, materialized on any
+    device, sharded or not) from the checkpoint folder; each rank reads only the blocks its shards hold. Every
+    shape is checked against the file headers first, so a mismatch is one line before anything is read."""
     _, config, _ = hf_config(path)
     ckpt, layout = SafetensorsFolder(path, config), hf_layout(model.cfg, config.get("rope_interleave", True))
     tensors = {**dict(model.named_parameters()), **{n: b for n, b in model.named_buffers() if n in layout}}
@@ -958,8 +962,8 @@ def load_hf(model, path):
 
 
 def hf_config_dict(cfg: ModelConfig, dtype, base=None):
-    """ModelConfig -> a DeepSeek-V3 config.json for transformers, vLLM and SGLang; base (the config a run started
-    from) keeps its other fields, such as the special token ids."""
+    """ModelConfig -> a DeepSeek-V3 config.json for transformers, vLLM and SGLang; base (the config a run
+    started from) keeps its other fields, such as the special token ids."""
     c = {k: v for k, v in (base or {}).items() if k not in (
         "weight_prefix", "quantization_config", "auto_map", "rope_parameters", "rope_scaling", "num_mtp_layers")}
     c.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=cfg.vocab_size,
@@ -983,11 +987,12 @@ def hf_config_dict(cfg: ModelConfig, dtype, base=None):
 
 @torch.no_grad()
 def save_hf(model, path, dtype=torch.bfloat16, base_config=None, shard_bytes=5 * 2**30):
-    """Write the model as a Hugging Face DeepSeek-V3 checkpoint folder: config.json, model-0000k-of-0000n.safetensors
-    (about shard_bytes each) and model.safetensors.index.json, with the rope rows interleaved as DeepSeek's
-    reference lays them out. Every rank must call it: a sharded tensor is gathered whole, one at a time; rank 0
-    writes into path.tmp and renames it to path when complete. The router and its bias stay in float32. A file
-    that cannot be written raises CheckpointError on every rank, after every rank has done its gathers."""
+    """Write the model as a Hugging Face DeepSeek-V3 checkpoint folder: config.json,
+    model-0000k-of-0000n.safetensors (about shard_bytes each) and model.safetensors.index.json, with the rope
+    rows interleaved as DeepSeek's reference lays them out. Every rank must call it: a sharded tensor is
+    gathered whole, one at a time; rank 0 writes into path.tmp and renames it to path when complete. The
+    router and its bias stay in float32. A file that cannot be written raises CheckpointError on every rank,
+    after every rank has done its gathers."""
     save_file = safetensors_torch().save_file
     writer = not dist.is_initialized() or dist.get_rank() == 0
     path = Path(path)
@@ -1092,18 +1097,18 @@ def activation_elements(cfg: ModelConfig, layer_id: int, cp: int = 1):
 def memory_plan(model, layout, muon_params, bf16=False, accum=1, reduce_each=False, checkpointing=False,
                 batch_size=8, seq_len=256, rl_tokens=0, rl_copies=0, sample_gathered=False):
     """What a rank holds at its peak, from shapes alone (model on the meta device), so a layout can be sized
-    before any GPU is booked. -> ({kind: bytes a rank}, bytes of a checkpoint).
-    layout: mesh.Layout's degrees (world, dp, dp_shard, cp, ep, ep_shard); muon_params: the parameters Muon steps
-    (one momentum; the others get AdamW's two moments). fp32 weights, gradients and optimizer state, sharded as
-    mesh.parallelize shards them: dense weights over dp_shard * cp ranks, experts over ep * ep_shard. With
-    gradient accumulation (accum > 1, not reduce_each) the gradients stay unsharded until the last micro-batch
-    (FSDP's no-sync: dense ones whole, experts over ep). FSDP's unsharded working set: the two largest units in the
-    compute dtype (the current one and the prefetched next) plus one unit's fp32 gradient before its
-    reduce-scatter; in one process with bf16, autocast's bf16 copy of every weight instead. Activations of this
-    rank's tokens for a micro-batch: activation_elements per layer (with activation checkpointing only each
-    block's input, plus one block being recomputed) in the compute dtype, and the fp32 logits with their
-    gradient. RL (rl_tokens > 0: a data-parallel group's trainer tokens) adds its forward under CP, rl_copies
-    other values of the rank's shards (grpo.Weights) and the model's own saved while one is loaded, and with
+    before any GPU is booked. -> ({kind: bytes a rank}, bytes of a checkpoint). layout: mesh.Layout's degrees
+    (world, dp, dp_shard, cp, ep, ep_shard); muon_params: the parameters Muon steps (one momentum; the others
+    get AdamW's two moments). fp32 weights, gradients and optimizer state, sharded as mesh.parallelize shards
+    them: dense weights over dp_shard * cp ranks, experts over ep * ep_shard. With gradient accumulation
+    (accum > 1, not reduce_each) the gradients stay unsharded until the last micro-batch (FSDP's no-sync:
+    dense ones whole, experts over ep). FSDP's unsharded working set: the two largest units in the compute
+    dtype (the current one and the prefetched next) plus one unit's fp32 gradient before its reduce-scatter;
+    in one process with bf16, autocast's bf16 copy of every weight instead. Activations of this rank's tokens
+    for a micro-batch: activation_elements per layer (with activation checkpointing only each block's input,
+    plus one block being recomputed) in the compute dtype, and the fp32 logits with their gradient. RL
+    (rl_tokens > 0: a data-parallel group's trainer tokens) adds its forward under CP, rl_copies other values
+    of the rank's shards (grpo.Weights) and the model's own saved while one is loaded, and with
     sample_gathered the units kept whole while sampling (an upper bound: sampling and training never overlap).
     A checkpoint holds the fp32 weights and optimizer state of all ranks together."""
     cfg, L = model.cfg, layout
@@ -1139,10 +1144,10 @@ def memory_plan(model, layout, muon_params, bf16=False, accum=1, reduce_each=Fal
 
 
 def bench_experts(device):
-    """Forward and backward of the routed experts, torch._grouped_mm against a matmul per expert, on expert shapes
-    of the small preset and of a slice of Kimi K2's layer (8 of its 384 experts, 7168 -> 2048), with tokens spread
-    unevenly. bf16 on CUDA (8192 rows, best of 5); on CPU fp32 and a quick look (128 rows, 2 of K2's experts,
-    one run). Prints ms of each and the ratio."""
+    """Forward and backward of the routed experts, torch._grouped_mm against a matmul per expert, on expert
+    shapes of the small preset and of a slice of Kimi K2's layer (8 of its 384 experts, 7168 -> 2048), with
+    tokens spread unevenly. bf16 on CUDA (8192 rows, best of 5); on CPU fp32 and a quick look (128 rows, 2 of
+    K2's experts, one run). Prints ms of each and the ratio."""
     gpu = device.type == "cuda"
     dtype, rows, repeats, k2 = (torch.bfloat16, 8192, 5, 8) if gpu else (torch.float32, 128, 1, 2)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

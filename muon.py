@@ -12,9 +12,9 @@ matrices, orthogonalized, and all-to-all'd back, the next bucket's transfer in f
 It equals full-matrix Muon (tested on 2, 4 and 8 gloo ranks); momentum stays sharded like the parameter.
 
 Reading order: the Newton-Schulz iterations (msign, Gram), the parameter groups, the optimizer (Muon.step in
-phases), the split-matrix bucket it sends around (SplitBucket), then the benchmarks and the cluster plan. Those
-close this file rather than sit in one of their own because they time and count this file's internals (msign's
-chunks, ns_flops, the sharded step's phases), and nothing else imports them.
+phases), the split-matrix bucket it sends around (SplitBucket), then the benchmarks and the cluster plan.
+Those close this file rather than sit in one of their own because they time and count this file's internals
+(msign's chunks, ns_flops, the sharded step's phases), and nothing else imports them.
 
 Sources:
   Keller Jordan, "Muon: An optimizer for hidden layers in neural networks" (2024),
@@ -236,11 +236,11 @@ class Muon(torch.optim.Optimizer):
 
     A step runs in phases: AdamW for its groups; momentum on each rank's shards and the updates bucketed
     (_momentum_and_buckets); one batched NS a bucket of whole matrices (_orthogonalize_local); then the
-    all-to-all pipeline for buckets of split matrices (SplitBucket): every transfer is launched ahead of the NS
-    that consumes it, as many as max_inflight_bytes allows, so bucket i+1's whole matrices travel while bucket
-    i is orthogonalized and its pieces travel home; the first ones travel during the local NS. The updates are
-    applied as the pieces arrive. Communication is two all_to_all_single a split bucket, within its shard group
-    only, and nothing for whole matrices."""
+    all-to-all pipeline for buckets of split matrices (SplitBucket): every transfer is launched ahead of the
+    NS that consumes it, as many as max_inflight_bytes allows, so bucket i+1's whole matrices travel while
+    bucket i is orthogonalized and its pieces travel home; the first ones travel during the local NS. The
+    updates are applied as the pieces arrive. Communication is two all_to_all_single a split bucket, within
+    its shard group only, and nothing for whole matrices."""
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
                  ns_coefficients=(3.4445, -4.775, 2.0315), eps=1e-7, ns_steps=5,
@@ -449,14 +449,14 @@ class Muon(torch.optim.Optimizer):
 
 
 class SplitBucket:
-    """One bucket of split matrices: the same global shape, placements and mesh, each matrix cut along one matrix
-    dim (`length` rows or columns) over a shard group of W ranks, torch.chunk style as FSDP2 and DTensor cut:
-    pieces of `piece` = ceil(length / W), the tail ones shorter or empty. One all_to_all_single hands every rank
-    `owned` = ceil(count / W) whole matrices (the count padded to a multiple of W, short pieces padded with
-    zeros), NS runs on them, and a second all_to_all_single returns each piece to its owner. Replicas (HSDP's
-    Replicate dim) each do this within their own shard group and compute the same result: redundant NS, but no
-    traffic across replicas, which typically sit on different nodes, to save a factor dp_replicate of a small,
-    already-sharded compute."""
+    """One bucket of split matrices: the same global shape, placements and mesh, each matrix cut along one
+    matrix dim (`length` rows or columns) over a shard group of W ranks, torch.chunk style as FSDP2 and
+    DTensor cut: pieces of `piece` = ceil(length / W), the tail ones shorter or empty. One all_to_all_single
+    hands every rank `owned` = ceil(count / W) whole matrices (the count padded to a multiple of W, short
+    pieces padded with zeros), NS runs on them, and a second all_to_all_single returns each piece to its
+    owner. Replicas (HSDP's Replicate dim) each do this within their own shard group and compute the same
+    result: redundant NS, but no traffic across replicas, which typically sit on different nodes, to save a
+    factor dp_replicate of a small, already-sharded compute."""
 
     def __init__(self, ns, items, mesh_dim):
         p = items[0][0]

@@ -1,27 +1,31 @@
-"""Verifiable RL tasks: an episode is an environment with a text-in/text-out step and a checked reward. Two families.
+"""Verifiable RL tasks: an episode is an environment with a text-in/text-out step and a checked reward. Two
+families.
 
-Tool use over small integers: the question is a nested expression such as `mul(add(3,4),2)`, the episode offers only
-some of six tiny tools, the model calls them one at a time, innermost first (`call add(3,4)` -> `7`, then
-`call mul(7,2)`), recovers from errors (`error: tool not found: ...`), and ends with `answer 14`; the reward is 1
-when the answer is right. Difficulty is the number of calls (1..4), and a DifficultySampler serves the level at the
-model's frontier. Long episodes are chains of 8 x difficulty calls handed out one at a time (`5. next: add 7`),
-longer than the context, so the policy summarizes; a slip or a capitalised `Call` costs the final answer nothing,
-which is where targeted feedback, not the reward, has to teach. Sources: Cursor's Composer 2.5 post (synthetic tasks, dynamic difficulty, the "Tool not found" ->
-"Reminder: Available tools" feedback example); Toolformer (Schick et al. 2023) for text tool calls.
+Tool use over small integers: the question is a nested expression such as `mul(add(3,4),2)`, the episode
+offers only some of six tiny tools, the model calls them one at a time, innermost first (`call add(3,4)` ->
+`7`, then `call mul(7,2)`), recovers from errors (`error: tool not found: ...`), and ends with `answer 14`;
+the reward is 1 when the answer is right. Difficulty is the number of calls (1..4), and a DifficultySampler
+serves the level at the model's frontier. Long episodes are chains of 8 x difficulty calls handed out one at a
+time (`5. next: add 7`), longer than the context, so the policy summarizes; a slip or a capitalised `Call`
+costs the final answer nothing, which is where targeted feedback, not the reward, has to teach. Sources:
+Cursor's Composer 2.5 post (synthetic tasks, dynamic difficulty, the "Tool not found" -> "Reminder: Available
+tools" feedback example); Toolformer (Schick et al. 2023) for text tool calls.
 
 Feature deletion on real codebases: cut a tested feature out of a Python repository (stub: Commit0-style
-NotImplementedError; remove: the whole definition); the agent re-implements it, and the repository's own tests are
-the verifiable reward (fail-to-pass and pass-to-pass sets). A task is served only when a leak scan finds none of the
-deleted code left in bytecode, type-checker caches, git history, archives or build output, and a trajectory monitor
-flags agent steps that read such leaks or tamper with the verifier. The reward is read from the verifier's own
-report, written outside what the solution's code controls, and checked with a proof that each test's body returned
-and with canary tests, never from what pytest prints. Sources: Cursor's Composer 2.5 post (the reward hacks seen at scale:
-a mypy cache read back for a deleted signature, Java bytecode decompiled to rebuild an API); SWE-smith and
-R2E-Gym for tasks made from real repositories with their tests as the verifier.
+NotImplementedError; remove: the whole definition); the agent re-implements it, and the repository's own tests
+are the verifiable reward (fail-to-pass and pass-to-pass sets). A task is served only when a leak scan finds
+none of the deleted code left in bytecode, type-checker caches, git history, archives or build output, and a
+trajectory monitor flags agent steps that read such leaks or tamper with the verifier. The reward is read from
+the verifier's own report, written outside what the solution's code controls, and checked with a proof that
+each test's body returned and with canary tests, never from what pytest prints. Sources: Cursor's Composer 2.5
+post (the reward hacks seen at scale: a mypy cache read back for a deleted signature, Java bytecode decompiled
+to rebuild an API); SWE-smith and R2E-Gym for tasks made from real repositories with their tests as the
+verifier.
 
-Standard library only: no torch, nothing of the project; untrusted code (tests, solutions) runs in a subprocess with
-a timeout and a scrubbed environment, inside bubblewrap (no network, the host read-only, only its folder writable).
-make takes a git checkout (each task records the commit) and runs its tests with the interpreter from `env`.
+Standard library only: no torch, nothing of the project; untrusted code (tests, solutions) runs in a
+subprocess with a timeout and a scrubbed environment, inside bubblewrap (no network, the host read-only, only
+its folder writable). make takes a git checkout (each task records the commit) and runs its tests with the
+interpreter from `env`.
 
     python tasks.py                # tool use: tasks, gold transcripts, a long chain, a scripted episode, the sampler
     python tasks.py env --repo DIR --venv DIR   # the repository's test environment; prints its interpreter
@@ -240,7 +244,8 @@ def chain_reply(task: ToolTask, position: int, value: int) -> str:
 
 
 def reminder(tools: list[str]) -> str:
-    """The hint textual feedback inserts before a call to an absent tool (the seed's example), as a system turn."""
+    """The hint textual feedback inserts before a call to an absent tool (the seed's example), as a system
+    turn."""
     return f"Reminder: Available tools: {', '.join(tools)}"
 
 
@@ -250,8 +255,9 @@ STYLE_REMINDER = "Style: write call in lower case."  # the hint for a "Call"
 
 def gold_transcript(task: ToolTask, rng: random.Random, p_mistake: float = 0.0, p_hint: float = 0.0) -> list[Turn]:
     """The gold plan as turns. With p_mistake one call first reaches for an absent tool and recovers from the
-    error; with p_hint a call is preceded by one of the two hints as a system turn, and a reminded call is always
-    right (this is how the model learns what a hint means, so that the hinted teacher of feedback.py is better)."""
+    error; with p_hint a call is preceded by one of the two hints as a system turn, and a reminded call is
+    always right (this is how the model learns what a hint means, so that the hinted teacher of feedback.py is
+    better)."""
     absent = [t for t in TOOLS if t not in task.tools]
     slip = rng.randrange(len(task.plan)) if rng.random() < p_mistake else -1
     turns = [("user", task.question)]
@@ -273,11 +279,11 @@ def turn_length(turn: Turn) -> int:
 def chain_transcript(task: ToolTask, rng: random.Random, budget: int, request: str, p_slip: float = 0.1,
                      p_capital: float = 0.3, p_hint: float = 0.1) -> list[list[Turn]]:
     """A long episode done right, cut into the segments a rollout makes (grpo.rollout): once a segment passes
-    `budget` tokens after a reply, the user turn `request` asks for a summary, and the next segment starts from the
-    question and that summary (the current value and what is still to do). Habits the corpus teaches and RL should
-    remove: with p_slip a call first reaches for an absent tool (the error follows, then the right call); with
-    p_capital a call opens "Call". With p_hint a call is preceded by a hint as a system turn:
-    after the tools reminder a call never slips, after the style reminder it is lower case."""
+    `budget` tokens after a reply, the user turn `request` asks for a summary, and the next segment starts
+    from the question and that summary (the current value and what is still to do). Habits the corpus teaches
+    and RL should remove: with p_slip a call first reaches for an absent tool (the error follows, then the
+    right call); with p_capital a call opens "Call". With p_hint a call is preceded by a hint as a system
+    turn: after the tools reminder a call never slips, after the style reminder it is lower case."""
     absent = [t for t in TOOLS if t not in task.tools]
     prompt = [("user", task.question)]
     segments, turns = [], list(prompt)
@@ -481,9 +487,9 @@ class Sandbox:
         return [*args, "--chdir", str(root), "--"]
 
     def run(self, args, root, path=(), visible=(), writable=(), readonly=(), extra_env=None, pass_fds=(), network=False):
-        """(exit code, output) of `python *args` run in root (writable); 124 on timeout, all of its processes killed.
-        path: folders put on PYTHONPATH; visible: more folders it may read; writable: more it may change; readonly:
-        paths inside root it may read but not change."""
+        """(exit code, output) of `python *args` run in root (writable); 124 on timeout, all of its processes
+        killed. path: folders put on PYTHONPATH; visible: more folders it may read; writable: more it may
+        change; readonly: paths inside root it may read but not change."""
         root = Path(root).resolve()
         cg = Path(pids_cgroup(), f"featdel-{os.getpid()}-{secrets.token_hex(4)}") if self.isolate and pids_cgroup() else None
         nproc = None if self.isolate and cg or os.getuid() == 0 else self.processes + len(os.listdir("/proc"))
@@ -524,8 +530,8 @@ class Sandbox:
         return rc, out.decode("utf-8", "replace")
 
     def pytest(self, root, args=(), path=(), extra_env=None, **kw):
-        """Run pytest with the reporter plugin below. Outcomes come from its descriptor, never from what the tests
-        print (their code can print anything)."""
+        """Run pytest with the reporter plugin below. Outcomes come from its descriptor, never from what the
+        tests print (their code can print anything)."""
         with tempfile.TemporaryDirectory() as plugin, tempfile.TemporaryFile("w+") as fd:
             Path(plugin, "_featdel_report.py").write_text(REPORTER)
             rc, out = self.run([*PYTEST, "-p", "_featdel_report", *args], root, path=[plugin, *path], pass_fds=[fd.fileno()],
@@ -671,8 +677,8 @@ def test_requirements(repo):
 
 
 def make_env(repo, venv, isolate=True, log=print):
-    """Create venv with this interpreter's venv module, install repo[test extras] and its test requirements plus
-    pytest into it (network allowed, nothing writable but the venv and a copy of the repo), then take the
+    """Create venv with this interpreter's venv module, install repo[test extras] and its test requirements
+    plus pytest into it (network allowed, nothing writable but the venv and a copy of the repo), then take the
     repository's own packages out again. Returns the venv's interpreter."""
     repo, venv = Path(repo).resolve(), Path(venv).resolve()
     if not repo.is_dir() or not packages(repo):
@@ -710,8 +716,9 @@ def make_env(repo, venv, isolate=True, log=print):
 
 class Tracer:
     """The tracing plugin. It runs inside the repository's pytest, not here: trace_tests writes this class's
-    source into the plugin module it loads with -p, which makes one Tracer at import (before collection imports
-    any of the package) and hands pytest its hooks. roots: the package folders; out: where the calls go."""
+    source into the plugin module it loads with -p, which makes one Tracer at import (before collection
+    imports any of the package) and hands pytest its hooks. roots: the package folders; out: where the calls
+    go."""
 
     def __init__(self, roots, out):
         self.out, self.current, self.calls = out, "<import>", {"<import>": set()}
@@ -1128,7 +1135,8 @@ def always_equal(text, old=()):
 
 
 def protected_paths(root):
-    """The test folders and test/configuration files in root, outermost only: a run may read them, not change them."""
+    """The test folders and test/configuration files in root, outermost only: a run may read them, not change
+    them."""
     out = []
     for rel in walk(root):
         parts = Path(rel).parts
@@ -1157,11 +1165,11 @@ def tree_changes(base, new):
 
 
 def instrument(work, need, proof):
-    """Prepare the fresh copy of the required tests' files in `work`: a decorator that appends "<nonce> <k>" to
-    `proof` when test k's body has returned goes on every required test function it can find (not on async ones or
-    ones defined in another file), and two canaries named from the words of the file's own tests are appended to
-    one file: a must-pass one (decorated like the rest) and a must-fail one. The nonce and the names are drawn here,
-    after the solution is fixed. -> (must-pass id, must-fail id, nonce, {test id: k})."""
+    """Prepare the fresh copy of the required tests' files in `work`: a decorator that appends "<nonce> <k>"
+    to `proof` when test k's body has returned goes on every required test function it can find (not on async
+    ones or ones defined in another file), and two canaries named from the words of the file's own tests are
+    appended to one file: a must-pass one (decorated like the rest) and a must-fail one. The nonce and the
+    names are drawn here, after the solution is fixed. -> (must-pass id, must-fail id, nonce, {test id: k})."""
     rng, nonce = random.Random(secrets.randbits(64)), secrets.token_hex(16)
     deco = "_" + rng.choice("abcdefghijklmnopqrstuvwxyz") + secrets.token_hex(3)
     helper = (f"def {deco}(k):\n    import functools\n    def wrap(f):\n        @functools.wraps(f)\n"
@@ -1441,8 +1449,8 @@ def git_source(repo):
 
 
 def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print):
-    """Up to n validated, scan-clean tasks from repo into out/; returns the task dicts. box: how the repository's
-    tests run (default: this interpreter, in bubblewrap, 300 s a run)."""
+    """Up to n validated, scan-clean tasks from repo into out/; returns the task dicts. box: how the
+    repository's tests run (default: this interpreter, in bubblewrap, 300 s a run)."""
     repo, out, box = Path(repo), Path(out), box or Sandbox()
     if not repo.is_dir():
         raise TaskError(f"--repo is not a directory: {repo}")

@@ -902,10 +902,10 @@ def state_dicts():
 
 
 def save_checkpoint(step, **run_state):
-    """Every rank writes its shards into step-N.tmp and checksums its share of the files; rank 0 writes meta.json
-    (the step, run_state, the data position, the checksums, how many metrics lines the run has so far), fsyncs it
-    and renames the folder, then retires old checkpoints. A failure (a full disk, above all) removes the partial
-    folder and stops every rank with one line."""
+    """Every rank writes its shards into step-N.tmp and checksums its share of the files; rank 0 writes
+    meta.json (the step, run_state, the data position, the checksums, how many metrics lines the run has so
+    far), fsyncs it and renames the folder, then retires old checkpoints. A failure (a full disk, above all)
+    removes the partial folder and stops every rank with one line."""
     path, tmp = out / f"step-{step:08d}", out / f"step-{step:08d}.tmp"
     sums, err = {}, None
     try:
@@ -960,13 +960,15 @@ def fsync_dir(path):
 
 
 def retire(path):
-    """Delete a checkpoint folder; renamed first, so a kill midway leaves a .del folder, never a broken step-N."""
+    """Delete a checkpoint folder; renamed first, so a kill midway leaves a .del folder, never a broken
+    step-N."""
     os.replace(path, path.with_name(path.name + ".del"))
     shutil.rmtree(path.with_name(path.name + ".del"))
 
 
 def retire_old():
-    """Keep the newest --keep checkpoints and the last one of each stage: RL never deletes the pretrained model."""
+    """Keep the newest --keep checkpoints and the last one of each stage: RL never deletes the pretrained
+    model."""
     found = checkpoints()
     stages = {}
     for p in found:
@@ -1190,9 +1192,9 @@ def sample(envs, gen):
 
 
 def publish(version, **hello):
-    """The policy to the rollout ranks: every trainer rank gathers its shards into whole tensors (pack_policy),
-    rank 0 sends them, after hello (where RL starts and ends, the difficulty state) the first time. The
-    previous version's sends complete first, so at most two copies are in flight."""
+    """The policy to the rollout ranks: every trainer rank gathers its shards into whole tensors
+    (pack_policy), rank 0 sends them, after hello (where RL starts and ends, the difficulty state) the first
+    time. The previous version's sends complete first, so at most two copies are in flight."""
     flat = pack_policy(model, version)
     try:
         if rank == 0:
