@@ -1609,17 +1609,21 @@ def test_bad_input_stops_every_rank_and_prints_once(tmp_path):
     """Workers started as torchrun starts them (RANK, WORLD_SIZE, ...): all exit 2 and rank 0 alone prints the
     one line, for a check before the process group exists (the layout, the RL batch) and for one after it
     (no checkpoint to resume: rank 0 looks, every rank hears its verdict), so no rank is left waiting."""
-    cases = {("--cp", "2", "--ep", "3"): "error: layout: ep_replicate(1) * ep(3) = 3 does not divide world size 2, "
-                                         "so ep_shard = world / (ep_replicate * ep) is not an integer",
-             ("--tasks-per-step", "3"): "error: --tasks-per-step 3 does not split over 2 ranks (each samples its own "
-                                        "groups); pass a multiple of 2, e.g. --tasks-per-step 4",
-             ("--resume",): f"error: --resume: no checkpoint in {tmp_path} (expected a step-NNNNNNNN folder); start "
-                            f"without --resume"}
-    for flags, line in cases.items():
-        p = start_train(*flags, "--out", str(tmp_path), world=2)
+    cases = [(("--cp", "2", "--ep", "3"), 2, "error: layout: ep_replicate(1) * ep(3) = 3 does not divide world size "
+                                              "2, so ep_shard = world / (ep_replicate * ep) is not an integer"),
+             (("--tasks-per-step", "3"), 2, "error: --tasks-per-step 3 does not split over 2 ranks (each samples its "
+                                            "own groups); pass a multiple of 2, e.g. --tasks-per-step 4"),
+             (("--resume",), 2, f"error: --resume: no checkpoint in {tmp_path} (expected a step-NNNNNNNN folder); "
+                                f"start without --resume"),
+             (("--stage", "rl", "--init", "scratch", "--rollout-ranks", "2"), 3,
+              "error: --rollout-ranks 2: a rollout rank samples for whole trainer ranks, so there can be at most as "
+              "many as trainer ranks (1 of the 3)")]
+    for flags, world, line in cases:
+        p = start_train(*flags, "--out", str(tmp_path), world=world)
         finish(p, timeout=120)
         codes, errs = [q.exitcode for q in p.procs], [err for _, err in p.outputs]
-        assert codes == [2, 2] and not errs[1].strip() and errs[0].strip().splitlines() == [line], (codes, errs)
+        assert codes == [2] * world and not "".join(errs[1:]).strip() and errs[0].strip().splitlines() == [line], \
+            (codes, errs)
 
 
 # -----------------------------------------------------------------------------

@@ -277,6 +277,9 @@ if args.rollout_ranks or args.max_staleness:
     if args.rollout_ranks >= world_size:
         die(f"--rollout-ranks {args.rollout_ranks} leaves no trainer rank: the launch has {world_size} rank(s); "
             f"launch more (torchrun --nproc_per_node) or roll out on fewer")
+    if args.rollout_ranks > world_size - args.rollout_ranks:
+        die(f"--rollout-ranks {args.rollout_ranks}: a rollout rank samples for whole trainer ranks, so there can "
+            f"be at most as many as trainer ranks ({world_size - args.rollout_ranks} of the {world_size})")
     if args.stage != "rl":
         die("--rollout-ranks: rollout ranks sample RL rollouts only; pass --stage rl (after pretraining, "
             "--resume it)")
