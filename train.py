@@ -394,10 +394,10 @@ difficulty = tasks.DifficultySampler()
 
 
 def episodes(rl_step, data_rank):
-    """RL step rl_step's episodes for one data-parallel rank: its groups at the sampler's level, and the generator
-    that samples them. Every draw is seeded from (seed, RL step, rank), like the data order, so a resumed run
-    draws what the uninterrupted one would have, and a rollout rank draws what the trainer rank would.
-    -> (level, envs, gen)"""
+    """RL step rl_step's episodes for one data-parallel rank: its groups at the difficulty sampler's level, and
+    the generator that samples them. Every draw is seeded from (seed, RL step, rank), like the data order, so a
+    resumed run draws what the uninterrupted one would have, and a rollout rank draws what the trainer rank
+    would. -> (level, envs, gen)"""
     level = difficulty.sample(random.Random(f"{args.seed}/{rl_step}"))  # the same level on every rank
     task_rng = random.Random(f"{args.seed}/{rl_step}/{data_rank}")
     gen = torch.Generator().manual_seed(task_rng.getrandbits(63))
@@ -1159,7 +1159,8 @@ if pretraining:  # --stage rl, and a resumed RL run, go straight to RL
             stop_here(step, saving, stage="pretrain")
 
 # -----------------------------------------------------------------------------
-# RL: groups of rollouts on tool-use tasks at the sampler's difficulty, Dr. GRPO + lambda * feedback KL.
+# RL: groups of rollouts on tool-use tasks at the difficulty sampler's level; Dr. GRPO + lambda x the
+# feedback KL.
 # No trainer rank holds a whole copy of the policy: each samples its own groups with the sharded model itself,
 # FSDP gathering one unit at a time and EP exchanging tokens, all ranks in step until the longest rollout ends
 # (grpo.Lockstep); or, with --rollout-ranks, the rollout ranks sample with whole copies, up to --max-staleness
@@ -1302,7 +1303,7 @@ if args.stage != "pretrain":
             level, trajs = batch["level"], batch["trajs"]
             envs = [t.env for t in trajs]
             lag = {"staleness": rl_step - 1 - batch["version"], "trainer_wait_ms": 1000 * (time.perf_counter() - t0),
-                   "sample_ms": 1000 * batch["sample_s"], "sampler_wait_ms": 1000 * batch["wait_s"]}
+                   "sample_ms": 1000 * batch["sample_s"], "rollout_wait_ms": 1000 * batch["wait_s"]}
         train = cp_union(trajs)  # under CP each trained trajectory is on layout.cp ranks: sums below divide by it
         # PPO: every minibatch's log-probs under the policy that sampled it are taken before the first update
         # (with one epoch and one minibatch the single update's own detached log-probs are those)
