@@ -153,22 +153,29 @@ def expert_shard_dim(layout: Layout, num_experts: int):
     return 0 if num_experts // layout.ep >= layout.ep_shard else 1
 
 
-def shard(layout: Layout, meshes, experts, units, root, num_experts, bf16=False):
-    """Place a model's weights: works on the meta device too (then `root.to_empty(device=...)` and initialize),
-    so no rank ever holds more than its shards.
-    - experts: modules whose parameters are stacked expert weights [E, out, in]. Expert parallelism: rank i of
-      the EP group keeps experts [i*E/ep, (i+1)*E/ep) (a DTensor on the ep mesh), then FSDP2 shards those over
-      the expert FSDP mesh (HSDP with ep_replicate > 1) on expert_shard_dim.
-    - units: modules (or lists of modules) that FSDP2 gathers one at a time on the dense mesh, innermost first
-      (the experts inside a unit keep their own placement); root: the whole model, last.
-    bf16: FSDP gathers bf16 copies of the fp32 shards for compute and reduce-scatters fp32 gradients."""
+def parallelize(model, layout: Layout, meshes, bf16=False):
+    """All of a Transformer's placement in one call, as torchtitan's parallelize_deepseekv3. Works on the meta
+    device too (then `model.to_empty(device=...)` and initialize), so no rank ever holds more than its shards.
+    - Context parallelism: every attention gets its CP group.
+    - Experts (each MoE layer's .experts, stacked [E, out, in]): expert parallelism keeps experts
+      [i*E/ep, (i+1)*E/ep) on rank i of the EP group (a DTensor on the ep mesh), then FSDP2 shards those over the
+      expert FSDP mesh (HSDP with ep_replicate > 1) on expert_shard_dim.
+    - FSDP2 units on the dense mesh, gathered one at a time: each block (its experts keep their own placement),
+      the embedding, the norm with the output head; then the whole model.
+    Duck-typed on model.layers (blocks with .attn), model.moe_layers(), model.embed, model.norm, model.lm_head
+    and model.cfg.num_experts. meshes: build_meshes' four. bf16: FSDP gathers bf16 copies of the fp32 shards for
+    compute and reduce-scatters fp32 gradients."""
     from torch import nn
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
-    _, expert, dense_fsdp, expert_fsdp = meshes
+    dense, expert, dense_fsdp, expert_fsdp = meshes
+    for block in model.layers:
+        block.attn.cp_group = dense["cp"].get_group() if layout.cp > 1 else None
+    if layout.world == 1:
+        return
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
-    dim = expert_shard_dim(layout, num_experts)
-    for m in experts:
+    dim = expert_shard_dim(layout, model.cfg.num_experts)
+    for m in [moe.experts for moe in model.moe_layers()]:
         if layout.ep > 1:
             for name, p in list(m.named_parameters()):
                 m.register_parameter(name, nn.Parameter(distribute_tensor(p.data, expert["ep"], [Shard(0)],
@@ -182,23 +189,9 @@ def shard(layout: Layout, meshes, experts, units, root, num_experts, bf16=False)
             # gloo lacks the PREMUL_SUM reduction a custom factor uses: sum, then divide. Not with a shard
             # group of one: FSDP (torch 2.13) would then divide twice, once without reducing.
             m.set_force_sum_reduction_for_comms(True)
-    for unit in units:
+    for unit in [*model.layers, model.embed, [model.norm, model.lm_head]]:
         fully_shard(unit, mesh=dense_fsdp, mp_policy=mp)
-    fully_shard(root, mesh=dense_fsdp, mp_policy=mp)
-
-
-def parallelize(model, layout: Layout, meshes, bf16=False):
-    """All of a Transformer's placement in one call, as torchtitan's parallelize_deepseekv3: context
-    parallelism in every attention (its CP group), then the experts on the expert mesh and each block, the
-    embedding, and the norm with the output head as FSDP2 units on the dense mesh (shard), the whole model
-    last. Duck-typed on the model's structure: model.layers (blocks with .attn), model.moe_layers() (MoE
-    layers with .experts), model.embed, model.norm, model.lm_head, model.cfg.num_experts. meshes:
-    build_meshes' four."""
-    for block in model.layers:
-        block.attn.cp_group = meshes[0]["cp"].get_group() if layout.cp > 1 else None
-    if layout.world > 1:
-        shard(layout, meshes, [m.experts for m in model.moe_layers()],
-              [*model.layers, model.embed, [model.norm, model.lm_head]], model, model.cfg.num_experts, bf16)
+    fully_shard(model, mesh=dense_fsdp, mp_policy=mp)
 
 
 class CommCounter(TorchDispatchMode):
