@@ -1016,15 +1016,14 @@ def scan_git(root, nmap, task):
         if subprocess.run(["git", "cat-file", "-e", hashes[2]], cwd=root, capture_output=True).returncode == 0:
             ev.append(f"object {hashes[2][:10]} is the original {rel}")
     blobs = git(root, "cat-file", "--batch-all-objects", "--batch")
-    ev += [f"object holds {e}" for e in grep(blobs, {k: v for k, v in nmap.items() if v.startswith("deleted line")})]
+    ev += [f"object holds {e}" for e in grep(blobs, deleted_lines(nmap))]
     return [{"path": ".git", "kind": "git", "evidence": "; ".join(ev)}] if ev else []
 
 
 def scan(root, task=None, site_dirs=()):
-    """Findings [{path, kind, evidence}] for root; empty means clean."""
+    """Findings [{path, kind, evidence}] for root; empty means clean. Artifact folders are reported whole and not
+    entered; then each file, the git store, and copies of the packages installed in site_dirs."""
     root, nmap, findings = Path(root), needles(task), []
-    hashes = {fp["ast_hash"]: fp["qualname"] for fp in (task or {}).get("fingerprints", [])}
-    names = {fp["name"] for fp in (task or {}).get("fingerprints", [])}
 
     def add(rel, kind, ev):
         findings.append({"path": str(rel), "kind": kind, "evidence": "; ".join(ev) if ev else "present"})
@@ -1032,49 +1031,74 @@ def scan(root, task=None, site_dirs=()):
     for d, dirs, files in os.walk(root):
         rel_d = Path(d).relative_to(root)
         for x in sorted(dirs):
-            kind = ARTIFACT_DIRS.get(x) or (ROOT_DIRS.get(x) if d == str(root) else None) or \
-                ("egg-info" if x.endswith((".egg-info", ".dist-info")) else None) or \
-                ("git" if x == ".git" and d != str(root) else None)
+            kind = folder_kind(x, top=d == str(root))
             if kind:  # report the whole folder once, with evidence from every file in it
                 ev = set()
                 for f in walk(Path(d, x), skip=()):
                     ev.update(blob_evidence(f, Path(d, x, f).read_bytes()[:20_000_000], nmap))
                 add(rel_d / x, kind, sorted(ev))
-        dirs[:] = sorted(x for x in dirs if x != ".git" and not (rel_d / x).as_posix() in {f["path"] for f in findings})
+        reported = {f["path"] for f in findings}
+        dirs[:] = sorted(x for x in dirs if x != ".git" and (rel_d / x).as_posix() not in reported)
         for f in sorted(files):
-            rel, path = rel_d / f, Path(d, f)
-            if path.is_symlink() or not path.is_file():
-                continue
-            kind = file_kind(f)
-            if kind:
-                data = path.read_bytes()
-                ev = blob_evidence(f, data, nmap)
-                if kind == "pyc" and not ev:
-                    ev = [f"defines {', '.join(map(str, pyc_strings(data)[:4]))}"]
-                if kind != "archive" or ev:  # test-data archives are fine; ones holding code or deleted names are not
-                    add(rel, kind, ev)
-            elif task and path.stat().st_size < 2_000_000:
-                data = path.read_bytes()
-                if f.endswith(".pyi") and any(re.search(rb"\b%s\b" % re.escape(n.encode()), data) for n in names):
-                    add(rel, "pyi", [f"stub mentions {', '.join(sorted(names))}"])
-                    continue
-                ev = grep(data, {k: v for k, v in nmap.items() if v.startswith("deleted line")})
-                if f.endswith(".py"):
-                    try:
-                        defs = [n for n in ast.walk(ast.parse(data)) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-                        ev += [f"copy of {hashes[h]}" for n in defs for h in [ast_hash(n)] if h in hashes]
-                    except (SyntaxError, ValueError):
-                        pass
-                if ev:
-                    add(rel, "text", ev)
+            path = Path(d, f)
+            found = None if path.is_symlink() or not path.is_file() else file_finding(path, task, nmap)
+            if found:
+                add(rel_d / f, *found)
     findings += scan_git(root, nmap, task)
-    for sp in site_dirs:  # installed copies of the package in the environment
+    for p in installed_copies(root, site_dirs):
+        add(p, "site-packages", ["installed copy"])
+    return findings
+
+
+def folder_kind(name, top):
+    """What an artifact folder is, or None: caches anywhere, build output at the top (a package may well have a
+    `build` module), package metadata, and a .git below the top."""
+    return (ARTIFACT_DIRS.get(name) or (ROOT_DIRS.get(name) if top else None)
+            or ("egg-info" if name.endswith((".egg-info", ".dist-info")) else None)
+            or ("git" if name == ".git" and not top else None))
+
+
+def file_finding(path, task, nmap):
+    """(kind, evidence) for one file, or None. Compiled, cached and packed files are reported by kind; text only
+    when it holds a deleted line, a copy of a deleted function under any name, or (a .pyi stub) a deleted name."""
+    kind = file_kind(path.name)
+    if kind:
+        data = path.read_bytes()
+        ev = blob_evidence(path.name, data, nmap)
+        if kind == "pyc" and not ev:
+            ev = [f"defines {', '.join(map(str, pyc_strings(data)[:4]))}"]
+        # test-data archives are fine; ones holding code or deleted names are not
+        return (kind, ev) if kind != "archive" or ev else None
+    if not task or path.stat().st_size >= 2_000_000:
+        return None
+    data, fps = path.read_bytes(), task.get("fingerprints", [])
+    names = {fp["name"] for fp in fps}
+    if path.name.endswith(".pyi") and any(re.search(rb"\b%s\b" % re.escape(n.encode()), data) for n in names):
+        return "pyi", [f"stub mentions {', '.join(sorted(names))}"]
+    ev = grep(data, deleted_lines(nmap))
+    if path.name.endswith(".py"):
+        hashes = {fp["ast_hash"]: fp["qualname"] for fp in fps}
+        try:
+            defs = [n for n in ast.walk(ast.parse(data)) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            ev += [f"copy of {hashes[h]}" for n in defs for h in [ast_hash(n)] if h in hashes]
+        except (SyntaxError, ValueError):
+            pass
+    return ("text", ev) if ev else None
+
+
+def deleted_lines(nmap):
+    return {k: v for k, v in nmap.items() if v.startswith("deleted line")}
+
+
+def installed_copies(root, site_dirs):
+    """The repository's packages as installed in the environment: a copy of the deleted code, whole."""
+    for sp in site_dirs:
         for pkg in packages(root):
             name = Path(pkg).name
             for p in sorted(Path(sp).glob(f"{name}*")) if Path(sp).is_dir() else []:
-                if p.name == name or re.match(rf"{re.escape(name)}-[^/]*\.(dist|egg)-info$|{re.escape(name)}\.py$", p.name):
-                    add(p, "site-packages", ["installed copy"])
-    return findings
+                if p.name == name or re.match(rf"{re.escape(name)}-[^/]*\.(dist|egg)-info$|{re.escape(name)}\.py$",
+                                              p.name):
+                    yield p
 
 
 def scrub(root, findings):
