@@ -12,8 +12,8 @@ as L_RL + lambda * L_fb. The same self-distillation primitive appears in arXiv 2
 The ablation runs train.py (pretraining once, then RL with lambda > 0 and lambda = 0 from that checkpoint,
 several seeds an arm) and prints the held-out targeted rates and pass rates, mean ± std over the seeds.
 
-    python feedback.py                   # Cursor's "tool not found" example on a tiny model pretrained on transcripts
-    python feedback.py --ablation long   # lambda 0.1 against 0 on long episodes, 5 seeds an arm (--ablation short)
+    python feedback.py                   # Cursor's "tool not found" example, a tiny model pretrained
+    python feedback.py --ablation long   # lambda 0.1 against 0, long episodes, 5 seeds an arm (or: short)
 """
 import contextlib
 import json
@@ -121,8 +121,8 @@ class Feedback:
 
     @torch.no_grad()
     def targets(self, policy, trajs):
-        """The flagged messages of a batch and the teacher's logits on them: the teacher's pass, run before the
-        student's forward (the teacher's weights are swapped in and out around it). The hint goes in as a
+        """The flagged messages of a batch and the teacher's logits on them: the teacher's pass, run before
+        the student's forward (the teacher's weights are swapped in and out around it). The hint goes in as a
         system turn right before the message's role token, so the teacher's message tokens sit len(hint
         tokens) later than the student's: positions are shifted to match. Every call runs exactly one forward
         (one padding token when nothing is flagged), so ranks of a sharded policy stay in step.
@@ -213,9 +213,11 @@ def ablation(regime, seeds, rl_steps, out, coef, jobs, start=None, extra=()):
     if start is None:  # one pretraining for every arm and seed (skipped when it is already there)
         start = out / "pretrain"
         if not sorted(start.glob("step-*")):
-            subprocess.run([sys.executable, str(train), "--stage", "pretrain", "--out", str(start), *extra], check=True)
+            subprocess.run([sys.executable, str(train), "--stage", "pretrain", "--out", str(start), *extra],
+                           check=True)
         start = sorted(start.glob("step-*"))[-1]
-    runs = {(lam, seed): out / f"{regime}-lambda{lam:g}-seed{seed}" for lam in (coef, 0.0) for seed in range(seeds)}
+    runs = {(lam, seed): out / f"{regime}-lambda{lam:g}-seed{seed}"
+            for lam in (coef, 0.0) for seed in range(seeds)}
     records = lambda folder: [json.loads(line) for line in (folder / "metrics.jsonl").open()]
     done = lambda folder: (folder / "metrics.jsonl").exists() and \
         any(r.get("stage") == "rl_eval" and r["rl_step"] == rl_steps for r in records(folder))
@@ -257,18 +259,21 @@ def print_ablation(table, regime):
                        else "-")
     lams = sorted({lam for lam, _ in table}, reverse=True)
     for title, rows in (("held-out episodes after RL step", [k for k in table if isinstance(k[1], int)]),
-                        ("training rollouts, mean over RL steps", [k for k in table if isinstance(k[1], str)])):
+                        ("training rollouts, mean over RL steps",
+                         [k for k in table if isinstance(k[1], str)])):
         metrics = list(dict.fromkeys(m for k in rows for m in table[k]))
         print(f"\n{regime} episodes: {title}; mean ± std over {len(table[rows[0]][metrics[0]])} seeds\n")
         print("| | lambda | " + " | ".join(metrics) + " |\n|---|---|" + "---|" * len(metrics))
         for key in sorted(rows, key=lambda k: (str(k[1]).zfill(9), -k[0])):
             print(f"| {key[1]} | {key[0]:g} | " + " | ".join(cell(table[key].get(m)) for m in metrics) + " |")
-    first, last = min(k[1] for k in table if isinstance(k[1], int)), max(k[1] for k in table if isinstance(k[1], int))
+    first, last = (min(k[1] for k in table if isinstance(k[1], int)),
+                   max(k[1] for k in table if isinstance(k[1], int)))
     for m in TRACKED[:2]:
-        fall = {lam: statistics.mean(table[lam, first][m]) - statistics.mean(table[lam, last][m]) for lam in lams}
+        fall = {lam: statistics.mean(table[lam, first][m]) - statistics.mean(table[lam, last][m])
+                for lam in lams}
         ratio = f"{fall[lams[0]] / fall[0.0]:.1f}x" if fall[0.0] > 0 else "lambda 0 did not fall"
-        print(f"held-out {m}: fell {fall[lams[0]]:+.3f} with lambda {lams[0]:g}, {fall[0.0]:+.3f} with lambda 0 "
-              f"({ratio}) from RL step {first} to {last}")
+        print(f"held-out {m}: fell {fall[lams[0]]:+.3f} with lambda {lams[0]:g}, "
+              f"{fall[0.0]:+.3f} with lambda 0 ({ratio}) from RL step {first} to {last}")
 
 
 if __name__ == "__main__":
@@ -279,15 +284,19 @@ if __name__ == "__main__":
     from model import PRESETS, Transformer, encode
     from muon import Muon, param_groups
     from tasks import TOOLS, gold_transcript, make_tool_task, render
-    ap = argparse.ArgumentParser(description="Cursor's 'tool not found' example on a tiny model, or the ablation.",
+    ap = argparse.ArgumentParser(description="Cursor's 'tool not found' example on a tiny model, "
+                                             "or the ablation.",
                                  allow_abbrev=False)  # the ablation hands unknown flags to train.py whole
     ap.add_argument("--pretrain-steps", type=int, default=300, help="steps on tool transcripts first")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=0.05, help="the one demonstration step's SGD learning rate")
-    g = ap.add_argument_group("the ablation: lambda > 0 against lambda = 0 with train.py, from one pretraining")
-    g.add_argument("--ablation", choices=["long", "short"], help="run it on long or short episodes, not the example")
+    g = ap.add_argument_group("the ablation: lambda > 0 against lambda = 0 with train.py, "
+                              "from one pretraining")
+    g.add_argument("--ablation", choices=["long", "short"],
+                   help="run it on long or short episodes, not the example")
     g.add_argument("--seeds", type=int, default=5, help="RL seeds an arm")
-    g.add_argument("--rl-steps", type=int, default=12, help="RL steps a run (held-out evaluations at 0, half, all)")
+    g.add_argument("--rl-steps", type=int, default=12,
+                   help="RL steps a run (held-out evaluations at 0, half, all)")
     g.add_argument("--coef", type=float, default=0.1, help="lambda of the feedback arm")
     g.add_argument("--jobs", type=int, default=2, help="runs at once (threads split between them)")
     g.add_argument("--start", default=None, help="a pretraining checkpoint to start from (default: pretrain "
@@ -297,7 +306,8 @@ if __name__ == "__main__":
     if a.ablation:  # any other flag goes to every train.py run (the pretraining's too)
         if a.seeds < 1 or a.rl_steps < 1 or a.jobs < 1:
             raise SystemExit("error: --seeds, --rl-steps and --jobs must be >= 1")
-        print_ablation(ablation(a.ablation, a.seeds, a.rl_steps, a.out, a.coef, a.jobs, a.start, extra), a.ablation)
+        print_ablation(ablation(a.ablation, a.seeds, a.rl_steps, a.out, a.coef, a.jobs, a.start, extra),
+                       a.ablation)
         raise SystemExit
     if extra:
         ap.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -305,11 +315,13 @@ if __name__ == "__main__":
     rng = random.Random(a.seed)
     # 1) a tiny model that knows the format: gold transcripts, some with a mistake (an absent tool, its error,
     #    the fix) and some with the reminder as a system turn before a call (always followed by a valid call)
-    docs = [encode(render(gold_transcript(make_tool_task(rng, rng.randint(1, 2)), rng, p_mistake=0.3, p_hint=0.3)),
+    docs = [encode(render(gold_transcript(make_tool_task(rng, rng.randint(1, 2)), rng,
+                                          p_mistake=0.3, p_hint=0.3)),
                    specials=True) for _ in range(3000)]
     data = torch.tensor([i for d in docs for i in d])
     model = Transformer(PRESETS["tiny"])
-    opt = Muon(param_groups(model.named_parameters(), lr=4e-3, weight_decay=0.1), adjust_lr_fn="match_rms_adamw")
+    opt = Muon(param_groups(model.named_parameters(), lr=4e-3, weight_decay=0.1),
+               adjust_lr_fn="match_rms_adamw")
     t0 = time.perf_counter()
     for step in range(a.pretrain_steps):
         ix = torch.randint(len(data) - 129, (16,))
@@ -344,7 +356,8 @@ if __name__ == "__main__":
         logits, _ = model(torch.tensor([q + [TOKEN["<|pad|>"]] * (T - len(q)) for q in seqs]))
         logp = logits.log_softmax(-1)
         start = len(context) + len(encode("call "))
-        return {n: logp[i, start - 1 + torch.arange(len(n) + 1), torch.tensor(seqs[i][start:start + len(n) + 1])]
+        return {n: logp[i, start - 1 + torch.arange(len(n) + 1),
+                        torch.tensor(seqs[i][start:start + len(n) + 1])]
                 .sum().exp().item() for i, n in enumerate(names)}
 
     def split(p):
@@ -364,6 +377,7 @@ if __name__ == "__main__":
     sgd.step()
     after = split(p_tools(model, ctx))
     _, stats_after = fb.loss(model, [traj], norm=len(bad))
-    print(f"after one SGD step (lr {a.lr}) on L_fb: KL(student || teacher) on the message {stats['feedback_kl']:.4f}"
-          f" -> {stats_after['feedback_kl']:.4f}; student P(absent) {student[0]:.3f} -> {after[0]:.3f}, "
+    print(f"after one SGD step (lr {a.lr}) on L_fb: KL(student || teacher) on the message "
+          f"{stats['feedback_kl']:.4f} -> {stats_after['feedback_kl']:.4f}; "
+          f"student P(absent) {student[0]:.3f} -> {after[0]:.3f}, "
           f"P(offered) {student[1]:.3f} -> {after[1]:.3f}")

@@ -24,11 +24,12 @@ Sources:
   torch.optim.Muon (torch/optim/_muon.py), whose update this file reproduces bit for bit.
   Dao AI Lab, gram-newton-schulz (2026): Newton-Schulz iterated on the Gram matrix X X^T (ns_method="gram").
   Cursor, "Introducing Composer 2.5" (sharded Muon, dual-mesh HSDP); microsoft/dion for distributed Muon.
-  (MuonClip's QK-Clip rescales attention weights, so it lives with the attention: model.py, Transformer.qk_clip.)
+  (MuonClip's QK-Clip rescales attention weights, so it lives with the attention: model.py,
+  Transformer.qk_clip.)
 
-  python muon.py                                  # CPU benchmark: ours vs torch.optim.Muon, NS vs matmul, Gram
-  python muon.py --world 1 2 4                    # sharded step on 1, 2, 4 gloo processes
-  python muon.py --plan kimi-k2 --gpus 512        # analytic step time of the 1T model on a cluster (--ns gram)
+  python muon.py                                # CPU benchmark: ours vs torch.optim.Muon, NS vs matmul, Gram
+  python muon.py --world 1 2 4                  # sharded step on 1, 2, 4 gloo processes
+  python muon.py --plan kimi-k2 --gpus 512      # analytic step time of the 1T model on a cluster (--ns gram)
 """
 
 import functools
@@ -373,9 +374,10 @@ class Muon(torch.optim.Optimizer):
             elif len(dims) == 1:
                 split.append(SplitBucket(key[-1], items, dims[0]))
             else:  # a matrix dim split over two mesh dims (no layout of ours does this): gather it whole
-                local.append((key[-1], [(q, g, DTensor.from_local(u, q.device_mesh, q.placements, shape=q.shape,
-                                                                  stride=q.stride()).full_tensor())
-                                        for q, g, u in items]))
+                local.append((key[-1], [
+                    (q, g, DTensor.from_local(u, q.device_mesh, q.placements, shape=q.shape,
+                                              stride=q.stride()).full_tensor())
+                    for q, g, u in items]))
         return local, split
 
     def _orthogonalize_local(self, local):
@@ -396,7 +398,8 @@ class Muon(torch.optim.Optimizer):
     def _launch(self, tasks, inflight, i):
         """Start the all-to-alls of tasks[i:] while the bytes of transfers not yet turned into NS work stay
         under max_inflight_bytes (at least one is always in flight). -> index of the next task to launch.
-        max_inflight_bytes 0: one transfer at a time, each waited for as it starts (the no-overlap baseline)."""
+        max_inflight_bytes 0: one transfer at a time, each waited for as it starts (the no-overlap
+        baseline)."""
         while i < len(tasks) and (not inflight or sum(t.nbytes for t in inflight) + tasks[i].nbytes
                                   <= self.max_inflight_bytes):
             tasks[i].send()
@@ -419,7 +422,8 @@ class Muon(torch.optim.Optimizer):
 
     @staticmethod
     def _apply(p, g, o):
-        """torch.optim.Muon's update on this rank's shard: decoupled decay, then the scaled orthogonal step."""
+        """torch.optim.Muon's update on this rank's shard: decoupled decay, then the scaled orthogonal
+        step."""
         lr = g["lr"]
         adjusted = adjust_lr(lr, g["adjust_lr_fn"], p.shape)  # a DTensor's shape is the global one
         p = _local(p)
@@ -462,11 +466,14 @@ class SplitBucket:
         p = items[0][0]
         self.ns, self.items = ns, items  # items: (param, group, this rank's update [..., rows, cols])
         mesh = p.device_mesh
-        self.group, self.W, self.rank = mesh.get_group(mesh_dim), mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
-        self.rows = p.placements[mesh_dim].dim % p.ndim == p.ndim - 2  # split rows, else columns (work on .mT)
+        self.group, self.W, self.rank = (mesh.get_group(mesh_dim), mesh.size(mesh_dim),
+                                         mesh.get_local_rank(mesh_dim))
+        # split rows, else columns (work on .mT)
+        self.rows = p.placements[mesh_dim].dim % p.ndim == p.ndim - 2
         self.length, self.other = (p.shape[-2], p.shape[-1]) if self.rows else (p.shape[-1], p.shape[-2])
         self.piece = -(-self.length // self.W)
-        self.mine = min(self.piece, max(0, self.length - self.rank * self.piece))  # rows of each matrix held here
+        # rows of each matrix held here
+        self.mine = min(self.piece, max(0, self.length - self.rank * self.piece))
         self.counts = [math.prod(u.shape[:-2]) for _, _, u in items]  # matrices per parameter
         self.count = sum(self.counts)
         self.owned = -(-self.count // self.W)  # whole matrices each rank orthogonalizes
@@ -475,7 +482,8 @@ class SplitBucket:
     def send(self):
         X = torch.cat([(u if self.rows else u.mT).reshape(n, self.mine, self.other)
                        for (_, _, u), n in zip(self.items, self.counts)])  # [count, mine, other]
-        buf = X.new_zeros(self.owned * self.W, self.piece, self.other)  # block s (owned matrices) goes to rank s
+        # block s (owned matrices) goes to rank s
+        buf = X.new_zeros(self.owned * self.W, self.piece, self.other)
         buf[:self.count, :self.mine] = X
         self.recv = torch.empty_like(buf)
         self.work = dist.all_to_all_single(self.recv, buf, group=self.group, async_op=True)
@@ -490,7 +498,8 @@ class SplitBucket:
         O = O if self.rows else O.mT  # [owned, length, other]
         buf = O.new_zeros(self.owned, self.W * self.piece, self.other)
         buf[:, :self.length] = O
-        buf = buf.view(self.owned, self.W, self.piece, self.other).transpose(0, 1).contiguous()  # piece s -> rank s
+        # piece s -> rank s
+        buf = buf.view(self.owned, self.W, self.piece, self.other).transpose(0, 1).contiguous()
         self.back = torch.empty_like(buf)
         self.work = dist.all_to_all_single(self.back, buf, group=self.group, async_op=True)
 
@@ -622,7 +631,8 @@ def _dist_bench_worker(rank, world, store, preset, repeats, results):
         params.append(p)
     row = {}
     for name, inflight in (("serial", 0), ("overlap", 256 << 20)):
-        opt = Muon(params, lr=0.02, adjust_lr_fn="match_rms_adamw", ns_dtype=torch.float32, max_inflight_bytes=inflight)
+        opt = Muon(params, lr=0.02, adjust_lr_fn="match_rms_adamw", ns_dtype=torch.float32,
+                   max_inflight_bytes=inflight)
         opt.step()  # state allocation and warm-up
         row[name] = _median_time(opt.step, repeats, warmup=0)
         row[name + "_wait"] = opt.stats["a2a_wait_s"]
@@ -648,7 +658,8 @@ def dist_bench(preset, worlds, repeats):
           f"{'NS GFLOP/rank':>13} {'of total':>8} {'a2a MiB/rank':>12} {'buffers MiB':>11}")
     base = total = None
     for world in worlds:
-        q = mp.get_context("forkserver").SimpleQueue()  # the workers fork from one process that imported torch
+        # the workers fork from one process that imported torch
+        q = mp.get_context("forkserver").SimpleQueue()
         with tempfile.TemporaryDirectory() as d:
             mp.start_processes(_dist_bench_worker, args=(world, os.path.join(d, "store"), preset, repeats, q),
                                nprocs=world, start_method="forkserver")
@@ -667,12 +678,14 @@ def dist_bench(preset, worlds, repeats):
 
 def plan(shapes, gpus, dense_shard, ep, tflops, a2a_gbps, ns_steps=5, bytes_per_elem=2, num_experts=None,
          method="standard"):
-    """Analytic time of one sharded Muon step, with train.py's layout: dense matrices FSDP-sharded on dim 0 over
-    `dense_shard` ranks (dp_shard * cp) and replicated gpus/dense_shard times, each replica computing its NS;
-    experts [E, out, in] split over `ep` ranks, each rank's E/ep FSDP-sharded over ep_shard = gpus/ep ranks, on
-    dim 0 when E/ep >= ep_shard (whole matrices: local NS) else dim 1 (all-to-all). Like the optimizer, a
-    bucket is all parameters of one shape, so a rank owns ceil(matrices / group) of it. shapes: [(name, shape)].
-    -> rows (one per bucket) and totals; time per GPU is FLOPs / tflops and bytes (sent + received) / a2a_gbps."""
+    """Analytic time of one sharded Muon step, with train.py's layout: dense matrices FSDP-sharded on dim 0
+    over `dense_shard` ranks (dp_shard * cp) and replicated gpus/dense_shard times, each replica computing its
+    NS; experts [E, out, in] split over `ep` ranks, each rank's E/ep FSDP-sharded over ep_shard = gpus/ep
+    ranks, on dim 0 when E/ep >= ep_shard (whole matrices: local NS) else dim 1 (all-to-all). Like the
+    optimizer, a bucket is all parameters of one shape, so a rank owns ceil(matrices / group) of it.
+    shapes: [(name, shape)].
+    -> rows (one per bucket) and totals; time per GPU is FLOPs / tflops and
+    bytes (sent + received) / a2a_gbps."""
     buckets = {}
     for name, shape in shapes:  # bucket names like attn.wq_a, experts.w1, shared.w2
         short = ".".join([x for x in name.split(".") if x != "weight"][-2:])
@@ -692,7 +705,8 @@ def plan(shapes, gpus, dense_shard, ep, tflops, a2a_gbps, ns_steps=5, bytes_per_
             group, local = dense_shard, len(shape) == 3  # per-head weights: FSDP's Shard(0) splits heads
             own = n * -(-shape[0] // group) if local else -(-matrices // group)
             per_rank_matrices = matrices
-        gb = 0.0 if local or group == 1 else 2 * per_rank_matrices * mat_bytes / group * (group - 1) / group / 1e9
+        gb = (0.0 if local or group == 1
+              else 2 * per_rank_matrices * mat_bytes / group * (group - 1) / group / 1e9)
         rows.append(dict(name="/".join(dict.fromkeys(names)), shape=shape, expert=expert, matrices=matrices,
                          path="local" if local or group == 1 else "a2a", tflop=matrices * f1 / 1e12,
                          tflop_gpu=own * f1 / 1e12, gb_gpu=gb))
@@ -701,7 +715,8 @@ def plan(shapes, gpus, dense_shard, ep, tflops, a2a_gbps, ns_steps=5, bytes_per_
     fill = min((r["gb_gpu"] / a2a_gbps for r in rows if r["path"] == "a2a"), default=0.0)
     # overlapped: while one bucket is orthogonalized the next one's transfer is in flight, so the step costs
     # the larger of the two plus the first (smallest) transfer, which nothing can hide
-    return rows, dict(compute_s=compute, comm_s=comm, serial_s=compute + comm, overlap_s=max(compute, comm) + fill)
+    return rows, dict(compute_s=compute, comm_s=comm, serial_s=compute + comm,
+                      overlap_s=max(compute, comm) + fill)
 
 
 def print_plan(a):
@@ -717,30 +732,34 @@ def print_plan(a):
     rows, t = plan(shapes, a.gpus, ds, ep, a.tflops, a.a2a_gbps, method=a.ns)
     print(f"[{a.preset}] sharded Muon ({a.ns} Newton-Schulz) on {a.gpus} GPUs: dense FSDP groups of {ds} "
           f"({a.gpus // ds} replicas), "
-          f"experts ep={ep} x ep_shard={a.gpus // ep}; {a.tflops:g} TFLOP/s NS, {a.a2a_gbps:g} GB/s all-to-all a GPU")
-    print(f"  {'bucket':<20} {'shape':>18} {'matrices':>8} {'path':>5} {'NS TFLOP':>9} {'TFLOP/GPU':>10} {'GB/GPU':>7}")
+          f"experts ep={ep} x ep_shard={a.gpus // ep}; {a.tflops:g} TFLOP/s NS, "
+          f"{a.a2a_gbps:g} GB/s all-to-all a GPU")
+    print(f"  {'bucket':<20} {'shape':>18} {'matrices':>8} {'path':>5} {'NS TFLOP':>9} "
+          f"{'TFLOP/GPU':>10} {'GB/GPU':>7}")
     for r in rows:
-        print(f"  {r['name']:<20} {str(list(r['shape'])):>18} {r['matrices']:8d} {r['path']:>5} {r['tflop']:9.1f} "
-              f"{r['tflop_gpu']:10.2f} {r['gb_gpu']:7.2f}")
+        print(f"  {r['name']:<20} {str(list(r['shape'])):>18} {r['matrices']:8d} {r['path']:>5} "
+              f"{r['tflop']:9.1f} {r['tflop_gpu']:10.2f} {r['gb_gpu']:7.2f}")
     ex = sum(r["tflop"] for r in rows if r["expert"]) / sum(r["tflop"] for r in rows)
     print(f"  experts: {ex:.1%} of the NS FLOPs | per GPU: compute {t['compute_s']:.3f} s, all-to-all "
           f"{t['comm_s']:.3f} s; serial {t['serial_s']:.3f} s, overlapped {t['overlap_s']:.3f} s")
     g = ep  # the smallest cluster (same dense group and ep, more expert-shard ranks) that reaches 0.2 s
     while g <= 1 << 16 and plan(shapes, g, ds, ep, a.tflops, a.a2a_gbps, method=a.ns)[1]["overlap_s"] > 0.2:
         g *= 2
-    print(f"  0.2 s (the seed's claim for a 1T model) needs {g if g <= 1 << 16 else 'more than 65536'} GPUs at "
-          f"{a.tflops:g} TFLOP/s achieved with this layout; at {a.gpus} GPUs the model gives "
+    print(f"  0.2 s (the seed's claim for a 1T model) needs {g if g <= 1 << 16 else 'more than 65536'} "
+          f"GPUs at {a.tflops:g} TFLOP/s achieved with this layout; at {a.gpus} GPUs the model gives "
           f"{t['overlap_s'] / 0.2:.1f}x the claim")
 
 
 if __name__ == "__main__":
     import argparse
-    parser = argparse.ArgumentParser(description="Benchmark batched Muon against torch.optim.Muon, CPU or GPU.")
+    parser = argparse.ArgumentParser(
+        description="Benchmark batched Muon against torch.optim.Muon, CPU or GPU.")
     parser.add_argument("--presets", nargs="+", default=["tiny", "small"], help="model presets (model.py)")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats per measurement (median)")
     parser.add_argument("--ns-max-batch", type=int, default=32, help="batch cap in the NS throughput table")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="auto: cuda if available")
     g = parser.add_argument_group("--plan: analytic step time of sharded Muon on a cluster (nothing is run)")
     g.add_argument("--plan", default=None, help="preset to plan for, e.g. kimi-k2")
     g.add_argument("--gpus", type=int, default=512, help="GPUs in the job")
@@ -748,12 +767,14 @@ if __name__ == "__main__":
     g.add_argument("--ep", type=int, default=64, help="expert-parallel degree")
     g.add_argument("--tflops", type=float, default=400.0, help="achieved bf16 NS TFLOP/s a GPU (H100-class)")
     g.add_argument("--a2a-gbps", type=float, default=50.0, help="all-to-all GB/s a GPU (one 400 Gb/s NIC)")
-    g.add_argument("--ns", default="standard", choices=["standard", "gram"], help="the Newton-Schulz method planned")
+    g.add_argument("--ns", default="standard", choices=["standard", "gram"],
+                   help="the Newton-Schulz method planned")
     parser.add_argument("--k2", default="all", choices=["all", "heads", "none"],
-                        help="Kimi K2's shapes in the Gram table: per-head attention (64 heads) and one expert "
-                             "[1, 2048, 7168] (all), the heads only, or none (seconds each on a CPU)")
+                        help="Kimi K2's shapes in the Gram table: per-head attention (64 heads) and one "
+                             "expert [1, 2048, 7168] (all), the heads only, or none (seconds each on a CPU)")
     parser.add_argument("--world", type=int, nargs="+", default=None,
-                        help="instead: time the sharded step on these process counts (gloo), e.g. --world 1 2 4")
+                        help="instead: time the sharded step on these process counts (gloo), "
+                             "e.g. --world 1 2 4")
     args = parser.parse_args()
     if args.world:
         for name in args.presets:
@@ -769,7 +790,8 @@ if __name__ == "__main__":
     # the NS dtype each device is fast at (default_ns_dtype), and its matmul peak
     ns_dtype, peak_n = default_ns_dtype(device), 8192 if device == "cuda" else 512
     print(f"torch {torch.__version__} on {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, "
-          f"{torch.get_num_threads()} threads on {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} "
+          f"{torch.get_num_threads()} threads on {os.cpu_count()} cores, "
+          f"load average {os.getloadavg()[0]:.2f} "
           "at start")  # another busy process makes small ops slower: the load stands next to the figures
     # torch.optim.Muon always runs NS in bf16; whether bf16 is fast here decides the step ratio
     f32, b16 = (_matmul_gflops(peak_n, dt, 10, device) for dt in (torch.float32, torch.bfloat16))
@@ -784,7 +806,8 @@ if __name__ == "__main__":
         print(f"  ours, batched, fp32 NS (CPUs without bf16 units) {t32 * 1e3:9.1f} ms  {_ratio(tt, t32)}")
         print(f"  ours, batched, bf16 NS (GPUs, CPUs with them)    {t16 * 1e3:9.1f} ms  {_ratio(tt, t16)}")
         print(f"  ours, batched, bf16 NS, Gram (--ns gram)         {tg * 1e3:9.1f} ms  {_ratio(tt, tg)}")
-        print(f"  {'[B, m, n]':>18} {'NS GFLOP/s':>11} {'bmm GFLOP/s':>12} {'NS/bmm':>7}   ({str(ns_dtype)[6:]})")
+        print(f"  {'[B, m, n]':>18} {'NS GFLOP/s':>11} {'bmm GFLOP/s':>12} {'NS/bmm':>7}   "
+              f"({str(ns_dtype)[6:]})")
         for (B, m, n), ns, mm in _bench_ns(shapes, args.repeats, args.ns_max_batch, device, ns_dtype):
             print(f"  {str([B, m, n]):>18} {ns:11.1f} {mm:12.1f} {ns / mm:7.0%}")
     # standard against Gram Newton-Schulz: the presets' shapes (batch capped), Kimi K2's per-head attention
@@ -795,7 +818,8 @@ if __name__ == "__main__":
                      for s in _preset_matrices(name)}, key=lambda s: s[0] * s[1] * s[2])
     if args.k2 != "none":
         shapes += [(k2.n_head, k2.qk_nope_head_dim + k2.qk_rope_head_dim, k2.q_lora_rank),
-                   (k2.n_head, k2.qk_nope_head_dim + k2.v_head_dim, k2.kv_lora_rank), (k2.n_head, k2.dim, k2.v_head_dim)]
+                   (k2.n_head, k2.qk_nope_head_dim + k2.v_head_dim, k2.kv_lora_rank),
+                   (k2.n_head, k2.dim, k2.v_head_dim)]
     if args.k2 == "all":
         shapes += [(k, k2.moe_hidden, k2.dim) for k in ((1,) if device == "cpu" else (1, 4, 16))]
     for dtype in (torch.float32, torch.bfloat16):
@@ -803,9 +827,10 @@ if __name__ == "__main__":
         print(f"\nstandard vs Gram Newton-Schulz (5 classic steps, restart before step {GRAM_RESTARTS[0]}), "
               f"{str(dtype)[6:]} on {device}, median of {args.repeats} (K2 experts on a CPU: one run); "
               f"of peak: NS FLOPs a second over the {peak_n}x{peak_n} matmul's:")
-        print(f"  {'[B, m, n]':>18} {'FLOPs std/Gram':>14} {'standard ms':>12} {'Gram ms':>9} {'speed-up':>8} "
-              f"{'of peak std':>11} {'Gram':>5} {'orth. error std':>15} {'Gram':>6}")
+        print(f"  {'[B, m, n]':>18} {'FLOPs std/Gram':>14} {'standard ms':>12} {'Gram ms':>9} "
+              f"{'speed-up':>8} {'of peak std':>11} {'Gram':>5} {'orth. error std':>15} {'Gram':>6}")
         for (B, m, n), fl, ts, tg, es, eg in _bench_gram(shapes, args.repeats, device, dtype):
-            work = [B * ns_flops(m, n, 5, method) / t / 1e9 / peak for method, t in (("standard", ts), ("gram", tg))]
+            work = [B * ns_flops(m, n, 5, method) / t / 1e9 / peak
+                    for method, t in (("standard", ts), ("gram", tg))]
             print(f"  {str([B, m, n]):>18} {fl:13.2f}x {ts * 1e3:12.1f} {tg * 1e3:9.1f} {ts / tg:7.2f}x "
                   f"{work[0]:11.0%} {work[1]:5.0%} {es:15.4f} {eg:6.4f}")
