@@ -16,7 +16,7 @@ recorded log-probs corrects that mismatch and any other (an fp32 sampler, a bf16
 "truncated importance sampling"). The same weights correct a sampler that runs a bounded number of policy
 versions behind the trainer: asynchronous RL on rollout ranks (section at the end).
 
-    python grpo.py          # one group of rollouts on the tool-use tasks with a fresh tiny model, and its loss
+    python grpo.py          # one group of rollouts on tool-use tasks with a fresh tiny model, its loss
 """
 import contextlib
 import pickle
@@ -188,7 +188,8 @@ def sample_messages(model, contexts, cfg, gen, limits=None):
         live &= (tok != TOKEN["<|end|>"]) & (limits > n)
         if not live.any():
             break
-        logits, _ = model(torch.where(live, tok, pad)[:, None], pos=cache.advance(live.long(), 1), cache=cache)
+        logits, _ = model(torch.where(live, tok, pad)[:, None], pos=cache.advance(live.long(), 1),
+                          cache=cache)
         last = logits[:, 0]
     return out
 
@@ -217,7 +218,8 @@ def rollout(policy, envs, cfg, gen, sharded=False):
             for t in live:  # the role token opening the message is the template's, not the policy's
                 t.segments[-1].add([TOKEN["<|assistant|>"]])
             msgs = sample_messages(sampler, [t.segments[-1].tokens for t in live], cfg, gen,
-                                   [min(cfg.max_message_tokens, cfg.max_gen_tokens - t.written) for t in live])
+                                   [min(cfg.max_message_tokens, cfg.max_gen_tokens - t.written)
+                                    for t in live])
             for t, (ids, logps) in zip(live, msgs):
                 start = len(t.segments[-1].tokens)
                 t.segments[-1].add(ids, True, logps)
@@ -239,7 +241,8 @@ def rollout(policy, envs, cfg, gen, sharded=False):
                     t.segments[-1].add(turn_tokens("tool", reply))
                 t.done = t.done or t.written >= cfg.max_gen_tokens
                 if not t.done and len(t.segments[-1].tokens) > cfg.context_budget:
-                    t.segments[-1].add(turn_tokens("user", SUMMARY_REQUEST))  # environment text: never trained
+                    # environment text: never trained
+                    t.segments[-1].add(turn_tokens("user", SUMMARY_REQUEST))
                     t.summarizing = True
         if sharded:
             sampler.drain()
@@ -490,7 +493,8 @@ if __name__ == "__main__":
     model = Transformer(PRESETS["tiny"])
     cfg = GRPOConfig(group_size=4, sampler_bits=8)
     task = make_tool_task(random.Random(0), 1)
-    trajs = rollout(model, [ToolEnv(task) for _ in range(cfg.group_size)], cfg, torch.Generator().manual_seed(0))
+    trajs = rollout(model, [ToolEnv(task) for _ in range(cfg.group_size)], cfg,
+                    torch.Generator().manual_seed(0))
     for t in trajs:
         print(f"reward {t.reward:.0f} | {len(t.segments)} segment(s) | " +
               " | ".join(f"{r}: {x[:24]!r}" for r, x in t.turns[:4]))

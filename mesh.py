@@ -76,9 +76,9 @@ def make_layout(world, dp_replicate=1, cp=1, ep=1, ep_replicate=1, num_experts=N
                           f"world size {world}, so ep_shard = world / (ep_replicate * ep) is not an integer")
     ep_shard = world // (ep_replicate * ep)
     if (dp_shard * cp) % ep:
-        raise LayoutError(f"ep({ep}) must divide dp_shard({dp_shard}) * cp({cp}) = {dp_shard * cp}: experts fold "
-                          f"into one dense replica's ranks (world {world} = dp_replicate({dp_replicate}) * "
-                          f"dp_shard({dp_shard}) * cp({cp}))")
+        raise LayoutError(f"ep({ep}) must divide dp_shard({dp_shard}) * cp({cp}) = {dp_shard * cp}: "
+                          f"experts fold into one dense replica's ranks (world {world} = "
+                          f"dp_replicate({dp_replicate}) * dp_shard({dp_shard}) * cp({cp}))")
     if num_experts is not None and num_experts % ep:
         raise LayoutError(f"num_experts({num_experts}) is not divisible by ep({ep})")
     if seq_len is not None and seq_len % cp:
@@ -94,8 +94,9 @@ def make_layout(world, dp_replicate=1, cp=1, ep=1, ep_replicate=1, num_experts=N
 
 
 def init_distributed(device_type=None, rollout_ranks=0):
-    """-> (rank, local_rank, world_size, device, bridge). torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; without them
-    this is one process, no process group, and every collective is skipped. nccl/cuda with a GPU, else gloo/cpu.
+    """-> (rank, local_rank, world_size, device, bridge). torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; without
+    them this is one process, no process group, and every collective is skipped. nccl/cuda with a GPU, else
+    gloo/cpu.
 
     rollout_ranks K > 0 splits the launch's W ranks into two roles: the first W - K train, the last K only
     sample (train.py --rollout-ranks). Each role is a torch.distributed world of its own, its default process
@@ -115,8 +116,8 @@ def init_distributed(device_type=None, rollout_ranks=0):
         role, role_rank, role_size = (("train", rank, trainers) if rank < trainers else
                                       ("rollout", rank - trainers, rollout_ranks))
         bridge = dist.ProcessGroupGloo(dist.PrefixStore("bridge", store), rank, world_size)
-        dist.init_process_group(backend, store=dist.PrefixStore(role, store), rank=role_rank, world_size=role_size,
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(backend, store=dist.PrefixStore(role, store), rank=role_rank,
+                                world_size=role_size, device_id=device if device.type == "cuda" else None)
         rank, world_size = role_rank, role_size
     elif world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
@@ -158,13 +159,13 @@ def parallelize(model, layout: Layout, meshes, bf16=False):
     device too (then `model.to_empty(device=...)` and initialize), so no rank ever holds more than its shards.
     - Context parallelism: every attention gets its CP group.
     - Experts (each MoE layer's .experts, stacked [E, out, in]): expert parallelism keeps experts
-      [i*E/ep, (i+1)*E/ep) on rank i of the EP group (a DTensor on the ep mesh), then FSDP2 shards those over the
-      expert FSDP mesh (HSDP with ep_replicate > 1) on expert_shard_dim.
-    - FSDP2 units on the dense mesh, gathered one at a time: each block (its experts keep their own placement),
-      the embedding, the norm with the output head; then the whole model.
-    Duck-typed on model.layers (blocks with .attn), model.moe_layers(), model.embed, model.norm, model.lm_head
-    and model.cfg.num_experts. meshes: build_meshes' four. bf16: FSDP gathers bf16 copies of the fp32 shards for
-    compute and reduce-scatters fp32 gradients."""
+      [i*E/ep, (i+1)*E/ep) on rank i of the EP group (a DTensor on the ep mesh), then FSDP2 shards those
+      over the expert FSDP mesh (HSDP with ep_replicate > 1) on expert_shard_dim.
+    - FSDP2 units on the dense mesh, gathered one at a time: each block (its experts keep their own
+      placement), the embedding, the norm with the output head; then the whole model.
+    Duck-typed on model.layers (blocks with .attn), model.moe_layers(), model.embed, model.norm,
+    model.lm_head and model.cfg.num_experts. meshes: build_meshes' four. bf16: FSDP gathers bf16 copies of
+    the fp32 shards for compute and reduce-scatters fp32 gradients."""
     from torch import nn
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -173,7 +174,8 @@ def parallelize(model, layout: Layout, meshes, bf16=False):
         block.attn.cp_group = dense["cp"].get_group() if layout.cp > 1 else None
     if layout.world == 1:
         return
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else
+          MixedPrecisionPolicy())
     dim = expert_shard_dim(layout, model.cfg.num_experts)
     for m in [moe.experts for moe in model.moe_layers()]:
         if layout.ep > 1:
@@ -235,7 +237,8 @@ def groups_of(grid, dim, rank):
 
 
 def _short(ranks):
-    return str(ranks) if len(ranks) <= 8 else f"[{ranks[0]}, {ranks[1]}, ..., {ranks[-1]}] ({len(ranks)} ranks)"
+    return (str(ranks) if len(ranks) <= 8 else
+            f"[{ranks[0]}, {ranks[1]}, ..., {ranks[-1]}] ({len(ranks)} ranks)")
 
 
 def describe(layout: Layout, ranks=None):
@@ -252,13 +255,15 @@ def describe(layout: Layout, ranks=None):
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description="Print the dense and expert meshes of a layout (no processes launched).")
+    p = argparse.ArgumentParser(
+        description="Print the dense and expert meshes of a layout (no processes launched).")
     p.add_argument("--world", type=int, default=8, help="total ranks (GPUs)")
     p.add_argument("--dp-replicate", type=int, default=1,
                    help="dense replicas (HSDP); dp_shard = world/(dp_replicate*cp)")
     p.add_argument("--cp", type=int, default=1, help="context-parallel degree (sequence split)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (experts split)")
-    p.add_argument("--ep-replicate", type=int, default=1, help="expert replicas; ep_shard = world/(ep_replicate*ep)")
+    p.add_argument("--ep-replicate", type=int, default=1,
+                   help="expert replicas; ep_shard = world/(ep_replicate*ep)")
     p.add_argument("--num-experts", type=int, default=None, help="checked for divisibility by ep")
     p.add_argument("--show", type=int, default=16, help="print the groups of the first N ranks (0: all)")
     a = p.parse_args()
@@ -272,5 +277,6 @@ if __name__ == "__main__":
     print("\n".join(describe(L, shown)))
     if len(shown) < L.world:
         print(f"... {L.world - len(shown)} more ranks (--show 0 prints all)")
-    print(f"one shared mesh, with ep a dim of its own beside cp, needs at least dp_replicate({L.dp_replicate}) * "
-          f"cp({L.cp}) * ep({L.ep}) = {L.shared_mesh_world()} ranks; the two meshes run these degrees on {L.world}")
+    print("one shared mesh, with ep a dim of its own beside cp, needs at least "
+          f"dp_replicate({L.dp_replicate}) * cp({L.cp}) * ep({L.ep}) = {L.shared_mesh_world()} ranks; "
+          f"the two meshes run these degrees on {L.world}")

@@ -16,7 +16,7 @@ Two parallel paths switch on when train.py shards the model: expert parallelism 
 DTensors sharded over the EP group; tokens travel to their experts and back by all-to-all) and context
 parallelism (MLA.cp_group set; each rank holds a chunk of the sequence and gathers the compressed K/V latent).
 
-    python model.py                  # parameter counts of every preset (kimi-k2 on the meta device) + a forward
+    python model.py                  # parameter counts of every preset (kimi-k2 on meta), a forward
     python model.py --bench-experts  # the experts' grouped GEMM against a matmul per expert (GPU check)
     python model.py --bench-decode   # decode tokens/s with the KV cache, absorbed MLA against expanded
 """
@@ -98,7 +98,8 @@ class ModelConfig:
     route_scale: float = 1.0
     aux_loss_coef: float = 0.0  # switch-transformer balance loss; 0 = auxiliary-loss-free only
     bias_update_rate: float = 1e-2  # gamma for the selection-only bias (DeepSeek-V3: 1e-3 over a long run)
-    n_group: int = 1  # expert groups: a token picks topk_group groups first, then its experts in them (DeepSeek-V3)
+    # expert groups: a token picks topk_group groups first, then its experts in them (DeepSeek-V3)
+    n_group: int = 1
     topk_group: int = 1
     max_seq_len: int = 256
     rope_theta: float = 10000.0
@@ -122,17 +123,18 @@ PRESETS = {
                          moe_hidden=256, max_seq_len=1024),
     # mid-size: Moonlight-16B-A3B (config.json), Moonshot's DeepSeek-V3-shaped model trained with Muon
     # (arXiv 2502.16982): 16B parameters, 3B active; no query compression
-    "moonlight": ModelConfig(vocab_size=163840, dim=2048, n_layer=27, n_dense_layers=1, n_head=16, q_lora_rank=0,
-                             kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-                             dense_hidden=11264, num_experts=64, top_k=6, moe_hidden=1408, n_shared_experts=2,
-                             route_scale=2.446, bias_update_rate=1e-3, max_seq_len=8192, rope_theta=50000.0,
-                             norm_eps=1e-5),
+    "moonlight": ModelConfig(vocab_size=163840, dim=2048, n_layer=27, n_dense_layers=1, n_head=16,
+                             q_lora_rank=0, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                             v_head_dim=128, dense_hidden=11264, num_experts=64, top_k=6, moe_hidden=1408,
+                             n_shared_experts=2, route_scale=2.446, bias_update_rate=1e-3, max_seq_len=8192,
+                             rope_theta=50000.0, norm_eps=1e-5),
     # the real shape (Kimi K2 config.json): build it on the meta device
-    "kimi-k2": ModelConfig(vocab_size=163840, dim=7168, n_layer=61, n_dense_layers=1, n_head=64, q_lora_rank=1536,
-                           kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-                           dense_hidden=18432, num_experts=384, top_k=8, moe_hidden=2048, n_shared_experts=1,
-                           route_scale=2.827, bias_update_rate=1e-3, max_seq_len=131072, rope_theta=50000.0,
-                           rope_factor=32.0, rope_beta_fast=1.0, rope_beta_slow=1.0, rope_mscale_all_dim=1.0),
+    "kimi-k2": ModelConfig(vocab_size=163840, dim=7168, n_layer=61, n_dense_layers=1, n_head=64,
+                           q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                           v_head_dim=128, dense_hidden=18432, num_experts=384, top_k=8, moe_hidden=2048,
+                           n_shared_experts=1, route_scale=2.827, bias_update_rate=1e-3, max_seq_len=131072,
+                           rope_theta=50000.0, rope_factor=32.0, rope_beta_fast=1.0, rope_beta_slow=1.0,
+                           rope_mscale_all_dim=1.0),
 }
 
 
@@ -147,7 +149,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        return F.rms_norm(x.float(), (x.size(-1),), self.weight.float(), self.eps).type_as(x)  # fp32 under bf16
+        # fp32 under bf16
+        return F.rms_norm(x.float(), (x.size(-1),), self.weight.float(), self.eps).type_as(x)
 
 
 def yarn_mscale(factor, mscale):
@@ -164,9 +167,12 @@ def rope_tables(pos, cfg: ModelConfig):
     inv_freq = base ** (-torch.arange(0, dim, 2, device=pos.device, dtype=torch.float32) / dim)  # [dim/2]
     attn_factor = 1.0
     if factor > 1:
-        turns = lambda n: dim * math.log(cfg.rope_original_max_seq_len / (n * 2 * math.pi)) / (2 * math.log(base))
-        low, high = max(math.floor(turns(cfg.rope_beta_fast)), 0), min(math.ceil(turns(cfg.rope_beta_slow)), dim - 1)
-        ramp = ((torch.arange(dim // 2, device=pos.device) - low) / (high - low or 1e-3)).clamp(0, 1)  # 1: interpolate
+        turns = lambda n: (dim * math.log(cfg.rope_original_max_seq_len / (n * 2 * math.pi))
+                           / (2 * math.log(base)))
+        low, high = (max(math.floor(turns(cfg.rope_beta_fast)), 0),
+                     min(math.ceil(turns(cfg.rope_beta_slow)), dim - 1))
+        ramp = ((torch.arange(dim // 2, device=pos.device) - low)
+                / (high - low or 1e-3)).clamp(0, 1)  # 1: interpolate
         inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)
         attn_factor = (yarn_mscale(factor, cfg.rope_mscale) / yarn_mscale(factor, cfg.rope_mscale_all_dim)
                        if cfg.rope_mscale and cfg.rope_mscale_all_dim else yarn_mscale(factor, 1.0))
@@ -203,11 +209,13 @@ class MLA(nn.Module):
         self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps)
         self.wkv_b = nn.Parameter(torch.empty(H, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank))
         self.wo = nn.Parameter(torch.empty(H, cfg.dim, cfg.v_head_dim))  # per head [dim, v_head]
-        self.scale = qk_head ** -0.5  # YaRN sharpens the softmax by mscale^2 (about 1.81 for Kimi K2's factor 32)
+        # YaRN sharpens the softmax by mscale^2 (about 1.81 for Kimi K2's factor 32)
+        self.scale = qk_head ** -0.5
         if cfg.rope_mscale_all_dim:
             self.scale *= yarn_mscale(cfg.rope_factor, cfg.rope_mscale_all_dim) ** 2
         self.cp_group = None  # set by train.py for context parallelism
-        self.track_max_logit, self.max_logit = False, None  # QK-Clip: each head's largest logit [H] since a clip
+        # QK-Clip: each head's largest logit [H] since a clip
+        self.track_max_logit, self.max_logit = False, None
 
     def forward(self, x, pos, cache=None):
         """x [B, T, C]; pos [T] global positions of these tokens, or [B, T] with a KVCache (rows differ)."""
@@ -234,7 +242,8 @@ class MLA(nn.Module):
             return self._absorbed(q_nope, q_pe, c_kv, kv_a, cache.mask)
         kv = torch.einsum("bsr,hdr->bhsd", c_kv, self.wkv_b)  # [B, H, S, nope+v]: every key, expanded
         k_nope, v = kv.split([nope, cfg.v_head_dim], dim=-1)
-        q, k = torch.cat([q_nope, q_pe], dim=-1), torch.cat([k_nope, k_pe[:, None].expand(B, H, S, rope)], dim=-1)
+        q, k = (torch.cat([q_nope, q_pe], dim=-1),
+                torch.cat([k_nope, k_pe[:, None].expand(B, H, S, rope)], dim=-1))
         if self.track_max_logit and self.training and cache is None:
             self._track_max_logit(q, k, k_pos[None, :] <= pos[:, None])  # causal by position, CP included
         if cache is not None:
@@ -252,7 +261,8 @@ class MLA(nn.Module):
         cached latents themselves, one shared key and value for all heads, and nothing grows with S but the
         two products with the cache. q_nope [B, H, T, nope], q_pe [B, H, T, rope] (rotated), c_kv [B, S, r],
         kv_a [B, S, r + rope] (latent and rotated rope key), mask [B, 1, T, S]. -> [B, T, C]"""
-        w_uk, w_uv = self.wkv_b.split([self.cfg.qk_nope_head_dim, self.cfg.v_head_dim], dim=1)  # [H, nope|v, r]
+        # [H, nope|v, r]
+        w_uk, w_uv = self.wkv_b.split([self.cfg.qk_nope_head_dim, self.cfg.v_head_dim], dim=1)
         q = torch.cat([torch.einsum("bhtd,hdr->bhtr", q_nope, w_uk), q_pe], dim=-1)  # [B, H, T, r + rope]
         scores = torch.einsum("bhte,bse->bhts", q, kv_a) * self.scale  # q_nope.k_nope + q_pe.k_pe, per head
         p = scores.float().masked_fill(~mask, -math.inf).softmax(-1).type_as(q)  # [B, H, T, S]
@@ -277,10 +287,12 @@ class MLA(nn.Module):
         own block (heads and rows by their global index)."""
         nope, root = self.cfg.qk_nope_head_dim, gamma.sqrt()[:, None]  # [H, 1]
         q_scale = torch.cat([root.expand(-1, nope), gamma[:, None].expand(-1, self.cfg.qk_rope_head_dim)], 1)
-        kv_scale = torch.cat([root.expand(-1, nope), torch.ones_like(root).expand(-1, self.cfg.v_head_dim)], 1)
+        kv_scale = torch.cat([root.expand(-1, nope),
+                              torch.ones_like(root).expand(-1, self.cfg.v_head_dim)], 1)
         for w, scale in ((self.wq_b if self.cfg.q_lora_rank else self.wq, q_scale), (self.wkv_b, kv_scale)):
             (shape, offset), mine = box(w), local(w)  # scale [H, rows of a head] -> this rank's block
-            mine.mul_(scale[offset[0]:offset[0] + shape[0], offset[1]:offset[1] + shape[1], None].to(mine.dtype))
+            mine.mul_(scale[offset[0]:offset[0] + shape[0],
+                            offset[1]:offset[1] + shape[1], None].to(mine.dtype))
 
 
 class KVCache:
@@ -298,7 +310,8 @@ class KVCache:
         self.S, self.expand = 0, expand  # tokens cached per row, padding included
         self.next_pos = torch.zeros(B, dtype=torch.long, device=device)  # [B] each row's next position
         self.pos_buf = torch.zeros(B, capacity, dtype=torch.long, device=device)  # [B, capacity] each key's
-        self.real_buf = torch.zeros(B, capacity, dtype=torch.bool, device=device)  # [B, capacity] False: padding
+        # [B, capacity] False: padding
+        self.real_buf = torch.zeros(B, capacity, dtype=torch.bool, device=device)
         self.mask = None
 
     @property
@@ -371,7 +384,8 @@ def grouped_mm_ok(x, w):
     if x.device.type == "cpu":  # torch.compile's shape rules for _grouped_mm accept bf16 only
         return x.dtype == w.dtype == torch.bfloat16 or not torch.compiler.is_compiling()
     return (x.device.type == "cuda" and x.dtype == w.dtype == torch.bfloat16 and
-            torch.cuda.get_device_capability(x.device)[0] >= 9 and x.size(-1) % 8 == 0 and w.size(-2) % 8 == 0)
+            torch.cuda.get_device_capability(x.device)[0] >= 9 and
+            x.size(-1) % 8 == 0 and w.size(-2) % 8 == 0)
 
 
 def expert_swiglu(xs, counts, w1, w3, w2):
@@ -390,9 +404,11 @@ def expert_swiglu(xs, counts, w1, w3, w2):
     align = ALIGN_M.get(xs.device.type, 1)
     if align > 1:
         padded = (counts + align - 1) // align * align  # [E]
-        expert = torch.repeat_interleave(torch.arange(len(counts), device=xs.device), counts, output_size=len(xs))
+        expert = torch.repeat_interleave(torch.arange(len(counts), device=xs.device), counts,
+                                         output_size=len(xs))
         shift = (padded.cumsum(0) - padded) - (counts.cumsum(0) - counts)  # padded start - packed start [E]
-        dest = torch.arange(len(xs), device=xs.device) + shift[expert]  # each row's place in the padded buffer
+        # each row's place in the padded buffer
+        dest = torch.arange(len(xs), device=xs.device) + shift[expert]
         xs = xs.new_zeros(len(xs) + len(counts) * (align - 1), xs.size(1)).index_copy(0, dest, xs)
         counts = padded
     offs = counts.cumsum(0).to(torch.int32)
@@ -416,7 +432,8 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))  # down  [E, out, in]
 
     def forward(self, xs, counts):
-        """xs [M, C]: token copies sorted by expert; counts [E]: rows per expert. -> [M, C] in the same order."""
+        """xs [M, C]: token copies sorted by expert; counts [E]: rows per expert. -> [M, C] in the same
+        order."""
         if not isinstance(self.w1, DTensor):
             return expert_swiglu(xs, counts, self.w1, self.w3, self.w2)
         group, ep = self.w1.device_mesh.get_group(), self.w1.device_mesh.size()
@@ -428,7 +445,8 @@ class GroupedExperts(nn.Module):
         dist.all_to_all_single(recv, counts, group=group)
         recv = recv.view(ep, E_local)
         send_splits, recv_splits = counts.view(ep, E_local).sum(1).tolist(), recv.sum(1).tolist()
-        x_recv = funcol.all_to_all_single_autograd(xs, recv_splits, send_splits, group)  # [R, C] by (source, expert)
+        # [R, C] by (source, expert)
+        x_recv = funcol.all_to_all_single_autograd(xs, recv_splits, send_splits, group)
         # regroup the received rows by local expert for the grouped matmul, then restore (source, expert)
         # order
         expert_of_row = torch.arange(E_local, device=xs.device).repeat(ep).repeat_interleave(recv.flatten())
@@ -450,9 +468,12 @@ class MoE(nn.Module):
         self.router = nn.Linear(D, E, bias=False)
         self.experts = GroupedExperts(E, D, Hd)
         self.shared = SwiGLU(D, Hd * cfg.n_shared_experts) if cfg.n_shared_experts else None
-        self.register_buffer("expert_bias", torch.zeros(E))  # used for selection only, never in the gate values
-        self.register_buffer("tokens_per_expert", torch.zeros(E), persistent=False)  # since the last bias update
-        self.counting = True  # off while activation checkpointing re-runs the forward: those tokens were counted
+        # used for selection only, never in the gate values
+        self.register_buffer("expert_bias", torch.zeros(E))
+        # since the last bias update
+        self.register_buffer("tokens_per_expert", torch.zeros(E), persistent=False)
+        # off while activation checkpointing re-runs the forward: those tokens were counted
+        self.counting = True
 
     def forward(self, x):
         cfg = self.cfg
@@ -462,14 +483,16 @@ class MoE(nn.Module):
         choice = scores + self.expert_bias  # [N, E]
         if cfg.n_group > 1:  # keep the topk_group groups whose two best experts score highest
             by_group = choice.view(len(x), cfg.n_group, -1)  # [N, G, E/G]
-            best = by_group.topk(2, dim=-1).values.sum(-1).topk(cfg.topk_group, dim=-1).indices  # [N, topk_group]
+            # [N, topk_group]
+            best = by_group.topk(2, dim=-1).values.sum(-1).topk(cfg.topk_group, dim=-1).indices
             keep = torch.zeros_like(by_group[..., 0], dtype=torch.bool).scatter_(1, best, True)  # [N, G]
             choice = by_group.masked_fill(~keep[..., None], -math.inf).view_as(choice)
         _, idx = torch.topk(choice, cfg.top_k, dim=-1)  # [N, k]: the bias picks experts...
         gates = scores.gather(1, idx)  # ...but the gate values are the unbiased scores
         gates = gates / gates.sum(-1, keepdim=True) * cfg.route_scale
         counts = torch.bincount(idx.flatten(), minlength=cfg.num_experts)  # [E]
-        if self.training and self.counting:  # training tokens only: evaluation and sampling must not move the bias
+        # training tokens only: evaluation and sampling must not move the bias
+        if self.training and self.counting:
             self.tokens_per_expert += counts
         aux = x.new_zeros(())
         if cfg.aux_loss_coef > 0 and self.training:  # switch loss: E * sum_e f_e * P_e
@@ -493,7 +516,8 @@ class Block(nn.Module):
         self.attn = MLA(cfg, layer_id)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn = SwiGLU(cfg.dim, cfg.dense_hidden) if layer_id < cfg.n_dense_layers else MoE(cfg)
-        self.checkpoint = False  # activation checkpointing: keep only the block's input, recompute the rest in backward
+        # activation checkpointing: keep only the block's input, recompute the rest in backward
+        self.checkpoint = False
 
     def forward(self, x, pos, cache=None):
         if self.checkpoint and torch.is_grad_enabled() and cache is None:
@@ -526,7 +550,8 @@ def local(p):
 
 
 def box(p):
-    """(shape, offset) of the block of a parameter this rank holds: a DTensor's shard, else the whole tensor."""
+    """(shape, offset) of the block of a parameter this rank holds: a DTensor's shard, else the whole
+    tensor."""
     if isinstance(p, DTensor):
         return compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
     return tuple(p.shape), (0,) * p.ndim
@@ -696,15 +721,16 @@ class ContextParallel(nn.Module):
 # of 32 inputs (Kimi K2.5).
 
 DEEPSEEK_V3 = dict(  # transformers' DeepseekV3Config defaults: what a config.json that omits a field means
-    vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
-    num_attention_heads=128, n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512,
-    q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4,
-    num_experts_per_tok=8, first_k_dense_replace=3, max_position_embeddings=4096, initializer_range=0.02,
-    rms_norm_eps=1e-6, rope_theta=10000.0)
+    vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+    num_hidden_layers=61, num_attention_heads=128, n_shared_experts=1, n_routed_experts=256,
+    routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128,
+    qk_nope_head_dim=128, n_group=8, topk_group=4, num_experts_per_tok=8, first_k_dense_replace=3,
+    max_position_embeddings=4096, initializer_range=0.02, rms_norm_eps=1e-6, rope_theta=10000.0)
 
 
 class CheckpointError(ValueError):
-    """A checkpoint folder that does not fit this model; the message is one line naming the file and the fix."""
+    """A checkpoint folder that does not fit this model; the message is one line naming the file and the
+    fix."""
 
 
 def hf_config(path):
@@ -719,14 +745,15 @@ def hf_config(path):
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{f}: not readable JSON ({e})") from None
     left_out, quant = [], c.get("quantization_config")
-    if isinstance(c.get("text_config"), dict):  # Kimi K2.5: a vision-language model around a DeepSeek-V3 text model
+    # Kimi K2.5: a vision-language model around a DeepSeek-V3 text model
+    if isinstance(c.get("text_config"), dict):
         left_out.append(f"the {c.get('model_type')} vision tower and projector (the text model is loaded)")
         c = {**c["text_config"], "weight_prefix": "language_model."}
     arch = c.get("architectures") or []
     if c.get("model_type") not in ("deepseek_v3", "kimi_k2") and "DeepseekV3ForCausalLM" not in arch:
-        raise CheckpointError(f"{f}: model_type {c.get('model_type')!r} ({', '.join(arch) or 'no architectures'}) is "
-                              "not modelled here; this loads DeepSeek-V3-architecture checkpoints (deepseek_v3, "
-                              "kimi_k2, kimi_k25)")
+        raise CheckpointError(f"{f}: model_type {c.get('model_type')!r} "
+                              f"({', '.join(arch) or 'no architectures'}) is not modelled here; this loads "
+                              "DeepSeek-V3-architecture checkpoints (deepseek_v3, kimi_k2, kimi_k25)")
     get = lambda k: c[k] if c.get(k) is not None else DEEPSEEK_V3[k]
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
@@ -742,29 +769,34 @@ def hf_config(path):
         (c.get("topk_method", "noaux_tc") != "noaux_tc", f"topk_method {c.get('topk_method')!r}"),
         (c.get("moe_layer_freq", 1) != 1, "moe_layer_freq != 1"),
         (kind not in ("default", "yarn"), f"rope type {kind!r}"),
-        (rope.get("truncate") is False or rope.get("attention_factor") is not None, "YaRN truncate/attention_factor"),
+        (rope.get("truncate") is False or rope.get("attention_factor") is not None,
+         "YaRN truncate/attention_factor"),
         (experts % get("n_group"), f"{experts} experts in {get('n_group')} groups"),
         (quant and not quant_supported(quant), f"{(quant or {}).get('quant_method')} quantization "
-         f"{json.dumps(quant)[:120]} (dequantize to bf16 first; fp8 block scales and INT4 pack-quantized load)")]
+         f"{json.dumps(quant)[:120]} (dequantize to bf16 first; fp8 block scales and INT4 "
+         "pack-quantized load)")]
         if bad]
     if refused:
         raise CheckpointError(f"{f}: not supported here: {', '.join(refused)}")
     mtp = c.get("num_nextn_predict_layers", c.get("num_mtp_layers")) or 0
     if mtp:
-        left_out.append(f"{mtp} multi-token prediction layer(s) (inference-time speculation; weights skipped)")
+        left_out.append(f"{mtp} multi-token prediction layer(s) "
+                        "(inference-time speculation; weights skipped)")
     original = rope.get("original_max_position_embeddings", get("max_position_embeddings"))
     yarn = {} if kind != "yarn" else dict(  # no factor: the ratio of the contexts, as transformers reads it
-        rope_factor=rope.get("factor") or get("max_position_embeddings") / original, rope_original_max_seq_len=original,
+        rope_factor=rope.get("factor") or get("max_position_embeddings") / original,
+        rope_original_max_seq_len=original,
         rope_beta_fast=rope.get("beta_fast") or 32.0, rope_beta_slow=rope.get("beta_slow") or 1.0,
         rope_mscale=rope.get("mscale") or 0.0, rope_mscale_all_dim=rope.get("mscale_all_dim") or 0.0)
     cfg = ModelConfig(
         vocab_size=get("vocab_size"), dim=get("hidden_size"), n_layer=get("num_hidden_layers"),
-        n_dense_layers=get("first_k_dense_replace"), n_head=heads, q_lora_rank=c.get("q_lora_rank", 1536) or 0,
-        kv_lora_rank=get("kv_lora_rank"), qk_nope_head_dim=get("qk_nope_head_dim"),
-        qk_rope_head_dim=get("qk_rope_head_dim"), v_head_dim=get("v_head_dim"), dense_hidden=get("intermediate_size"),
+        n_dense_layers=get("first_k_dense_replace"), n_head=heads,
+        q_lora_rank=c.get("q_lora_rank", 1536) or 0, kv_lora_rank=get("kv_lora_rank"),
+        qk_nope_head_dim=get("qk_nope_head_dim"), qk_rope_head_dim=get("qk_rope_head_dim"),
+        v_head_dim=get("v_head_dim"), dense_hidden=get("intermediate_size"),
         num_experts=experts, top_k=get("num_experts_per_tok"), moe_hidden=get("moe_intermediate_size"),
-        n_shared_experts=get("n_shared_experts"), route_scale=get("routed_scaling_factor"), n_group=get("n_group"),
-        topk_group=get("topk_group"), max_seq_len=get("max_position_embeddings"),
+        n_shared_experts=get("n_shared_experts"), route_scale=get("routed_scaling_factor"),
+        n_group=get("n_group"), topk_group=get("topk_group"), max_seq_len=get("max_position_embeddings"),
         rope_theta=rope.get("rope_theta", get("rope_theta")), norm_eps=get("rms_norm_eps"),
         init_std=get("initializer_range"), bias_update_rate=1e-3, **yarn)
     c["quantization_config"] = quant
@@ -777,9 +809,9 @@ def quant_supported(q):
     if q.get("quant_method") == "fp8":
         return True
     groups = [g.get("weights") or {} for g in (q.get("config_groups") or {}).values()]
-    return (q.get("quant_method") == "compressed-tensors" and q.get("format") == "pack-quantized" and groups and
-            all(w.get("num_bits") == 4 and w.get("type") == "int" and w.get("symmetric") and
-                w.get("strategy") in ("group", "channel") for w in groups) and
+    return (q.get("quant_method") == "compressed-tensors" and q.get("format") == "pack-quantized" and
+            groups and all(w.get("num_bits") == 4 and w.get("type") == "int" and w.get("symmetric") and
+                           w.get("strategy") in ("group", "channel") for w in groups) and
             not any(g.get("input_activations") for g in q["config_groups"].values()))
 
 
@@ -792,15 +824,17 @@ def hf_layout(cfg: ModelConfig, interleaved=True):
     rope = torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2)]) if interleaved else torch.arange(r)
     q_rows = torch.cat([torch.arange(cfg.qk_nope_head_dim), cfg.qk_nope_head_dim + rope])
     kv_rows = torch.cat([torch.arange(cfg.kv_lora_rank), cfg.kv_lora_rank + rope])
-    out = {"embed.weight": ("model.embed_tokens.weight", "same", None), "norm.weight": ("model.norm.weight", "same",
-           None), "lm_head.weight": ("lm_head.weight", "same", None)}
+    out = {"embed.weight": ("model.embed_tokens.weight", "same", None),
+           "norm.weight": ("model.norm.weight", "same", None),
+           "lm_head.weight": ("lm_head.weight", "same", None)}
     for i in range(cfg.n_layer):
         a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         ours = {"attn_norm.weight": (f"model.layers.{i}.input_layernorm.weight", "same", None),
                 "ffn_norm.weight": (f"model.layers.{i}.post_attention_layernorm.weight", "same", None),
                 "attn.wkv_a.weight": (a + "kv_a_proj_with_mqa.weight", "same", kv_rows),
                 "attn.kv_norm.weight": (a + "kv_a_layernorm.weight", "same", None),
-                "attn.wkv_b": (a + "kv_b_proj.weight", "heads", None), "attn.wo": (a + "o_proj.weight", "wo", None)}
+                "attn.wkv_b": (a + "kv_b_proj.weight", "heads", None),
+                "attn.wo": (a + "o_proj.weight", "wo", None)}
         if cfg.q_lora_rank:
             ours.update({"attn.wq_a.weight": (a + "q_a_proj.weight", "same", None),
                          "attn.q_norm.weight": (a + "q_a_layernorm.weight", "same", None),
@@ -838,14 +872,15 @@ def safetensors_torch():
     try:
         import safetensors.torch
     except ImportError:
-        raise CheckpointError("Hugging Face checkpoints need the safetensors package: pip install safetensors") \
-            from None
+        raise CheckpointError("Hugging Face checkpoints need the safetensors package: "
+                              "pip install safetensors") from None
     return safetensors.torch
 
 
 class SafetensorsFolder:
     """The tensors of a Hugging Face checkpoint folder (model.safetensors.index.json and its shards, or one
-    model.safetensors), read by slices; quantized weights come back dequantized (fp8 with block scales, INT4)."""
+    model.safetensors), read by slices; quantized weights come back dequantized (fp8 with block scales,
+    INT4)."""
 
     def __init__(self, path, config: dict):
         self.path, self.open, self.handles = Path(path), safetensors_torch().safe_open, {}
@@ -886,8 +921,8 @@ class SafetensorsFolder:
         """'file: key' of a tensor (its packed INT4 form, if that is how it is stored)."""
         key = key if key in self.files or key + "_packed" not in self.files else key + "_packed"
         if key not in self.files:
-            raise CheckpointError(f"{self.path}: no tensor {key} (the config.json and the weights disagree, or the "
-                                  "download is incomplete)")
+            raise CheckpointError(f"{self.path}: no tensor {key} (the config.json and the weights disagree, "
+                                  "or the download is incomplete)")
         return f"{self.path / self.files[key][0]}: {self.files[key][1]}"
 
     def shape(self, key):
@@ -918,12 +953,14 @@ class SafetensorsFolder:
         lowest bits, each stored as value + 8 (a little-endian host reads byte j as values 2j and 2j+1); one
         scale a group of input columns (a channel: one group)."""
         nibbles = self._slice(key + "_packed")[r0:r1].contiguous().view(torch.uint8)  # [rows, 4 * words]
-        q = torch.stack([nibbles & 15, nibbles >> 4], -1).view(r1 - r0, -1)[:, :cols].float() - 8  # [rows, cols]
+        # [rows, cols]
+        q = torch.stack([nibbles & 15, nibbles >> 4], -1).view(r1 - r0, -1)[:, :cols].float() - 8
         scale = self._slice(key + "_scale")[r0:r1].float()  # [rows, groups]
         return q * scale.repeat_interleave(-(-cols // scale.size(1)), 1)[:, :cols]
 
     def read_ours(self, key, kind, rows, shape, a, b):
-        """Our tensor of full shape `shape`, rows [a, b) of its first dim (every other dim whole), as float32."""
+        """Our tensor of full shape `shape`, rows [a, b) of its first dim (every other dim whole), as
+        float32."""
         if kind == "experts":
             return torch.stack([self.read(key.format(e)) for e in range(a, b)])
         if kind == "wo":  # [D, H*v] -> [H, D, v]
@@ -965,17 +1002,20 @@ def hf_config_dict(cfg: ModelConfig, dtype, base=None):
     """ModelConfig -> a DeepSeek-V3 config.json for transformers, vLLM and SGLang; base (the config a run
     started from) keeps its other fields, such as the special token ids."""
     c = {k: v for k, v in (base or {}).items() if k not in (
-        "weight_prefix", "quantization_config", "auto_map", "rope_parameters", "rope_scaling", "num_mtp_layers")}
+        "weight_prefix", "quantization_config", "auto_map", "rope_parameters", "rope_scaling",
+        "num_mtp_layers")}
     c.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=cfg.vocab_size,
              hidden_size=cfg.dim, intermediate_size=cfg.dense_hidden, moe_intermediate_size=cfg.moe_hidden,
              num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_head,
              n_shared_experts=cfg.n_shared_experts, n_routed_experts=cfg.num_experts,
-             routed_scaling_factor=cfg.route_scale, kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank or None,
-             qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, qk_nope_head_dim=cfg.qk_nope_head_dim,
+             routed_scaling_factor=cfg.route_scale, kv_lora_rank=cfg.kv_lora_rank,
+             q_lora_rank=cfg.q_lora_rank or None, qk_rope_head_dim=cfg.qk_rope_head_dim,
+             v_head_dim=cfg.v_head_dim, qk_nope_head_dim=cfg.qk_nope_head_dim,
              n_group=cfg.n_group, topk_group=cfg.topk_group, num_experts_per_tok=cfg.top_k,
              first_k_dense_replace=cfg.n_dense_layers, norm_topk_prob=True, hidden_act="silu",
-             max_position_embeddings=cfg.max_seq_len, initializer_range=cfg.init_std, rms_norm_eps=cfg.norm_eps,
-             rope_theta=cfg.rope_theta, rope_interleave=True, tie_word_embeddings=False, num_nextn_predict_layers=0,
+             max_position_embeddings=cfg.max_seq_len, initializer_range=cfg.init_std,
+             rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, rope_interleave=True,
+             tie_word_embeddings=False, num_nextn_predict_layers=0,
              attention_bias=False, dtype=str(dtype).removeprefix("torch."))
     if cfg.rope_factor > 1:
         c["rope_scaling"] = {"type": "yarn", "factor": cfg.rope_factor, "beta_fast": cfg.rope_beta_fast,
@@ -1033,7 +1073,8 @@ def save_hf(model, path, dtype=torch.bfloat16, base_config=None, shard_bytes=5 *
     for name, t in [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if n in layout)]:
         keep = torch.float32 if name.endswith(("router.weight", "expert_bias")) else dtype
         t = t.detach()
-        if isinstance(t, DTensor):  # cast, then gather: the whole tensor exists once a rank, in the export dtype
+        # cast, then gather: the whole tensor exists once a rank, in the export dtype
+        if isinstance(t, DTensor):
             t = DTensor.from_local(t.to_local().to(keep), t.device_mesh, t.placements, shape=t.shape,
                                    stride=t.stride()).full_tensor()
         if writer:
@@ -1086,7 +1127,8 @@ def activation_elements(cfg: ModelConfig, layer_id: int, cp: int = 1):
     D, H, rope, v = cfg.dim, cfg.n_head, cfg.qk_rope_head_dim, cfg.v_head_dim
     qk = cfg.qk_nope_head_dim + rope
     attn = (3 * D + 2 * cfg.q_lora_rank + H * rope + H * qk + 2 * H * v  # x, norms, query, attention output
-            + cp * (3 * cfg.kv_lora_rank + 2 * rope + H * qk + H * (cfg.qk_nope_head_dim + v) + H * v))  # K, V
+            # K, V
+            + cp * (3 * cfg.kv_lora_rank + 2 * rope + H * qk + H * (cfg.qk_nope_head_dim + v) + H * v))
     if layer_id < cfg.n_dense_layers:
         return attn + 2 * D + 4 * cfg.dense_hidden  # norm in/out; SwiGLU: gate, silu(gate), up, their product
     k = cfg.top_k  # router scores; top-k copies of the token in and out; each copy's SwiGLU; shared expert
@@ -1123,8 +1165,9 @@ def memory_plan(model, layout, muon_params, bf16=False, accum=1, reduce_each=Fal
                                   if accum > 1 and not reduce_each and L.world > 1 else n)
         plan["optimizer"] += (4 if id(p) in muon_ids else 8) * n
     compute = 2 if bf16 else 4
+    # a unit as FSDP gathers it (experts stay EP-split)
     gathered = lambda mods: sum(p.numel() / (L.ep if id(p) in expert_ids else 1) for mod in mods
-                                for p in mod.parameters())  # a unit as FSDP gathers it (experts stay EP-split)
+                                for p in mod.parameters())
     if L.world > 1:
         units = [[block] for block in model.layers] + [[model.embed], [model.norm, model.lm_head]]
         plan["working copies"] = max(map(gathered, units)) * (2 * compute + 4)
@@ -1176,7 +1219,8 @@ def bench_experts(device):
                 best = min(best, time.perf_counter() - t0)
             times[path] = best * 1000
         g, l = times["grouped"], times["loop"]
-        print(f"experts {name:10s} E={E} {dim}->{hidden}, {int(counts.sum())} rows, {str(dtype)[6:]} on {device.type}: "
+        print(f"experts {name:10s} E={E} {dim}->{hidden}, {int(counts.sum())} rows, "
+              f"{str(dtype)[6:]} on {device.type}: "
               + (f"grouped {g:.2f} ms, loop {l:.2f} ms ({l / g:.2f}x)" if g else
                  f"loop {l:.2f} ms (no grouped GEMM for these shapes here)"))
 
@@ -1196,12 +1240,12 @@ def bench_decode(presets=("tiny", "small"), contexts=(256, 1024, 4096), B=16, st
                 with torch.no_grad():
                     for s0 in range(0, S, 512):  # prefill in chunks: [B, 512, 512] scores at most a head
                         n = min(512, S - s0)
-                        model(torch.randint(256, (B, n), generator=gen), pos=cache.advance(full.clamp(max=n), n),
-                              cache=cache)
+                        model(torch.randint(256, (B, n), generator=gen),
+                              pos=cache.advance(full.clamp(max=n), n), cache=cache)
                     t0 = time.perf_counter()
                     for _ in range(steps):
-                        model(torch.randint(256, (B, 1), generator=gen), pos=cache.advance(full.clamp(max=1), 1),
-                              cache=cache)
+                        model(torch.randint(256, (B, 1), generator=gen),
+                              pos=cache.advance(full.clamp(max=1), 1), cache=cache)
                 rates[expand] = B * steps / (time.perf_counter() - t0)
             print(f"decode {name:5s} context {S:5d}, {B} rows: expanded {rates[True]:7.0f} tok/s, "
                   f"absorbed {rates[False]:7.0f} tok/s ({rates[False] / rates[True]:.2f}x)")
@@ -1209,11 +1253,16 @@ def bench_decode(presets=("tiny", "small"), contexts=(256, 1024, 4096), B=16, st
 
 if __name__ == "__main__":
     import argparse
-    parser = argparse.ArgumentParser(description="Parameter counts of every preset and a forward, or a benchmark.")
-    parser.add_argument("--bench-experts", action="store_true", help="grouped GEMM against a matmul per expert")
-    parser.add_argument("--bench-decode", action="store_true", help="decode tokens/s, absorbed MLA against expanded")
-    parser.add_argument("--presets", nargs="+", default=["tiny", "small"], help="--bench-decode: these presets")
-    parser.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 4096], help="--bench-decode: contexts")
+    parser = argparse.ArgumentParser(
+        description="Parameter counts of every preset and a forward, or a benchmark.")
+    parser.add_argument("--bench-experts", action="store_true",
+                        help="grouped GEMM against a matmul per expert")
+    parser.add_argument("--bench-decode", action="store_true",
+                        help="decode tokens/s, absorbed MLA against expanded")
+    parser.add_argument("--presets", nargs="+", default=["tiny", "small"],
+                        help="--bench-decode: these presets")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 4096],
+                        help="--bench-decode: contexts")
     args = parser.parse_args()
     if args.bench_experts:
         bench_experts(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
@@ -1232,4 +1281,5 @@ if __name__ == "__main__":
     model = Transformer(PRESETS["tiny"])
     idx = torch.tensor([encode("def forward(self, x):")])
     logits, loss = model(idx[:, :-1], idx[:, 1:])
-    print(f"tiny forward: logits {tuple(logits.shape)}, loss {loss.item():.3f} (ln V = {math.log(VOCAB_SIZE):.3f})")
+    print(f"tiny forward: logits {tuple(logits.shape)}, loss {loss.item():.3f} "
+          f"(ln V = {math.log(VOCAB_SIZE):.3f})")
