@@ -8,8 +8,8 @@ about five minutes: pretraining on text every Python install has (this
 project's sources and the standard library's: nothing to download) plus transcripts of the tool-use tasks
 (tasks.py), then Dr. GRPO with textual feedback (grpo.py, feedback.py) on those tasks. For real runs `--data`
 takes a folder of llm.c-style token shards (memory-mapped; the read position is checkpointed), a raw uint16
-.bin file (nanoGPT's) or a folder of text. Under torchrun the same code shards dense weights with FSDP2/HSDP on
-the dense mesh and expert weights on the expert mesh (mesh.py), with expert parallelism (--ep) and context
+.bin file (nanoGPT's) or a folder of text. Under torchrun the same code shards dense weights with FSDP2/HSDP
+on the dense mesh and expert weights on the expert mesh (mesh.py), with expert parallelism (--ep) and context
 parallelism (--cp; in RL the cp ranks act as data-parallel ones) folded onto the same ranks; in the RL stage
 each rank samples its own rollouts, or with --rollout-ranks K the last K ranks only sample, up to
 --max-staleness policy versions ahead of the ranks that train (asynchronous RL). On CUDA it computes in bf16
@@ -19,13 +19,13 @@ current step and prints the command that resumes. --init-from starts from a rele
 Face layout (DeepSeek-V3, Kimi K2/K2.5, Moonlight; each rank reads only its shards) and --save-hf writes the
 trained model back in that layout.
 
-    python train.py                                            # tiny preset, CPU: pretraining, then RL
-    python train.py --stage pretrain --out pre                 # pretraining only; then RL from its checkpoint:
+    python train.py                                      # tiny preset, CPU: pretraining, then RL
+    python train.py --stage pretrain --out pre           # pretraining only; then RL from its checkpoint:
     python train.py --stage rl --resume --out pre
-    torchrun --nproc_per_node=4 train.py --cp 2 --ep 4         # FSDP x CP=2, EP=4 (gloo on CPU)
+    torchrun --nproc_per_node=4 train.py --cp 2 --ep 4   # FSDP x CP=2, EP=4 (gloo on CPU)
     torchrun --nproc_per_node=8 train.py --dp-replicate 2 --ep 4
     torchrun --nproc_per_node=4 train.py --stage rl --resume --rollout-ranks 1 --max-staleness 1  # async RL
-    python train.py --resume                                   # continue from the newest intact checkpoint in out/
+    python train.py --resume                             # continue from the newest intact checkpoint in out/
     python train.py --init-from DIR --data SHARDS --save-hf OUT  # continued pretraining of a released model
     python train.py --preset kimi-k2 --dry-run --world 512 --ep 64 --stage pretrain --seq-len 4096 --batch-size 512
 """
@@ -80,68 +80,81 @@ parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
 g = parser.add_argument_group("model")
 g.add_argument("--preset", default=None, help=f"model size, one of {list(PRESETS)} (default: tiny)")
 g.add_argument("--init-from", default=None, metavar="DIR",
-               help="start from a released checkpoint: a Hugging Face folder (config.json, *.safetensors) of a "
-                    "DeepSeek-V3-architecture model (DeepSeek-V3, Kimi K2, Kimi K2.5, Moonlight); its config.json "
-                    "is the model. Needs the safetensors package and --data shards made with its tokenizer")
-g.add_argument("--num-experts", type=int, default=None, help="routed experts per MoE layer (default: the preset's)")
+               help="start from a released checkpoint: a Hugging Face folder (config.json, *.safetensors) of "
+                    "a DeepSeek-V3-architecture model (DeepSeek-V3, Kimi K2, Kimi K2.5, Moonlight); its "
+                    "config.json is the model. Needs the safetensors package and --data shards made "
+                    "with its tokenizer")
+g.add_argument("--num-experts", type=int, default=None,
+               help="routed experts per MoE layer (default: the preset's)")
 g = parser.add_argument_group("run")
-g.add_argument("--steps", type=int, default=700, help="optimizer steps in total (a resumed run stops here too)")
+g.add_argument("--steps", type=int, default=700,
+               help="optimizer steps in total (a resumed run stops here too)")
 g.add_argument("--batch-size", type=int, default=8, help="global batch in sequences, whatever the layout")
 g.add_argument("--grad-accum", type=int, default=1,
-               help="micro-batches a step: a rank runs batch-size/(data-parallel ranks x N) sequences a forward, "
-                    "gradients add up and FSDP reduce-scatters them once, after the last (with --dry-run: the "
-                    "smallest N that fits --gpu-mem when left at 1)")
+               help="micro-batches a step: a rank runs batch-size/(data-parallel ranks x N) sequences a "
+                    "forward, gradients add up and FSDP reduce-scatters them once, after the last (with "
+                    "--dry-run: the smallest N that fits --gpu-mem when left at 1)")
 g.add_argument("--reduce-every-micro-batch", action="store_true",
-               help="with --grad-accum: reduce-scatter after every micro-batch instead, so no rank holds unsharded "
-                    "gradients between them (N times the gradient traffic; what a model whose whole gradient does "
-                    "not fit a rank needs)")
-g.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (at most the preset's max_seq_len)")
+               help="with --grad-accum: reduce-scatter after every micro-batch instead, so no rank holds "
+                    "unsharded gradients between them (N times the gradient traffic; what a model whose "
+                    "whole gradient does not fit a rank needs)")
+g.add_argument("--seq-len", type=int, default=256,
+               help="tokens per sequence (at most the preset's max_seq_len)")
 g.add_argument("--lr", type=float, default=8e-3,
                help="peak learning rate for both groups: Muon uses adjust_lr_fn='match_rms_adamw' so one "
                     "AdamW-style lr serves the matrices and the embeddings/head/router/norms alike")
 g.add_argument("--weight-decay", type=float, default=0.1, help="decoupled weight decay")
 g.add_argument("--qk-clip", type=float, default=0.0, metavar="TAU",
-               help="MuonClip's QK-Clip (Kimi K2 uses 100): after each optimizer step, rescale the query/key weights "
-                    "of every head whose largest attention logit exceeded TAU (0: off)")
+               help="MuonClip's QK-Clip (Kimi K2 uses 100): after each optimizer step, rescale the query/key "
+                    "weights of every head whose largest attention logit exceeded TAU (0: off)")
 g.add_argument("--ns", default="standard", choices=["standard", "gram"],
-               help="Muon's Newton-Schulz: the standard iteration, or Gram Newton-Schulz, which iterates on X X^T "
-                    "where that takes fewer FLOPs (1.43x fewer on Kimi K2's experts)")
+               help="Muon's Newton-Schulz: the standard iteration, or Gram Newton-Schulz, which iterates on "
+                    "X X^T where that takes fewer FLOPs (1.43x fewer on Kimi K2's experts)")
 g.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm to this (0: off)")
 g.add_argument("--warmup", type=int, default=30, help="linear warmup steps, then cosine decay to 10%%")
 g.add_argument("--seed", type=int, default=1337, help="seeds the weights and the data order")
 g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
 g.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"],
                help="compute dtype; weights, gradient reduction and optimizer state stay fp32 (FSDP2's "
-                    "MixedPrecisionPolicy under torchrun, autocast in one process). auto: bf16 on CUDA, fp32 on CPU")
+                    "MixedPrecisionPolicy under torchrun, autocast in one process). auto: bf16 on CUDA, "
+                    "fp32 on CPU")
 g.add_argument("--activation-checkpointing", action="store_true",
                help="keep only each block's input for backward and recompute the rest")
 g.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
 g.add_argument("--dry-run", action="store_true",
-               help="print the layout and the memory a rank needs (model built on the meta device), then exit")
+               help="print the layout and the memory a rank needs (model built on the meta device), "
+                    "then exit")
 g.add_argument("--world", type=int, default=None,
                help="with --dry-run: the world size to plan for (default: WORLD_SIZE)")
 g.add_argument("--gpu-mem", type=float, default=80.0, help="with --dry-run: GiB a GPU has (H100: 80)")
 g = parser.add_argument_group("parallelism (torchrun; the shard degrees follow from the world size)")
-g.add_argument("--dp-replicate", type=int, default=1, help="dense-weight replicas (HSDP); dp_shard = world/(dp_replicate*cp)")
-g.add_argument("--cp", type=int, default=1, help="context parallelism: each sequence split over this many ranks")
+g.add_argument("--dp-replicate", type=int, default=1,
+               help="dense-weight replicas (HSDP); dp_shard = world/(dp_replicate*cp)")
+g.add_argument("--cp", type=int, default=1,
+               help="context parallelism: each sequence split over this many ranks")
 g.add_argument("--ep", type=int, default=1, help="expert parallelism: experts split over this many ranks")
-g.add_argument("--ep-replicate", type=int, default=1, help="expert-weight replicas; ep_shard = world/(ep_replicate*ep)")
+g.add_argument("--ep-replicate", type=int, default=1,
+               help="expert-weight replicas; ep_shard = world/(ep_replicate*ep)")
 g = parser.add_argument_group("data and output")
 g.add_argument("--data", default=None,
-               help="a folder of token shards (*.bin: llm.c's header, uint16 or uint32; names containing 'val' "
-                    "are validation), one .bin file (with that header, or raw uint16 as nanoGPT's; val.bin beside "
-                    "it is validation), or a folder of text files; default: this project's and Python's "
-                    "standard library's sources")
+               help="a folder of token shards (*.bin: llm.c's header, uint16 or uint32; names containing "
+                    "'val' are validation), one .bin file (with that header, or raw uint16 as nanoGPT's; "
+                    "val.bin beside it is validation), or a folder of text files; default: this project's "
+                    "and Python's standard library's sources")
 g.add_argument("--out", default="out", help="folder for metrics.jsonl and the checkpoints (step-NNNNNNNN/)")
 g.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
-               help="continue from the newest intact checkpoint in OUT, or from the step-NNNNNNNN folder given")
+               help="continue from the newest intact checkpoint in OUT, or from the step-NNNNNNNN "
+                    "folder given")
 g.add_argument("--save-hf", default=None, metavar="DIR",
-               help="at the end, write the model as a Hugging Face DeepSeek-V3 checkpoint folder (needs safetensors)")
-g.add_argument("--save-hf-dtype", default="bf16", choices=["bf16", "fp32"], help="the weights' dtype in --save-hf")
+               help="at the end, write the model as a Hugging Face DeepSeek-V3 checkpoint folder "
+                    "(needs safetensors)")
+g.add_argument("--save-hf-dtype", default="bf16", choices=["bf16", "fp32"],
+               help="the weights' dtype in --save-hf")
 g.add_argument("--keep", type=int, default=1,
                help="checkpoints kept: the newest KEEP, plus the last one of each stage (pretraining, RL)")
 g.add_argument("--log-every", type=int, default=20, help="steps between progress lines")
-g.add_argument("--eval-every", type=int, default=200, help="steps between validation evaluations and checkpoints")
+g.add_argument("--eval-every", type=int, default=200,
+               help="steps between validation evaluations and checkpoints")
 g.add_argument("--eval-batches", type=int, default=8, help="batches per validation evaluation")
 g = parser.add_argument_group("RL stage: Dr. GRPO with textual feedback on the tool-use tasks")
 g.add_argument("--stage", default=None, choices=["pretrain", "rl", "both"],
@@ -150,14 +163,15 @@ g.add_argument("--stage", default=None, choices=["pretrain", "rl", "both"],
                     "not your corpus)")
 g.add_argument("--init", default=None, choices=["scratch"],
                help="scratch: let --stage rl start from random weights (a smoke test: it earns no reward)")
-g.add_argument("--rl-steps", type=int, default=4, help="RL steps (each: sample, then --ppo-epochs x --ppo-minibatches updates)")
+g.add_argument("--rl-steps", type=int, default=4,
+               help="RL steps (each: sample, then --ppo-epochs x --ppo-minibatches updates)")
 g.add_argument("--group-size", type=int, default=8, help="rollouts per task (the GRPO group)")
 g.add_argument("--rl-tasks", default="long", choices=["long", "short"],
-               help="long: chains of 8 x level calls that run past the context (summaries; a slip costs the reward "
-                    "little); short: nested expressions of 1-4 calls")
+               help="long: chains of 8 x level calls that run past the context (summaries; a slip costs the "
+                    "reward little); short: nested expressions of 1-4 calls")
 g.add_argument("--max-gen-tokens", type=int, default=None,
-               help="tokens a rollout may write over all its turns (L_max, also the loss's constant normaliser); "
-                    "default 512 for long tasks, 128 for short")
+               help="tokens a rollout may write over all its turns (L_max, also the loss's constant "
+                    "normaliser); default 512 for long tasks, 128 for short")
 g.add_argument("--tasks-per-step", type=int, default=None,
                help="tasks (groups) per RL step, a multiple of the world size (each rank samples its own); "
                     "default: 2 rounded up to a multiple of the world size")
@@ -168,31 +182,39 @@ g.add_argument("--feedback-rules", default="tool_not_found,capital",
 g.add_argument("--feedback-estimator", default="full", choices=["full", "sampled"],
                help="full: exact KL over the vocabulary; sampled: the sampled-token estimator")
 g.add_argument("--feedback-teacher", default="current", choices=["current", "frozen", "ema"],
-               help="the hinted teacher: the current policy, the policy RL started from, or an EMA of the policy")
+               help="the hinted teacher: the current policy, the policy RL started from, or an EMA "
+                    "of the policy")
 g.add_argument("--feedback-ema-decay", type=float, default=0.99, help="the EMA teacher's decay a RL step")
-g.add_argument("--kl-coef", type=float, default=0.0, help="KL to the starting policy (0: none, no reference kept)")
+g.add_argument("--kl-coef", type=float, default=0.0,
+               help="KL to the starting policy (0: none, no reference kept)")
 g.add_argument("--kl-estimator", default="k1", choices=["k1", "k2", "k3"],
-               help="k1: folded into the reward; k2: in the loss, the gradient of KL(pi||ref); k3: in the loss, "
-                    "the gradient of KL(ref||pi)")
-g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (the trainer's log-probs use it too)")
-g.add_argument("--ppo-epochs", type=int, default=1, help="passes over each RL batch (PPO's clip acts from the 2nd)")
+               help="k1: folded into the reward; k2: in the loss, the gradient of KL(pi||ref); k3: in the "
+                    "loss, the gradient of KL(ref||pi)")
+g.add_argument("--temperature", type=float, default=1.0,
+               help="sampling temperature (the trainer's log-probs use it too)")
+g.add_argument("--ppo-epochs", type=int, default=1,
+               help="passes over each RL batch (PPO's clip acts from the 2nd)")
 g.add_argument("--ppo-minibatches", type=int, default=1,
-               help="optimizer steps a pass, each on whole groups of this rank's (split as evenly as they allow)")
+               help="optimizer steps a pass, each on whole groups of this rank's (split as evenly "
+                    "as they allow)")
 g.add_argument("--rl-eval-every", type=int, default=2, help="RL steps between held-out evaluations")
-g.add_argument("--rl-eval-tasks", type=int, default=8, help="held-out tasks a level (1 and 2) per evaluation; 0: none")
+g.add_argument("--rl-eval-tasks", type=int, default=8,
+               help="held-out tasks a level (1 and 2) per evaluation; 0: none")
 g.add_argument("--sampler-bits", type=int, default=0, choices=[0, 8],
-               help="8: sample with 8-bit block-quantised weights (MXFP8-like), corrected by truncated importance weights")
+               help="8: sample with 8-bit block-quantised weights (MXFP8-like), corrected by truncated "
+                    "importance weights")
 g.add_argument("--sample-gather", default="rollout", choices=["rollout", "forward"],
-               help="under FSDP, sampling with the sharded model gathers each unit once for the whole rollout and "
-                    "keeps it (rollout: fast; a rank holds the dense weights whole and its EP share of the experts) "
-                    "or at every forward (forward: one unit at a time, an all-gather per unit per token)")
+               help="under FSDP, sampling with the sharded model gathers each unit once for the whole "
+                    "rollout and keeps it (rollout: fast; a rank holds the dense weights whole and its EP "
+                    "share of the experts) or at every forward (forward: one unit at a time, an all-gather "
+                    "per unit per token)")
 g.add_argument("--rollout-ranks", type=int, default=0, metavar="K",
-               help="asynchronous RL: the launch's last K ranks only sample (each with a whole copy of the policy), "
-                    "the others only train and send the new policy after each step (0: every rank samples, then "
-                    "trains)")
+               help="asynchronous RL: the launch's last K ranks only sample (each with a whole copy of the "
+                    "policy), the others only train and send the new policy after each step (0: every rank "
+                    "samples, then trains)")
 g.add_argument("--max-staleness", type=int, default=0, metavar="S",
-               help="with --rollout-ranks: step i is sampled with the policy of step max(0, i - 1 - S), so the "
-                    "rollout ranks run up to S steps ahead of the trainers (0: exactly synchronous RL)")
+               help="with --rollout-ranks: step i is sampled with the policy of step max(0, i - 1 - S), so "
+                    "the rollout ranks run up to S steps ahead of the trainers (0: exactly synchronous RL)")
 g.add_argument("--count-comm", action="store_true",
                help="count the calls and bytes of every collective in the second step and print them")
 args = parser.parse_args()
@@ -222,7 +244,8 @@ def print0(*a, **kw):
 
 def last_line(e):
     """An exception in one line: DCP's carry every rank's traceback."""
-    return f"{type(e).__name__}: " + (str(e).strip().splitlines()[-1][:160] if str(e).strip() else "no details")
+    return f"{type(e).__name__}: " + (str(e).strip().splitlines()[-1][:160] if str(e).strip()
+                                      else "no details")
 
 
 if (args.preset or "tiny") not in PRESETS:
@@ -238,14 +261,18 @@ if args.init_from:
         print0(f"note: --init-from leaves out {what}")
     preset = PRESETS.get(args.preset)
     if preset is not None and preset != cfg:
-        differ = [f"{k} {v} (preset {getattr(preset, k)})" for k, v in asdict(cfg).items() if getattr(preset, k) != v]
-        die(f"--init-from {args.init_from}/config.json disagrees with --preset {args.preset}: {', '.join(differ[:4])}"
-            f"{' ...' if len(differ) > 4 else ''}; drop --preset (the checkpoint's config.json is the model)")
+        differ = [f"{k} {v} (preset {getattr(preset, k)})" for k, v in asdict(cfg).items()
+                  if getattr(preset, k) != v]
+        die(f"--init-from {args.init_from}/config.json disagrees with --preset {args.preset}: "
+            f"{', '.join(differ[:4])}{' ...' if len(differ) > 4 else ''}; drop --preset "
+            "(the checkpoint's config.json is the model)")
     if args.num_experts not in (None, cfg.num_experts):
-        die(f"--num-experts {args.num_experts}: the checkpoint has {cfg.num_experts} experts a layer; drop the flag")
+        die(f"--num-experts {args.num_experts}: the checkpoint has {cfg.num_experts} experts a layer; "
+            "drop the flag")
     if args.data is None and cfg.vocab_size != VOCAB_SIZE and not args.dry_run:
-        die(f"--init-from needs --data: token shards made with the checkpoint's own tokenizer (vocab "
-            f"{cfg.vocab_size}); the built-in corpus is this project's bytes (README: Start from a released model)")
+        die("--init-from needs --data: token shards made with the checkpoint's own tokenizer (vocab "
+            f"{cfg.vocab_size}); the built-in corpus is this project's bytes "
+            "(README: Start from a released model)")
 args.preset = args.preset or ("tiny" if args.init_from is None else Path(args.init_from).name)
 if args.save_hf:  # checked now, not after the run: the nearest folder that exists must be writable
     above = next(p for p in Path(args.save_hf).absolute().parents if p.exists())
@@ -255,11 +282,12 @@ if args.save_hf:  # checked now, not after the run: the nearest folder that exis
         die(f"--save-hf {args.save_hf}: {above} is not a writable folder")
 if args.num_experts is not None:
     if not cfg.top_k <= args.num_experts:
-        die(f"--num-experts {args.num_experts} is fewer than the {args.preset} preset's top-{cfg.top_k} routing")
+        die(f"--num-experts {args.num_experts} is fewer than the {args.preset} preset's "
+            f"top-{cfg.top_k} routing")
     cfg = ModelConfig(**{**asdict(cfg), "num_experts": args.num_experts})
 args.max_gen_tokens = args.max_gen_tokens or (512 if args.rl_tasks == "long" else 128)
-for flag in ("steps", "batch_size", "grad_accum", "seq_len", "log_every", "eval_every", "eval_batches", "keep",
-             "max_gen_tokens"):
+for flag in ("steps", "batch_size", "grad_accum", "seq_len", "log_every", "eval_every", "eval_batches",
+             "keep", "max_gen_tokens"):
     if getattr(args, flag) <= 0:
         die(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
 if args.seq_len > cfg.max_seq_len:
@@ -270,21 +298,24 @@ if args.device == "cuda" and not torch.cuda.is_available():
     die("--device cuda but no CUDA device is available")
 if args.rollout_ranks or args.max_staleness:
     if args.max_staleness < 0 or args.rollout_ranks < 0:
-        die(f"--rollout-ranks and --max-staleness must be >= 0, got {args.rollout_ranks} and {args.max_staleness}")
+        die(f"--rollout-ranks and --max-staleness must be >= 0, "
+            f"got {args.rollout_ranks} and {args.max_staleness}")
     if not args.rollout_ranks:
-        die(f"--max-staleness {args.max_staleness} needs --rollout-ranks: without rollout ranks every rank samples "
-            f"with the current policy (synchronous RL)")
+        die(f"--max-staleness {args.max_staleness} needs --rollout-ranks: without rollout ranks every rank "
+            "samples with the current policy (synchronous RL)")
     if args.rollout_ranks >= world_size:
-        die(f"--rollout-ranks {args.rollout_ranks} leaves no trainer rank: the launch has {world_size} rank(s); "
-            f"launch more (torchrun --nproc_per_node) or roll out on fewer")
+        die(f"--rollout-ranks {args.rollout_ranks} leaves no trainer rank: the launch has {world_size} "
+            "rank(s); launch more (torchrun --nproc_per_node) or roll out on fewer")
     if args.rollout_ranks > world_size - args.rollout_ranks:
-        die(f"--rollout-ranks {args.rollout_ranks}: a rollout rank samples for whole trainer ranks, so there can "
-            f"be at most as many as trainer ranks ({world_size - args.rollout_ranks} of the {world_size})")
+        die(f"--rollout-ranks {args.rollout_ranks}: a rollout rank samples for whole trainer ranks, so there "
+            "can be at most as many as trainer ranks "
+            f"({world_size - args.rollout_ranks} of the {world_size})")
     if args.stage != "rl":
         die("--rollout-ranks: rollout ranks sample RL rollouts only; pass --stage rl (after pretraining, "
             "--resume it)")
     if args.dry_run:
-        die("--rollout-ranks: --dry-run plans the trainer ranks; drop --rollout-ranks and set --world to them")
+        die("--rollout-ranks: --dry-run plans the trainer ranks; drop --rollout-ranks "
+            "and set --world to them")
     world_size -= args.rollout_ranks  # every check below is the trainers' world
 if args.world is not None and (not args.dry_run or args.world < 1 or world_size > 1):
     die("--world plans a layout with --dry-run in one process (torchrun sets the real world size)")
@@ -296,35 +327,41 @@ try:
 except LayoutError as e:
     die(f"layout: {e}")
 if args.batch_size // layout.dp % args.grad_accum:
-    die(f"--grad-accum {args.grad_accum} does not divide the {args.batch_size // layout.dp} sequences a rank gets "
-        f"(--batch-size {args.batch_size} over {layout.dp} data-parallel ranks)")
-args.stage = args.stage or ("pretrain" if args.data or args.init_from else "both")  # RL: the tool tasks, not --data
+    die(f"--grad-accum {args.grad_accum} does not divide the {args.batch_size // layout.dp} sequences a rank "
+        f"gets (--batch-size {args.batch_size} over {layout.dp} data-parallel ranks)")
+# RL: the tool tasks, not --data
+args.stage = args.stage or ("pretrain" if args.data or args.init_from else "both")
 if args.init_from and args.stage != "pretrain" and cfg.vocab_size != VOCAB_SIZE:
-    die(f"--init-from: the RL stage speaks to the tasks through this project's byte tokenizer (model.encode/decode "
-        f"and model.TOKEN), not the checkpoint's (vocab {cfg.vocab_size}); plug the model's tokenizer in there "
-        "first, or run --stage pretrain")
+    die("--init-from: the RL stage speaks to the tasks through this project's byte tokenizer "
+        f"(model.encode/decode and model.TOKEN), not the checkpoint's (vocab {cfg.vocab_size}); plug the "
+        "model's tokenizer in there first, or run --stage pretrain")
 if args.stage == "rl" and not (args.resume or args.init_from) and args.init != "scratch":
     die("--stage rl needs a model to start from: run `python train.py --stage pretrain` first, then "
         "`python train.py --stage rl --resume` (or pass --init scratch to start RL from random weights)")
 if args.stage != "pretrain":
     args.tasks_per_step = args.tasks_per_step or -(-2 // world_size) * world_size  # >= 2, one a rank at least
     if min(args.rl_steps, args.tasks_per_step, args.rl_lr, args.rl_eval_every) <= 0 or args.group_size < 2:
-        die("the RL stage needs --rl-steps, --tasks-per-step, --rl-lr and --rl-eval-every > 0, --group-size >= 2")
+        die("the RL stage needs --rl-steps, --tasks-per-step, --rl-lr and --rl-eval-every > 0, "
+            "--group-size >= 2")
     if args.rl_eval_tasks < 0:
         die(f"--rl-eval-tasks must be >= 0 (0: no held-out evaluation), got {args.rl_eval_tasks}")
     if args.temperature <= 0 or not 0 <= args.feedback_ema_decay < 1 or args.ppo_epochs < 1:
         die("--temperature must be > 0, --feedback-ema-decay in [0, 1), --ppo-epochs >= 1")
     if not 1 <= args.ppo_minibatches <= args.tasks_per_step // world_size:
         die(f"--ppo-minibatches {args.ppo_minibatches}: each is whole groups, and a rank has "
-            f"{args.tasks_per_step // world_size} (--tasks-per-step {args.tasks_per_step} over {world_size} ranks)")
+            f"{args.tasks_per_step // world_size} (--tasks-per-step {args.tasks_per_step} "
+            f"over {world_size} ranks)")
     unknown = set(args.feedback_rules.split(",")) - {name for name, _ in RULES}
     if unknown:
-        die(f"--feedback-rules: unknown rule(s) {', '.join(sorted(unknown))}; choose from {', '.join(n for n, _ in RULES)}")
+        die(f"--feedback-rules: unknown rule(s) {', '.join(sorted(unknown))}; choose from "
+            f"{', '.join(n for n, _ in RULES)}")
     if args.tasks_per_step % world_size:
-        die(f"--tasks-per-step {args.tasks_per_step} does not split over {world_size} ranks (each samples its own "
-            f"groups); pass a multiple of {world_size}, e.g. --tasks-per-step {-(-args.tasks_per_step // world_size) * world_size}")
+        die(f"--tasks-per-step {args.tasks_per_step} does not split over {world_size} ranks (each samples "
+            f"its own groups); pass a multiple of {world_size}, e.g. --tasks-per-step "
+            f"{-(-args.tasks_per_step // world_size) * world_size}")
 RL_COPIES = {"reference": "--kl-coef > 0", "teacher": "--feedback-teacher frozen or ema"}
-wanted_copies = {name for name, on in (("reference", args.kl_coef > 0), ("teacher", args.feedback_teacher != "current"))
+wanted_copies = {name for name, on in (("reference", args.kl_coef > 0),
+                                       ("teacher", args.feedback_teacher != "current"))
                  if on and args.stage != "pretrain"}
 
 
@@ -341,7 +378,8 @@ def plan_memory(accum, reduce_each, bf16):
         # 3 x --max-gen-tokens tokens a trajectory (its own, about as many of prompt, replies, summaries,
         # padding)
         per_group = args.tasks_per_step * args.group_size // (layout.world // layout.cp)
-        rl = dict(rl_tokens=per_group * 3 * args.max_gen_tokens, sample_gathered=args.sample_gather == "rollout",
+        rl = dict(rl_tokens=per_group * 3 * args.max_gen_tokens,
+                  sample_gathered=args.sample_gather == "rollout",
                   rl_copies=len(wanted_copies) + (args.sampler_bits > 0))
     muon_params = param_groups(meta_model.named_parameters(), lr=1.0, weight_decay=0.0)[0]["params"]
     return memory_plan(meta_model, layout, muon_params, bf16=bf16, accum=accum, reduce_each=reduce_each,
@@ -358,26 +396,27 @@ with torch.device("meta"):  # shapes only
 total, active = param_counts(meta_model)
 if args.dry_run:  # everything above ran as it would under torchrun; nothing below is allocated
     bf16 = args.precision != "fp32"  # plans are for GPUs, where auto means bf16
-    rows = args.batch_size // layout.dp  # a rank's sequences a step; --grad-accum 1: the fewest micro-batches that fit
+    # a rank's sequences a step; --grad-accum 1: the fewest micro-batches that fit
+    rows = args.batch_size // layout.dp
     tries = [(n, each) for n in ([args.grad_accum] if args.grad_accum > 1 else
                                  [n for n in range(1, rows + 1) if rows % n == 0])
              for each in sorted({args.reduce_every_micro_batch, n > 1})]  # no-sync first, where it is allowed
     plans = {t: plan_memory(*t, bf16) for t in tries}
     accum, each = next((t for t in tries if sum(plans[t][0].values()) <= args.gpu_mem * 2**30), tries[0])
     plan, checkpoint_bytes = plans[accum, each]
-    print(f"preset {args.preset}: {total / 1e9:.2f}B parameters, {active / 1e9:.2f}B active | world {world_size}: "
-          f"dense (dp_replicate={layout.dp_replicate}, dp_shard={layout.dp_shard}, cp={layout.cp}), experts "
-          f"(ep_replicate={layout.ep_replicate}, ep_shard={layout.ep_shard}, ep={layout.ep}), "
-          f"{cfg.num_experts // layout.ep} experts a rank | {rows // accum} x {args.seq_len // layout.cp} tokens a "
-          f"rank a forward, {accum} micro-batch{'es' * (accum > 1)} a step (--grad-accum {accum}"
-          f"{' --reduce-every-micro-batch' * each}) | "
+    print(f"preset {args.preset}: {total / 1e9:.2f}B parameters, {active / 1e9:.2f}B active | world "
+          f"{world_size}: dense (dp_replicate={layout.dp_replicate}, dp_shard={layout.dp_shard}, "
+          f"cp={layout.cp}), experts (ep_replicate={layout.ep_replicate}, ep_shard={layout.ep_shard}, "
+          f"ep={layout.ep}), {cfg.num_experts // layout.ep} experts a rank | {rows // accum} x "
+          f"{args.seq_len // layout.cp} tokens a rank a forward, {accum} micro-batch{'es' * (accum > 1)} a "
+          f"step (--grad-accum {accum}{' --reduce-every-micro-batch' * each}) | "
           f"{'bf16' if bf16 else 'fp32'} compute"
           f"{', activation checkpointing' if args.activation_checkpointing else ''}")
     if args.stage != "pretrain":
         kept = sorted(wanted_copies) + ["8-bit sampler"] * (args.sampler_bits > 0)
-        print(f"RL stage: {args.tasks_per_step * args.group_size // (layout.world // layout.cp)} trajectories a "
-              f"data-parallel group a step, ~{3 * args.max_gen_tokens} tokens each (estimated) | other weights "
-              f"kept as shards: {', '.join(kept) or 'none'}")
+        print(f"RL stage: {args.tasks_per_step * args.group_size // (layout.world // layout.cp)} "
+              f"trajectories a data-parallel group a step, ~{3 * args.max_gen_tokens} tokens each "
+              f"(estimated) | other weights kept as shards: {', '.join(kept) or 'none'}")
     fits = sum(plan.values()) <= args.gpu_mem * 2**30
     print(f"memory a rank (GiB): {in_gib(plan)} | total {sum(plan.values()) / 2**30:,.2f}, "
           f"{'within' if fits else 'MORE THAN'} --gpu-mem {args.gpu_mem:g} | a checkpoint (all ranks) "
@@ -387,17 +426,18 @@ if args.dry_run:  # everything above ran as it would under torchrun; nothing bel
 # RL's tasks and sampling, shared by the trainer ranks and, with --rollout-ranks, the rollout ranks
 trainers = world_size  # the ranks that train (all but the rollout ranks)
 grpo_cfg = GRPOConfig(group_size=args.group_size, max_gen_tokens=args.max_gen_tokens, kl_coef=args.kl_coef,
-                      kl_estimator=args.kl_estimator, sampler_bits=args.sampler_bits, temperature=args.temperature)
+                      kl_estimator=args.kl_estimator, sampler_bits=args.sampler_bits,
+                      temperature=args.temperature)
 make_task, make_env = ((tasks.make_chain_task, tasks.ChainEnv) if args.rl_tasks == "long" else
                        (tasks.make_tool_task, tasks.ToolEnv))
 difficulty = tasks.DifficultySampler()
 
 
 def episodes(rl_step, data_rank):
-    """RL step rl_step's episodes for one data-parallel rank: its groups at the difficulty sampler's level, and
-    the generator that samples them. Every draw is seeded from (seed, RL step, rank), like the data order, so a
-    resumed run draws what the uninterrupted one would have, and a rollout rank draws what the trainer rank
-    would. -> (level, envs, gen)"""
+    """RL step rl_step's episodes for one data-parallel rank: its groups at the difficulty sampler's level,
+    and the generator that samples them. Every draw is seeded from (seed, RL step, rank), like the data order,
+    so a resumed run draws what the uninterrupted one would have, and a rollout rank draws what the trainer
+    rank would. -> (level, envs, gen)"""
     level = difficulty.sample(random.Random(f"{args.seed}/{rl_step}"))  # the same level on every rank
     task_rng = random.Random(f"{args.seed}/{rl_step}/{data_rank}")
     gen = torch.Generator().manual_seed(task_rng.getrandbits(63))
@@ -406,14 +446,14 @@ def episodes(rl_step, data_rank):
                    for _ in range(args.group_size)], gen
 
 
-rank, local_rank, world_size, device, bridge = init_distributed(None if args.device == "auto" else args.device,
-                                                                args.rollout_ranks)
+rank, local_rank, world_size, device, bridge = init_distributed(
+    None if args.device == "auto" else args.device, args.rollout_ranks)
 bridge = Bridge(bridge, trainers) if bridge is not None else None
 
 
 def peer_lost(why):
-    """--rollout-ranks: a rank of the other role stopped, or broke the protocol. This rank says so in one line and
-    exits by itself (a launcher may not stop it)."""
+    """--rollout-ranks: a rank of the other role stopped, or broke the protocol. This rank says so in one line
+    and exits by itself (a launcher may not stop it)."""
     role = "rollout" if launch_rank >= trainers else "trainer"
     print(f"error: {role} rank {rank}: {why}", file=sys.stderr, flush=True)
     sys.exit(1)
@@ -529,8 +569,8 @@ def take_out_folder():
                 other = {}
             if other.get("host") != socket.gethostname() or pid_alive(other.get("pid")):
                 return (f"--out {out} is in use by another run (pid {other.get('pid')} on host "
-                        f"{other.get('host')}, started {other.get('started')}); wait for it or choose another "
-                        f"--out (remove {lock} if that run is gone)")
+                        f"{other.get('host')}, started {other.get('started')}); wait for it or choose "
+                        f"another --out (remove {lock} if that run is gone)")
             lock.unlink(missing_ok=True)  # its process is dead: a stale lock
             print0(f"note: took over the lock of a run that no longer runs (pid {other.get('pid')})")
     finally:
@@ -574,14 +614,14 @@ if args.resume:
         die(f"--resume: {resume_path} is already at RL step {meta['rl_step']} of --rl-steps {args.rl_steps}; "
             f"raise --rl-steps to continue RL")
     if meta.get("stage") != "rl" and meta["step"] >= args.steps and args.stage == "pretrain":
-        die(f"--resume: {resume_path} is already at step {meta['step']} of --steps {args.steps}; raise --steps "
-            f"to continue pretraining, or pass --stage rl to start RL from it")
+        die(f"--resume: {resume_path} is already at step {meta['step']} of --steps {args.steps}; "
+            "raise --steps to continue pretraining, or pass --stage rl to start RL from it")
     for name, flag in RL_COPIES.items():
         if meta.get("stage") == "rl" and name in wanted_copies and name not in meta.get("copies", []):
             die(f"--resume: {resume_path} holds no {name} (it was written without {flag}); resume without it")
 if checkpoints() and (resume_path is None or resume_path.resolve().parent != out.resolve()):
-    die(f"--out {out} already holds {checkpoints()[-1].name}, which this run would delete as it saves its own; "
-        f"pass --resume to continue from it, or choose another --out")
+    die(f"--out {out} already holds {checkpoints()[-1].name}, which this run would delete as it "
+        "saves its own; pass --resume to continue from it, or choose another --out")
 rl_resumed = meta is not None and meta.get("stage") == "rl"
 
 
@@ -596,7 +636,8 @@ rl_resumed = meta is not None and meta.get("stage") == "rl"
 # sees the same data.
 
 TOOL_SHARE = 0.9
-LONG_SHARE = 0.15  # of the transcripts, chains (about half their tokens: a chain is 8-32 calls, a short task 1-4)
+# of the transcripts, chains (about half their tokens: a chain is 8-32 calls, a short task 1-4)
+LONG_SHARE = 0.15
 SHARD_MAGIC, SHARD_HEADER = 20240520, 256  # llm.c's token shards: 256 int32 [magic, version, n_tokens, ...]
 
 
@@ -613,7 +654,8 @@ def load_tokens(path):
         tools = [transcripts(here, n, seed) for n, seed in ((20000, 1), (1000, 2))]
         tools = [np.tile(t, max(1, round(TOOL_SHARE / (1 - TOOL_SHARE) * len(code) / len(t))))
                  for t, code in zip(tools, (train, val))]
-        return [np.concatenate([train, tools[0]])], [np.concatenate([val, tools[1]])], None  # one shard: mixed
+        # one shard: mixed
+        return [np.concatenate([train, tools[0]])], [np.concatenate([val, tools[1]])], None
     p = Path(path)
     if not p.exists():
         die(f"--data {path}: no such file or folder")
@@ -633,7 +675,8 @@ def load_tokens(path):
             train[-1], tail = split(train[-1])
             val = [tail]
         return train, val, vocab
-    files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith("."))
+    files = [p] if p.is_file() else sorted(f for f in p.rglob("*")
+                                           if f.is_file() and not f.name.startswith("."))
     tokens = tokenize_files(files)
     if not tokens.size:
         die(f"--data {path}: no text found (the folder is empty or its files are blank)")
@@ -647,12 +690,14 @@ def transcripts(here, n, seed):
     that makes them (tasks.py, model.py, grpo.py's summary request and budget); a missing, unwritable or
     unreadable cache only costs the seconds. A share of them are long chains, cut into the segments a rollout
     makes at the RL stage's context budget."""
-    key = hashlib.sha256(b"".join((here / f).read_bytes() for f in ("tasks.py", "model.py", "grpo.py"))).hexdigest()[:16]
+    key = hashlib.sha256(b"".join((here / f).read_bytes()
+                                  for f in ("tasks.py", "model.py", "grpo.py"))).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "composer-stack"
     path = cache / f"tools-{n}-{seed}-{key}.npy"
     with contextlib.suppress(OSError, ValueError, EOFError):
         return np.load(path)
-    text = tasks.corpus(n, seed=seed, long_share=LONG_SHARE, budget=GRPOConfig.context_budget, request=SUMMARY_REQUEST)
+    text = tasks.corpus(n, seed=seed, long_share=LONG_SHARE, budget=GRPOConfig.context_budget,
+                        request=SUMMARY_REQUEST)
     tokens = np.array(encode(text, specials=True), dtype=np.uint16)
     with contextlib.suppress(OSError):  # written whole, then renamed: ranks building it at once do not clash
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -665,7 +710,8 @@ def transcripts(here, n, seed):
 def read_shard(path):
     """A .bin file -> (memmap of its tokens, vocab size or None). With llm.c's header (int32 magic 20240520):
     version 1 = uint16 tokens, 2 = uint32, then the token count; our 4th slot gives the vocab size (0: the
-    default of the version, GPT-2's 50257 or Llama 3's 128256). Without it: raw uint16, nanoGPT's train.bin."""
+    default of the version, GPT-2's 50257 or Llama 3's 128256). Without it: raw uint16,
+    nanoGPT's train.bin."""
     size = path.stat().st_size
     header = np.fromfile(path, dtype=np.int32, count=SHARD_HEADER) if size >= 4 * SHARD_HEADER else None
     if header is not None and header[0] == SHARD_MAGIC:
@@ -674,8 +720,8 @@ def read_shard(path):
         dtype = np.dtype(np.uint16 if header[1] == 1 else np.uint32)
         n, body = int(header[2]), size - 4 * SHARD_HEADER
         if n <= 0 or n * dtype.itemsize != body:
-            die(f"--data {path}: the header promises {n} tokens ({n * dtype.itemsize} bytes) but {body} bytes "
-                f"follow it (truncated or corrupt shard)")
+            die(f"--data {path}: the header promises {n} tokens ({n * dtype.itemsize} bytes) but {body} "
+                "bytes follow it (truncated or corrupt shard)")
         vocab = int(header[3]) or (50257 if header[1] == 1 else 128256)
         return np.memmap(path, dtype=dtype, mode="r", offset=4 * SHARD_HEADER, shape=(n,)), vocab
     if size < 2 or size % 2:
@@ -695,13 +741,16 @@ def split(tokens):
 
 
 class Windows:
-    """The shards as windows of `length` tokens in a seeded order; pos = windows consumed so far (all ranks)."""
+    """The shards as windows of `length` tokens in a seeded order; pos = windows consumed so far
+    (all ranks)."""
 
     def __init__(self, shards, length, seed):
         self.shards, self.length, self.seed, self.pos = shards, length, seed, 0
-        self.sizes = [len(s) // length for s in shards]  # whole windows a shard; the ragged tail is never read
+        # whole windows a shard; the ragged tail is never read
+        self.sizes = [len(s) // length for s in shards]
         self.total = sum(self.sizes)
-        self.perm = functools.lru_cache(maxsize=8)(lambda n, *key: np.random.default_rng([seed, *key]).permutation(n))
+        self.perm = functools.lru_cache(maxsize=8)(
+            lambda n, *key: np.random.default_rng([seed, *key]).permutation(n))
 
     def window(self, k):
         """The k-th window of the order -> (shard, first token)."""
@@ -710,7 +759,9 @@ class Windows:
         ends = np.cumsum([self.sizes[i] for i in order])
         j = int(np.searchsorted(ends, r, side="right"))
         shard = int(order[j])
-        return shard, int(self.perm(self.sizes[shard], epoch, shard)[r - (ends[j] - self.sizes[shard])]) * self.length
+        return (shard,
+                int(self.perm(self.sizes[shard], epoch, shard)[r - (ends[j] - self.sizes[shard])])
+                * self.length)
 
     def next(self, n):
         """The next n windows (a global batch) -> [(shard, first token)]."""
@@ -725,10 +776,12 @@ for name, shards in (("training", train_shards), ("validation", val_shards)):
             f"--seq-len + 1 = {args.seq_len + 1}")
 # a tokenizer's vocab from the shard header, else the largest id (a small corpus); a .bin from another
 # tokenizer (e.g. GPT-2's 50257) widens the embedding
-vocab_size = max(cfg.vocab_size, shard_vocab or 1 + max(int(s.max()) for s in train_shards + val_shards if len(s)))
+vocab_size = max(cfg.vocab_size,
+                 shard_vocab or 1 + max(int(s.max()) for s in train_shards + val_shards if len(s)))
 if args.init_from and vocab_size != cfg.vocab_size:
-    die(f"--data {args.data}: its tokens need a vocabulary of {vocab_size} (the shard header, or the largest id + 1), "
-        f"the checkpoint has {cfg.vocab_size}: make the shards with the checkpoint's tokenizer")
+    die(f"--data {args.data}: its tokens need a vocabulary of {vocab_size} "
+        f"(the shard header, or the largest id + 1), the checkpoint has {cfg.vocab_size}: make the shards "
+        "with the checkpoint's tokenizer")
 if vocab_size != cfg.vocab_size:
     cfg = ModelConfig(**{**asdict(cfg), "vocab_size": vocab_size})
 train_windows = Windows(train_shards, args.seq_len + 1, args.seed)
@@ -740,7 +793,8 @@ def get_batch(shards, windows):
     """The global batch's windows [(shard, first token)] -> this rank's B/dp rows and T/cp chunk of each:
     inputs, targets [B_local, T_local], pos [T_local]."""
     t0 = cp_rank * T_local
-    rows = [shards[s][i + t0:i + t0 + T_local + 1] for s, i in windows[dp_rank * B_local:(dp_rank + 1) * B_local]]
+    rows = [shards[s][i + t0:i + t0 + T_local + 1]
+            for s, i in windows[dp_rank * B_local:(dp_rank + 1) * B_local]]
     xy = torch.from_numpy(np.stack(rows).astype(np.int64)).to(device)
     return xy[:, :-1], xy[:, 1:], torch.arange(t0, t0 + T_local, device=device)
 
@@ -748,8 +802,8 @@ def get_batch(shards, windows):
 # -----------------------------------------------------------------------------
 # Model, sharding and optimizer
 
-plan, checkpoint_bytes = plan_memory(args.grad_accum, args.reduce_every_micro_batch, bf16)  # first: a preset that cannot fit gets
-# one line, not an out-of-memory crash
+# first: a preset that cannot fit gets one line, not an out-of-memory crash
+plan, checkpoint_bytes = plan_memory(args.grad_accum, args.reduce_every_micro_batch, bf16)
 need = sum(plan.values())
 if device.type == "cuda":
     available = torch.cuda.mem_get_info(device)[0]
@@ -765,10 +819,12 @@ with torch.device("meta"):  # shapes only: each rank materializes just its shard
 for block in model.layers:
     block.checkpoint = args.activation_checkpointing
     block.attn.track_max_logit = args.qk_clip > 0
-    if args.compile:  # the block's computation, inside activation checkpointing and FSDP's hooks (as torchtitan)
+    # the block's computation, inside activation checkpointing and FSDP's hooks (as torchtitan)
+    if args.compile:
         block._forward = torch.compile(block._forward)
 amp = torch.autocast(device.type, torch.bfloat16, enabled=bf16 and world_size == 1)  # one process: autocast
-parallelize(model, layout, (dense_mesh, expert_mesh, dense_fsdp_mesh, expert_fsdp_mesh), bf16)  # CP, EP, FSDP2
+# CP, EP, FSDP2
+parallelize(model, layout, (dense_mesh, expert_mesh, dense_fsdp_mesh, expert_fsdp_mesh), bf16)
 model.to_empty(device=device)
 if args.init_from and not resume_path:  # each rank reads the blocks of its own shards
     try:
@@ -782,7 +838,8 @@ if args.init_from and not resume_path:  # each rank reads the blocks of its own 
 else:
     model.init_weights(args.seed)  # values depend on the seed alone, not on the layout
 
-# --precision fp32: Newton-Schulz in fp32 too; else muon.default_ns_dtype (bf16 on a GPU or a CPU with bf16 units)
+# --precision fp32: Newton-Schulz in fp32 too; else muon.default_ns_dtype (bf16 on a GPU or a CPU with bf16
+# units)
 ns_dtype = torch.float32 if args.precision == "fp32" else None
 
 
@@ -797,7 +854,8 @@ optimizer = make_optimizer(args.rl_lr, 0.0) if rl_resumed else make_optimizer(ar
 
 def clip_grad_norm(max_norm):
     """Clip by the global gradient norm over parameters that live on two meshes: a sum of squares per mesh
-    (one all-reduce each, as a DTensor resolves its partial sum), then combined. -> the norm before clipping"""
+    (one all-reduce each, as a DTensor resolves its partial sum), then combined.
+    -> the norm before clipping"""
     by_mesh = {}
     for p in model.parameters():
         if p.grad is not None:
@@ -912,7 +970,8 @@ def save_checkpoint(step, **run_state):
     path, tmp = out / f"step-{step:08d}", out / f"step-{step:08d}.tmp"
     sums, err = {}, None
     try:
-        dcp.save(state_dicts(), storage_writer=FileSystemWriter(tmp, sync_files=True), no_dist=world_size == 1)
+        dcp.save(state_dicts(), storage_writer=FileSystemWriter(tmp, sync_files=True),
+                 no_dist=world_size == 1)
         sums = {f: sha256(tmp / f) for f in sorted(f.name for f in tmp.iterdir())[rank::world_size]}
     except (Exception, CheckpointException) as e:
         err = save_failure(e, path)
@@ -949,9 +1008,9 @@ def save_failure(e, path):
     so a failure with less than a checkpoint's size free is called what it is."""
     free = shutil.disk_usage(out).free
     if getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e) or free < checkpoint_bytes:
-        return (f"no space left on device: checkpoint {path} could not be written ({free / 2**20:,.0f} MiB free, "
-                f"a checkpoint takes ~{checkpoint_bytes / 2**20:,.0f} MiB); the partial checkpoint was removed and "
-                f"the run stopped; free space, then resume")
+        return (f"no space left on device: checkpoint {path} could not be written "
+                f"({free / 2**20:,.0f} MiB free, a checkpoint takes ~{checkpoint_bytes / 2**20:,.0f} MiB); "
+                "the partial checkpoint was removed and the run stopped; free space, then resume")
     return f"checkpoint {path} could not be written ({last_line(e)})"
 
 
@@ -993,9 +1052,11 @@ if meta:
     state = state_dicts()
     logging.disable(logging.ERROR)  # DCP logs tracebacks of what it cannot read; we report it in one line
     try:
-        dcp.load(state, checkpoint_id=resume_path, no_dist=world_size == 1)  # reshards: any writer layout loads
+        # reshards: any writer layout loads
+        dcp.load(state, checkpoint_id=resume_path, no_dist=world_size == 1)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    except (Exception, CheckpointException) as e:  # its checksums passed, so this is not damage: say what it is
+    except (Exception, CheckpointException) as e:
+        # its checksums passed, so this is not damage: say what it is
         die(f"--resume: checkpoint {resume_path} is intact but does not load into this run ({last_line(e)})")
     logging.disable(logging.NOTSET)
     start_step, train_windows.pos = meta["step"], meta["data_pos"]  # the next unseen window
@@ -1025,7 +1086,8 @@ def log(record):
 
 
 same_folder = resume_path is not None and resume_path.resolve().parent == out.resolve()
-log({"event": "start", "keep": min(meta.get("metrics_lines", metrics_lines), metrics_lines) if same_folder else 0,
+log({"event": "start",
+     "keep": min(meta.get("metrics_lines", metrics_lines), metrics_lines) if same_folder else 0,
      "step": start_step, "resumed_from": str(resume_path) if resume_path else None, "argv": sys.argv[1:],
      "world_size": world_size, "time": time.time()})
 
@@ -1071,13 +1133,15 @@ flops_per_step = flops_per_token(model, args.seq_len) * tokens_per_step
 peak, peak_source = device_peak()  # per rank
 world_group = dist.group.WORLD if world_size > 1 else None
 print0(f"preset {args.preset}: {total / 1e6:.2f}M parameters, {active / 1e6:.2f}M active | "
-       f"{sum(map(len, train_shards)):,} train / {sum(map(len, val_shards)):,} val tokens in {len(train_shards)} + "
-       f"{len(val_shards)} shards | {world_size} x {device} "
+       f"{sum(map(len, train_shards)):,} train / {sum(map(len, val_shards)):,} val tokens in "
+       f"{len(train_shards)} + {len(val_shards)} shards | {world_size} x {device} "
        f"({torch.get_num_threads()} threads each) | dense mesh (dp_replicate={layout.dp_replicate}, "
        f"dp_shard={layout.dp_shard}, cp={layout.cp}) expert mesh (ep_replicate={layout.ep_replicate}, "
-       f"ep_shard={layout.ep_shard}, ep={layout.ep})" + (f", {cfg.num_experts // layout.ep} experts a rank, FSDP "
-       f"Shard({expert_shard_dim(layout, cfg.num_experts)})" if world_size > 1 else "") + f" | {'bf16' if bf16 else 'fp32'} compute | peak "
-       f"{peak / 1e9:,.1f} GFLOP/s a rank ({peak_source}) | {peak_memory() / 2**30:.2f} GiB peak so far (rank 0)")
+       f"ep_shard={layout.ep_shard}, ep={layout.ep})" +
+       (f", {cfg.num_experts // layout.ep} experts a rank, FSDP "
+        f"Shard({expert_shard_dim(layout, cfg.num_experts)})" if world_size > 1 else "") +
+       f" | {'bf16' if bf16 else 'fp32'} compute | peak {peak / 1e9:,.1f} GFLOP/s a rank "
+       f"({peak_source}) | {peak_memory() / 2**30:.2f} GiB peak so far (rank 0)")
 
 # -----------------------------------------------------------------------------
 # Pretraining loop
@@ -1218,14 +1282,17 @@ def receive(rl_step):
         batch = bridge.recv_object(trainers + rank % args.rollout_ranks)
     except PeerLost as e:
         peer_lost(e)
-    if batch is not None and (batch["step"] != rl_step or rl_step - 1 - batch["version"] > args.max_staleness):
+    if batch is not None and (batch["step"] != rl_step
+                              or rl_step - 1 - batch["version"] > args.max_staleness):
         peer_lost(f"refused the batch of RL step {batch['step']} sampled with the policy of step "
-                  f"{batch['version']}: step {rl_step} may use steps {rl_step - 1 - args.max_staleness} and after")
+                  f"{batch['version']}: step {rl_step} may use steps "
+                  f"{rl_step - 1 - args.max_staleness} and after")
     return batch
 
 
 def cp_union(trajs):
-    """This rank's trajectories -> those of its CP group, in CP-rank order (whole groups): what it trains on."""
+    """This rank's trajectories -> those of its CP group, in CP-rank order (whole groups):
+    what it trains on."""
     if layout.cp == 1:
         return trajs
     everyone = [None] * layout.cp
@@ -1271,7 +1338,8 @@ if args.stage != "pretrain":
     trainer = ContextParallel(model, dense_mesh["cp"].get_group()) if layout.cp > 1 else model
 
     feedback = Feedback(model, FeedbackConfig(coef=args.feedback_coef, estimator=args.feedback_estimator,
-                                                teacher=args.feedback_teacher, ema_decay=args.feedback_ema_decay),
+                                              teacher=args.feedback_teacher,
+                                              ema_decay=args.feedback_ema_decay),
                         rules=[rule for rule in RULES if rule[0] in args.feedback_rules.split(",")])
     for name in wanted_copies - set(copies):  # the policy RL starts from (a resumed run loaded them above)
         copies[name] = Weights(model)
@@ -1286,10 +1354,12 @@ if args.stage != "pretrain":
         difficulty.load_state_dict(meta["difficulty"])
     groups = args.tasks_per_step // world_size  # this rank's share of the step's tasks
     print0(f"RL: {args.rl_steps} steps x {args.tasks_per_step} tasks x {args.group_size} rollouts "
-           f"({groups} a rank), lr {args.rl_lr}, feedback lambda {args.feedback_coef}, KL coef {args.kl_coef}" +
-           (f" | CP {layout.cp}: the CP ranks train on their {groups * layout.cp} groups together, each sequence "
-            f"split over them" if layout.cp > 1 else ""))
-    if bridge is not None:  # the rollout ranks start from here: where RL starts and ends, the policy RL starts from
+           f"({groups} a rank), lr {args.rl_lr}, feedback lambda {args.feedback_coef}, "
+           f"KL coef {args.kl_coef}" +
+           (f" | CP {layout.cp}: the CP ranks train on their {groups * layout.cp} groups together, each "
+            "sequence split over them" if layout.cp > 1 else ""))
+    # the rollout ranks start from here: where RL starts and ends, the policy RL starts from
+    if bridge is not None:
         publish(rl_start, start=rl_start, steps=args.rl_steps, difficulty=difficulty.state_dict())
     if rl_start == 0:  # (while the rollout ranks sample the first step)
         rl_eval(0)
@@ -1302,9 +1372,11 @@ if args.stage != "pretrain":
             batch = receive(rl_step)
             level, trajs = batch["level"], batch["trajs"]
             envs = [t.env for t in trajs]
-            lag = {"staleness": rl_step - 1 - batch["version"], "trainer_wait_ms": 1000 * (time.perf_counter() - t0),
+            lag = {"staleness": rl_step - 1 - batch["version"],
+                   "trainer_wait_ms": 1000 * (time.perf_counter() - t0),
                    "sample_ms": 1000 * batch["sample_s"], "rollout_wait_ms": 1000 * batch["wait_s"]}
-        train = cp_union(trajs)  # under CP each trained trajectory is on layout.cp ranks: sums below divide by it
+        # under CP each trained trajectory is on layout.cp ranks: sums below divide by it
+        train = cp_union(trajs)
         # PPO: every minibatch's log-probs under the policy that sampled it are taken before the first update
         # (with one epoch and one minibatch the single update's own detached log-probs are those)
         parts = minibatches(train, args.ppo_minibatches, args.group_size)
@@ -1336,19 +1408,25 @@ if args.stage != "pretrain":
                     model.qk_clip(args.qk_clip, world_group)
                 updates.append((epoch, stats, fb_stats))
         first = [(st, fs) for epoch, st, fs in updates if epoch == 0]  # each policy token once
-        stats = {"gen_tokens": sum(st["gen_tokens"] * len(p) for (st, _), p in zip(first, parts)) / len(train),
+        stats = {"gen_tokens": sum(st["gen_tokens"] * len(p)
+                                   for (st, _), p in zip(first, parts)) / len(train),
                  "clip_frac": sum(st["clip_frac"] for _, st, _ in updates) / len(updates),
-                 "tis_min": min(st["tis_min"] for st, _ in first), "tis_max": max(st["tis_max"] for st, _ in first)}
+                 "tis_min": min(st["tis_min"] for st, _ in first),
+                 "tis_max": max(st["tis_max"] for st, _ in first)}
         # feedback means weighted by their counts: the KL by all targets, each teacher/student probe by its
         # rule's targets
         weighted = [("feedback_kl", "feedback_targets")] + [
             (f"p_{who}_{name}", name) for name, _ in feedback.rules for who in ("student", "teacher")]
-        fb_sums = [sum(f.get(key, 0.0) * f.get(count, 0) for _, f in first) / layout.cp for key, count in weighted]
+        fb_sums = [sum(f.get(key, 0.0) * f.get(count, 0) for _, f in first) / layout.cp
+                   for key, count in weighted]
         fb_counts = [sum(f.get(count, 0) for _, f in first) / layout.cp for _, count in weighted]
-        for moe in model.moe_layers():  # the router bias stays as pretraining left it: an RL batch is small and
-            moe.tokens_per_expert.zero_()  # padded, so its load counts would mostly count padding
+        # the router bias stays as pretraining left it: an RL batch is small and padded, so its load counts
+        # would mostly count padding
+        for moe in model.moe_layers():
+            moe.tokens_per_expert.zero_()
         feedback.update(model)
-        if bridge is not None and rl_step <= args.rl_steps - 1 - args.max_staleness:  # the last S are never used
+        # the last S are never used
+        if bridge is not None and rl_step <= args.rl_steps - 1 - args.max_staleness:
             t1 = time.perf_counter()
             publish(rl_step)
             lag["publish_ms"] = 1000 * (time.perf_counter() - t1)
@@ -1371,14 +1449,16 @@ if args.stage != "pretrain":
                   "summaries": summaries / n_episodes, "gen_tokens": tokens / n_episodes,
                   "feedback_targets": fb_counts[0], "feedback_kl": fb_means["feedback_kl"] or 0.0,
                   **({k: v for k, v in fb_means.items() if k.startswith("p_")} if args.feedback_coef else {}),
-                  "clip_frac": mean_over_ranks(stats["clip_frac"]), **lag, "ms": 1000 * (time.perf_counter() - t0)}
+                  "clip_frac": mean_over_ranks(stats["clip_frac"]), **lag,
+                  "ms": 1000 * (time.perf_counter() - t0)}
         low, high = sum_over_ranks([-stats["tis_min"], stats["tis_max"]], op="max")
         record.update(tis_min=-low, tis_max=high)  # the spread of trainer / sampler over all ranks
         log(record)
         if rl_step % max(1, args.log_every // 4) == 0 or rl_step == args.rl_steps:
-            print0(f"rl step {rl_step:4d} | level {level} | reward {record['reward']:.3f} | of calls: tool not found "
-                   f"{record['tool_error_rate']:.3f}, 'Call' {record['capital_rate']:.3f} | feedback KL "
-                   f"{record['feedback_kl']:.4f} | {record['gen_tokens']:.0f} tokens | {record['ms']:.0f} ms")
+            print0(f"rl step {rl_step:4d} | level {level} | reward {record['reward']:.3f} | of calls: "
+                   f"tool not found {record['tool_error_rate']:.3f}, 'Call' {record['capital_rate']:.3f} | "
+                   f"feedback KL {record['feedback_kl']:.4f} | {record['gen_tokens']:.0f} tokens | "
+                   f"{record['ms']:.0f} ms")
         saving = rl_step % args.rl_eval_every == 0 or rl_step == args.rl_steps
         if saving:
             rl_eval(rl_step)
@@ -1389,12 +1469,13 @@ if args.stage != "pretrain":
             stop_here(steps_before_rl + rl_step, saving, **rl_state)
 if args.save_hf:  # every rank: each sharded tensor is gathered whole, rank 0 writes
     try:
-        save_hf(model, args.save_hf, torch.bfloat16 if args.save_hf_dtype == "bf16" else torch.float32, hf_base)
+        save_hf(model, args.save_hf, torch.bfloat16 if args.save_hf_dtype == "bf16" else torch.float32,
+                hf_base)
     except CheckpointError as e:
         die(f"--save-hf: {e} (the run's own checkpoint {checkpoints()[-1]} is complete)")
     print0(f"wrote {args.save_hf}: a Hugging Face DeepSeek-V3 checkpoint ({args.save_hf_dtype})")
-print0(f"done: checkpoint {checkpoints()[-1]}, metrics {metrics_path}, peak memory {peak_memory() / 2**30:.2f} GiB "
-       f"(rank 0)")
+print0(f"done: checkpoint {checkpoints()[-1]}, metrics {metrics_path}, "
+       f"peak memory {peak_memory() / 2**30:.2f} GiB (rank 0)")
 if bridge is not None:
     try:
         bridge.flush()
