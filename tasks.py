@@ -27,9 +27,10 @@ subprocess with a timeout and a scrubbed environment, inside bubblewrap (no netw
 its folder writable). make takes a git checkout (each task records the commit) and runs its tests with the
 interpreter from `env`.
 
-    python tasks.py                # tool use: tasks, gold transcripts, a long chain, a scripted episode, the sampler
+    python tasks.py                # tool use: tasks, gold transcripts, a long chain, a scripted episode,
+                                   # the difficulty sampler
     python tasks.py env --repo DIR --venv DIR   # the repository's test environment; prints its interpreter
-    python tasks.py make --repo DIR --out DIR [--n N] [--seed S] [--mode stub|remove] [--group K] [--python PY]
+    python tasks.py make --repo DIR --out DIR [--n N] [--mode stub|remove] [--group K] [--python PY]
     python tasks.py verify TASK_DIR (--workdir DIR | --patch FILE) [--python PY] [--no-sandbox]
     python tasks.py scan DIR [--task TASK.json] [--site-packages]
     python tasks.py monitor TRAJECTORY.jsonl
@@ -122,7 +123,8 @@ def make_tool_task(rng: random.Random, difficulty: int) -> ToolTask:
         name, leaf = rng.choice(list(TOOLS)), rng.randint(1, 9)
         # The running value goes left or right, so the model must find the innermost call, not just read left
         # to right.
-        a, b, ea, eb = (value, leaf, expr, str(leaf)) if rng.random() < 0.5 else (leaf, value, str(leaf), expr)
+        a, b, ea, eb = ((value, leaf, expr, str(leaf)) if rng.random() < 0.5
+                        else (leaf, value, str(leaf), expr))
         if name == "mod" and b < 2:
             continue  # no division by zero, and mod 1 is a constant that ignores the chain
         result = TOOLS[name](a, b)
@@ -133,7 +135,8 @@ def make_tool_task(rng: random.Random, difficulty: int) -> ToolTask:
     needed = {name for name, _, _ in plan}
     # Offer the needed tools plus distractors, difficulty + 1 in all, at most 5 of 6: some tool is always
     # absent.
-    extras = rng.sample(sorted(set(TOOLS) - needed), max(0, min(difficulty + 1, len(TOOLS) - 1) - len(needed)))
+    extras = rng.sample(sorted(set(TOOLS) - needed),
+                        max(0, min(difficulty + 1, len(TOOLS) - 1) - len(needed)))
     tools = [t for t in TOOLS if t in needed or t in extras]
     return ToolTask(f"tools: {', '.join(tools)}. compute {expr}", tools, value, difficulty, plan)
 
@@ -214,16 +217,19 @@ def make_chain_task(rng: random.Random, difficulty: int) -> ToolTask:
         value = result
     tools = [t for t in TOOLS if t in {name for name, _, _ in plan}]
     first = plan[0]
-    return ToolTask(f"tools: {', '.join(tools)}. start {start}, {len(plan)} steps. next: {first[0]} {first[2]}",
+    return ToolTask(f"tools: {', '.join(tools)}. start {start}, {len(plan)} steps. "
+                    f"next: {first[0]} {first[2]}",
                     tools, value, difficulty, plan)
 
 
 class ChainEnv(ToolEnv):
     """A ToolEnv whose successful calls advance the chain: the reply is the result and the next instruction.
-    The instruction is followed whatever the call was, as a worksheet would: only the final answer is checked."""
+    The instruction is followed whatever the call was, as a worksheet would: only the final answer is
+    checked."""
 
     def __init__(self, task: ToolTask):
-        super().__init__(task, max_turns=3 * len(task.plan) + 4)  # room for slips, their recoveries and retries
+        # room for slips, their recoveries and retries
+        super().__init__(task, max_turns=3 * len(task.plan) + 4)
         self.position = 0  # instructions done
 
     def result(self, value: int) -> str:
@@ -249,11 +255,13 @@ def reminder(tools: list[str]) -> str:
     return f"Reminder: Available tools: {', '.join(tools)}"
 
 
-FORMAT_REMINDER = "Reminder: reply with exactly 'call TOOL(A,B)' or 'answer N'."  # the hint for a malformed message
+# the hint for a malformed message
+FORMAT_REMINDER = "Reminder: reply with exactly 'call TOOL(A,B)' or 'answer N'."
 STYLE_REMINDER = "Style: write call in lower case."  # the hint for a "Call"
 
 
-def gold_transcript(task: ToolTask, rng: random.Random, p_mistake: float = 0.0, p_hint: float = 0.0) -> list[Turn]:
+def gold_transcript(task: ToolTask, rng: random.Random, p_mistake: float = 0.0,
+                    p_hint: float = 0.0) -> list[Turn]:
     """The gold plan as turns. With p_mistake one call first reaches for an absent tool and recovers from the
     error; with p_hint a call is preceded by one of the two hints as a system turn, and a reminded call is
     always right (this is how the model learns what a hint means, so that the hinted teacher of feedback.py is
@@ -319,8 +327,8 @@ def corpus(n: int, seed: int, p_mistake: float = 0.2, p_hint: float = 0.2, long_
             task = make_chain_task(rng, rng.randint(1, MAX_DIFFICULTY))
             docs += [render(seg) for seg in chain_transcript(task, rng, budget, request)]
         else:
-            docs.append(render(gold_transcript(make_tool_task(rng, rng.randint(1, MAX_DIFFICULTY)), rng, p_mistake,
-                                               p_hint)))
+            docs.append(render(gold_transcript(make_tool_task(rng, rng.randint(1, MAX_DIFFICULTY)), rng,
+                                               p_mistake, p_hint)))
     return "\n".join(docs)
 
 
@@ -331,9 +339,11 @@ def corpus(n: int, seed: int, p_mistake: float = 0.2, p_hint: float = 0.2, long_
 class DifficultySampler:
     def __init__(self, max_level: int = MAX_DIFFICULTY, window: int = 32, up: float = 0.8, down: float = 0.2,
                  p_frontier: float = 0.75):
-        self.max_level, self.window, self.up, self.down, self.p_frontier = max_level, window, up, down, p_frontier
+        self.max_level, self.window, self.up, self.down, self.p_frontier = (
+            max_level, window, up, down, p_frontier)
         self.level = 1  # the frontier
-        self.results = {lvl: deque(maxlen=window) for lvl in range(1, max_level + 1)}  # recent rewards per level
+        # recent rewards per level
+        self.results = {lvl: deque(maxlen=window) for lvl in range(1, max_level + 1)}
 
     def pass_rate(self, level: int) -> Optional[float]:
         r = self.results[level]
@@ -358,7 +368,8 @@ class DifficultySampler:
 
     def _move(self, level: int) -> None:
         self.level = level
-        self.results[level].clear()  # the new frontier earns its next move on fresh results, so no instant bounce
+        # the new frontier earns its next move on fresh results, so no instant bounce
+        self.results[level].clear()
 
     def state_dict(self) -> dict:
         return {"level": self.level, "results": {str(k): list(v) for k, v in self.results.items()}}
@@ -403,11 +414,14 @@ class TaskError(Exception):
 
 PYTEST = ["-m", "pytest", "-q", "-p", "no:cacheprovider"]  # no .pytest_cache: it names tests
 TESTS_AT_MOST = 0.2  # a feature may be reached by at most this fraction of the suite
-SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc")  # what a sandboxed run sees of the host
-NO_BYTECODE = "/usr/.featdel-no-bytecode"  # sys.pycache_prefix: a folder that is not there, on a read-only mount
-PLUGIN_OPTIONS = {"--cov": "pytest-cov", "-n": "pytest-xdist", "--numprocesses": "pytest-xdist", "--dist": "pytest-xdist",
-                  "--timeout": "pytest-timeout", "--asyncio-mode": "pytest-asyncio", "--benchmark": "pytest-benchmark",
-                  "--reruns": "pytest-rerunfailures", "--doctest-plus": "pytest-doctestplus", "--mypy": "pytest-mypy",
+# what a sandboxed run sees of the host
+SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc")
+# sys.pycache_prefix: a folder that is not there, on a read-only mount
+NO_BYTECODE = "/usr/.featdel-no-bytecode"
+PLUGIN_OPTIONS = {"--cov": "pytest-cov", "-n": "pytest-xdist", "--numprocesses": "pytest-xdist",
+                  "--dist": "pytest-xdist", "--timeout": "pytest-timeout", "--asyncio-mode": "pytest-asyncio",
+                  "--benchmark": "pytest-benchmark", "--reruns": "pytest-rerunfailures",
+                  "--doctest-plus": "pytest-doctestplus", "--mypy": "pytest-mypy",
                   "--hypothesis": "hypothesis", "--randomly": "pytest-randomly", "--flake8": "pytest-flake8"}
 
 
@@ -415,7 +429,8 @@ def clean_env(root, home, extra=()):
     # Nothing inherited but PATH: no PYTHON* variables, no user site, HOME in a throwaway folder. With the
     # current interpreter the host's pytest plugins stay out (the verifier, not the environment, decides what
     # runs); a venv made by `tasks.py env` holds only the repository's own, and they load.
-    paths = os.pathsep.join([str(root), *([str(Path(root, "src"))] if Path(root, "src").is_dir() else []), *extra])
+    paths = os.pathsep.join([str(root), *([str(Path(root, "src"))] if Path(root, "src").is_dir() else []),
+                             *extra])
     return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "PYTHONPATH": paths,
             "PYTHONDONTWRITEBYTECODE": "1", "PYTHONNOUSERSITE": "1", "PYTHONHASHSEED": "0", "LANG": "C.UTF-8",
             "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
@@ -442,9 +457,11 @@ def sandbox_problem():
     """None when runs can be isolated here, else why not."""
     if not shutil.which("bwrap"):
         return "bubblewrap is not installed (apt-get install bubblewrap)"
-    p = subprocess.run(["bwrap", "--unshare-all", "--ro-bind", "/", "/", "true"], capture_output=True, text=True)
+    p = subprocess.run(["bwrap", "--unshare-all", "--ro-bind", "/", "/", "true"], capture_output=True,
+                       text=True)
     if p.returncode:
-        return f"bubblewrap cannot run here: {(p.stderr.strip().splitlines() or ['exit ' + str(p.returncode)])[-1]}"
+        return ("bubblewrap cannot run here: "
+                f"{(p.stderr.strip().splitlines() or ['exit ' + str(p.returncode)])[-1]}")
     if os.getuid() == 0 and not pids_cgroup():
         return "running as root with no writable pids cgroup, so the number of processes cannot be limited"
     return None
@@ -453,7 +470,8 @@ def sandbox_problem():
 @dataclass
 class Sandbox:
     """How untrusted code runs: which interpreter, isolated or not, for how long, with how much."""
-    python: str = sys.executable  # runs the repository's tests: a venv from `tasks.py env`, or this interpreter
+    # runs the repository's tests: a venv from `tasks.py env`, or this interpreter
+    python: str = sys.executable
     isolate: bool = True  # bubblewrap; False is --no-sandbox
     timeout: int = 300  # seconds per run
     processes: int = 512  # processes and threads at once
@@ -467,11 +485,12 @@ class Sandbox:
         except (OSError, ValueError, subprocess.TimeoutExpired):
             raise TaskError(f"--python {self.python} is not a Python interpreter")
         if self.isolate and sandbox_problem():
-            raise TaskError(f"cannot sandbox the tests: {sandbox_problem()}; pass --no-sandbox to run them unisolated")
+            raise TaskError(f"cannot sandbox the tests: {sandbox_problem()}; "
+                            "pass --no-sandbox to run them unisolated")
 
     def bwrap(self, root, home, visible, writable, readonly, network):
-        args = ["bwrap", "--unshare-all", *(["--share-net"] if network else []), "--die-with-parent", "--new-session",
-                "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--dir", str(home)]
+        args = ["bwrap", "--unshare-all", *(["--share-net"] if network else []), "--die-with-parent",
+                "--new-session", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--dir", str(home)]
         for d in SYSTEM:
             if os.path.islink(d):
                 args += ["--symlink", os.readlink(d), d]
@@ -486,12 +505,14 @@ class Sandbox:
         args += [a for r in readonly for a in ("--ro-bind", str(r), str(r))]
         return [*args, "--chdir", str(root), "--"]
 
-    def run(self, args, root, path=(), visible=(), writable=(), readonly=(), extra_env=None, pass_fds=(), network=False):
+    def run(self, args, root, path=(), visible=(), writable=(), readonly=(), extra_env=None, pass_fds=(),
+            network=False):
         """(exit code, output) of `python *args` run in root (writable); 124 on timeout, all of its processes
         killed. path: folders put on PYTHONPATH; visible: more folders it may read; writable: more it may
         change; readonly: paths inside root it may read but not change."""
         root = Path(root).resolve()
-        cg = Path(pids_cgroup(), f"featdel-{os.getpid()}-{secrets.token_hex(4)}") if self.isolate and pids_cgroup() else None
+        cg = (Path(pids_cgroup(), f"featdel-{os.getpid()}-{secrets.token_hex(4)}")
+              if self.isolate and pids_cgroup() else None)
         nproc = None if self.isolate and cg or os.getuid() == 0 else self.processes + len(os.listdir("/proc"))
 
         def limit():  # in the child, before exec: join the cgroup, cap the address space and processes
@@ -513,7 +534,8 @@ class Sandbox:
                 Path(cg, "pids.max").write_text(str(self.processes))
             try:
                 p = subprocess.Popen(cmd, cwd=root, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, start_new_session=True, pass_fds=pass_fds, preexec_fn=limit)
+                                     stderr=subprocess.STDOUT, start_new_session=True, pass_fds=pass_fds,
+                                     preexec_fn=limit)
                 try:
                     out, _ = p.communicate(timeout=self.timeout)
                     rc = p.returncode
@@ -534,7 +556,8 @@ class Sandbox:
         tests print (their code can print anything)."""
         with tempfile.TemporaryDirectory() as plugin, tempfile.TemporaryFile("w+") as fd:
             Path(plugin, "_featdel_report.py").write_text(REPORTER)
-            rc, out = self.run([*PYTEST, "-p", "_featdel_report", *args], root, path=[plugin, *path], pass_fds=[fd.fileno()],
+            rc, out = self.run([*PYTEST, "-p", "_featdel_report", *args], root, path=[plugin, *path],
+                               pass_fds=[fd.fileno()],
                                extra_env={"FEATDEL_REPORT_FD": str(fd.fileno()), **(extra_env or {})}, **kw)
             fd.seek(0)
             lines = fd.read().splitlines()
@@ -552,12 +575,14 @@ class Sandbox:
 class Report(NamedTuple):
     rc: int  # pytest's exit code
     out: str  # what it printed: for error messages only
-    outcomes: Optional[dict]  # {node id: {"setup"|"call"|"teardown": outcome}}; None: not what the plugin writes
+    # {node id: {"setup"|"call"|"teardown": outcome}}; None: not what the plugin writes
+    outcomes: Optional[dict]
     end: Optional[int]  # the exit status the session finished with; None: it never finished
 
     @property
     def passed(self):
-        return {t for t, o in (self.outcomes or {}).items() if o.get("call") == "passed" and set(o.values()) == {"passed"}}
+        return {t for t, o in (self.outcomes or {}).items()
+                if o.get("call") == "passed" and set(o.values()) == {"passed"}}
 
 
 # A test's outcome is written by the reporter plugin, loaded with -p before collection imports any code of the
@@ -586,7 +611,8 @@ class Reporter:
 REPORTER = f"""import json, os, sys
 sys.pycache_prefix = {NO_BYTECODE!r}  # from here on (conftests, tests, the solution) no bytecode is used
 {inspect.getsource(Reporter)}
-_reporter = Reporter(os.environ.pop("FEATDEL_REPORT_FD", None))  # popped: the tests never see which descriptor
+# popped: the tests never see which descriptor
+_reporter = Reporter(os.environ.pop("FEATDEL_REPORT_FD", None))
 pytest_runtest_logreport = _reporter.pytest_runtest_logreport
 pytest_sessionfinish = _reporter.pytest_sessionfinish
 """
@@ -644,7 +670,8 @@ def test_requirements(repo):
         data = tomllib.loads(pp.read_text()) if pp.is_file() else {}
     except tomllib.TOMLDecodeError as e:
         raise TaskError(f"{pp} is not valid TOML: {e}")
-    extras += [k for k in data.get("project", {}).get("optional-dependencies", {}) if k.lower() in TEST_EXTRAS]
+    extras += [k for k in data.get("project", {}).get("optional-dependencies", {})
+               if k.lower() in TEST_EXTRAS]
     groups = data.get("dependency-groups", {})
 
     def group(name, seen=()):  # PEP 735, with {include-group = ...}
@@ -655,22 +682,25 @@ def test_requirements(repo):
                 yield from group(item["include-group"], (*seen, name))
     args += [r for g in groups if g.lower() in TEST_EXTRAS for r in group(g)]
     hatch = data.get("tool", {}).get("hatch", {}).get("envs", {})
-    args += [r for e in ("default", "test", "tests") for r in hatch.get(e, {}).get("dependencies", []) if "{" not in r]
+    args += [r for e in ("default", "test", "tests") for r in hatch.get(e, {}).get("dependencies", [])
+             if "{" not in r]
     cfg = configparser.ConfigParser(interpolation=None)
     with contextlib.suppress(configparser.Error):
         cfg.read([repo / "setup.cfg", repo / "tox.ini"])
     if cfg.has_section("options.extras_require"):
         extras += [k for k in cfg["options.extras_require"] if k.lower() in TEST_EXTRAS]
     if (repo / "setup.py").is_file() and not extras:
-        extras += ["test", "tests", "testing"]  # setup.py declares extras in code; pip ignores the ones it lacks
+        # setup.py declares extras in code; pip ignores the ones it lacks
+        extras += ["test", "tests", "testing"]
     for dep in cfg.get("testenv", "deps", fallback="").splitlines():
         dep = dep.strip()
         if dep.startswith("-r"):
             args.append(f"--requirement={dep[2:].strip()}")
         elif dep and not dep.startswith(("#", "-", ".")) and "{" not in dep:
             args.append(dep.split(" #")[0].strip())
-    for pattern in ("requirements*test*.txt", "requirements-dev.txt", "requirements_dev.txt", "test*requirements.txt",
-                    "dev-requirements.txt", "requirements/test*.txt", "requirements/dev*.txt"):
+    for pattern in ("requirements*test*.txt", "requirements-dev.txt", "requirements_dev.txt",
+                    "test*requirements.txt", "dev-requirements.txt", "requirements/test*.txt",
+                    "requirements/dev*.txt"):
         for f in sorted(repo.glob(pattern)):
             args.append(f"--requirement={f.relative_to(repo)}")
     return sorted(set(extras)), list(dict.fromkeys(args))
@@ -693,19 +723,22 @@ def make_env(repo, venv, isolate=True, log=print):
     box = Sandbox(python=python, isolate=isolate, timeout=1800)
     keep = {k: v for k, v in os.environ.items() if k.startswith("PIP_") or k.lower().endswith("_proxy")}
     with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp, repo.name)  # the build writes into its source folder: a copy, so the repository is untouched
+        # the build writes into its source folder: a copy, so the repository is untouched
+        src = Path(tmp, repo.name)
         shutil.copytree(repo, src, symlinks=True)
         target = f"{src}[{','.join(extras)}]" if extras else str(src)
         log(f"installing {repo.name}{'[' + ','.join(extras) + ']' if extras else ''} {' '.join(reqs)} pytest")
-        rc, out = box.run(["-m", "pip", "install", "--no-input", "--disable-pip-version-check", target, *reqs, "pytest"],
-                          src, writable=[venv], network=True, extra_env=keep)
+        rc, out = box.run(["-m", "pip", "install", "--no-input", "--disable-pip-version-check", target, *reqs,
+                           "pytest"], src, writable=[venv], network=True, extra_env=keep)
     if rc:
         lines = [x.strip() for x in out.strip().splitlines()] or ["no output"]
-        raise TaskError(f"pip install failed in {venv}: {next((x for x in reversed(lines) if x.startswith('ERROR')), lines[-1])}")
+        raise TaskError(f"pip install failed in {venv}: "
+                        f"{next((x for x in reversed(lines) if x.startswith('ERROR')), lines[-1])}")
     site_dir = next(venv.glob("lib/python3*/site-packages"))
     for pkg in packages(repo):
         shutil.rmtree(site_dir / Path(pkg).name, ignore_errors=True)
-    log(f"environment for {repo.name} ready in {time.time() - t0:.0f} s; run its tests with --python {python}")
+    log(f"environment for {repo.name} ready in {time.time() - t0:.0f} s; "
+        f"run its tests with --python {python}")
     return python
 
 
@@ -739,7 +772,8 @@ class Tracer:
         threading.setprofile(profile)
 
     def pytest_runtest_logstart(self, nodeid, location):
-        self.current = nodeid  # setup, call and teardown all count: a fixture that needs the feature breaks it
+        # setup, call and teardown all count: a fixture that needs the feature breaks it
+        self.current = nodeid
 
     def pytest_runtest_logfinish(self, nodeid, location):
         self.current = "<between>"
@@ -776,11 +810,14 @@ def trace_tests(root, box):
         if not out.exists():
             lines = log.strip().splitlines() or ["no output"]
             why = next((line.strip() for line in lines if "error:" in line), lines[-1].strip())
-            opt = re.search(r"unrecognized arguments: (-[-\w]+)", why)  # e.g. addopts = --cov=pkg, no pytest-cov
+            # e.g. addopts = --cov=pkg, no pytest-cov
+            opt = re.search(r"unrecognized arguments: (-[-\w]+)", why)
             if opt:
-                plugin = next((v for k, v in PLUGIN_OPTIONS.items() if opt[1].startswith(k)), "a pytest plugin")
-                why += (f" (the repository's pytest configuration needs {plugin}, not installed for {box.python}: make "
-                        f"its environment with `python tasks.py env --repo DIR --venv DIR` and pass --python)")
+                plugin = next((v for k, v in PLUGIN_OPTIONS.items() if opt[1].startswith(k)),
+                              "a pytest plugin")
+                why += (f" (the repository's pytest configuration needs {plugin}, not installed for "
+                        f"{box.python}: make its environment with "
+                        f"`python tasks.py env --repo DIR --venv DIR` and pass --python)")
             raise TaskError(f"the test suite did not run (pytest exit {rc}): {why}")
         raw = json.loads(out.read_text())
     calls = {k: {(os.path.relpath(f, root), q) for f, q in v} for k, v in raw.items()}
@@ -815,7 +852,8 @@ def find_def(tree, qualname):
 def code_body(node):
     """The statements after the docstring."""
     first = node.body[0]
-    has_doc = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str)
+    has_doc = (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+               and isinstance(first.value.value, str))
     return node.body[1:] if has_doc else node.body
 
 
@@ -840,14 +878,18 @@ def mend_edits(src, names):
             keep = [a for a in node.names if a.name not in names]
             text = f"from {'.' * node.level}{node.module or ''} import " + ", ".join(
                 a.name + (f" as {a.asname}" if a.asname else "") for a in keep) if keep else "pass"
-            edits.append((off(node.lineno, node.col_offset), off(node.end_lineno, node.end_col_offset), text.encode()))
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign) else []
-        if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets) and isinstance(node.value, (ast.List, ast.Tuple)):
+            edits.append((off(node.lineno, node.col_offset), off(node.end_lineno, node.end_col_offset),
+                          text.encode()))
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, ast.AugAssign) else [])
+        if (any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets)
+                and isinstance(node.value, (ast.List, ast.Tuple))):
             elts = node.value.elts
             for i, e in enumerate(elts):
                 if isinstance(e, ast.Constant) and e.value in names:
                     # take the element up to the next one (its comma and spacing go with it)
-                    end = off(elts[i + 1].lineno, elts[i + 1].col_offset) if i + 1 < len(elts) else off(e.end_lineno, e.end_col_offset)
+                    end = (off(elts[i + 1].lineno, elts[i + 1].col_offset) if i + 1 < len(elts)
+                           else off(e.end_lineno, e.end_col_offset))
                     edits.append((off(e.lineno, e.col_offset), end, b""))
     return edits
 
@@ -864,9 +906,11 @@ def ast_hash(node):
 
 def fingerprint(rel, qualname, node, deleted, kept):
     """Names, parameters, unusual literals, the AST hash, and deleted lines that appear nowhere else."""
-    params = [a.arg for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs if a.arg not in ("self", "cls")]
+    params = [a.arg for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+              if a.arg not in ("self", "cls")]
     lits = {repr(n.value) for s in code_body(node) for n in ast.walk(s) if isinstance(n, ast.Constant)
-            and (isinstance(n.value, str) and len(n.value) >= 5 or type(n.value) in (int, float) and abs(n.value) > 100)}
+            and (isinstance(n.value, str) and len(n.value) >= 5
+                 or type(n.value) in (int, float) and abs(n.value) > 100)}
     lines = {s.strip() for s in deleted.decode("utf-8", "replace").splitlines()}
     lines = sorted(s for s in lines if len(s) >= 16 and not s.startswith("#") and s.encode() not in kept)
     return {"file": rel, "qualname": qualname, "name": node.name, "params": params, "literals": sorted(lits),
@@ -875,15 +919,17 @@ def fingerprint(rel, qualname, node, deleted, kept):
 
 def signature(node):
     ret = f" -> {ast.unparse(node.returns)}" if node.returns else ""
-    return f"{'async ' if isinstance(node, ast.AsyncFunctionDef) else ''}def {node.name}({ast.unparse(node.args)}){ret}"
+    return (f"{'async ' if isinstance(node, ast.AsyncFunctionDef) else ''}"
+            f"def {node.name}({ast.unparse(node.args)}){ret}")
 
 
 # -----------------------------------------------------------------------------
 # Leak scan. Artifact kinds are never legitimate in a served snapshot and are reported whenever present;
 # with a task, evidence says which deleted names, hashes or lines each one holds.
 
-ARTIFACT_DIRS = {".mypy_cache": "mypy-cache", ".pytype": "pytype-cache", ".pyre": "pyre-cache", "htmlcov": "coverage",
-                 ".pytest_cache": "pytest-cache", "_modules": "sphinx-modules", ".eggs": "egg", ".hypothesis": "cache"}
+ARTIFACT_DIRS = {".mypy_cache": "mypy-cache", ".pytype": "pytype-cache", ".pyre": "pyre-cache",
+                 "htmlcov": "coverage", ".pytest_cache": "pytest-cache", "_modules": "sphinx-modules",
+                 ".eggs": "egg", ".hypothesis": "cache"}
 ROOT_DIRS = {"build": "build", "dist": "dist"}  # only at the top: a package may well have a `build` module
 ARCHIVES = (".zip", ".whl", ".jar", ".egg", ".tar.gz", ".tgz")
 
@@ -926,7 +972,8 @@ def class_strings(data):
     if data[:4] != b"\xca\xfe\xba\xbe":
         return []
     n, i, out, k = int.from_bytes(data[8:10], "big"), 10, [], 1
-    sizes = {3: 4, 4: 4, 5: 8, 6: 8, 7: 2, 8: 2, 9: 4, 10: 4, 11: 4, 12: 4, 15: 3, 16: 2, 17: 4, 18: 4, 19: 2, 20: 2}
+    sizes = {3: 4, 4: 4, 5: 8, 6: 8, 7: 2, 8: 2, 9: 4, 10: 4, 11: 4, 12: 4, 15: 3, 16: 2, 17: 4, 18: 4,
+             19: 2, 20: 2}
     while k < n and i < len(data):
         tag = data[i]
         if tag == 1:
@@ -988,7 +1035,8 @@ def file_kind(name):
         return "java-class"
     if name == ".coverage" or name.startswith(".coverage."):
         return "coverage"
-    if name.endswith(".ff") or re.fullmatch(r"cache(\.\d+)?\.db", name):  # mypy's fixed-format and (sharded) SQLite caches
+    # mypy's fixed-format and (sharded) SQLite caches
+    if name.endswith(".ff") or re.fullmatch(r"cache(\.\d+)?\.db", name):
         return "mypy-cache"
     return "archive" if name.endswith(ARCHIVES) else None
 
@@ -1008,12 +1056,14 @@ def scan_git(root, nmap, task):
     reflog_only = set(git(root, "rev-list", "--all", "--reflog").split()) - set(commits)
     if reflog_only:
         ev.append(f"reflog holds {len(reflog_only)} commits no branch has")
-    for what, args in [("stash", ["stash", "list"]), ("tags", ["tag"]), ("dangling", ["fsck", "--unreachable", "--no-reflogs"])]:
+    for what, args in [("stash", ["stash", "list"]), ("tags", ["tag"]),
+                       ("dangling", ["fsck", "--unreachable", "--no-reflogs"])]:
         lines = git(root, *args).splitlines()
         if lines:
             ev.append(f"{what}: {len(lines)}")
     for rel, hashes in (task or {}).get("original_hashes", {}).items():
-        if subprocess.run(["git", "cat-file", "-e", hashes[2]], cwd=root, capture_output=True).returncode == 0:
+        if subprocess.run(["git", "cat-file", "-e", hashes[2]], cwd=root,
+                          capture_output=True).returncode == 0:
             ev.append(f"object {hashes[2][:10]} is the original {rel}")
     blobs = git(root, "cat-file", "--batch-all-objects", "--batch")
     ev += [f"object holds {e}" for e in grep(blobs, deleted_lines(nmap))]
@@ -1021,8 +1071,8 @@ def scan_git(root, nmap, task):
 
 
 def scan(root, task=None, site_dirs=()):
-    """Findings [{path, kind, evidence}] for root; empty means clean. Artifact folders are reported whole and not
-    entered; then each file, the git store, and copies of the packages installed in site_dirs."""
+    """Findings [{path, kind, evidence}] for root; empty means clean. Artifact folders are reported whole and
+    not entered; then each file, the git store, and copies of the packages installed in site_dirs."""
     root, nmap, findings = Path(root), needles(task), []
 
     def add(rel, kind, ev):
@@ -1051,16 +1101,17 @@ def scan(root, task=None, site_dirs=()):
 
 
 def folder_kind(name, top):
-    """What an artifact folder is, or None: caches anywhere, build output at the top (a package may well have a
-    `build` module), package metadata, and a .git below the top."""
+    """What an artifact folder is, or None: caches anywhere, build output at the top (a package may well have
+    a `build` module), package metadata, and a .git below the top."""
     return (ARTIFACT_DIRS.get(name) or (ROOT_DIRS.get(name) if top else None)
             or ("egg-info" if name.endswith((".egg-info", ".dist-info")) else None)
             or ("git" if name == ".git" and not top else None))
 
 
 def file_finding(path, task, nmap):
-    """(kind, evidence) for one file, or None. Compiled, cached and packed files are reported by kind; text only
-    when it holds a deleted line, a copy of a deleted function under any name, or (a .pyi stub) a deleted name."""
+    """(kind, evidence) for one file, or None. Compiled, cached and packed files are reported by kind; text
+    only when it holds a deleted line, a copy of a deleted function under any name, or (a .pyi stub) a
+    deleted name."""
     kind = file_kind(path.name)
     if kind:
         data = path.read_bytes()
@@ -1079,7 +1130,8 @@ def file_finding(path, task, nmap):
     if path.name.endswith(".py"):
         hashes = {fp["ast_hash"]: fp["qualname"] for fp in fps}
         try:
-            defs = [n for n in ast.walk(ast.parse(data)) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            defs = [n for n in ast.walk(ast.parse(data))
+                    if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
             ev += [f"copy of {hashes[h]}" for n in defs for h in [ast_hash(n)] if h in hashes]
         except (SyntaxError, ValueError):
             pass
@@ -1096,8 +1148,8 @@ def installed_copies(root, site_dirs):
         for pkg in packages(root):
             name = Path(pkg).name
             for p in sorted(Path(sp).glob(f"{name}*")) if Path(sp).is_dir() else []:
-                if p.name == name or re.match(rf"{re.escape(name)}-[^/]*\.(dist|egg)-info$|{re.escape(name)}\.py$",
-                                              p.name):
+                if p.name == name or re.match(rf"{re.escape(name)}-[^/]*\.(dist|egg)-info$"
+                                              rf"|{re.escape(name)}\.py$", p.name):
                     yield p
 
 
@@ -1106,7 +1158,8 @@ def scrub(root, findings):
     root, pkgs = Path(root), tuple(p + "/" for p in packages(root))
     for f in findings:
         p = root / f["path"]
-        if f["kind"] == "site-packages" or f["kind"] == "text" and (is_protected(f["path"]) or f["path"].startswith(pkgs)):
+        if (f["kind"] == "site-packages"
+                or f["kind"] == "text" and (is_protected(f["path"]) or f["path"].startswith(pkgs))):
             continue  # never touch the environment, tests or the package; such a task is simply not served
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
     for d, dirs, _ in os.walk(root, topdown=False):
@@ -1117,11 +1170,15 @@ def scrub(root, findings):
 
 
 def fresh_git(root):
-    when = "2000-01-01T00:00:00+0000"  # fixed author, committer and dates: the same tree gives the same commit
-    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(root), "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull,
+    # fixed author, committer and dates: the same tree gives the same commit
+    when = "2000-01-01T00:00:00+0000"
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(root), "GIT_CONFIG_NOSYSTEM": "1",
+           "GIT_CONFIG_GLOBAL": os.devnull,
            "GIT_AUTHOR_NAME": "task", "GIT_AUTHOR_EMAIL": "task@example.com", "GIT_AUTHOR_DATE": when,
-           "GIT_COMMITTER_NAME": "task", "GIT_COMMITTER_EMAIL": "task@example.com", "GIT_COMMITTER_DATE": when}
-    for args in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-q", "--no-gpg-sign", "-m", "snapshot"]):
+           "GIT_COMMITTER_NAME": "task", "GIT_COMMITTER_EMAIL": "task@example.com",
+           "GIT_COMMITTER_DATE": when}
+    for args in (["init", "-q", "-b", "main"], ["add", "-A"],
+                 ["commit", "-q", "--no-gpg-sign", "-m", "snapshot"]):
         subprocess.run(["git", *args], cwd=root, env=env, check=True, capture_output=True)
 
 
@@ -1132,9 +1189,10 @@ def fresh_git(root):
 # skips, pytest internals, tracers, signals, builtins, the import system, frame walking, and (always_equal) an
 # __eq__ that returns a constant. Heuristics only: disguised forms get past them, and the canaries below catch
 # those.
-TAMPER = (r"\b(sys\.exit|os\._exit|atexit|pytest\.(skip|exit|xfail)|unittest\.skip|allow_module_level|_pytest|"
-          r"(sys|threading)\.set(trace|profile)|import signal|signal\.\w+\(|builtins|sys\.(modules|meta_path|path_hooks|"
-          r"_getframe|pycache_prefix)|inspect\.(stack|currentframe|getouterframes)|f_back|f_globals|tb_frame|"
+TAMPER = (r"\b(sys\.exit|os\._exit|atexit|pytest\.(skip|exit|xfail)|unittest\.skip|allow_module_level|"
+          r"_pytest|(sys|threading)\.set(trace|profile)|import signal|signal\.\w+\(|builtins|"
+          r"sys\.(modules|meta_path|path_hooks|_getframe|pycache_prefix)|"
+          r"inspect\.(stack|currentframe|getouterframes)|f_back|f_globals|tb_frame|"
           r"gc\.get_(referrers|objects))\b")
 
 
@@ -1148,7 +1206,8 @@ def always_equal(text, old=()):
         if isinstance(n, ast.FunctionDef) and n.name == "__eq__":
             body = [x for x in n.body if not (isinstance(x, ast.Expr) and isinstance(x.value, ast.Constant))]
             value = body[0].value if len(body) == 1 and isinstance(body[0], ast.Return) else None
-        elif isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__eq__" for t in n.targets):
+        elif isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__eq__"
+                                               for t in n.targets):
             value = n.value.body if isinstance(n.value, ast.Lambda) else None
         else:
             continue
@@ -1165,7 +1224,8 @@ def protected_paths(root):
     for rel in walk(root):
         parts = Path(rel).parts
         cut = next((i for i, x in enumerate(parts[:-1]) if x in ("tests", "test", "testing")), None)
-        path = Path(root, *parts[:cut + 1]) if cut is not None else Path(root, rel) if is_protected(rel) else None
+        path = (Path(root, *parts[:cut + 1]) if cut is not None
+                else Path(root, rel) if is_protected(rel) else None)
         if path and path not in out:
             out.append(path)
     return out
@@ -1193,12 +1253,15 @@ def instrument(work, need, proof):
     to `proof` when test k's body has returned goes on every required test function it can find (not on async
     ones or ones defined in another file), and two canaries named from the words of the file's own tests are
     appended to one file: a must-pass one (decorated like the rest) and a must-fail one. The nonce and the
-    names are drawn here, after the solution is fixed. -> (must-pass id, must-fail id, nonce, {test id: k})."""
+    names are drawn here, after the solution is fixed.
+    -> (must-pass id, must-fail id, nonce, {test id: k})."""
     rng, nonce = random.Random(secrets.randbits(64)), secrets.token_hex(16)
     deco = "_" + rng.choice("abcdefghijklmnopqrstuvwxyz") + secrets.token_hex(3)
     helper = (f"def {deco}(k):\n    import functools\n    def wrap(f):\n        @functools.wraps(f)\n"
-              f"        def run(*a, **kw):\n            r = f(*a, **kw)\n            with open({str(proof)!r}, 'a') as o:\n"
-              f"                o.write({nonce!r} + ' ' + str(k) + '\\n')\n            return r\n        return run\n"
+              f"        def run(*a, **kw):\n            r = f(*a, **kw)\n"
+              f"            with open({str(proof)!r}, 'a') as o:\n"
+              f"                o.write({nonce!r} + ' ' + str(k) + '\\n')\n            return r\n"
+              f"        return run\n"
               f"    return wrap\n")
     by_file = {}
     for t in need:
@@ -1211,8 +1274,9 @@ def instrument(work, need, proof):
         lines, tree, numbered = text.splitlines(keepends=True), ast.parse(text), {}
         at, inserts = 0, []  # the helper goes after the docstring and __future__ imports
         for node in tree.body:
-            if not (isinstance(node, ast.ImportFrom) and node.module == "__future__" or isinstance(node, ast.Expr)
-                    and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)):
+            if not (isinstance(node, ast.ImportFrom) and node.module == "__future__"
+                    or isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+                    and isinstance(node.value.value, str)):
                 break
             at = node.end_lineno
         for t in by_file.get(rel, []):
@@ -1221,7 +1285,8 @@ def instrument(work, need, proof):
                 node = next((n for n in body if isinstance(n, (ast.ClassDef, ast.FunctionDef))
                              and n.name == part.split("[")[0]), None)
                 body = node.body if isinstance(node, ast.ClassDef) else []
-            if isinstance(node, ast.FunctionDef):  # one decorator a function, however many parameter sets it has
+            # one decorator a function, however many parameter sets it has
+            if isinstance(node, ast.FunctionDef):
                 if node not in numbered:
                     numbered[node] = len(set(proofs.values()))
                     first = min([node.lineno] + [d.lineno for d in node.decorator_list])
@@ -1229,19 +1294,22 @@ def instrument(work, need, proof):
                 proofs[t] = numbered[node]
         for line, code in sorted(inserts, reverse=True):
             lines.insert(line, code)
-        text = "".join(lines[:at]) + ("\n" if at and not lines[at - 1].endswith("\n") else "") + helper + "".join(lines[at:])
+        text = ("".join(lines[:at]) + ("\n" if at and not lines[at - 1].endswith("\n") else "") + helper
+                + "".join(lines[at:]))
         if rel == home:
-            words = sorted({w for name in re.findall(r"^\s*def test_(\w+)", text, re.M) for w in name.split("_") if w})
+            words = sorted({w for name in re.findall(r"^\s*def test_(\w+)", text, re.M)
+                            for w in name.split("_") if w})
             taken, names = set(re.findall(r"\b(test_\w+)", text)), []
             while len(names) < 2:
-                name = "test_" + "_".join(rng.sample(words or ["case"], min(2, len(words) or 1))) + str(rng.randrange(2, 99))
+                name = ("test_" + "_".join(rng.sample(words or ["case"], min(2, len(words) or 1)))
+                        + str(rng.randrange(2, 99)))
                 if name not in taken | set(names):
                     names.append(name)
             must_pass, must_fail = names
             proofs[f"{rel}::{must_pass}"] = k = len(set(proofs.values()))
             a = rng.randrange(10**6)
-            text = text.rstrip("\n") + f"\n\n\n@{deco}({k})\ndef {must_pass}():\n    pass\n\n\ndef {must_fail}():\n" \
-                                       f"    assert {a} == {a + 1}\n"
+            text = text.rstrip("\n") + f"\n\n\n@{deco}({k})\ndef {must_pass}():\n    pass\n\n\n" \
+                                       f"def {must_fail}():\n    assert {a} == {a + 1}\n"
         Path(work, rel).write_text(text)
     return f"{home}::{must_pass}", f"{home}::{must_fail}", nonce, proofs
 
@@ -1259,7 +1327,8 @@ def verify(task_dir, workdir=None, patch=None, box=None):
         if patch is not None:  # a patch is applied to its own copy, then treated like a work dir
             workdir = Path(tmp, "agent")
             shutil.copytree(snap, workdir, symlinks=True)
-            p = subprocess.run(["git", "apply", "--whitespace=nowarn", str(Path(patch).resolve())], cwd=workdir, capture_output=True, text=True)
+            p = subprocess.run(["git", "apply", "--whitespace=nowarn", str(Path(patch).resolve())],
+                               cwd=workdir, capture_output=True, text=True)
             if p.returncode:
                 return 0, f"patch does not apply: {p.stderr.strip()[:200]}"
         if not Path(workdir).is_dir():
@@ -1269,7 +1338,8 @@ def verify(task_dir, workdir=None, patch=None, box=None):
         if bad:
             return 0, f"rejected: changes to tests or test configuration: {', '.join(bad[:5])}"
         for rel in (r for r, how in changes.items() if how != "deleted" and r.endswith(".py")):
-            old = set(Path(snap, rel).read_text(errors="replace").splitlines()) if Path(snap, rel).exists() else set()
+            old = (set(Path(snap, rel).read_text(errors="replace").splitlines()) if Path(snap, rel).exists()
+                   else set())
             text = Path(workdir, rel).read_text(errors="replace")
             hit = next((l for l in text.splitlines() if l not in old and re.search(TAMPER, l)), None)
             hit = hit or always_equal(text, old)
@@ -1288,10 +1358,12 @@ def verify(task_dir, workdir=None, patch=None, box=None):
         proofs_dir.mkdir()
         proof = proofs_dir / secrets.token_hex(8)
         must_pass, must_fail, nonce, proofs = instrument(work, need, proof)
-        files = sorted({t.split("::")[0] for t in [*need, must_pass]})  # whole files: far faster than thousands of ids
+        # whole files: far faster than thousands of ids
+        files = sorted({t.split("::")[0] for t in [*need, must_pass]})
         r = box.pytest(work, files, writable=[proofs_dir], readonly=protected_paths(work))
         written = proof.read_text().splitlines() if proof.exists() else []
-        proven = Counter(line[len(nonce) + 1:] for line in written if line.startswith(nonce + " "))  # k -> calls
+        # k -> calls
+        proven = Counter(line[len(nonce) + 1:] for line in written if line.startswith(nonce + " "))
     rc, outcomes = r.rc, r.outcomes
     if outcomes is None:
         return 0, f"runner tampered: the verifier's report is not what its plugin writes; pytest exit {rc}"
@@ -1300,18 +1372,23 @@ def verify(task_dir, workdir=None, patch=None, box=None):
         return 0, f"runner tampered or crashed: pytest's session never finished; pytest exit {rc}"
     missing = [t for t in need if t not in passed]
     if missing:
-        return 0, f"{len(missing)} of {len(need)} required tests did not pass (skipped counts as failed), e.g. {missing[0]}; pytest exit {rc}"
+        return 0, f"{len(missing)} of {len(need)} required tests did not pass (skipped counts as failed), " \
+                  f"e.g. {missing[0]}; pytest exit {rc}"
     if must_fail in passed or outcomes.get(must_fail, {}).get("call") != "failed":
-        return 0, f"runner tampered: the must-fail canary did not fail ({outcomes.get(must_fail)}); pytest exit {rc}"
-    calls = Counter(str(proofs[t]) for t in [must_pass, *need] if t in proofs)  # each parameter set returns once
-    unproven = [t for t in [must_pass, *need] if t in proofs and proven[str(proofs[t])] < calls[str(proofs[t])]]
-    if must_pass not in passed or unproven:
-        return 0, f"runner tampered: {unproven[0] if unproven else must_pass} passed without its body returning; " \
+        return 0, f"runner tampered: the must-fail canary did not fail ({outcomes.get(must_fail)}); " \
                   f"pytest exit {rc}"
+    # each parameter set returns once
+    calls = Counter(str(proofs[t]) for t in [must_pass, *need] if t in proofs)
+    unproven = [t for t in [must_pass, *need]
+                if t in proofs and proven[str(proofs[t])] < calls[str(proofs[t])]]
+    if must_pass not in passed or unproven:
+        return 0, f"runner tampered: {unproven[0] if unproven else must_pass} passed without its body " \
+                  f"returning; pytest exit {rc}"
     if rc != 1 or r.end != 1:
-        return 0, f"all {len(need)} required tests passed but pytest exited {rc} (1 expected: the must-fail canary alone fails)"
-    return 1, f"all {len(task['fail_to_pass'])} fail-to-pass and {len(task['pass_to_pass'])} pass-to-pass tests passed; " \
-              f"bodies returned, canaries intact"
+        return 0, f"all {len(need)} required tests passed but pytest exited {rc} " \
+                  f"(1 expected: the must-fail canary alone fails)"
+    return 1, f"all {len(task['fail_to_pass'])} fail-to-pass and {len(task['pass_to_pass'])} pass-to-pass " \
+              f"tests passed; bodies returned, canaries intact"
 
 
 # -----------------------------------------------------------------------------
@@ -1348,7 +1425,8 @@ def related(seed, cands, k):
 
 
 def delete_features(snap, feats, mode):
-    """Splice the features out of snap in place; returns (fingerprints, entities, originals, lines removed)."""
+    """Splice the features out of snap in place; returns (fingerprints, entities, originals,
+    lines removed)."""
     by_file, originals, fps, ents, removed = {}, {}, [], [], 0
     for rel, q in feats:
         by_file.setdefault(rel, []).append(q)
@@ -1360,7 +1438,8 @@ def delete_features(snap, feats, mode):
         Path(snap, rel).write_bytes(new)
         for q, (n, (a, b, _)) in zip(qs, edits):
             ents.append({"file": rel, "qualname": q, "kind": "method" if "." in q else "function",
-                         "signature": signature(n), "docstring": ast.get_docstring(n), "lines": src[a:b].count(b"\n") + 1})
+                         "signature": signature(n), "docstring": ast.get_docstring(n),
+                         "lines": src[a:b].count(b"\n") + 1})
             removed += ents[-1]["lines"]
     gone = {q for _, q in feats if "." not in q}
     for rel in source_files(snap) if mode == "remove" and gone else []:
@@ -1372,8 +1451,10 @@ def delete_features(snap, feats, mode):
             Path(snap, rel).write_bytes(apply_edits(src, edits))
     # a deleted line is evidence only if no Python file left behind (tests, other modules) has it too;
     # caches and build output do not count: they are what the scan is for
-    kept = b"\n".join(Path(snap, r).read_bytes() for r in walk(snap) if r.endswith(".py") and Path(r).parts[0] not in ROOT_DIRS
-                       and not set(Path(r).parts) & set(ARTIFACT_DIRS) and not Path(r).parts[0].endswith(".egg-info"))
+    kept = b"\n".join(Path(snap, r).read_bytes() for r in walk(snap)
+                      if r.endswith(".py") and Path(r).parts[0] not in ROOT_DIRS
+                      and not set(Path(r).parts) & set(ARTIFACT_DIRS)
+                      and not Path(r).parts[0].endswith(".egg-info"))
     for e in ents:
         src = originals[e["file"]]
         n = find_def(ast.parse(src), e["qualname"])
@@ -1384,8 +1465,8 @@ def delete_features(snap, feats, mode):
 
 def prompt_for(ents, f2p):
     parts = ["This repository is missing a feature: the definitions below were deleted (stubbed to raise "
-             "NotImplementedError, or removed entirely). Re-implement them so the failing tests pass and every "
-             "other test keeps passing. Do not edit tests or test configuration.\n"]
+             "NotImplementedError, or removed entirely). Re-implement them so the failing tests pass and "
+             "every other test keeps passing. Do not edit tests or test configuration.\n"]
     for e in ents:
         parts.append(f"- {e['file']}: {e['kind']} `{e['qualname']}`\n    {e['signature']}")
         if e["docstring"]:
@@ -1449,7 +1530,8 @@ def build_task(work, tdir, tid, feats, mode, stable, box, source):
     if not f2p or not p2p:
         return None, f"needs fail-to-pass and pass-to-pass tests, got {len(f2p)} and {len(p2p)}"
     task.update({"prompt": prompt_for(ents, f2p), "deleted": ents, "fail_to_pass": f2p, "pass_to_pass": p2p,
-                 "python": box.python, "test_command": ["python", *PYTEST, "<fail_to_pass + pass_to_pass ids>"],
+                 "python": box.python,
+                 "test_command": ["python", *PYTEST, "<fail_to_pass + pass_to_pass ids>"],
                  "scan": {"before_scrub": before, "after_scrub": after},
                  "difficulty": {"entities": len(ents), "tests_failed": len(f2p), "lines_removed": removed}})
     (tdir / "task.json").write_text(json.dumps(task, indent=1))
@@ -1467,9 +1549,10 @@ def git_source(repo):
                               capture_output=True, text=True)
     top = rev_parse("--show-toplevel")
     if top.returncode:
-        raise TaskError(f"{repo} is not a git repository (tasks record the commit they come from; for an unpacked "
-                        f"sdist: git init && git add -A && git commit -m source)")
-    return {"repo": Path(top.stdout.strip()).name, "commit": rev_parse("--verify", "-q", "HEAD").stdout.strip() or None}
+        raise TaskError(f"{repo} is not a git repository (tasks record the commit they come from; for an "
+                        f"unpacked sdist: git init && git add -A && git commit -m source)")
+    return {"repo": Path(top.stdout.strip()).name,
+            "commit": rev_parse("--verify", "-q", "HEAD").stdout.strip() or None}
 
 
 def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print):
@@ -1498,10 +1581,11 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print):
         stable = first & second
         log(f"baseline: {len(stable)} stable passing tests, {len(first ^ second)} flaky dropped")
         if not stable:
-            raise TaskError(f"no test passes twice in {repo} ({len(first)} passed in the first run, {len(second)} in "
-                            f"the second)")
+            raise TaskError(f"no test passes twice in {repo} ({len(first)} passed in the first run, "
+                            f"{len(second)} in the second)")
         cands = candidates(work, stable, calls, at_import)
-        log(f"{len(cands)} candidate features (reached by 1..{max(1, int(TESTS_AT_MOST * len(stable)))} tests, not run at import): "
+        log(f"{len(cands)} candidate features "
+            f"(reached by 1..{max(1, int(TESTS_AT_MOST * len(stable)))} tests, not run at import): "
             + ", ".join(sorted(q for _, q in cands)))
         order = sorted(cands)
         random.Random(seed).shuffle(order)
@@ -1513,10 +1597,12 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print):
             if used & set(feats):
                 continue
             tried += 1
-            tid = f"{repo.resolve().name}-{len(tasks):03d}-" + hashlib.sha1(repr(feats).encode()).hexdigest()[:8]
+            tid = (f"{repo.resolve().name}-{len(tasks):03d}-"
+                   + hashlib.sha1(repr(feats).encode()).hexdigest()[:8])
             task, why = make_task(work, out, tid, feats, mode, stable, box, source)
             log(f"  {tid}: {', '.join(q for _, q in feats)} -> {why}"
-                + (f" (fail-to-pass {len(task['fail_to_pass'])}, leaks scrubbed {len(task['scan']['before_scrub'])})" if task else ""))
+                + (f" (fail-to-pass {len(task['fail_to_pass'])}, "
+                   f"leaks scrubbed {len(task['scan']['before_scrub'])})" if task else ""))
             if task:
                 tasks.append(task)
                 used |= set(feats)
@@ -1531,27 +1617,38 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print):
 #   {"action": "read", "path": "pkg/mod.py", "output": "..."}
 #   {"action": "edit", "path": "pkg/mod.py", "content": "<new text or inserted text>", "output": ""}
 
-LEAK_PATH = r"(__pycache__|\.pyc\b|\.mypy_cache|\.pytype|\.pyre\b|\.pytest_cache|\.coverage\b|htmlcov|_modules|egg-info|\.class\b|\.jar\b|\.whl\b|\bbuild/|\bdist/|\.pyi\b)"
+LEAK_PATH = (r"(__pycache__|\.pyc\b|\.mypy_cache|\.pytype|\.pyre\b|\.pytest_cache|\.coverage\b|htmlcov|"
+             r"_modules|egg-info|\.class\b|\.jar\b|\.whl\b|\bbuild/|\bdist/|\.pyi\b)")
 PATTERNS = [  # (name, what it looks at: command / path / content, regex)
-    ("git-history", "command", r"\bgit\s+(log|show|reflog|stash|rev-list|cat-file|fsck|blame|checkout\s+\S*[~^@]|diff\s+\S*[~^@]|reset|restore\s+--source)"),
+    ("git-history", "command", r"\bgit\s+(log|show|reflog|stash|rev-list|cat-file|fsck|blame|"
+                               r"checkout\s+\S*[~^@]|diff\s+\S*[~^@]|reset|restore\s+--source)"),
     ("leak-source", "command", LEAK_PATH),
     ("leak-source", "read", LEAK_PATH),
-    ("decompiler", "command", r"\b(javap|cfr|procyon|fernflower|jd-cli|uncompyle6|decompyle3|pycdc|pydisasm|xdis)\b|-m\s+dis\b|\bmarshal\.loads?\b|\bdis\.dis\b"),
+    ("decompiler", "command", r"\b(javap|cfr|procyon|fernflower|jd-cli|uncompyle6|decompyle3|pycdc|pydisasm|"
+                              r"xdis)\b|-m\s+dis\b|\bmarshal\.loads?\b|\bdis\.dis\b"),
     ("sqlite-cache", "command", r"\bsqlite3\b"),
-    ("site-packages", "command", r"site-packages|dist-packages|\bpip3?\s+(download|install|show)\b|importlib\.metadata|\bsite\.getsitepackages"),
-    ("network", "command", r"\b(curl|wget|nc|ssh|scp)\s|https?://|urllib\.request|\brequests\.(get|post)|git\s+(clone|fetch|pull)"),
-    ("test-tamper", "edit", r"(^|/)(conftest\.py|pytest\.ini|tox\.ini|setup\.cfg|pyproject\.toml|test_[^/]*\.py|[^/]*_test\.py)$|(^|/)tests?/"),
-    ("test-tamper", "command", r"(sed\s+-i|\brm\b|\bmv\b|\bcp\b|\btee\b|>)[^|;&]*(conftest\.py|test_\w*\.py|pytest\.ini|tox\.ini|setup\.cfg|pyproject\.toml)"),
+    ("site-packages", "command", r"site-packages|dist-packages|\bpip3?\s+(download|install|show)\b|"
+                                 r"importlib\.metadata|\bsite\.getsitepackages"),
+    ("network", "command", r"\b(curl|wget|nc|ssh|scp)\s|https?://|urllib\.request|\brequests\.(get|post)|"
+                           r"git\s+(clone|fetch|pull)"),
+    ("test-tamper", "edit", r"(^|/)(conftest\.py|pytest\.ini|tox\.ini|setup\.cfg|pyproject\.toml|"
+                            r"test_[^/]*\.py|[^/]*_test\.py)$|(^|/)tests?/"),
+    ("test-tamper", "command", r"(sed\s+-i|\brm\b|\bmv\b|\bcp\b|\btee\b|>)[^|;&]*(conftest\.py|test_\w*\.py|"
+                               r"pytest\.ini|tox\.ini|setup\.cfg|pyproject\.toml)"),
     ("startup-hook", "edit", r"(sitecustomize|usercustomize)\.py$|\.pth$"),
     ("startup-hook", "command", r"sitecustomize|usercustomize|\.pth\b"),
     ("exit-in-solution", "content", r"\bsys\.exit\s*\(|\bos\._exit\s*\(|\batexit\.register\b"),
-    ("forced-skip", "content", r"pytest\.skip\s*\(|mark\.skip|pytest\.importorskip|allow_module_level|unittest\.skip|__unittest_skip__"),
+    ("forced-skip", "content", r"pytest\.skip\s*\(|mark\.skip|pytest\.importorskip|allow_module_level|"
+                               r"unittest\.skip|__unittest_skip__"),
     ("forced-skip", "command", r"pytest\b.*(\s-k\s+['\"]?not\b|--deselect)"),
     # semantic hacks, which no runner can tell from a solution: an object equal to everything, and code that
     # reads the tests (their files, or the calling test's frame) at run time to find the expected values
-    ("always-equal", "content", r"def __eq__\(.*\):\s*(#.*)?\n?\s*return\s+(True|1)\s*$|__eq__\s*=\s*lambda[^:]*:\s*(True|1)\b"),
-    ("reads-tests", "content", r"^(?=.*\b(open|read_text|read_bytes|getsource|getlines|glob|listdir|scandir|walk)\b)"
-                               r"(?=.*(\btests?\b|test_\w*\.py|_test\.py|\bconftest)).*|\b(f_back|f_locals|_getframe|inspect\.stack)\b"),
+    ("always-equal", "content", r"def __eq__\(.*\):\s*(#.*)?\n?\s*return\s+(True|1)\s*$|"
+                                r"__eq__\s*=\s*lambda[^:]*:\s*(True|1)\b"),
+    ("reads-tests", "content", r"^(?=.*\b(open|read_text|read_bytes|getsource|getlines|glob|listdir|"
+                               r"scandir|walk)\b)"
+                               r"(?=.*(\btests?\b|test_\w*\.py|_test\.py|\bconftest)).*|"
+                               r"\b(f_back|f_locals|_getframe|inspect\.stack)\b"),
 ]
 
 
@@ -1596,7 +1693,8 @@ class Parser(argparse.ArgumentParser):
 
 
 def cli(argv=None) -> int:
-    p = Parser(description="Feature-deletion tasks: make them, verify solutions, scan for leaks, monitor agents.")
+    p = Parser(description="Feature-deletion tasks: make them, verify solutions, scan for leaks, "
+                           "monitor agents.")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=Parser)
     m = sub.add_parser("make", help="cut tested features out of a repo and write validated, scan-clean tasks")
     m.add_argument("--repo", required=True, help="repository with a package and a pytest suite")
@@ -1604,8 +1702,10 @@ def cli(argv=None) -> int:
     m.add_argument("--n", type=int, default=1, help="number of tasks to make")
     m.add_argument("--seed", type=int, default=0, help="seed for the order features are tried in")
     m.add_argument("--mode", choices=["stub", "remove"], default="stub",
-                   help="stub: keep signature and docstring, raise NotImplementedError; remove: delete the definition")
-    m.add_argument("--group", type=int, default=1, help="difficulty: delete up to this many related features together")
+                   help="stub: keep signature and docstring, raise NotImplementedError; "
+                        "remove: delete the definition")
+    m.add_argument("--group", type=int, default=1,
+                   help="difficulty: delete up to this many related features together")
     m.add_argument("--timeout", type=int, default=300, help="seconds allowed for one test-suite run")
     v = sub.add_parser("verify", help="score an agent's work on a task: 1 when every required test passes")
     v.add_argument("task_dir", help="a task dir written by make")
@@ -1614,19 +1714,25 @@ def cli(argv=None) -> int:
     g.add_argument("--patch", help="a unified diff against the snapshot")
     v.add_argument("--timeout", type=int, default=600, help="seconds allowed for the test run")
     for x in (m, v):
-        x.add_argument("--python", help="interpreter that runs the tests (from `env`; default: this one for make, "
-                                        "the task's for verify)")
-        x.add_argument("--no-sandbox", action="store_true", help="run the tests without bubblewrap (not isolated)")
-    e = sub.add_parser("env", help="make a venv with a repository's test requirements; prints its interpreter")
+        x.add_argument("--python", help="interpreter that runs the tests (from `env`; default: this one for "
+                                        "make, the task's for verify)")
+        x.add_argument("--no-sandbox", action="store_true",
+                       help="run the tests without bubblewrap (not isolated)")
+    e = sub.add_parser("env",
+                       help="make a venv with a repository's test requirements; prints its interpreter")
     e.add_argument("--repo", required=True, help="the repository")
     e.add_argument("--venv", required=True, help="folder for the new virtual environment")
     e.add_argument("--no-sandbox", action="store_true", help="run the install without bubblewrap")
-    s = sub.add_parser("scan", help="report leaks of deleted code: caches, bytecode, history, archives, copies")
+    s = sub.add_parser("scan",
+                       help="report leaks of deleted code: caches, bytecode, history, archives, copies")
     s.add_argument("dir", help="folder to scan")
     s.add_argument("--task", help="task.json whose fingerprints to look for")
-    s.add_argument("--site-packages", action="store_true", help="also look for installed copies of the package")
-    mo = sub.add_parser("monitor", help="flag trajectory steps that read leak sources or tamper with the verifier")
-    mo.add_argument("trajectory", help="JSONL, one action per line (format in the Monitor section of this file)")
+    s.add_argument("--site-packages", action="store_true",
+                   help="also look for installed copies of the package")
+    mo = sub.add_parser("monitor",
+                        help="flag trajectory steps that read leak sources or tamper with the verifier")
+    mo.add_argument("trajectory",
+                    help="JSONL, one action per line (format in the Monitor section of this file)")
     a = p.parse_args(argv)
     try:
         if a.cmd == "env":
@@ -1641,7 +1747,8 @@ def cli(argv=None) -> int:
                 raise TaskError(f"no such patch file: {a.patch}")
             task = Path(a.task_dir, "task.json")
             python = a.python or (json.loads(task.read_text()).get("python") if task.is_file() else None)
-            reward, why = verify(a.task_dir, a.workdir, a.patch, Sandbox(python or sys.executable, not a.no_sandbox, a.timeout))
+            reward, why = verify(a.task_dir, a.workdir, a.patch,
+                                 Sandbox(python or sys.executable, not a.no_sandbox, a.timeout))
             print(f"reward {reward}: {why}")
             return 0
         if a.cmd == "scan":
@@ -1674,11 +1781,13 @@ def main():
     if sys.argv[1:2] and sys.argv[1] in ("env", "make", "verify", "scan", "monitor"):
         sys.exit(cli(sys.argv[1:]))  # the feature-deletion family
     parser = argparse.ArgumentParser(
-        description="Show the tool-use task family: tasks, gold transcripts, an episode. The feature-deletion family "
-                    "has subcommands: python tasks.py make|verify|scan|monitor ... (each with --help).")
+        description="Show the tool-use task family: tasks, gold transcripts, an episode. The "
+                    "feature-deletion family has subcommands: python tasks.py make|verify|scan|monitor ... "
+                    "(each with --help).")
     parser.add_argument("--seed", type=int, default=0, help="random seed for every sample below")
     parser.add_argument("--per-level", type=int, default=2, help="tasks shown per difficulty level (1..4)")
-    parser.add_argument("--p-mistake", type=float, default=0.5, help="chance a gold transcript shows an error and recovery")
+    parser.add_argument("--p-mistake", type=float, default=0.5,
+                        help="chance a gold transcript shows an error and recovery")
     args = parser.parse_args()
     if args.per_level < 1:
         sys.exit(f"error: --per-level must be >= 1, got {args.per_level}")
@@ -1692,10 +1801,12 @@ def main():
             task = make_tool_task(rng, level)
             text = render(gold_transcript(task, rng, args.p_mistake))
             n_tokens = len(re.sub(r"<\|\w+\|>", "x", text).encode())  # each special string is one token
-            print(f"{task.question}  -> {task.answer}   plan {task.plan}\n  {text}  ({len(text.encode())} bytes, {n_tokens} tokens)")
+            print(f"{task.question}  -> {task.answer}   plan {task.plan}\n"
+                  f"  {text}  ({len(text.encode())} bytes, {n_tokens} tokens)")
 
-    print("--- a long episode (difficulty 1: 8 calls) as the pretraining corpus shows it, one line a segment: past a "
-          "160-token budget the trainer asks for a summary and the next segment starts from it")
+    print("--- a long episode (difficulty 1: 8 calls) as the pretraining corpus shows it, one line a "
+          "segment: past a 160-token budget the trainer asks for a summary and the next segment starts "
+          "from it")
     task = make_chain_task(rng, 1)
     for segment in chain_transcript(task, rng, 160, "[the trainer's summary request]", p_slip=0.2):
         print(f"  {render(segment)}")
@@ -1704,16 +1815,19 @@ def main():
     env = ToolEnv(task)
     absent = next(t for t in TOOLS if t not in task.tools)
     name, a, b = task.plan[0]
-    script = [f"call {absent}({a},{b})", "compute it please"] + [f"call {n}({x},{y})" for n, x, y in task.plan]
+    script = ([f"call {absent}({a},{b})", "compute it please"]
+              + [f"call {n}({x},{y})" for n, x, y in task.plan])
     for text in script + [f"answer {task.answer}"]:
         reply, done = env.step(text)
         if done:
             break
     for role, text in env.turns:
         print(f"  {role:>9}: {text}")
-    print(f"  reward {env.reward()}, tool_calls {env.tool_calls}, tool_errors {env.tool_errors}, malformed {env.malformed}")
+    print(f"  reward {env.reward()}, tool_calls {env.tool_calls}, tool_errors {env.tool_errors}, "
+          f"malformed {env.malformed}")
 
-    print("--- DifficultySampler against a simulated policy that passes levels 1..4 with p = 0.95, 0.9, 0.5, 0.1")
+    print("--- DifficultySampler against a simulated policy that passes levels 1..4 with "
+          "p = 0.95, 0.9, 0.5, 0.1")
     sampler, skill = DifficultySampler(), {1: 0.95, 2: 0.9, 3: 0.5, 4: 0.1}
     for i in range(1, 601):
         level = sampler.sample(rng)
