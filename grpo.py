@@ -11,10 +11,11 @@ sequence's length. Only the policy's own tokens are trained: prompt, tool output
 attended to but masked by a boolean mask built while sampling, never inferred from token ids. When a context
 passes its budget the model is asked to summarize, and the rollout continues from prompt + summary; every
 segment is trained with the trajectory's reward (Composer 2 report). Sampling may use a fake-quantised copy of
-the policy (8-bit blocks, like MXFP8); a truncated importance ratio between the trainer's and the sampler's
-recorded log-probs corrects that mismatch and any other (an fp32 sampler, a bf16 trainer; Yao et al. 2025,
-"truncated importance sampling"). The same weights correct a sampler that runs a bounded number of policy
-versions behind the trainer: asynchronous RL on rollout ranks (section at the end).
+the policy (8-bit blocks, like MXFP8); a truncated importance ratio between the trainer's log-probs and
+those the sampler (whichever weights sampled the rollout) recorded corrects that mismatch and any other (an
+fp32 sampler, a bf16 trainer; Yao et al. 2025, "truncated importance sampling"). The same weights correct a
+sampler that runs a bounded number of policy versions behind the trainer: asynchronous RL on rollout ranks
+(section at the end).
 
     python grpo.py          # one group of rollouts on tool-use tasks with a fresh tiny model, its loss
 """
@@ -372,8 +373,8 @@ def grpo_loss(policy, trajs, cfg, ref_logp=None, old_logp=None):
 # importance weights it applies anyway (pi_trainer / pi_sampler on each policy token, capped), as Composer 2's
 # asynchronous RL corrects its samplers.
 #
-#   trainers   | sample 1 is awaited | train 1 -> v1 | train 2 -> v2 | train 3 -> v3 | ...
-#   samplers   | sample 1 (v0) | sample 2 (v0) | sample 3 (v1) | sample 4 (v2) | ...       (S = 1)
+#   trainers      | sample 1 is awaited | train 1 -> v1 | train 2 -> v2 | train 3 -> v3 | ...
+#   rollout ranks | sample 1 (v0) | sample 2 (v0) | sample 3 (v1) | sample 4 (v2) | ...       (S = 1)
 
 
 class PeerLost(ConnectionError):
@@ -450,19 +451,19 @@ def unpack_policy(model, flat):
     return int(flat[0])
 
 
-def serve_rollouts(model, bridge, cfg, episodes, difficulty, staleness, me, samplers):
+def serve_rollouts(model, bridge, cfg, episodes, difficulty, staleness, me, rollout_ranks):
     """A rollout rank's whole run. Trainer rank 0 first sends where RL starts and ends and the difficulty
     sampler's state. Then, for each RL step: load the policy version the staleness bound allows (versions
     arrive in order from trainer rank 0), sample the groups of each trainer rank this rank serves (trainer t
-    is served by rollout rank t % samplers; me is this one's index), send each trainer its batch, and move the
-    difficulty sampler by every trainer rank's rewards in trainer order, as the trainers move theirs (gathered
-    over the rollout ranks). episodes(step, t) -> (level, envs, gen): trainer rank t's episodes of that step,
-    drawn and seeded as the synchronous loop draws them."""
+    is served by rollout rank t % rollout_ranks; me is this one's index), send each trainer its batch, and
+    move the difficulty sampler by every trainer rank's rewards in trainer order, as the trainers move theirs
+    (gathered over the rollout ranks). episodes(step, t) -> (level, envs, gen): trainer rank t's episodes of
+    that step, drawn and seeded as the synchronous loop draws them."""
     hello = bridge.recv_object(0)
     start, steps = hello["start"], hello["steps"]
     difficulty.load_state_dict(hello["difficulty"])
     flat, version = torch.empty(1 + sum(t.numel() for t in policy_tensors(model))), None
-    served = [t for t in range(bridge.trainers) if t % samplers == me]
+    served = [t for t in range(bridge.trainers) if t % rollout_ranks == me]
     for step in range(start + 1, steps + 1):
         t0 = time.perf_counter()
         while version is None or version < max(start, step - 1 - staleness):
@@ -475,8 +476,8 @@ def serve_rollouts(model, bridge, cfg, episodes, difficulty, staleness, me, samp
             rewards[t] = [tr.reward for tr in trajs]
             bridge.send_object({"step": step, "version": version, "level": level, "trajs": trajs,
                                 "wait_s": waited, "sample_s": time.perf_counter() - t1}, t)
-        if samplers > 1:
-            everyone = [None] * samplers
+        if rollout_ranks > 1:
+            everyone = [None] * rollout_ranks
             dist.all_gather_object(everyone, rewards)
             rewards = {t: r for part in everyone for t, r in part.items()}
         for t in range(bridge.trainers):

@@ -1828,13 +1828,13 @@ def main():
 
     print("--- DifficultySampler against a simulated policy that passes levels 1..4 with "
           "p = 0.95, 0.9, 0.5, 0.1")
-    sampler, skill = DifficultySampler(), {1: 0.95, 2: 0.9, 3: 0.5, 4: 0.1}
+    difficulty, skill = DifficultySampler(), {1: 0.95, 2: 0.9, 3: 0.5, 4: 0.1}
     for i in range(1, 601):
-        level = sampler.sample(rng)
-        sampler.update(level, float(rng.random() < skill[level]))
+        level = difficulty.sample(rng)
+        difficulty.update(level, float(rng.random() < skill[level]))
         if i % 100 == 0:
-            rates = {k: None if v is None else round(v, 2) for k in skill for v in [sampler.pass_rate(k)]}
-            print(f"  episode {i}: frontier {sampler.level}, pass rates {rates}")
+            rates = {k: None if v is None else round(v, 2) for k in skill for v in [difficulty.pass_rate(k)]}
+            print(f"  episode {i}: frontier {difficulty.level}, pass rates {rates}")
 
 
 if __name__ == "__main__":
