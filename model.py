@@ -17,7 +17,7 @@ DTensors sharded over the EP group; tokens travel to their experts and back by a
 parallelism (MLA.cp_group set; each rank holds a chunk of the sequence and gathers the compressed K/V latent).
 
     python model.py                  # parameter counts of every preset (kimi-k2 on meta), a forward
-    python model.py --bench-experts  # the experts' grouped GEMM against a matmul per expert (GPU check)
+    python model.py --bench-experts --device cuda  # experts: grouped GEMM against a matmul per expert
     python model.py --bench-decode   # decode tokens/s with the KV cache, absorbed MLA against expanded
 """
 import contextlib
@@ -1263,9 +1263,14 @@ if __name__ == "__main__":
                         help="--bench-decode: these presets")
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 4096],
                         help="--bench-decode: contexts")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="--bench-experts: where (auto: cuda when there is one)")
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
     if args.bench_experts:
-        bench_experts(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        bench_experts(torch.device("cuda" if args.device == "cuda" or args.device == "auto"
+                                   and torch.cuda.is_available() else "cpu"))
     if args.bench_decode:
         bench_decode(args.presets, args.contexts)
     if args.bench_experts or args.bench_decode:

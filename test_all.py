@@ -3234,7 +3234,7 @@ attempt("connect", lambda: socket.create_connection(("127.0.0.1", {server.getsoc
             f"            time.sleep(60)\n            os._exit(0)\n        n += 1\n    except OSError:\n"
             f"        print('fork refused after', n, flush=True)\n        time.sleep(60)\n")
     t0 = time.time()
-    rc, out = tasks.Sandbox(timeout=5, processes=64).run(["-c", bomb], work)
+    rc, out = tasks.Sandbox(timeout=3, processes=64).run(["-c", bomb], work)
     assert rc == 124 and "fork refused after" in out and time.time() - t0 < 30, out[-300:]
     time.sleep(0.5)
     left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and marker.encode() in
@@ -3483,7 +3483,7 @@ def test_make_refuses_bad_repositories_in_one_line_and_never_touches_the_source(
                  {"tests/test_calc.py": b"import time\ndef test_slow(): time.sleep(60)\n"},
              "unrecognized arguments: --cov=calc (the repository's pytest configuration needs pytest-cov":
                  {"pyproject.toml": b"[tool.pytest.ini_options]\naddopts = \"--cov=calc\"\n"}}
-    for i, (expected, files) in enumerate(cases.items()):
+    def refused(i, expected, files):
         repo = write_fixture(tmp_path / f"bad{i}")
         for rel, data in files.items():
             (repo / rel).write_bytes(data)
@@ -3491,6 +3491,9 @@ def test_make_refuses_bad_repositories_in_one_line_and_never_touches_the_source(
             tasks.make(commit(repo) if i else repo, tmp_path / f"out{i}", box=tasks.Sandbox(timeout=3),
                        log=lambda s: None)
         assert expected in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:  # each mostly waits on its pytest
+        list(pool.map(refused, range(len(cases)), cases, cases.values()))
     repo = write_fixture(tmp_path / "git-repo")
     logo = bytes(range(256)) * 4  # a binary data file in the package
     (repo / "calc/logo.png").write_bytes(logo)
@@ -3541,38 +3544,41 @@ def test_env_installs_what_the_configuration_needs(tmp_path):
     """A repository whose pytest configuration needs pytest-timeout (declared in a dependency group): without
     its environment make fails in one line naming the plugin and the fix; `env` builds the venv, and make and
     verify run with its interpreter. A --python that is not an interpreter and an install that fails are one
-    line each."""
+    line each (that install runs beside the rest: each waits on the package index)."""
     if not index_reachable():
         pytest.skip("package index unreachable")
-    repo = write_fixture(tmp_path / "calc")
-    (repo / "tests/test_calc.py").write_text(TESTS.split("def test_flaky")[0])
-    (repo / "pyproject.toml").write_text('[build-system]\nrequires = ["setuptools>=61"]\n'
-                                         'build-backend = "setuptools.build_meta"\n'
-                                         '[project]\nname = "calc"\nversion = "0.1"\n[dependency-groups]\n'
-                                         'test = ["pytest-timeout"]\n[tool.pytest.ini_options]\n'
-                                         'testpaths = ["tests"]\n'
-                                         'addopts = "--timeout=60"\n')
-    commit(repo)
-    with pytest.raises(tasks.TaskError, match=r"unrecognized arguments: --timeout=60 \(the repository's "
-                                              r"pytest configuration needs pytest-timeout, not installed "
-                                              r"for .*tasks.py env"):
-        tasks.make(repo, tmp_path / "out0", log=lambda s: None)
-    python = tasks.make_env(repo, tmp_path / "venv", log=lambda s: None)
-    (task,) = tasks.make(repo, tmp_path / "out", n=1, box=tasks.Sandbox(python), log=lambda s: None)
-    d = tmp_path / "out" / task["id"]
-    # the task's interpreter
-    assert task["python"] == python and tasks.verify(d, patch=d / "gold.patch")[0] == 1
-    # the package itself is not installed
-    assert not list(tmp_path.glob("venv/lib/python3*/site-packages/calc"))
-    for bad in ("/bin/true", str(tmp_path / "nope")):
-        with pytest.raises(tasks.TaskError, match=f"^--python {bad} is not a Python interpreter$"):
-            tasks.Sandbox(bad)
-    (repo / "pyproject.toml").write_text('[project]\nname = "calc"\nversion = "0.1"\n'
-                                         '[project.optional-dependencies]\n'
-                                         'test = ["featdel-no-such-package-anywhere"]\n')
-    with pytest.raises(tasks.TaskError, match=r"^pip install failed in .*venv2: ERROR: No matching "
-                                              r"distribution found for featdel-no-such-package-anywhere"):
-        tasks.make_env(repo, tmp_path / "venv2", log=lambda s: None)
+    broken = write_fixture(tmp_path / "broken")
+    (broken / "pyproject.toml").write_text('[project]\nname = "calc"\nversion = "0.1"\n'
+                                           '[project.optional-dependencies]\n'
+                                           'test = ["featdel-no-such-package-anywhere"]\n')
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        failing = pool.submit(tasks.make_env, broken, tmp_path / "venv2", log=lambda s: None)
+        repo = write_fixture(tmp_path / "calc")
+        (repo / "tests/test_calc.py").write_text(TESTS.split("def test_flaky")[0])
+        (repo / "pyproject.toml").write_text('[build-system]\nrequires = ["setuptools>=61"]\n'
+                                             'build-backend = "setuptools.build_meta"\n'
+                                             '[project]\nname = "calc"\nversion = "0.1"\n'
+                                             '[dependency-groups]\ntest = ["pytest-timeout"]\n'
+                                             '[tool.pytest.ini_options]\ntestpaths = ["tests"]\n'
+                                             'addopts = "--timeout=60"\n')
+        commit(repo)
+        with pytest.raises(tasks.TaskError, match=r"unrecognized arguments: --timeout=60 \(the repository's "
+                                                  r"pytest configuration needs pytest-timeout, not installed "
+                                                  r"for .*tasks.py env"):
+            tasks.make(repo, tmp_path / "out0", log=lambda s: None)
+        python = tasks.make_env(repo, tmp_path / "venv", log=lambda s: None)
+        (task,) = tasks.make(repo, tmp_path / "out", n=1, box=tasks.Sandbox(python), log=lambda s: None)
+        d = tmp_path / "out" / task["id"]
+        # the task's interpreter
+        assert task["python"] == python and tasks.verify(d, patch=d / "gold.patch")[0] == 1
+        # the package itself is not installed
+        assert not list(tmp_path.glob("venv/lib/python3*/site-packages/calc"))
+        for bad in ("/bin/true", str(tmp_path / "nope")):
+            with pytest.raises(tasks.TaskError, match=f"^--python {bad} is not a Python interpreter$"):
+                tasks.Sandbox(bad)
+        with pytest.raises(tasks.TaskError, match=r"^pip install failed in .*venv2: ERROR: No matching "
+                                                  r"distribution found for featdel-no-such-package-anywhere"):
+            failing.result()
 
 
 # -----------------------------------------------------------------------------
@@ -3642,8 +3648,9 @@ def index_reachable():
                               capture_output=True, timeout=120).returncode == 0
 
 
-def run_readme_command(line, cwd, shared_out):
-    """Run one README command in cwd, shortened. -> None, or why it was not run here."""
+def run_readme_command(line, cwd, quick_start_out):
+    """Run one README command in cwd, shortened. -> None, or why it was not run here. quick_start_out() ->
+    the quick start's out folder, once that run is done."""
     argv = shlex.split(line.replace("$HEAD_NODE", "head").replace("$JOB_ID", "1"))
     at = next(i for i, a in enumerate(argv) if a.endswith(".py"))
     launch, script, flags = argv[:at], argv[at], argv[at + 1:]
@@ -3667,8 +3674,10 @@ def run_readme_command(line, cwd, shared_out):
         if script == "train.py" and "--dry-run" not in flags:
             out = cwd / flags[flags.index("--out") + 1] if "--out" in flags else cwd / "out"
             at = flags.index("--resume") + 1 if "--resume" in flags else 0
-            if at and (at == len(flags) or flags[at].startswith("-")) and not out.exists():
-                shutil.copytree(shared_out, out)  # a resume needs a run before it: the quick start's
+            named = at and at < len(flags) and not flags[at].startswith("-")  # --resume RUN/step-N
+            run = (cwd / flags[at]).parent if named else out
+            if at and not run.exists():
+                shutil.copytree(quick_start_out(), run)  # a resume needs a run before it: the quick start's
             default_steps = re.search(r'"--steps", type=int, default=(\d+)',
                                       (HERE / "train.py").read_text())[1]
             # a pretraining checkpoint of the full-length run -> the shortened run's
@@ -3710,13 +3719,14 @@ def test_every_readme_command_runs(tmp_path):
     """Each python/torchrun command in README.md runs as written, shortened (for train.py --steps/--rl-steps,
     one validation batch, no held-out RL evaluation; fewer pretraining steps for feedback.py; the tiny preset
     for muon.py's benchmarks, and --world 1 2 for its sharded one), and exits 0. A `--resume` with nothing to
-    resume starts from a copy of the quick start's run; a checkpoint the README names is mapped to the
-    shortened run's; REPO, TASKS/ID and TRAJECTORY.jsonl are a fixture repository, the task `make` wrote and a
-    clean trajectory. The quick start runs as a real process, the rest fork from the preloaded server
-    (Launched; torchrun's ranks with its environment). Many-node commands are planned with --dry-run at their
-    world size; MODEL and SHARDS are a tiny checkpoint in the Hugging Face layout and token shards. CUDA
-    commands are skipped on a machine without CUDA, `tasks.py env` where the package index cannot be reached,
-    --init-from without the safetensors package, and nothing else."""
+    resume, or a checkpoint of a run that is not there, starts from a copy of the quick start's run; a
+    checkpoint the README names is mapped to the shortened run's; REPO, TASKS/ID and TRAJECTORY.jsonl are a
+    fixture repository, the task `make` wrote and a clean trajectory. The quick start runs as a real process,
+    beside the other groups, the rest fork from the preloaded server (Launched; torchrun's ranks with its
+    environment). Many-node commands are planned with --dry-run at their world size; MODEL and SHARDS are a
+    tiny checkpoint in the Hugging Face layout and token shards. CUDA commands are skipped on a machine
+    without CUDA, `tasks.py env` where the package index cannot be reached, --init-from without the
+    safetensors package, and nothing else."""
     forkserver()  # started before the threads below
     groups = readme_commands()
     assert groups[0] == ["python train.py"]  # the quick start: the run the resume examples continue
@@ -3729,14 +3739,19 @@ def test_every_readme_command_runs(tmp_path):
         (cwd / "TRAJECTORY.jsonl").write_text(json.dumps({"action": "bash", "command": "pytest -q",
                                                           "output": "3 passed"}) + "\n")
         for line in groups[k]:
-            why = run_readme_command(line, cwd, tmp_path / "g0" / "out")
+            why = run_readme_command(line, cwd, quick_start_out)
             if why:
                 skipped.append((line, why))
 
-    run_group(0)
+    def quick_start_out():
+        quick_start.result()  # raises if it failed
+        return tmp_path / "g0" / "out"
+
     cost = lambda k: sum(4 if c.startswith("torchrun") else 1 for c in groups[k])  # the longest start first
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        quick_start = pool.submit(run_group, 0)  # beside the others; only a resume without its run waits
         list(pool.map(run_group, sorted(range(1, len(groups)), key=cost, reverse=True)))
+        quick_start.result()
     assert all(why == "needs CUDA" and "--device cuda" in line
                or why == "needs the package index" and " env " in line
                or why == "needs safetensors" and "--init-from" in line for line, why in skipped), skipped
