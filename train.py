@@ -1,4 +1,4 @@
-"""Train the Kimi-K2-shaped MoE (model.py) with Muon (muon.py): continued pretraining, then RL, from one CPU
+r"""Train the Kimi-K2-shaped MoE (model.py) with Muon (muon.py): continued pretraining, then RL, from one CPU
 process to torchrun on many nodes.
 
 The script reads top to bottom: flags and checks, the memory plan (--dry-run stops there), processes and
@@ -27,7 +27,8 @@ trained model back in that layout.
     torchrun --nproc_per_node=4 train.py --stage rl --resume --rollout-ranks 1 --max-staleness 1  # async RL
     python train.py --resume                             # continue from the newest intact checkpoint in out/
     python train.py --init-from DIR --data SHARDS --save-hf OUT  # continued pretraining of a released model
-    python train.py --preset kimi-k2 --dry-run --world 512 --ep 64 --stage pretrain --seq-len 4096 --batch-size 512
+    python train.py --preset kimi-k2 --dry-run --world 512 --ep 64 --stage pretrain --seq-len 4096 \
+        --batch-size 512                                 # plan the 1T model on 512 GPUs
 """
 import argparse
 import atexit
