@@ -2956,13 +2956,18 @@ def commit(repo):
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
-    """One make run over every feature (stub), and one harder remove-mode task (two related features)."""
+    """One make run over every feature (stub), and one harder remove-mode task (two related features), side by
+    side: each mostly waits on its pytest runs."""
     base = tmp_path_factory.mktemp("featdel")
     repo = commit(write_fixture(base / "calc-repo"))
-    log = []
-    stub = tasks.make(repo, base / "tasks", n=3, seed=0, mode="stub", log=log.append)
-    hard = tasks.make(repo, base / "hard", n=1, seed=3, mode="remove", group=2, log=log.append)
-    return {"repo": repo, "stub": stub, "hard": hard, "log": log, "base": base, "out": base / "tasks"}
+    logs = [], []
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        stub = pool.submit(tasks.make, repo, base / "tasks", n=3, seed=0, mode="stub", log=logs[0].append)
+        hard = pool.submit(tasks.make, repo, base / "hard", n=1, seed=3, mode="remove", group=2,
+                           log=logs[1].append)
+        stub, hard = stub.result(), hard.result()
+    return {"repo": repo, "stub": stub, "hard": hard, "log": logs[0] + logs[1], "base": base,
+            "out": base / "tasks"}
 
 
 def short(ids):
