@@ -2,20 +2,20 @@
 Composer 2 and 2.5 inherit.
 
 A group of G rollouts of the same task is sampled, the whole batch in lockstep with MLA's KV cache
-(model.KVCache: one prefill a turn, then one token a row); each trajectory's advantage is its reward minus the
-group's mean reward, with no division by the group's std (Dr. GRPO, "Understanding R1-Zero-Like Training",
-arXiv 2503.20783). Every token the policy wrote gets the PPO clipped-ratio loss with separate low/high
-epsilons (DAPO's clip-higher, arXiv 2503.14476), for one or more epochs over minibatches of whole groups;
-token losses are summed and divided by a constant (trajectories x the max generation length), not by each
-sequence's length. Only the policy's own tokens are trained: prompt, tool output and inserted requests are
-attended to but masked by a boolean mask built while sampling, never inferred from token ids. When a context
-passes its budget the model is asked to summarize, and the rollout continues from prompt + summary; every
-segment is trained with the trajectory's reward (Composer 2 report). Sampling may use a fake-quantised copy of
-the policy (8-bit blocks, like MXFP8); a truncated importance ratio between the trainer's log-probs and
-those the sampler (whichever weights sampled the rollout) recorded corrects that mismatch and any other (an
-fp32 sampler, a bf16 trainer; Yao et al. 2025, "truncated importance sampling"). The same weights correct a
-sampler that runs a bounded number of policy versions behind the trainer: asynchronous RL on rollout ranks
-(section at the end).
+(model.KVCache: a row a trajectory, kept across its turns, so each message prefills only the tokens since the
+last, then decodes one token a row); each trajectory's advantage is its reward minus the group's mean reward,
+with no division by the group's std (Dr. GRPO, "Understanding R1-Zero-Like Training", arXiv 2503.20783). Every
+token the policy wrote gets the PPO clipped-ratio loss with separate low/high epsilons (DAPO's clip-higher,
+arXiv 2503.14476), for one or more epochs over minibatches of whole groups; token losses are summed and
+divided by a constant (trajectories x the max generation length), not by each sequence's length. Only the
+policy's own tokens are trained: prompt, tool output and inserted requests are attended to but masked by a
+boolean mask built while sampling, never inferred from token ids. When a context passes its budget the model
+is asked to summarize, and the rollout continues from prompt + summary; every segment is trained with the
+trajectory's reward (Composer 2 report). Sampling may use a fake-quantised copy of the policy (8-bit blocks,
+like MXFP8); a truncated importance ratio between the trainer's log-probs and those the sampler (whichever
+weights sampled the rollout) recorded corrects that mismatch and any other (an fp32 sampler, a bf16 trainer;
+Yao et al. 2025, "truncated importance sampling"). The same weights correct a sampler that runs a bounded
+number of policy versions behind the trainer: asynchronous RL on rollout ranks (section at the end).
 
     python grpo.py          # one group of rollouts on tool-use tasks with a fresh tiny model, its loss
 """
@@ -166,16 +166,17 @@ class Lockstep(nn.Module):
 
 
 @torch.no_grad()
-def sample_messages(model, contexts, cfg, gen, limits=None):
+def sample_messages(model, contexts, cfg, gen, limits=None, cache=None):
     """One assistant message for each context (a list of token lists), batched, with MLA's KV cache: one
     prefill of the right-padded contexts, then one token a row per call; finished rows feed padding.
-    limits: the most tokens each message may take (default cfg.max_message_tokens).
-    -> [(token ids incl. the closing <|end|>, log-probs)]"""
+    limits: the most tokens each message may take (default cfg.max_message_tokens). cache: a KVCache that
+    already holds the start of each row's context (contexts are then the rest); it ends holding every token
+    but each message's last. -> [(token ids incl. the closing <|end|>, log-probs)]"""
     B, pad = len(contexts), TOKEN["<|pad|>"]
     out = [([], []) for _ in contexts]
     limits = torch.tensor(limits or [cfg.max_message_tokens] * B)
     live = limits > 0  # [B]
-    cache = KVCache(model.cfg.n_layer, B)
+    cache = cache if cache is not None else KVCache(model.cfg.n_layer, B)
     lens = torch.tensor([len(c) for c in contexts])
     idx = torch.tensor([c + [pad] * (int(lens.max()) - len(c)) for c in contexts])  # [B, T]
     logits, _ = model(idx, pos=cache.advance(lens, idx.size(1)), cache=cache)
@@ -212,16 +213,22 @@ def rollout(policy, envs, cfg, gen, sharded=False):
                 t.segments[0].add(turn_tokens(role, text))
             t.prompt = list(t.segments[0].tokens)
             trajs.append(t)
+        # one cache row a live trajectory, kept across its messages: each message prefills only what came
+        # since the last (its last token, the tool's reply, the role token), not the whole context again
+        cache, rows = KVCache(policy.cfg.n_layer, len(trajs)), trajs
         while True:
             live = [t for t in trajs if not t.done]
             if not live:
                 break
+            cache.keep([i for i, t in enumerate(rows) if not t.done])
+            rows = live
             for t in live:  # the role token opening the message is the template's, not the policy's
                 t.segments[-1].add([TOKEN["<|assistant|>"]])
-            msgs = sample_messages(sampler, [t.segments[-1].tokens for t in live], cfg, gen,
-                                   [min(cfg.max_message_tokens, cfg.max_gen_tokens - t.written)
-                                    for t in live])
-            for t, (ids, logps) in zip(live, msgs):
+            cached = cache.next_pos.tolist()  # [B] tokens of each row's segment in the cache
+            msgs = sample_messages(sampler, [t.segments[-1].tokens[n:] for t, n in zip(live, cached)], cfg,
+                                   gen, [min(cfg.max_message_tokens, cfg.max_gen_tokens - t.written)
+                                         for t in live], cache=cache)
+            for row, (t, (ids, logps)) in enumerate(zip(live, msgs)):
                 start = len(t.segments[-1].tokens)
                 t.segments[-1].add(ids, True, logps)
                 if not ids or ids[-1] != TOKEN["<|end|>"]:  # cut at its limit: close it (not a policy token)
@@ -232,6 +239,7 @@ def rollout(policy, envs, cfg, gen, sharded=False):
                     t.summarizing = False
                     t.segments.append(Segment())
                     t.segments[-1].add(t.prompt + turn_tokens("assistant", text))
+                    cache.reset(row)
                     t.done = t.written >= cfg.max_gen_tokens
                     continue
                 t.turns.append(("assistant", text))

@@ -341,6 +341,29 @@ class KVCache:
         buf[:, self.S - kv_a.size(1):self.S] = kv_a
         return buf[:, :self.S]
 
+    def keep(self, rows):
+        """Keep only these rows (a list of row indices, in their new order), each with its real tokens packed
+        to the front in their order, so the cache is as long as its longest row, not as all chunks so far. A
+        multi-turn rollout keeps its cache across messages this way: finished rows leave the batch, and the
+        padding of earlier chunks goes."""
+        rows = torch.as_tensor(rows, dtype=torch.long, device=self.next_pos.device)
+        real = self.real_buf[rows, :self.S]  # [R, S]
+        counts = real.sum(1)  # [R]
+        self.S = int(counts.max()) if len(rows) else 0
+        cols = torch.argsort((~real).int(), dim=1, stable=True)[:, :self.S]  # [R, S'] real columns first
+        self.pos_buf = self.pos_buf[rows].gather(1, cols)
+        self.real_buf = torch.arange(self.S, device=rows.device) < counts[:, None]
+        self.latents = [None if buf is None else
+                        buf[rows].gather(1, cols[..., None].expand(-1, -1, buf.size(2)))  # [R, S', r + rope]
+                        for buf in self.latents]
+        self.next_pos, self.mask = self.next_pos[rows], None
+
+    def reset(self, row):
+        """Forget a row's tokens: its next chunk starts a new context at position 0 (a rollout that continues
+        from its summary)."""
+        self.real_buf[row] = False
+        self.next_pos[row] = 0
+
     def absorbs(self, T, cfg):
         """Absorbed attention for a chunk of T queries where it takes fewer FLOPs than expanding the keys: per
         (query, key) and head it multiplies over r + rope and r, against nope + rope and v, and it saves

@@ -2076,6 +2076,26 @@ def test_sampler_precision_and_truncated_importance_weights():
     assert (w != 1).any() and torch.allclose(w, torch.ones_like(w), atol=0.2)  # a small, real mismatch
 
 
+def test_rollout_keeps_a_cache_row_a_trajectory_across_messages_summaries_and_finished_rows(monkeypatch):
+    """A rollout keeps each live trajectory's KV-cache row across its messages (a message prefills only what
+    came since the last), drops the rows of finished trajectories and restarts a row at its summary. The
+    recorded log-probs still equal the trainer's full forward over every segment to float rounding, with
+    episodes of 2 to 8 turns and several summaries."""
+    from grpo import GRPOConfig, grpo_loss, rollout
+    kept = []
+    keep = M.KVCache.keep
+    monkeypatch.setattr(M.KVCache, "keep", lambda self, rows: (kept.append(len(rows)), keep(self, rows))[1])
+    torch.manual_seed(0)
+    model = M.Transformer(M.ModelConfig())
+    cfg = GRPOConfig(group_size=4, max_message_tokens=6, context_budget=40)
+    trajs = rollout(model, [_ScriptedEnv(1.0, n) for n in (2, 3, 5, 8)], cfg,
+                    torch.Generator().manual_seed(0))
+    assert sum(len(t.segments) - 1 for t in trajs) >= 3  # summaries: rows restarted mid-rollout
+    assert kept[0] == 4 and kept[-1] == 1 and len(set(kept)) == 4, kept  # finished rows left, one by one
+    _, stats, _, _ = grpo_loss(model, trajs, cfg)
+    assert 1 - 1e-5 < stats["tis_min"] <= stats["tis_max"] < 1 + 1e-5
+
+
 def test_grpo_trainer_logprobs_use_the_sampler_temperature():
     from dataclasses import replace
     from grpo import GRPOConfig, grpo_loss, rollout
