@@ -440,13 +440,16 @@ def policy_tensors(model):
 
 
 @torch.no_grad()
-def pack_policy(model, version):
+def pack_policy(model, version, keep=True):
     """-> [1 + n] fp32 on the CPU: the version, then every tensor of policy_tensors whole. Every trainer rank
-    calls it together: a sharded tensor is gathered whole (DTensor.full_tensor), one at a time."""
+    calls it together: a sharded tensor is gathered whole (DTensor.full_tensor), one at a time. keep=False
+    (the ranks that do not send): take part in the gathers, hold one whole tensor at a time, return None."""
     parts = [torch.tensor([float(version)])]
     for t in policy_tensors(model):
-        parts.append((t.full_tensor() if isinstance(t, DTensor) else t).float().cpu().flatten())
-    return torch.cat(parts)
+        whole = t.full_tensor() if isinstance(t, DTensor) else t
+        if keep:
+            parts.append(whole.float().cpu().flatten())
+    return torch.cat(parts) if keep else None
 
 
 @torch.no_grad()

@@ -1262,9 +1262,10 @@ def sample(envs, gen):
 
 def publish(version, **hello):
     """The policy to the rollout ranks: every trainer rank gathers its shards into whole tensors
-    (pack_policy), rank 0 sends them, after hello (where RL starts and ends, the difficulty state) the first
-    time. The previous version's sends complete first, so at most two copies are in flight."""
-    flat = pack_policy(model, version)
+    (pack_policy; only rank 0 keeps them), rank 0 sends them, after hello (where RL starts and ends, the
+    difficulty state) the first time. The previous version's sends complete first, so at most two copies are
+    in flight."""
+    flat = pack_policy(model, version, keep=rank == 0)
     try:
         if rank == 0:
             bridge.flush()
