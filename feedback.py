@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from grpo import Weights, rows as grpo_rows, turn_tokens
+from grpo import Weights, device_of, rows as grpo_rows, turn_tokens
 from model import TOKEN
 from tasks import FORMAT_REMINDER, STYLE_REMINDER, reminder
 
@@ -83,9 +83,10 @@ def find_targets(traj, rules=RULES):
 # The loss
 
 
-def pad(seqs):
-    """Token lists -> [len(seqs), longest] right-padded."""
-    return torch.tensor([s + [TOKEN["<|pad|>"]] * (max(map(len, seqs)) - len(s)) for s in seqs])
+def pad(seqs, device=None):
+    """Token lists -> [len(seqs), longest] right-padded, on device."""
+    longest = max(map(len, seqs))
+    return torch.tensor([s + [TOKEN["<|pad|>"]] * (longest - len(s)) for s in seqs], device=device)
 
 
 def message_kl(s_logits, t_logits, tokens, estimator="full"):
@@ -143,7 +144,7 @@ class Feedback:
         was_training = policy.training
         with self.teacher.loaded(policy) if self.teacher else contextlib.nullcontext():
             # in eval mode: the teacher's pass must not count toward the router's expert loads
-            t_logits, _ = policy.eval()(pad(teachers or [[TOKEN["<|pad|>"]]]))
+            t_logits, _ = policy.eval()(pad(teachers or [[TOKEN["<|pad|>"]]], device_of(policy)))
         policy.train(was_training)
         return students, spans, names, t_logits, counts
 
@@ -163,12 +164,12 @@ class Feedback:
             zero = logits.sum() * 0 if logits is not None else sum(p.sum() * 0 for p in policy.parameters())
             return zero, {"feedback_kl": 0.0, "feedback_targets": 0, **counts, **self.probes({})}
         if logits is None:
-            s_logits, _ = policy(pad([s for _, s in students]))
+            s_logits, _ = policy(pad([s for _, s in students], device_of(policy)))
         else:
-            s_logits = logits[torch.tensor([r for r, _ in students])]
+            s_logits = logits[torch.tensor([r for r, _ in students], device=logits.device)]
         losses, kls, probes = [], [], {}
         for i, (start, end, h) in enumerate(spans):  # logits at position p predict token p + 1
-            tokens = torch.tensor(students[i][1][start:end])
+            tokens = torch.tensor(students[i][1][start:end], device=s_logits.device)
             s_i, t_i = s_logits[i, start - 1:end - 1], t_logits[i, start - 1 + h:end - 1 + h]
             loss, kl = message_kl(s_i, t_i, tokens, self.cfg.estimator)
             losses.append(loss.sum())

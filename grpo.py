@@ -140,6 +140,11 @@ class Weights:
                     p.copy_(t)
 
 
+def device_of(module):
+    """Where a module's parameters live (a sharded one's local shards): what its inputs are built on."""
+    return next(module.parameters()).device
+
+
 class Lockstep(nn.Module):
     """Sampling with a sharded model (FSDP all-gathers every unit, EP exchanges tokens): every rank must run
     as many forwards as every other, though its rollouts end sooner or later. Each forward first agrees, in
@@ -151,7 +156,7 @@ class Lockstep(nn.Module):
         self.model, self.cfg = model, model.cfg
 
     def agree(self, working):
-        flag = torch.tensor([float(working)], device=next(self.model.parameters()).device)
+        flag = torch.tensor([float(working)], device=device_of(self.model))
         dist.all_reduce(flag)
         return flag.item() > 0
 
@@ -161,7 +166,7 @@ class Lockstep(nn.Module):
 
     def drain(self):
         while self.agree(False):
-            idx = torch.zeros(1, 1, dtype=torch.long, device=next(self.model.parameters()).device)
+            idx = torch.zeros(1, 1, dtype=torch.long, device=device_of(self.model))
             self.model(idx)
 
 
@@ -172,18 +177,19 @@ def sample_messages(model, contexts, cfg, gen, limits=None, cache=None):
     limits: the most tokens each message may take (default cfg.max_message_tokens). cache: a KVCache that
     already holds the start of each row's context (contexts are then the rest); it ends holding every token
     but each message's last. -> [(token ids incl. the closing <|end|>, log-probs)]"""
-    B, pad = len(contexts), TOKEN["<|pad|>"]
+    B, pad, device = len(contexts), TOKEN["<|pad|>"], device_of(model)
     out = [([], []) for _ in contexts]
-    limits = torch.tensor(limits or [cfg.max_message_tokens] * B)
+    limits = torch.tensor(limits or [cfg.max_message_tokens] * B, device=device)
     live = limits > 0  # [B]
-    cache = cache if cache is not None else KVCache(model.cfg.n_layer, B)
-    lens = torch.tensor([len(c) for c in contexts])
-    idx = torch.tensor([c + [pad] * (int(lens.max()) - len(c)) for c in contexts])  # [B, T]
+    cache = cache if cache is not None else KVCache(model.cfg.n_layer, B, device=device)
+    lens = torch.tensor([len(c) for c in contexts], device=device)
+    idx = torch.tensor([c + [pad] * (int(lens.max()) - len(c)) for c in contexts], device=device)  # [B, T]
     logits, _ = model(idx, pos=cache.advance(lens, idx.size(1)), cache=cache)
-    last = logits[torch.arange(B), lens - 1]  # [B, V]
+    last = logits[torch.arange(B, device=device), lens - 1]  # [B, V]
     for n in range(1, cfg.max_message_tokens + 1):
         logp = F.log_softmax(last / cfg.temperature, dim=-1)
-        tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)  # [B]
+        # drawn where the generator lives (the CPU's, seeded per rank): the same draws on any device
+        tok = torch.multinomial(logp.exp().to(gen.device), 1, generator=gen).squeeze(1).to(device)  # [B]
         for i in live.nonzero().flatten().tolist():
             out[i][0].append(tok[i].item())
             out[i][1].append(logp[i, tok[i]].item())
@@ -215,7 +221,7 @@ def rollout(policy, envs, cfg, gen, sharded=False):
             trajs.append(t)
         # one cache row a live trajectory, kept across its messages: each message prefills only what came
         # since the last (its last token, the tool's reply, the role token), not the whole context again
-        cache, rows = KVCache(policy.cfg.n_layer, len(trajs)), trajs
+        cache, rows = KVCache(policy.cfg.n_layer, len(trajs), device=device_of(policy)), trajs
         while True:
             live = [t for t in trajs if not t.done]
             if not live:
@@ -306,16 +312,17 @@ def rows(trajs):
     return [(i, s) for i, t in enumerate(trajs) for s in t.segments if any(s.policy)]
 
 
-def batch(trajs):
-    """Segments as padded tensors: tokens [S, T], mask / sampler_logp [S, T-1] aligned with next-token
-    log-probs, and the trajectory index of each segment (a trajectory's segments share its reward)."""
+def batch(trajs, device=None):
+    """Segments as padded tensors on device: tokens [S, T], mask / sampler_logp [S, T-1] aligned with
+    next-token log-probs, and the trajectory index of each segment (a trajectory's segments share its
+    reward)."""
     segs = rows(trajs)
     T = max(len(s.tokens) for _, s in segs)
     pad = lambda xs, v: xs + [v] * (T - len(xs))
-    tokens = torch.tensor([pad(s.tokens, TOKEN["<|pad|>"]) for _, s in segs])
-    mask = torch.tensor([pad(s.policy, False) for _, s in segs])[:, 1:]
-    sampler_logp = torch.tensor([pad(s.sampler_logp, 0.0) for _, s in segs])[:, 1:]
-    return tokens, mask, sampler_logp, torch.tensor([i for i, _ in segs])
+    tokens = torch.tensor([pad(s.tokens, TOKEN["<|pad|>"]) for _, s in segs], device=device)
+    mask = torch.tensor([pad(s.policy, False) for _, s in segs], device=device)[:, 1:]
+    sampler_logp = torch.tensor([pad(s.sampler_logp, 0.0) for _, s in segs], device=device)[:, 1:]
+    return tokens, mask, sampler_logp, torch.tensor([i for i, _ in segs], device=device)
 
 
 def minibatches(trajs, n, group_size):
@@ -331,7 +338,7 @@ def logprobs(policy, trajs, cfg):
     """A policy's log-probs [S, T-1] of a minibatch's tokens, at the sampler's temperature, in eval mode (so
     the router counts nothing): grpo_loss's old_logp (the trainer's, before any PPO step on the minibatch) and
     ref_logp (with the reference's Weights loaded), both taken before the training forward."""
-    tokens = batch(trajs)[0]
+    tokens = batch(trajs, device_of(policy))[0]
     was_training = policy.training
     logits, _ = policy.eval()(tokens[:, :-1])
     policy.train(was_training)
@@ -345,18 +352,18 @@ def grpo_loss(policy, trajs, cfg, ref_logp=None, old_logp=None):
     the logits serve the feedback term's student without a forward.
     Log-probs are taken at the sampler's temperature; the returned logits are raw (T = 1), and the feedback
     KL compares student and teacher on those."""
-    tokens, mask, sampler_logp, owner = batch(trajs)
+    tokens, mask, sampler_logp, owner = batch(trajs, device_of(policy))
     logits, _ = policy(tokens[:, :-1])
     logp = token_logprobs(logits / cfg.temperature, tokens)
     if old_logp is None:
         old_logp = logp.detach()
-    rewards = torch.tensor([t.reward for t in trajs])
+    rewards = torch.tensor([t.reward for t in trajs], device=logp.device)
     kl = torch.zeros_like(logp)
     if cfg.kl_coef > 0:
         kl = kl_estimates(logp, ref_logp)[cfg.kl_estimator] * mask
         if cfg.kl_estimator == "k1":  # folded into the reward at the sampled policy: the same in every epoch
             k1 = kl_estimates(old_logp, ref_logp)["k1"] * mask
-            rewards = rewards - cfg.kl_coef * torch.zeros(len(trajs)).index_add_(0, owner, k1.sum(-1))
+            rewards = rewards - cfg.kl_coef * rewards.new_zeros(len(trajs)).index_add_(0, owner, k1.sum(-1))
     adv = group_advantages(rewards, cfg.group_size)[owner]
     norm = len(trajs) * cfg.max_gen_tokens
     loss, clip_frac = policy_loss(logp, old_logp, sampler_logp, adv, mask.float(), cfg, norm)
