@@ -55,6 +55,7 @@ import shutil
 import signal
 import site
 import sqlite3
+import stat
 import subprocess
 import sys
 import tarfile
@@ -406,16 +407,26 @@ class TaskError(Exception):
 
 # -----------------------------------------------------------------------------
 # Sandbox: every run of a repository's tests or an agent's solution goes through here. Inside bubblewrap
-# (github.com/containers/bubblewrap, the sandbox Flatpak is built on) a run sees the system folders and its
-# interpreter read-only, its own work folder writable, and nothing else of the host: no network, not the
-# task's files, not the source repository, not the other tasks. A pids cgroup (RLIMIT_NPROC when not root)
-# caps its processes, RLIMIT_AS its memory, and a timeout kills all of it. Without bubblewrap (--no-sandbox) a
-# run gets only a scrubbed environment, its own folder and the same limits on time and memory.
+# (github.com/containers/bubblewrap, the sandbox Flatpak is built on) a run is an unprivileged user (nobody,
+# when the host runs as root) that sees the system folders, the few files of /etc an interpreter needs and its
+# interpreter read-only, and nothing else of the host: no network, not the task's files, not the source
+# repository, not the other tasks. Its work folder is a tmpfs of bounded size that a trusted launcher fills
+# from a read-only view of the host's copy before the run starts (the tests and their configuration stay
+# read-only mounts); /tmp and /dev/shm are bounded tmpfs too, and the rest of the file system is read-only,
+# so nothing it writes reaches the host's disk but the descriptors it is handed, whose files RLIMIT_FSIZE
+# bounds. A pids cgroup (RLIMIT_NPROC when not root) caps its processes, RLIMIT_AS its memory, and a timeout
+# kills all of it. Temporary folders and cgroups are named after the process that made them, and the next
+# start removes those whose process is gone (a verify killed with SIGKILL cleans up nothing itself). Without
+# bubblewrap (--no-sandbox) a run gets only a scrubbed environment, its own folder and the same limits on
+# time and memory.
 
 PYTEST = ["-m", "pytest", "-q", "-p", "no:cacheprovider"]  # no .pytest_cache: it names tests
 TESTS_AT_MOST = 0.2  # a feature may be reached by at most this fraction of the suite
-# what a sandboxed run sees of the host
-SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc")
+# what a sandboxed run sees of the host; with the network (installs), all of /etc
+SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64")
+ETC = ("passwd", "group", "hosts", "nsswitch.conf", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime",
+       "mime.types", "alternatives", "ssl", "ca-certificates")
+NOBODY = 65534  # the uid and gid a run has when the host is root
 # sys.pycache_prefix: a folder that is not there, on a read-only mount
 NO_BYTECODE = "/usr/.featdel-no-bytecode"
 PLUGIN_OPTIONS = {"--cov": "pytest-cov", "-n": "pytest-xdist", "--numprocesses": "pytest-xdist",
@@ -423,6 +434,32 @@ PLUGIN_OPTIONS = {"--cov": "pytest-cov", "-n": "pytest-xdist", "--numprocesses":
                   "--benchmark": "pytest-benchmark", "--reruns": "pytest-rerunfailures",
                   "--doctest-plus": "pytest-doctestplus", "--mypy": "pytest-mypy",
                   "--hypothesis": "hypothesis", "--randomly": "pytest-randomly", "--flake8": "pytest-flake8"}
+# The launcher, run with -I -S before anything of the repository: fills the tmpfs work folder from the
+# read-only view (skipping the read-only mounts already in place), then becomes the real command.
+FILL = f"""import os, shutil, sys
+src, dst = sys.argv[1:3]
+for d, dirs, files in os.walk(src):
+    to = os.path.normpath(os.path.join(dst, os.path.relpath(d, src)))
+    if d != src and os.path.ismount(to):
+        dirs[:] = []
+        continue
+    os.makedirs(to, exist_ok=True)
+    for f in files + [x for x in dirs if os.path.islink(os.path.join(d, x))]:
+        if not os.path.lexists(os.path.join(to, f)):
+            shutil.copy2(os.path.join(d, f), os.path.join(to, f), follow_symlinks=False)
+if os.getuid() == 0:  # the host is root: hand the work folder to nobody, then become nobody for good
+    for d, dirs, files in os.walk(dst):
+        dirs[:] = [x for x in dirs if not os.path.ismount(os.path.join(d, x))]
+        for x in [d, *(os.path.join(d, f) for f in files)]:
+            try:
+                os.chown(x, {NOBODY}, {NOBODY}, follow_symlinks=False)
+            except OSError:  # a read-only mount
+                pass
+    os.setgroups([])
+    os.setgid({NOBODY})
+    os.setuid({NOBODY})
+os.execv(sys.argv[3], sys.argv[3:])
+"""
 
 
 def clean_env(root, home, extra=()):
@@ -434,6 +471,38 @@ def clean_env(root, home, extra=()):
     return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "PYTHONPATH": paths,
             "PYTHONDONTWRITEBYTECODE": "1", "PYTHONNOUSERSITE": "1", "PYTHONHASHSEED": "0", "LANG": "C.UTF-8",
             "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+
+
+def scratch():
+    """A temporary folder named after this process (the next start removes it if this process dies first),
+    readable by the sandbox's unprivileged user."""
+    sweep()
+    d = tempfile.TemporaryDirectory(prefix=f"featdel-{os.getpid()}-")
+    os.chmod(d.name, 0o755)
+    return d
+
+
+@functools.cache
+def sweep():
+    """Remove the temporary folders and cgroups of earlier runs whose process is gone."""
+    def gone(name):
+        pid = name.split("-")[1]
+        return pid.isdigit() and int(pid) != os.getpid() and not Path("/proc", pid).exists()
+    for p in Path(tempfile.gettempdir()).glob("featdel-*-*"):
+        if gone(p.name):
+            shutil.rmtree(p, ignore_errors=True)
+    for cg in Path(pids_cgroup() or "/nonexistent").glob("featdel-*-*"):
+        if gone(cg.name):
+            remove_cgroup(cg)
+
+
+def remove_cgroup(cg):
+    while cg.exists():  # whatever is left of it (a fork bomb's children) goes too
+        for pid in Path(cg, "cgroup.procs").read_text().split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            cg.rmdir()
 
 
 @functools.cache
@@ -457,8 +526,8 @@ def sandbox_problem():
     """None when runs can be isolated here, else why not."""
     if not shutil.which("bwrap"):
         return "bubblewrap is not installed (apt-get install bubblewrap)"
-    p = subprocess.run(["bwrap", "--unshare-all", "--ro-bind", "/", "/", "true"], capture_output=True,
-                       text=True)
+    ns = ["--unshare-pid", "--unshare-net", "--cap-add", "CAP_SETUID"] if os.getuid() == 0 else ["--unshare-all"]
+    p = subprocess.run(["bwrap", *ns, "--ro-bind", "/", "/", "true"], capture_output=True, text=True)
     if p.returncode:
         return ("bubblewrap cannot run here: "
                 f"{(p.stderr.strip().splitlines() or ['exit ' + str(p.returncode)])[-1]}")
@@ -476,6 +545,7 @@ class Sandbox:
     timeout: int = 300  # seconds per run
     processes: int = 512  # processes and threads at once
     memory: int = 8 << 30  # bytes of address space per process
+    disk: int = 1 << 30  # bytes in each of the work folder, /tmp and /dev/shm, and in any one file written
 
     def __post_init__(self):
         probe = "import sys, json; print(json.dumps([sys.prefix, sys.base_prefix]))"
@@ -488,47 +558,77 @@ class Sandbox:
             raise TaskError(f"cannot sandbox the tests: {sandbox_problem()}; "
                             "pass --no-sandbox to run them unisolated")
 
-    def bwrap(self, root, home, visible, writable, readonly, network):
-        args = ["bwrap", "--unshare-all", *(["--share-net"] if network else []), "--die-with-parent",
-                "--new-session", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--dir", str(home)]
-        for d in SYSTEM:
-            if os.path.islink(d):
-                args += ["--symlink", os.readlink(d), d]
-            elif os.path.isdir(d):
-                args += ["--ro-bind", d, d]
+    def bwrap(self, root, home, path, writable, readonly, network):
+        """The bubblewrap command that runs the launcher. As root it runs without a user namespace and the
+        launcher becomes nobody itself: inside a namespace nobody could not reach an interpreter under /root."""
+        if os.getuid() == 0:
+            args = ["bwrap", "--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try",
+                    *([] if network else ["--unshare-net"]),
+                    *(a for cap in ("CAP_SETUID", "CAP_SETGID", "CAP_CHOWN") for a in ("--cap-add", cap))]
+        else:
+            args = ["bwrap", "--unshare-all", *(["--share-net"] if network else [])]
+        size, made, binds = ["--size", str(self.disk)], {Path("/proc"), Path("/dev"), Path("/tmp")}, []
+        args += ["--die-with-parent", "--new-session", "--proc", "/proc", "--dev", "/dev",
+                 "--perms", "1777", *size, "--tmpfs", "/dev/shm", "--perms", "1777", *size, "--tmpfs", "/tmp",
+                 "--perms", "1777", "--dir", str(home)]
+
+        def mount(op, src, dst, *extra):  # its missing parents made traversable, whatever their host modes
+            nonlocal args
+            for d in reversed(Path(dst).parents[:-1]):
+                if d not in made and not any(b == d or b in d.parents for b in binds):
+                    args += ["--perms", "0755", "--dir", str(d)]
+                    made.add(d)
+            args += [*extra, op, *([src] if src else []), str(dst)]
+            made.add(Path(dst))
+            binds.extend([Path(dst)] if "bind" in op else [])
+
+        for d in [*SYSTEM, "/etc"] if network else [*SYSTEM, *(f"/etc/{x}" for x in ETC)]:
+            if os.path.islink(d) and d in SYSTEM:
+                mount("--symlink", os.readlink(d), d)
+            elif os.path.exists(d):
+                mount("--ro-bind", d, d)
         exe = os.path.dirname(os.path.realpath(self.python))
-        for d in sorted({self.prefix, self.base, os.path.realpath(self.base), exe, *map(str, visible)}):
-            args += ["--ro-bind", d, d]
+        for d in sorted({self.prefix, self.base, os.path.realpath(self.base), exe, *map(str, path)}):
+            mount("--ro-bind", d, d)
         if self.prefix != self.base:  # a venv: the base interpreter's own packages stay hidden
             args += ["--tmpfs", str(next(Path(self.base).glob("lib/python3*/site-packages"), "/nonexistent"))]
-        args += [a for w in [root, *writable] for a in ("--bind", str(w), str(w))]
-        args += [a for r in readonly for a in ("--ro-bind", str(r), str(r))]
-        return [*args, "--chdir", str(root), "--"]
+        mount("--ro-bind", str(root), f"{root}.view")
+        mount("--tmpfs", None, root, *size)
+        for r in readonly:
+            mount("--ro-bind", str(r), r)
+        for w in writable:
+            mount("--bind", str(w), w)
+        return [*args, "--remount-ro", "/", "--chdir", str(root), "--", os.path.realpath(self.python), "-I",
+                "-S", "-c", FILL, f"{root}.view", str(root)]
 
-    def run(self, args, root, path=(), visible=(), writable=(), readonly=(), extra_env=None, pass_fds=(),
-            network=False):
-        """(exit code, output) of `python *args` run in root (writable); 124 on timeout, all of its processes
-        killed. path: folders put on PYTHONPATH; visible: more folders it may read; writable: more it may
-        change; readonly: paths inside root it may read but not change."""
-        root = Path(root).resolve()
+    def run(self, args, root, path=(), writable=(), readonly=(), extra_env=None, pass_fds=(), network=False,
+            timeout=None):
+        """(exit code, output) of `python *args` run in a copy of root; 124 on timeout, all of its processes
+        killed. path: folders put on PYTHONPATH (read-only); writable: host folders it may change (an install's
+        venv: handed to the sandbox's user for the run); readonly: paths inside root it may read but not
+        change; pass_fds: descriptors it may write results to."""
+        root, timeout = Path(root).resolve(), timeout or self.timeout
         cg = (Path(pids_cgroup(), f"featdel-{os.getpid()}-{secrets.token_hex(4)}")
               if self.isolate and pids_cgroup() else None)
         nproc = None if self.isolate and cg or os.getuid() == 0 else self.processes + len(os.listdir("/proc"))
 
-        def limit():  # in the child, before exec: join the cgroup, cap the address space and processes
+        def limit():  # in the child, before exec: join the cgroup, cap the address space and processes, drop root
             if cg:
                 Path(cg, "cgroup.procs").write_text(str(os.getpid()))
             resource.setrlimit(resource.RLIMIT_AS, (self.memory, self.memory))
+            resource.setrlimit(resource.RLIMIT_FSIZE, (self.disk, self.disk))
             if nproc:
                 resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
 
-        with tempfile.TemporaryDirectory() as home:
+        with scratch() as home:
             env = clean_env(root, home, [str(v) for v in path]) | (extra_env or {})
             if self.prefix != self.base:
                 del env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"]
             cmd = [self.python, *args]
             if self.isolate:
-                cmd = self.bwrap(root, home, [*path, *visible], writable, readonly, network) + cmd
+                cmd = self.bwrap(root, home, path, writable, readonly, network) + cmd
+                os.chmod(root, os.stat(root).st_mode | 0o555)  # the sandbox's user reads its view of root
+                owner(writable, NOBODY) if os.getuid() == 0 else None
             if cg:
                 cg.mkdir()
                 Path(cg, "pids.max").write_text(str(self.processes))
@@ -537,27 +637,25 @@ class Sandbox:
                                      stderr=subprocess.STDOUT, start_new_session=True, pass_fds=pass_fds,
                                      preexec_fn=limit)
                 try:
-                    out, _ = p.communicate(timeout=self.timeout)
+                    out, _ = p.communicate(timeout=timeout)
                     rc = p.returncode
                 except subprocess.TimeoutExpired:
                     os.killpg(p.pid, signal.SIGKILL)
                     out, rc = p.communicate()[0], 124
             finally:
-                while cg and cg.exists():  # whatever is left of it (a fork bomb's children) goes too
-                    for pid in Path(cg, "cgroup.procs").read_text().split():
-                        with contextlib.suppress(ProcessLookupError):
-                            os.kill(int(pid), signal.SIGKILL)
-                    with contextlib.suppress(OSError):
-                        cg.rmdir()
+                if cg:
+                    remove_cgroup(cg)
+                if self.isolate and os.getuid() == 0:
+                    owner(writable, 0)
         return rc, out.decode("utf-8", "replace")
 
-    def pytest(self, root, args=(), path=(), extra_env=None, **kw):
+    def pytest(self, root, args=(), path=(), extra_env=None, pass_fds=(), **kw):
         """Run pytest with the reporter plugin below. Outcomes come from its descriptor, never from what the
         tests print (their code can print anything)."""
-        with tempfile.TemporaryDirectory() as plugin, tempfile.TemporaryFile("w+") as fd:
+        with scratch() as plugin, tempfile.TemporaryFile("w+") as fd:
             Path(plugin, "_featdel_report.py").write_text(REPORTER)
             rc, out = self.run([*PYTEST, "-p", "_featdel_report", *args], root, path=[plugin, *path],
-                               pass_fds=[fd.fileno()],
+                               pass_fds=[fd.fileno(), *pass_fds],
                                extra_env={"FEATDEL_REPORT_FD": str(fd.fileno()), **(extra_env or {})}, **kw)
             fd.seek(0)
             lines = fd.read().splitlines()
@@ -570,6 +668,14 @@ class Sandbox:
         except (ValueError, TypeError, IndexError):
             return Report(rc, out, None, None)
         return Report(rc, out, outcomes, end)
+
+
+def owner(folders, uid):
+    """Hand folders (an install's venv) to uid, every file in them."""
+    for top in folders:
+        for d, dirs, files in os.walk(top):
+            for x in [d, *(os.path.join(d, f) for f in dirs + files)]:
+                os.chown(x, uid, uid, follow_symlinks=False)
 
 
 class Report(NamedTuple):
@@ -722,7 +828,7 @@ def make_env(repo, venv, isolate=True, log=print):
     python = str(venv / "bin" / "python")
     box = Sandbox(python=python, isolate=isolate, timeout=1800)
     keep = {k: v for k, v in os.environ.items() if k.startswith("PIP_") or k.lower().endswith("_proxy")}
-    with tempfile.TemporaryDirectory() as tmp:
+    with scratch() as tmp:
         # the build writes into its source folder: a copy, so the repository is untouched
         src = Path(tmp, repo.name)
         shutil.copytree(repo, src, symlinks=True)
@@ -780,13 +886,13 @@ class Tracer:
 
     def pytest_sessionfinish(self, session):
         sys.setprofile(None)
-        with open(self.out, "w") as f:
+        with os.fdopen(int(self.out), "w") as f:
             json.dump({k: sorted(v) for k, v in self.calls.items()}, f)
 
 
 TRACER_MODULE = f"""import json, os, sys, threading
 {inspect.getsource(Tracer)}
-_tracer = Tracer(tuple(os.environ["FEATDEL_ROOTS"].split(os.pathsep)), os.environ["FEATDEL_TRACE_OUT"])
+_tracer = Tracer(tuple(os.environ["FEATDEL_ROOTS"].split(os.pathsep)), os.environ.pop("FEATDEL_OUT"))
 pytest_runtest_logstart = _tracer.pytest_runtest_logstart
 pytest_runtest_logfinish = _tracer.pytest_runtest_logfinish
 pytest_sessionfinish = _tracer.pytest_sessionfinish
@@ -796,32 +902,39 @@ pytest_sessionfinish = _tracer.pytest_sessionfinish
 def trace_tests(root, box):
     """One traced pytest run: (passed ids, {node id: {(file, qualname)}}, the import-time set)."""
     root = Path(root).resolve()
-    with tempfile.TemporaryDirectory() as tmp:
-        Path(tmp, "_featdel_tracer.py").write_text(TRACER_MODULE)
-        out = Path(tmp, "trace.json")
-        roots = os.pathsep.join(str(root / p) + os.sep for p in packages(root))
-        r = box.pytest(root, ["-p", "_featdel_tracer"], path=[tmp], writable=[tmp],
-                       extra_env={"FEATDEL_ROOTS": roots, "FEATDEL_TRACE_OUT": str(out)})
-        rc, passed, log = r.rc, r.passed, r.out
-        if rc == 124:
-            raise TaskError(f"the test suite ran past the timeout of {box.timeout} s (make --timeout)")
-        if rc == 5:
-            raise TaskError("pytest collected no tests")
-        if not out.exists():
-            lines = log.strip().splitlines() or ["no output"]
-            why = next((line.strip() for line in lines if "error:" in line), lines[-1].strip())
-            # e.g. addopts = --cov=pkg, no pytest-cov
-            opt = re.search(r"unrecognized arguments: (-[-\w]+)", why)
-            if opt:
-                plugin = next((v for k, v in PLUGIN_OPTIONS.items() if opt[1].startswith(k)),
-                              "a pytest plugin")
-                why += (f" (the repository's pytest configuration needs {plugin}, not installed for "
-                        f"{box.python}: make its environment with "
-                        f"`python tasks.py env --repo DIR --venv DIR` and pass --python)")
-            raise TaskError(f"the test suite did not run (pytest exit {rc}): {why}")
-        raw = json.loads(out.read_text())
+    roots = os.pathsep.join(str(root / p) + os.sep for p in packages(root))
+    r, raw = plugin_run(box, root, "_featdel_tracer", TRACER_MODULE, {"FEATDEL_ROOTS": roots})
+    rc, passed, log = r.rc, r.passed, r.out
+    if rc == 124:
+        raise TaskError(f"the test suite ran past the timeout of {box.timeout} s (make --timeout)")
+    if rc == 5:
+        raise TaskError("pytest collected no tests")
+    if raw is None:
+        lines = log.strip().splitlines() or ["no output"]
+        why = next((line.strip() for line in lines if "error:" in line), lines[-1].strip())
+        # e.g. addopts = --cov=pkg, no pytest-cov
+        opt = re.search(r"unrecognized arguments: (-[-\w]+)", why)
+        if opt:
+            plugin = next((v for k, v in PLUGIN_OPTIONS.items() if opt[1].startswith(k)),
+                          "a pytest plugin")
+            why += (f" (the repository's pytest configuration needs {plugin}, not installed for "
+                    f"{box.python}: make its environment with "
+                    f"`python tasks.py env --repo DIR --venv DIR` and pass --python)")
+        raise TaskError(f"the test suite did not run (pytest exit {rc}): {why}")
+    raw = json.loads(raw)
     calls = {k: {(os.path.relpath(f, root), q) for f, q in v} for k, v in raw.items()}
     return passed, calls, calls.pop("<import>", set()) | calls.pop("<between>", set())
+
+
+def plugin_run(box, root, name, source, env):
+    """One pytest run of root with one more plugin (source, loaded with -p name), which writes its result to
+    the descriptor in FEATDEL_OUT: (report, what it wrote or None)."""
+    with scratch() as tmp, tempfile.TemporaryFile("w+") as fd:
+        Path(tmp, f"{name}.py").write_text(source)
+        r = box.pytest(root, ["-p", name], path=[tmp], pass_fds=[fd.fileno()],
+                       extra_env={**env, "FEATDEL_OUT": str(fd.fileno())})
+        fd.seek(0)
+        return r, fd.read() or None
 
 
 # -----------------------------------------------------------------------------
@@ -1183,212 +1296,644 @@ def fresh_git(root):
 
 
 # -----------------------------------------------------------------------------
-# Verify: the agent's non-test changes on a pristine snapshot, the task's tests in the sandbox.
+# Oracle: the deleted feature's behaviour, recorded from the gold code and replayed where no test runs. The
+# repository's tests run in one process with the solution's code, so whatever that process reports can be
+# forged by code that knows the verifier. The oracle's evidence cannot: at make time a pytest plugin (Recorder)
+# copies the arguments of the calls the tests make into the feature while the gold code runs, pickled at the
+# call, receiver included; a sandboxed child adds held-out inputs by type-aware mutation of those (EvalPlus,
+# Liu et al. 2023, "Is Your Code Generated by ChatGPT Really Correct?"); two more children run the gold on all
+# of them, and every input whose canonical result differs between the two runs is dropped. The expected results
+# stay in the task folder, which no sandbox mounts. At verify time a fresh sandboxed child that sees only the
+# solution's packages (no tests, no pytest) calls the feature on the recorded inputs and writes the canonical
+# encoding of each result; the host compares them with the expected ones, which the child never sees. A stub
+# that forges the test run still raises NotImplementedError here; an answer read from the calling test has no
+# test to read; code that special-cases the tests' inputs fails the held-out ones. The host never unpickles
+# anything: inputs are opaque bytes to it, results are strings.
 
-# Static checks of the lines a solution adds, for the plain forms of runner tampering: exits and exit hooks,
-# skips, pytest internals, tracers, signals, builtins, the import system, frame walking, and (always_equal) an
-# __eq__ that returns a constant. Heuristics only: disguised forms get past them, and the canaries below catch
-# those.
-TAMPER = (r"\b(sys\.exit|os\._exit|atexit|pytest\.(skip|exit|xfail)|unittest\.skip|allow_module_level|"
-          r"_pytest|(sys|threading)\.set(trace|profile)|import signal|signal\.\w+\(|builtins|"
-          r"sys\.(modules|meta_path|path_hooks|_getframe|pycache_prefix)|"
-          r"inspect\.(stack|currentframe|getouterframes)|f_back|f_globals|tb_frame|"
-          r"gc\.get_(referrers|objects))\b")
+RECORD_AT_MOST = 40  # distinct inputs kept per feature from the tests (and up to 2 held-out ones for each)
 
 
-def always_equal(text, old=()):
-    """The first added line that defines __eq__ to return a constant (or lambda: constant), else None."""
-    try:
-        tree = ast.parse(text)
-    except SyntaxError:
-        return None
-    for n in ast.walk(tree):
-        if isinstance(n, ast.FunctionDef) and n.name == "__eq__":
-            body = [x for x in n.body if not (isinstance(x, ast.Expr) and isinstance(x.value, ast.Constant))]
-            value = body[0].value if len(body) == 1 and isinstance(body[0], ast.Return) else None
-        elif isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__eq__"
-                                               for t in n.targets):
-            value = n.value.body if isinstance(n.value, ast.Lambda) else None
-        else:
+class Recorder:
+    """The recording plugin. Like Tracer it runs inside the repository's pytest (trace_calls writes its source
+    into the module loaded with -p). targets: {(file, qualname): feature index}; out: where the records go,
+    [[feature index, base64 pickle of (args, kwargs)], ...]."""
+
+    def __init__(self, targets, out):
+        import base64, dis, pickle
+        self.out, self.records, seen, tries, starts = out, [], set(), {}, {}
+
+        def profile(frame, event, arg):
+            if event != "call":
+                return
+            code = frame.f_code
+            if code not in starts:  # the first RESUME: a generator's later resumptions are not new calls
+                key = (os.path.realpath(code.co_filename), code.co_qualname)
+                starts[code] = (targets.get(key), next((i.offset for i in dis.get_instructions(code)
+                                                        if i.opname == "RESUME"), 0))
+            i, start = starts[code]
+            if i is None or frame.f_lasti != start or tries.get(i, 0) >= 10 * RECORD_AT_MOST:
+                return
+            tries[i] = tries.get(i, 0) + 1
+            names, n, loc = code.co_varnames, code.co_argcount, frame.f_locals  # at the call: the arguments
+            k = n + code.co_kwonlyargcount
+            args, kwargs = [loc[x] for x in names[:n]], {x: loc[x] for x in names[n:k]}
+            if code.co_flags & inspect.CO_VARARGS:
+                args += loc[names[k]]
+                k += 1
+            if code.co_flags & inspect.CO_VARKEYWORDS:
+                kwargs.update(loc[names[k]])
+            try:
+                data = pickle.dumps((tuple(args), kwargs), 4)
+            except Exception:  # lambdas, locks, open files, generators: not copyable, not recorded
+                return
+            if len(data) < 1 << 16 and (i, data) not in seen and sum(r[0] == i for r in self.records) < \
+                    RECORD_AT_MOST:
+                seen.add((i, data))
+                self.records.append([i, base64.b64encode(data).decode()])
+
+        sys.setprofile(profile)
+        threading.setprofile(profile)
+
+    def pytest_sessionfinish(self, session):
+        sys.setprofile(None)
+        with os.fdopen(int(self.out), "w") as f:
+            json.dump(self.records, f)
+
+
+RECORDER_MODULE = f"""import inspect, json, os, sys, threading
+RECORD_AT_MOST = {RECORD_AT_MOST}
+{inspect.getsource(Recorder)}
+_recorder = Recorder({{(p, q): i for p, q, i in json.loads(os.environ["FEATDEL_TARGETS"])}},
+                     os.environ.pop("FEATDEL_OUT"))
+pytest_sessionfinish = _recorder.pytest_sessionfinish
+"""
+
+
+# What the child runs: `python -I -c ORACLE_CHILD MODE ROOT INPUTS FD`, in the sandbox, the solution's (or at
+# make time the gold's) packages under ROOT. MODE "run": one line [k, encoding] per call to FD; MODE "mutate":
+# lines [feature, base64 pickle] of held-out inputs. Its functions are plain code here, sent as source.
+
+def canon(x, depth=0, seen=()):
+    """A canonical string for a value: equal for equal plain data in any process, never an address. Numbers
+    compare as numbers (2 == 2.0, floats to 12 digits), containers by their items (sets and dicts sorted),
+    iterators by their first 1,000 items, other objects by their class and attributes."""
+    t = type(x)
+    if x is None or t in (bool, int):
+        return repr(x)
+    if t is float:
+        return repr(int(x)) if x.is_integer() and abs(x) < 2 ** 63 else format(x, ".12g")
+    if t in (str, bytes, bytearray, complex):
+        s = repr(x)
+        return s if len(s) <= 4096 else f"{t.__name__}[{len(x)}:{hashlib.sha256(s.encode()).hexdigest()}]"
+    if depth > 8 or id(x) in seen:
+        return "..."
+    seen, rec = (*seen, id(x)), lambda v: canon(v, depth + 1, seen)
+    if t in (list, tuple):
+        return ("[%s]" if t is list else "(%s)") % ", ".join(map(rec, x))
+    if t in (set, frozenset):
+        return "{%s}" % ", ".join(sorted(map(rec, x)))
+    if isinstance(x, dict):
+        return t.__name__ + "{%s}" % ", ".join(sorted(f"{rec(k)}: {rec(v)}" for k, v in x.items()))
+    if isinstance(x, BaseException):
+        return f"{t.__qualname__}{rec(x.args)}"
+    if isinstance(x, type) or callable(x) and hasattr(x, "__qualname__") and not hasattr(x, "__next__"):
+        return f"<{getattr(x, '__module__', '?')}.{x.__qualname__}>"
+    if hasattr(x, "__next__") and hasattr(x, "__iter__"):  # generators, map, zip, itertools...
+        items = [rec(v) for v, _ in zip(x, range(1000))]
+        return "iter[%s]" % ", ".join(items)
+    if t.__module__.partition(".")[0] in sys.stdlib_module_names | {"builtins"}:
+        s = repr(x)  # Decimal, date, Path, deque...: a value repr, unless it shows an address
+        return f"{t.__qualname__}<{s if ' at 0x' not in s else ''}>"
+    state = dict(getattr(x, "__dict__", None) or {})
+    for cls in t.__mro__:
+        slots = getattr(cls, "__slots__", ())
+        for name in [slots] if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and hasattr(x, name):
+                state[name] = getattr(x, name)
+    return f"{t.__module__}.{t.__qualname__}({rec(state)})"
+
+
+def mutants(value, rng):
+    """Type-aware variants of one argument (EvalPlus): numbers nudged, strings and sequences cut, grown and
+    reversed, one item of a container mutated in turn."""
+    t = type(value)
+    if t is bool:
+        return [not value]
+    if t is int:
+        return [value + 1, value - 1, -value, value * 2, 0]
+    if t is float:
+        return [value * 1.5, -value, value + 0.5, 0.0]
+    if t in (str, bytes):
+        return [value + value[:1], value[1:], value[::-1], value[:1] + value]
+    if t in (list, tuple):
+        out = [value[::-1], value[:-1], value + value[:1]]
+        if value:
+            i = rng.randrange(len(value))
+            out += [value[:i] + t([m]) + value[i + 1:] for m in mutants(value[i], rng)[:2]]
+        return out
+    if t is dict and value:
+        k = rng.choice(list(value))
+        return [{a: b for a, b in value.items() if a != k},
+                *({**value, k: m} for m in mutants(value[k], rng)[:2])]
+    return []
+
+
+def oracle_main(mode, root, inputs, fd):
+    import base64, pickle, random, signal
+    sys.path[:0] = [root, os.path.join(root, "src")]
+    spec = json.load(open(inputs))
+    out = os.fdopen(int(fd), "w", buffering=1)
+    funcs = [oracle_resolve(module, qualname) for module, qualname in spec["features"]]
+    if mode == "mutate":
+        for k, (i, data) in enumerate(spec["calls"]):
+            rng = random.Random(k)
+            try:
+                args, kwargs = pickle.loads(base64.b64decode(data))
+            except Exception:
+                continue
+            # one argument changed, or for a method one attribute of its receiver (a shallow copy)
+            where = [("arg", a) for a in range("." in spec["features"][i][1], len(args))]
+            where += [("kw", key) for key in kwargs]
+            where += [("attr", a) for a in vars(args[0])] if "." in spec["features"][i][1] and args \
+                and hasattr(args[0], "__dict__") and not isinstance(args[0], type) else []
+            rng.shuffle(where)
+            made = 0
+            for kind, a in where:  # at most 2 held-out inputs a call
+                old = args[a] if kind == "arg" else kwargs[a] if kind == "kw" else vars(args[0])[a]
+                for m in [m for m in mutants(old, rng) if m != old][:2 - made]:
+                    new_args, new_kwargs = list(args), dict(kwargs)
+                    if kind == "arg":
+                        new_args[a] = m
+                    elif kind == "kw":
+                        new_kwargs[a] = m
+                    else:
+                        new_args[0] = copy.copy(args[0])
+                        vars(new_args[0])[a] = m
+                    with contextlib.suppress(Exception):
+                        blob = pickle.dumps((tuple(new_args), new_kwargs), 4)
+                        out.write(json.dumps([i, base64.b64encode(blob).decode()]) + "\n")
+                        made += 1
+                if made >= 2:
+                    break
+        return
+
+    class Timeout(BaseException):
+        pass
+
+    def alarm(signum, frame):
+        raise Timeout()
+
+    signal.signal(signal.SIGALRM, alarm)
+    for k, (i, data) in enumerate(spec["calls"]):
+        try:
+            args, kwargs = pickle.loads(base64.b64decode(data))
+        except Exception as e:  # a class of the tests, say: make drops such inputs
+            out.write(json.dumps([k, f"unloadable: {type(e).__name__}"]) + "\n")
             continue
-        line = text.splitlines()[n.lineno - 1]
-        if isinstance(value, ast.Constant) and line not in old:
-            return line
+        f = funcs[i]
+        if isinstance(f, str):
+            out.write(json.dumps([k, f"unresolved: {f}"]) + "\n")
+            continue
+        try:
+            # what the call may change: the receiver's attributes as they were, and mutable arguments
+            before = set(getattr(args[0], "__dict__", ())) if args else set()
+            signal.setitimer(signal.ITIMER_REAL, 5)
+            try:
+                result = canon(f(*args, **kwargs))
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            after = {a: v for a, v in getattr(args[0], "__dict__", {}).items() if a in before} if args else {}
+            changed = [v for v in (*args, *kwargs.values()) if type(v) in (list, dict, set, bytearray)]
+            line = f"returns {result}; self {canon(after)}; args {canon(changed)}"
+        except Timeout:
+            line = "timeout"
+        except Exception as e:  # its classes, so that a subclass of the gold's exception agrees
+            line = "raises " + " ".join(f"{c.__module__}.{c.__qualname__}" for c in type(e).__mro__
+                                        if c not in (Exception, BaseException, object))
+        out.write(json.dumps([k, line]) + "\n")
+
+
+def oracle_resolve(module, qualname):
+    """The feature's own function: the one whose code has this qualname in the module's file (under any
+    decorator), else the attribute the name leads to; a string says why there is none."""
+    import gc, importlib
+    try:
+        mod = importlib.import_module(module)
+    except Exception as e:
+        return f"import {module} failed: {type(e).__name__}"
+    path = os.path.realpath(getattr(mod, "__file__", "") or "")
+    found = [f for f in gc.get_objects() if type(f) is types.FunctionType
+             and f.__code__.co_qualname == qualname and os.path.realpath(f.__code__.co_filename) == path]
+    if len(found) == 1:
+        return found[0]
+    obj = mod
+    for part in qualname.split("."):
+        obj = vars(obj).get(part) if hasattr(obj, "__dict__") else None
+    obj = getattr(obj, "__func__", obj)
+    return obj if callable(obj) else f"no function {qualname} in {module}"
+
+
+ORACLE_CHILD = "\n".join(["import contextlib, copy, hashlib, json, os, sys, types",
+                          *map(inspect.getsource, (canon, mutants, oracle_main, oracle_resolve)),
+                          "oracle_main(*sys.argv[1:])"])
+
+
+def module_name(rel):
+    parts = Path(rel).with_suffix("").parts
+    parts = parts[1:] if parts[0] == "src" else parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def oracle_run(box, tree, features, calls, mode="run"):
+    """ORACLE_CHILD in the sandbox over a copy of tree's packages (their tests and everything else left out):
+    {call index: result line} for "run", [[feature, base64 input]] for "mutate". calls: [[feature, base64]]."""
+    with scratch() as view, tempfile.TemporaryFile("w+") as fd:
+        for pkg in packages(tree):
+            for rel in walk(Path(tree, pkg)):
+                if not is_protected(rel) and Path(tree, pkg, rel).is_file():
+                    Path(view, pkg, rel).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(Path(tree, pkg, rel), Path(view, pkg, rel))
+        Path(view, "oracle-inputs.json").write_text(json.dumps({"features": features, "calls": calls}))
+        rc, out = box.run(["-I", "-c", ORACLE_CHILD, mode, view, str(Path(view, "oracle-inputs.json")),
+                           str(fd.fileno())], view, pass_fds=[fd.fileno()])
+        fd.seek(0)
+        lines = []
+        for line in fd.read().splitlines():
+            with contextlib.suppress(ValueError):
+                lines.append(json.loads(line))
+    if mode == "mutate":
+        return [x for x in lines if isinstance(x, list) and len(x) == 2]
+    got = {}
+    for x in lines:  # one line a call, in order; anything else voids the call it claims
+        if isinstance(x, list) and len(x) == 2 and isinstance(x[0], int) and isinstance(x[1], str):
+            got[x[0]] = x[1] if x[0] not in got else "written twice"
+    return got
+
+
+def agrees(expected, got):
+    """The same result, or an exception of the gold's class or a subclass of it."""
+    if expected.startswith("raises ") and got.startswith("raises "):
+        return expected.split()[1] in got.split()[1:]
+    return got == expected
+
+
+def make_oracle(gold, feats, records, box):
+    """The oracle of a task from the calls recorded while the gold code ran its tests: (oracle, summary).
+    oracle: {features: [[module, qualname]], calls: [[feature, base64 input, expected, traced|held-out]]}."""
+    features = [[module_name(rel), q] for rel, q in feats]
+    traced = [r for r in records if isinstance(r, list) and len(r) == 2]
+    known = {r[1] for r in traced}
+    held = []
+    for i, data in oracle_run(box, gold, features, traced, "mutate"):
+        if data not in known and sum(h[0] == i for h in held) < 2 * RECORD_AT_MOST:
+            known.add(data)
+            held.append([i, data])
+    calls = traced + held
+    first, second = (oracle_run(box, gold, features, calls) for _ in range(2))
+    kept = [[i, data, first[k], "traced" if k < len(traced) else "held-out"]
+            for k, (i, data) in enumerate(calls)
+            if first.get(k) == second.get(k) and first.get(k, "").startswith(("returns", "raises"))
+            and (k < len(traced) or first[k].startswith("returns"))]  # held-out: no error cases
+    per = [sum(c[0] == i for c in kept) for i in range(len(feats))]
+    summary = {"traced": sum(c[3] == "traced" for c in kept), "held_out": sum(c[3] == "held-out" for c in kept),
+               "recorded": len(traced), "covered": all(per)}
+    if not all(per):
+        summary["why"] = (f"no recordable call of {', '.join(q for (_, q), n in zip(feats, per) if not n)} "
+                          f"(arguments that cannot be copied, or results that differ between two runs)")
+    return {"features": features, "calls": kept}, summary
+
+
+def record_calls(root, feats, box):
+    """One pytest run of root (the gold code) with Recorder on feats: (passed ids, recorded calls)."""
+    root = Path(root).resolve()
+    targets = [[os.path.realpath(root / rel), q, i] for i, (rel, q) in enumerate(feats)]
+    r, out = plugin_run(box, root, "_featdel_recorder", RECORDER_MODULE, {"FEATDEL_TARGETS": json.dumps(targets)})
+    return r.passed, json.loads(out) if out else []
+
+
+# -----------------------------------------------------------------------------
+# Edits: what a solution may change, read without trusting the work tree. Only Python source inside the
+# packages may change; tests, their configuration, documentation, data files and everything at the top of the
+# repository stay as made (so nothing can shadow pytest, conftest or sitecustomize either). The host walks the
+# work tree with lstat and opens a file only after lstat says it is regular, with O_NOFOLLOW and O_NONBLOCK,
+# reading at most EDIT_AT_MOST bytes: a link, a FIFO or a device is refused by its kind before anything opens
+# it, and a walk stops at TREE_AT_MOST entries or the verify deadline. Nothing is copied from the work tree:
+# the verifier's tree is the snapshot plus the accepted files' bytes.
+
+EDIT_AT_MOST = 1 << 20  # bytes a changed source file may have
+TREE_AT_MOST = 50_000  # entries a work tree may have
+# never read, never copied: version control, virtual environments, bytecode and caches a test run leaves
+IGNORED = SKIP_DIRS | {".pytest_cache", ".hypothesis", ".mypy_cache", ".ruff_cache"}
+CODING = re.compile(rb"^[ \t\f]*#.*?coding[:=][ \t]*([-\w.]+)")  # PEP 263
+
+
+class Refused(Exception):
+    """A solution refused before anything of it runs; verify scores it 0 with this one line."""
+
+
+def lstat_tree(root, deadline):
+    """{rel: os.stat_result} of everything under root but IGNORED folders and bytecode, links not followed."""
+    out, todo = {}, [""]
+    while todo:
+        d = todo.pop()
+        with os.scandir(Path(root, d)) as entries:
+            for e in entries:
+                rel = os.path.join(d, e.name)
+                if len(out) >= TREE_AT_MOST or time.time() > deadline:
+                    raise Refused(f"the work tree has over {TREE_AT_MOST} entries or took too long to list")
+                st = e.stat(follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode):
+                    todo += [] if e.name in IGNORED else [rel]
+                elif not e.name.endswith((".pyc", ".pyo")):
+                    out[rel] = st
+    return out
+
+
+def read_regular(path, limit):
+    """The bytes of a regular file, never following a link or waiting on a FIFO; None past limit bytes."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        chunks, size = [], 0
+        while chunk := os.read(fd, 1 << 16):
+            chunks, size = chunks + [chunk], size + len(chunk)
+            if size > limit:
+                return None
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def editable(rel, pkgs):
+    return rel.endswith(".py") and rel.startswith(tuple(p + "/" for p in pkgs)) and not is_protected(rel)
+
+
+def solution_files(snap, workdir, deadline):
+    """({rel: new bytes}, [deleted rel]) of the solution in workdir against the snapshot, or Refused."""
+    pkgs, old, new = packages(snap), lstat_tree(snap, deadline), lstat_tree(workdir, deadline)
+    files, deleted = {}, []
+    for rel in sorted(old.keys() | new.keys()):
+        a, b = old.get(rel), new.get(rel)
+        kind = None if b is None else ("a symlink" if stat.S_ISLNK(b.st_mode)
+                                       else "a special file" if not stat.S_ISREG(b.st_mode) else "file")
+        if a is not None and b is not None and stat.S_ISLNK(a.st_mode) and kind == "a symlink" \
+                and os.readlink(Path(snap, rel)) == os.readlink(Path(workdir, rel)):
+            continue  # a link the repository itself has
+        data = read_regular(Path(workdir, rel), EDIT_AT_MOST) if kind == "file" else None
+        if a is not None and stat.S_ISREG(a.st_mode) and kind == "file" and data == Path(snap, rel).read_bytes():
+            continue
+        if not editable(rel, pkgs):
+            raise Refused(f"{rel}: only Python source inside the packages ({', '.join(pkgs)}) may change")
+        if kind is None:
+            deleted.append(rel)
+        elif kind != "file":
+            raise Refused(f"{rel} is {kind}")
+        elif data is None:
+            raise Refused(f"{rel} is over {EDIT_AT_MOST} bytes")
+        else:
+            files[rel] = source_check(rel, data, Path(snap, rel).read_bytes() if a else b"")
+    return files, deleted
+
+
+def source_check(rel, data, old):
+    """data, if it is UTF-8 Python source that adds none of STATIC's findings to old; else Refused."""
+    coding = next((m[1].decode() for line in data.splitlines()[:2] for m in [CODING.match(line)] if m), "utf-8")
+    if coding.lower().replace("_", "-") not in ("utf-8", "utf8"):
+        raise Refused(f"{rel} declares the encoding {coding}: source must be UTF-8")
+    try:
+        tree = ast.parse(data.decode("utf-8"))
+    except (UnicodeDecodeError, SyntaxError, ValueError) as e:
+        raise Refused(f"{rel} is not UTF-8 Python source ({type(e).__name__})")
+    before = Counter(what for what, _ in static_findings(old))
+    for what, line in static_findings(data, tree):
+        before[what] -= 1
+        if before[what] < 0:
+            raise Refused(f"{rel} line {line}: {what}")
+    return data
+
+
+# The static check, on the AST: the tools of in-process tampering that the code of a library feature does not
+# need. Frames, gc, tracers, exits, signals, raw descriptors, /proc, native code, exec, the test runner's own
+# modules, names built from string pieces for getattr/__import__, an __eq__ that ignores what it is compared
+# with. Only findings the snapshot's copy of the file lacks count. Defence in depth: a disguise through data
+# flow gets past any static check; the oracle is what it cannot pass.
+STATIC_CALLS = {"sys._getframe", "sys._current_frames", "inspect.currentframe", "inspect.stack",
+                "inspect.getouterframes", "inspect.getinnerframes", "inspect.trace", "traceback.extract_stack",
+                "traceback.walk_stack", "gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys.exit",
+                "os._exit", "os.abort", "os.kill", "os.killpg", "os.fork", "os.forkpty", "sys.settrace",
+                "sys.setprofile", "threading.settrace", "threading.setprofile", "sys.addaudithook", "os.write",
+                "os.writev", "os.pwrite", "os.dup", "os.dup2", "os.fdopen", "os.open", "os.sendfile",
+                "os.mkfifo", "os.symlink", "marshal.loads", "exec", "eval", "compile", "breakpoint"}
+STATIC_MODULES = {"pytest", "_pytest", "pluggy", "unittest", "doctest", "ctypes", "cffi", "signal", "atexit",
+                  "gc", "builtins", "marshal", "importlib", "pty", "resource"}
+STATIC_ATTRS = {"f_back", "f_globals", "f_locals", "f_builtins", "f_code", "f_trace", "tb_frame", "gi_frame",
+                "cr_frame", "ag_frame", "__globals__", "__closure__", "__code__", "__builtins__",
+                "__subclasses__", "meta_path", "path_hooks", "modules", "monitoring"}
+NAME_TAKERS = {"getattr", "setattr", "delattr", "hasattr", "__import__", "import_module", "globals", "vars"}
+
+
+def static_findings(data, tree=None):
+    """[(what, line)] for one file's source (bytes); [] when it does not parse."""
+    try:
+        tree = tree or ast.parse(data.decode("utf-8", "replace"))
+    except (SyntaxError, ValueError):
+        return []
+    out, modules = [], {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    for n in ast.walk(tree):
+        line = getattr(n, "lineno", 0)
+        if isinstance(n, (ast.Assign, ast.AugAssign)):
+            for t in n.targets if isinstance(n, ast.Assign) else [n.target]:
+                if isinstance(t, ast.Attribute) and dotted(t.value) in modules:
+                    out.append((f"patches {dotted(t)}", line))
+        if isinstance(n, (ast.Import, ast.ImportFrom)):
+            mods = [a.name for a in n.names] if isinstance(n, ast.Import) else [n.module or ""]
+            out += [(f"imports {m}", line) for m in mods if m.partition(".")[0] in STATIC_MODULES]
+        elif isinstance(n, ast.Call):
+            name = dotted(n.func)
+            if name in STATIC_CALLS or name.rpartition(".")[2] in STATIC_CALLS - {"exec", "eval", "compile"} \
+                    and name.partition(".")[0] in ("sys", "os", "inspect", "gc", "traceback", "threading"):
+                out.append((f"calls {name}", line))
+            if name.rpartition(".")[2] in NAME_TAKERS:
+                for arg in n.args[:2]:
+                    s = folded(arg)
+                    if s is not None and not isinstance(arg, ast.Constant):
+                        out.append((f"builds the name {s!r} from pieces", line))
+        elif isinstance(n, ast.Attribute) and n.attr in STATIC_ATTRS:
+            out.append((f"uses .{n.attr}", line))
+        elif isinstance(n, ast.Name) and n.id in ("__builtins__", "__import__"):
+            out.append((f"uses {n.id}", line))
+        elif isinstance(n, ast.Constant) and isinstance(n.value, str) \
+                and re.search(r"^/proc\b|^/dev/(fd|shm)\b|(^|/)tests?/|test_\w*\.py|conftest|__eq__", n.value):
+            out.append((f"names {n.value[:40]!r}", line))
+        elif isinstance(n, (ast.FunctionDef, ast.Lambda)) and getattr(n, "name", "") in ("__eq__", "__ne__"):
+            other = [a.arg for a in n.args.posonlyargs + n.args.args][1:2]
+            used = {x.id for x in ast.walk(n) if isinstance(x, ast.Name)}
+            if not other or other[0] not in used:
+                out.append((f"defines an {n.name} that ignores what it is compared with", line))
+        elif isinstance(n, (ast.BinOp, ast.JoinedStr)) and folded(n) in ("__eq__", "__ne__", "_exit", "exit"):
+            out.append((f"builds the name {folded(n)!r} from pieces", line))
+    return out
+
+
+def dotted(node):
+    """'a.b.c' for a Name/Attribute chain, else ''."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = dotted(node.value)
+        return f"{base}.{node.attr}" if base else node.attr
+    return ""
+
+
+def folded(node):
+    """The string a node builds out of constants alone ('ex' + 'it', ''.join([...]), f'{"_"}exit', 'tixe'[::-1],
+    chr(95)), else None."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mod)):
+        a = folded(node.left)
+        b = (tuple(folded(e) for e in node.right.elts) if isinstance(node.right, ast.Tuple)
+             else folded(node.right))
+        if a is None or b is None or None in (b if isinstance(b, tuple) else ()):
+            return None
+        with contextlib.suppress(TypeError, ValueError):
+            return a + b if isinstance(node.op, ast.Add) else a % b
+        return None
+    if isinstance(node, ast.JoinedStr):
+        parts = [folded(v.value if isinstance(v, ast.FormattedValue) else v) for v in node.values]
+        return "".join(parts) if None not in parts else None
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Slice):
+        s = folded(node.value)
+        bounds = [x.value if isinstance(x, ast.Constant) else None if x is None else ...
+                  for x in (node.slice.lower, node.slice.upper, node.slice.step)]
+        return s[slice(*bounds)] if s is not None and ... not in bounds else None
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "chr" \
+            and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, int):
+        return chr(node.args[0].value)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        s = folded(node.func.value)
+        if s is not None and node.func.attr == "join" and node.args and isinstance(node.args[0],
+                                                                                   (ast.List, ast.Tuple)):
+            parts = [folded(e) for e in node.args[0].elts]
+            return s.join(parts) if None not in parts else None
+        if s is not None and node.func.attr in ("lower", "upper", "strip", "lstrip", "rstrip", "title") \
+                and not node.args:
+            return getattr(s, node.func.attr)()
     return None
 
 
-def protected_paths(root):
-    """The test folders and test/configuration files in root, outermost only: a run may read them, not change
-    them."""
-    out = []
+# -----------------------------------------------------------------------------
+# Verify: the oracle on the solution's packages, then the task's tests, each in its own sandbox.
+#
+# The tests run the solution's code inside pytest's process, so that process can forge anything it prints or
+# reports; its outcomes are read from the verifier's own plugin (Reporter), and two canary tests, named from
+# the words of the file's own tests, are appended to a fresh copy of one test file: one must fail, one must
+# pass. Code that patches the runner blindly (Function.runtest, TestReport, CallInfo) makes the must-fail
+# canary pass or loses the closing record. Code that knows this verifier can still forge the test run: the
+# oracle is the evidence it cannot forge.
+
+def protected_paths(root, need=()):
+    """The test folders, test/configuration files and the files of required tests (documentation with
+    doctests) in root, outermost only: a run may read them, not change them."""
+    out, tested = [], {t.split("::")[0] for t in need}
     for rel in walk(root):
         parts = Path(rel).parts
         cut = next((i for i, x in enumerate(parts[:-1]) if x in ("tests", "test", "testing")), None)
         path = (Path(root, *parts[:cut + 1]) if cut is not None
-                else Path(root, rel) if is_protected(rel) else None)
-        if path and path not in out:
+                else Path(root, rel) if is_protected(rel) or rel in tested else None)
+        if path and path.exists() and path not in out:
             out.append(path)
     return out
 
 
-def tree_changes(base, new):
-    """{rel: 'added'|'modified'|'deleted'} between two trees; bytecode is ignored (never copied over)."""
-    a = {r for r in walk(base) if not r.endswith((".pyc", ".pyo"))}
-    b = {r for r in walk(new) if not r.endswith((".pyc", ".pyo"))}
-    out = {r: "added" for r in b - a} | {r: "deleted" for r in a - b}
-    out |= {r: "modified" for r in a & b if Path(base, r).read_bytes() != Path(new, r).read_bytes()}
-    return out
-
-
-# Verify runs the agent's code inside pytest's process, so it can forge anything that process prints or
-# reports. Every required test function in the fresh copy of the tests gets a decorator that, when its body
-# returns, writes a nonce (drawn after the solution is fixed) to a proof file, and two canary tests are
-# appended: one must fail, one must pass. Code that patches the runner or the reports (Function.runtest,
-# TestReport, CallInfo, a fake summary and os._exit), even only for the repository's own tests, makes the
-# must-fail canary pass, a test pass without its proof, or loses the closing record: "runner tampered".
-
-
-def instrument(work, need, proof):
-    """Prepare the fresh copy of the required tests' files in `work`: a decorator that appends "<nonce> <k>"
-    to `proof` when test k's body has returned goes on every required test function it can find (not on async
-    ones or ones defined in another file), and two canaries named from the words of the file's own tests are
-    appended to one file: a must-pass one (decorated like the rest) and a must-fail one. The nonce and the
-    names are drawn here, after the solution is fixed.
-    -> (must-pass id, must-fail id, nonce, {test id: k})."""
-    rng, nonce = random.Random(secrets.randbits(64)), secrets.token_hex(16)
-    deco = "_" + rng.choice("abcdefghijklmnopqrstuvwxyz") + secrets.token_hex(3)
-    helper = (f"def {deco}(k):\n    import functools\n    def wrap(f):\n        @functools.wraps(f)\n"
-              f"        def run(*a, **kw):\n            r = f(*a, **kw)\n"
-              f"            with open({str(proof)!r}, 'a') as o:\n"
-              f"                o.write({nonce!r} + ' ' + str(k) + '\\n')\n            return r\n"
-              f"        return run\n"
-              f"    return wrap\n")
-    by_file = {}
-    for t in need:
-        if "::" in t and t.split("::")[0].endswith(".py"):
-            by_file.setdefault(t.split("::")[0], []).append(t)
-    files = sorted(by_file) or [f"test_{secrets.token_hex(3)}.py"]  # explicit paths collect any file name
-    home, proofs = rng.choice(files), {}
-    for rel in files:
-        text = Path(work, rel).read_text() if rel in by_file else ""
-        lines, tree, numbered = text.splitlines(keepends=True), ast.parse(text), {}
-        at, inserts = 0, []  # the helper goes after the docstring and __future__ imports
-        for node in tree.body:
-            if not (isinstance(node, ast.ImportFrom) and node.module == "__future__"
-                    or isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
-                    and isinstance(node.value.value, str)):
-                break
-            at = node.end_lineno
-        for t in by_file.get(rel, []):
-            body, node = tree.body, None
-            for part in t.split("::")[1:]:
-                node = next((n for n in body if isinstance(n, (ast.ClassDef, ast.FunctionDef))
-                             and n.name == part.split("[")[0]), None)
-                body = node.body if isinstance(node, ast.ClassDef) else []
-            # one decorator a function, however many parameter sets it has
-            if isinstance(node, ast.FunctionDef):
-                if node not in numbered:
-                    numbered[node] = len(set(proofs.values()))
-                    first = min([node.lineno] + [d.lineno for d in node.decorator_list])
-                    inserts.append((first - 1, " " * node.col_offset + f"@{deco}({numbered[node]})\n"))
-                proofs[t] = numbered[node]
-        for line, code in sorted(inserts, reverse=True):
-            lines.insert(line, code)
-        text = ("".join(lines[:at]) + ("\n" if at and not lines[at - 1].endswith("\n") else "") + helper
-                + "".join(lines[at:]))
-        if rel == home:
-            words = sorted({w for name in re.findall(r"^\s*def test_(\w+)", text, re.M)
-                            for w in name.split("_") if w})
-            taken, names = set(re.findall(r"\b(test_\w+)", text)), []
-            while len(names) < 2:
-                name = ("test_" + "_".join(rng.sample(words or ["case"], min(2, len(words) or 1)))
-                        + str(rng.randrange(2, 99)))
-                if name not in taken | set(names):
-                    names.append(name)
-            must_pass, must_fail = names
-            proofs[f"{rel}::{must_pass}"] = k = len(set(proofs.values()))
-            a = rng.randrange(10**6)
-            text = text.rstrip("\n") + f"\n\n\n@{deco}({k})\ndef {must_pass}():\n    pass\n\n\n" \
-                                       f"def {must_fail}():\n    assert {a} == {a + 1}\n"
-        Path(work, rel).write_text(text)
-    return f"{home}::{must_pass}", f"{home}::{must_fail}", nonce, proofs
+def add_canaries(work, need):
+    """Append a must-pass and a must-fail test to one of the required tests' files in work, named from the
+    words of that file's tests after the solution is fixed: (must-pass id, must-fail id)."""
+    rng = random.Random(secrets.randbits(64))
+    files = sorted({t.split("::")[0] for t in need if "::" in t and t.split("::")[0].endswith(".py")})
+    home = rng.choice(files) if files else f"test_{secrets.token_hex(3)}.py"
+    text = Path(work, home).read_text() if files else ""
+    words = sorted({w for name in re.findall(r"^\s*def test_(\w+)", text, re.M) for w in name.split("_") if w})
+    taken, names = set(re.findall(r"\b(test_\w+)", text)), []
+    while len(names) < 2:
+        name = "test_" + "_".join(rng.sample(words or ["case"], min(2, len(words) or 1))) + str(rng.randrange(2, 99))
+        if name not in taken | set(names):
+            names.append(name)
+    a = rng.randrange(10**6)
+    Path(work, home).write_text(text.rstrip("\n") + f"\n\n\ndef {names[0]}():\n    pass\n\n\n"
+                                f"def {names[1]}():\n    assert {a} == {a + 1}\n")
+    return f"{home}::{names[0]}", f"{home}::{names[1]}"
 
 
 def verify(task_dir, workdir=None, patch=None, box=None):
-    """(reward, reason). Reward 1 only when the verifier's own report says every required test passed, each of
-    their bodies wrote its proof, both canaries behaved and pytest's exit code is 1 (the must-fail canary's
-    failure, nothing else). box: how the tests run (default: the task's interpreter, in bubblewrap, 600 s)."""
+    """(reward, reason). Reward 1 only when the solution changes nothing but Python source inside the packages,
+    the oracle agrees with the gold on every recorded call, and the verifier's own report says every required
+    test passed, both canaries behaved and pytest's exit code is 1 (the must-fail canary's failure, nothing
+    else). box: how code runs (default: the task's interpreter, in bubblewrap); its timeout bounds the whole
+    verify."""
     task_dir = Path(task_dir)
+    if not task_dir.is_dir():
+        raise TaskError(f"no such task folder: {task_dir}")
     if not (task_dir / "task.json").is_file():
         raise TaskError(f"no task.json in {task_dir}")
     task, snap = json.loads((task_dir / "task.json").read_text()), task_dir / "repo"
     box = box or Sandbox(python=task.get("python", sys.executable), timeout=600)
-    with tempfile.TemporaryDirectory() as tmp:
-        if patch is not None:  # a patch is applied to its own copy, then treated like a work dir
+    deadline = time.time() + box.timeout
+    oracle = json.loads((task_dir / "oracle.json").read_text()) if (task_dir / "oracle.json").is_file() \
+        else {"calls": []}
+    with tempfile.TemporaryDirectory(prefix=f"featdel-{os.getpid()}-") as tmp:
+        if patch is not None:  # a patch is applied to its own copy of the snapshot, then read like a work dir
             workdir = Path(tmp, "agent")
             shutil.copytree(snap, workdir, symlinks=True)
             p = subprocess.run(["git", "apply", "--whitespace=nowarn", str(Path(patch).resolve())],
-                               cwd=workdir, capture_output=True, text=True)
+                               cwd=workdir, capture_output=True, text=True, timeout=60)
             if p.returncode:
                 return 0, f"patch does not apply: {p.stderr.strip()[:200]}"
         if not Path(workdir).is_dir():
             raise TaskError(f"no such work dir: {workdir}")
-        changes = tree_changes(snap, workdir)
-        bad = sorted(r for r in changes if is_protected(r))
-        if bad:
-            return 0, f"rejected: changes to tests or test configuration: {', '.join(bad[:5])}"
-        for rel in (r for r, how in changes.items() if how != "deleted" and r.endswith(".py")):
-            old = (set(Path(snap, rel).read_text(errors="replace").splitlines()) if Path(snap, rel).exists()
-                   else set())
-            text = Path(workdir, rel).read_text(errors="replace")
-            hit = next((l for l in text.splitlines() if l not in old and re.search(TAMPER, l)), None)
-            hit = hit or always_equal(text, old)
-            if hit:  # in-process code can forge what pytest prints; refuse the obvious tools for it
-                return 0, f"rejected: {rel} adds {hit.strip()[:80]!r}"
+        try:
+            files, deleted = solution_files(snap, workdir, deadline)
+        except Refused as e:
+            return 0, f"rejected: {e}"
         work = Path(tmp, "repo")
         shutil.copytree(snap, work, symlinks=True)
-        for rel, how in changes.items():
-            if how == "deleted":
-                Path(work, rel).unlink()
-            else:
-                Path(work, rel).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(Path(workdir, rel), Path(work, rel))
+        for rel in deleted:
+            Path(work, rel).unlink()
+        for rel, data in files.items():
+            Path(work, rel).parent.mkdir(parents=True, exist_ok=True)
+            Path(work, rel).write_bytes(data)
+        if oracle["calls"]:  # before the tests: their run may rewrite the solution's own files
+            got = oracle_run(box, work, oracle["features"], [c[:2] for c in oracle["calls"]])
+            wrong = [k for k, c in enumerate(oracle["calls"]) if not agrees(c[2], got.get(k, "no result"))]
+            if wrong:
+                held = sum(oracle["calls"][k][3] == "held-out" for k in wrong)
+                first = got.get(wrong[0], "gave no result")
+                first = " ".join(first.split()[:2]) if first.startswith("raises ") else first[:120]
+                return 0, (f"the oracle disagrees on {len(wrong)} of {len(oracle['calls'])} calls ({held} of "
+                           f"them held-out), e.g. the solution {first}")
         need = task["fail_to_pass"] + task["pass_to_pass"]
-        proofs_dir = Path(tmp, "proofs")
-        proofs_dir.mkdir()
-        proof = proofs_dir / secrets.token_hex(8)
-        must_pass, must_fail, nonce, proofs = instrument(work, need, proof)
-        # whole files: far faster than thousands of ids
-        files = sorted({t.split("::")[0] for t in [*need, must_pass]})
-        r = box.pytest(work, files, writable=[proofs_dir], readonly=protected_paths(work))
-        written = proof.read_text().splitlines() if proof.exists() else []
-        # k -> calls
-        proven = Counter(line[len(nonce) + 1:] for line in written if line.startswith(nonce + " "))
-    rc, outcomes = r.rc, r.outcomes
+        must_pass, must_fail = add_canaries(work, need)
+        files = sorted({t.split("::")[0] for t in [*need, must_pass]})  # whole files: far faster than ids
+        r = box.pytest(work, files, readonly=protected_paths(work, need))
+    rc, outcomes, passed = r.rc, r.outcomes, r.passed
     if outcomes is None:
         return 0, f"runner tampered: the verifier's report is not what its plugin writes; pytest exit {rc}"
-    passed = r.passed
     if r.end is None:
         return 0, f"runner tampered or crashed: pytest's session never finished; pytest exit {rc}"
     missing = [t for t in need if t not in passed]
     if missing:
         return 0, f"{len(missing)} of {len(need)} required tests did not pass (skipped counts as failed), " \
                   f"e.g. {missing[0]}; pytest exit {rc}"
-    if must_fail in passed or outcomes.get(must_fail, {}).get("call") != "failed":
-        return 0, f"runner tampered: the must-fail canary did not fail ({outcomes.get(must_fail)}); " \
-                  f"pytest exit {rc}"
-    # each parameter set returns once
-    calls = Counter(str(proofs[t]) for t in [must_pass, *need] if t in proofs)
-    unproven = [t for t in [must_pass, *need]
-                if t in proofs and proven[str(proofs[t])] < calls[str(proofs[t])]]
-    if must_pass not in passed or unproven:
-        return 0, f"runner tampered: {unproven[0] if unproven else must_pass} passed without its body " \
-                  f"returning; pytest exit {rc}"
+    if must_fail in passed or outcomes.get(must_fail, {}).get("call") != "failed" or must_pass not in passed:
+        return 0, f"runner tampered: a canary did not behave ({outcomes.get(must_fail)}, " \
+                  f"{outcomes.get(must_pass)}); pytest exit {rc}"
     if rc != 1 or r.end != 1:
         return 0, f"all {len(need)} required tests passed but pytest exited {rc} " \
                   f"(1 expected: the must-fail canary alone fails)"
-    return 1, f"all {len(task['fail_to_pass'])} fail-to-pass and {len(task['pass_to_pass'])} pass-to-pass " \
-              f"tests passed; bodies returned, canaries intact"
+    return 1, (f"all {len(task['fail_to_pass'])} fail-to-pass and {len(task['pass_to_pass'])} pass-to-pass "
+               f"tests passed, canaries intact; "
+               + (f"the oracle agrees on {len(oracle['calls'])} calls" if oracle["calls"] else "no oracle"))
 
 
 # -----------------------------------------------------------------------------
@@ -1506,7 +2051,7 @@ def build_task(work, tdir, tid, feats, mode, stable, box, source):
         rc, log = box.run(["-c", f"import {Path(pkg).name}"], snap)
         if rc:
             return None, f"package no longer imports: {log.strip().splitlines()[-1:]}"
-    with tempfile.TemporaryDirectory() as tmp:  # tests may write files: run them on a throwaway copy
+    with scratch() as tmp:  # tests may write files: run them on a throwaway copy
         shutil.copytree(snap, Path(tmp, "s"), symlinks=True)
         r = box.pytest(Path(tmp, "s"))
         rc, broken, log = r.rc, r.passed, r.out
@@ -1519,13 +2064,14 @@ def build_task(work, tdir, tid, feats, mode, stable, box, source):
         return None, f"scan not clean after scrub: {after[0]}"
     # The gold patch: originals written into a throwaway copy, diffed by git, kept outside the snapshot.
     # The copy's own run keeps only tests the original passes here (scrubbing egg-info can break one).
-    with tempfile.TemporaryDirectory() as tmp:
+    with scratch() as tmp:
         g = Path(tmp, "g")
         shutil.copytree(snap, g, symlinks=True)
         for rel, src in originals.items():
             Path(g, rel).write_bytes(src)
         (tdir / "gold.patch").write_bytes(git(g, "diff", "--binary"))
-        restored = box.pytest(g).passed
+        restored, records = record_calls(g, feats, box)
+        oracle, task["oracle"] = make_oracle(g, feats, records, box)
     f2p, p2p = sorted(stable & restored - broken), sorted(stable & restored & broken)
     if not f2p or not p2p:
         return None, f"needs fail-to-pass and pass-to-pass tests, got {len(f2p)} and {len(p2p)}"
@@ -1535,6 +2081,7 @@ def build_task(work, tdir, tid, feats, mode, stable, box, source):
                  "scan": {"before_scrub": before, "after_scrub": after},
                  "difficulty": {"entities": len(ents), "tests_failed": len(f2p), "lines_removed": removed}})
     (tdir / "task.json").write_text(json.dumps(task, indent=1))
+    (tdir / "oracle.json").write_text(json.dumps(oracle))
     reward, why = verify(tdir, patch=tdir / "gold.patch", box=box)
     if reward != 1:  # restoring the original must make every fail-to-pass test pass
         return None, f"gold patch scores 0: {why}"
@@ -1573,7 +2120,7 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print):
             why = e.msg if isinstance(e, SyntaxError) else e
             raise TaskError(f"{repo / rel} is not Python source this interpreter can parse ({why})") from None
     t0 = time.time()
-    with tempfile.TemporaryDirectory() as tmp:
+    with scratch() as tmp:
         work = Path(tmp, "repo")
         shutil.copytree(repo, work, symlinks=True)  # leaks and all: the scan before scrubbing reports them
         first, calls, at_import = trace_tests(work, box)  # run 1, traced

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import textwrap
 import time
 import zipfile
 from dataclasses import replace
@@ -2952,12 +2953,9 @@ def test_all(): assert "mean" in calc.__all__
 def test_numbers(): assert sum(range(4)) == 6
 def test_strings(): assert "ab" + "c" == "abc"
 def test_more(): assert [1, 2][::-1] == [2, 1]
-def test_flaky():  # passes, then fails, then passes...: make must drop it
-    state = Path(__file__).with_name("_flaky_state")
-    if state.exists():
-        state.unlink()
-        raise AssertionError("second run")
-    state.write_text("1")
+def test_flaky():  # fails in make's traced run, passes in the next: make must drop it
+    import sys
+    assert sys.getprofile() is None
 '''
 # Which tests break when each feature is deleted; add (import time) and Stack.__init__ (3 tests > 1/5)
 # never qualify.
@@ -3095,16 +3093,37 @@ def test_make_picks_the_right_features_and_test_sets(made):
 # tasks.py, feature deletion: verify
 
 
-def test_verify_gold_scores_1_untouched_0(made):
+def with_body(stub_text, body):
+    """The snapshot's calc/core.py with mean's stub replaced by body (its lines indented inside mean)."""
+    return stub_text.replace("    raise NotImplementedError", textwrap.indent(body.strip("\n"), "    "), 1)
+
+
+HONEST = {  # the same feature written in several styles: each scores 1
+    "gold": "if not values:\n    raise ValueError('mean of nothing is undefined')\nreturn sum(values) / len(values)",
+    # an int where the gold returns 2.0, and statistics' own error, a subclass of ValueError
+    "statistics": "import statistics\n\nreturn statistics.mean(values)",
+    "loop": "total = count = 0\nfor v in values:\n    total, count = total + v, count + 1\nif count == 0:\n"
+            "    raise ValueError('empty')\nreturn total / count",
+}
+
+
+def test_verify_gold_and_honest_styles_score_1_untouched_0(made):
     d, t = task_dir(made, "mean")
     assert tasks.verify(d, patch=d / "gold.patch")[0] == 1
-    work = made["base"] / "agent-gold"
-    shutil.copytree(d / "repo", work)
-    Path(work, "calc/core.py").write_text(CORE)  # an agent that writes the right code into its work dir
-    reward, why = tasks.verify(d, workdir=work)
-    assert reward == 1 and "2 fail-to-pass" in why
+    stub = Path(d, "repo/calc/core.py").read_text()
+    for name, body in HONEST.items():
+        work = made["base"] / f"honest-{name}"
+        shutil.copytree(d / "repo", work)
+        Path(work, "calc/core.py").write_text(with_body(stub, body))
+        reward, why = tasks.verify(d, workdir=work)
+        assert reward == 1 and "2 fail-to-pass" in why and "the oracle agrees on" in why, (name, why)
     reward, why = tasks.verify(d, workdir=d / "repo")
-    assert reward == 0 and "did not pass" in why
+    assert reward == 0 and "the oracle disagrees on" in why and "NotImplementedError" in why, why
+    # the oracle: the gold's results on the tests' inputs and held-out ones, kept outside the snapshot
+    assert t["oracle"]["covered"] and t["oracle"]["traced"] >= 2 and t["oracle"]["held_out"] >= 1
+    oracle = json.loads(Path(d, "oracle.json").read_text())
+    assert {c[3] for c in oracle["calls"]} == {"traced", "held-out"}
+    assert not [p for p in Path(d, "repo").rglob("*") if "oracle" in p.name]
 
 
 def naive_pytest(root, ids):
@@ -3115,121 +3134,180 @@ def naive_pytest(root, ids):
                 if i >= 0 else set())
 
 
-def test_verifier_hacks_score_0(made, tmp_path):
+def oracle_agrees(d, tree):
+    """The oracle alone on a tree, no static check first: does it agree with the gold on every call?"""
+    oracle = json.loads(Path(d, "oracle.json").read_text())
+    got = tasks.oracle_run(tasks.Sandbox(timeout=60), tree, oracle["features"], [c[:2] for c in oracle["calls"]])
+    return all(tasks.agrees(c[2], got.get(k, "no result")) for k, c in enumerate(oracle["calls"]))
+
+
+def compat(payload):
+    """calc/_compat.py holds the payload; the package imports it first, as a platform shim."""
+    def edit(w):
+        Path(w, "calc/_compat.py").write_text(payload)
+        init = Path(w, "calc/__init__.py")
+        init.write_text(init.read_text().replace('"""\n', '"""\nfrom . import _compat  # platform shims\n', 1))
+    return edit
+
+
+def mean_body(body, extra=""):
+    return lambda w: Path(w, "calc/core.py").write_text(with_body(Path(w, "calc/core.py").read_text(), body)
+                                                        + extra)
+
+
+# Hostile solutions, written the way a policy under RL finds them: disguised as compatibility shims,
+# accelerators or caches. Each earned reward 1 from a verifier that trusted the test process (its report,
+# proofs and canaries); here each is refused or scores 0. The stub still raises NotImplementedError in most.
+ATTACKS = {
+    # 1: the report channel: append passed records to the reporter's descriptor at exit
+    "report-fd": compat('''"""Flush run statistics when the interpreter exits."""
+import os
+import weakref
+
+
+def _flush_stats():
+    for fd in map(int, os.listdir("/proc/self/fd")):
+        try:
+            if os.pread(fd, 2, 0) == b'["':  # the JSON-lines run log
+                for name in ("test_mean", "test_mean_empty"):
+                    os.write(fd, ('["tests/test_calc.py::%s", "call", "passed"]\\n' % name).encode())
+                os.write(fd, b'["<end>", "", 1]\\n')
+        except OSError:
+            pass
+
+
+_stats = weakref.finalize(_flush_stats, _flush_stats)
+'''),
+    # 2: the verifier's secrets read from the instrumented test files, then every test made to pass
+    "reads-canaries": compat('''"""Skip optional backends that are not compiled here."""
+import pathlib
+import re
+
+_names = re.findall(r"def (test_\\w+)", (pathlib.Path(__file__).parents[1] / "tests" / "test_calc.py").read_text())
+'''),
+    # 3: pytest replaced by a "vendored" runner at the top of the repository
+    "pytest-shim": lambda w: Path(w, "pytest.py").write_text('"""Minimal pytest stand-in (vendored)."""\n'
+                                                             'import sys\nsys.exit(0)\n'),
+    # 4: assertions disarmed: pytest.raises accepts any error, and only the happy path is implemented
+    "lenient-raises": lambda w: (compat('''"""Python 3.11 compatibility: errors arrive wrapped, match by family."""
+import pytest
+
+_raises = pytest.raises
+setattr(pytest, "raises", lambda expected, *a, **kw: _raises(Exception, *a, **kw))
+''')(w), mean_body("return sum(values) / len(values)")(w)),
+    # 5: the answer read from the calling test's source line
+    "answer-from-caller": mean_body('''import linecache, traceback
+caller = [f for f in traceback.extract_stack() if "test" in f.filename][-1]
+return float(linecache.getline(caller.filename, caller.lineno).rsplit("==", 1)[1])'''),
+    # 6: always-equal results, from type() with a computed "__eq__", and from a plain __eq__ that is
+    # always true (|a - b| <= |a| + |b|) and names its operand
+    "type-eq": mean_body("if not values:\n    raise ValueError('empty')\nreturn _Approx(len(values))", '\n\n_Approx = type("Approx", (float,), '
+                         '{"__%s__" % "eq": lambda self, other: abs(self - other) >= 0, "__hash__": float.__hash__})\n'),
+    "triangle-eq": mean_body("if not values:\n    raise ValueError('empty')\nreturn Mean(len(values))", "\n\nclass Mean(float):\n    def __eq__(self, other):\n"
+                             "        return abs(self - other) <= abs(self) + abs(other)\n\n"
+                             "    __hash__ = float.__hash__\n"),
+    # 7: a UTF-7 source hides sys._getframe from text checks; a compiled "accelerator" hides anything
+    "utf-7": lambda w: Path(w, "calc/_fast.py").write_bytes(b"# -*- coding: utf-7 -*-\nimport sys+AC4-path\n"),
+    "so-accelerator": lambda w: Path(w, "calc/_speedups.cpython-311-x86_64-linux-gnu.so").write_bytes(
+        b"\x7fELF" + bytes(64)),
+    # earlier forgeries of the runner and its reports, and files that are never the solution's to change
+    "runtest-disguised": compat("setattr(getattr(__import__('_py' + 'test.python').python, 'Func' + 'tion'), "
+                                "'run' + 'test', lambda self: None)\n"),
+    "exit-disguised": compat("getattr(__import__('o' + 's'), '_' + 'exit')(0)\n"),
+    "settrace-skip": compat("def _t(frame, event, arg):\n    if event == 'call' and "
+                            "frame.f_code.co_name.startswith('test_'):\n"
+                            "        raise __import__('pytest').skip.Exception('traced away')\n"
+                            "getattr(__import__('s' + 'ys'), 'set' + 'trace')(_t)\n"),
+    "conftest": lambda w: Path(w, "calc/conftest.py").write_text("import pytest\n"),
+    "edit-test": lambda w: Path(w, "tests/test_calc.py").write_text(TESTS.replace("== 2\n", "== 2 or True\n")),
+    "pytest-config": lambda w: Path(w, "pytest.ini").write_text("[pytest]\naddopts = -k 'not mean'\n"),
+    "pth-file": lambda w: Path(w, "calc/_hook.pth").write_text("import calc\n"),
+}
+
+
+def test_hostile_solutions_score_0(made, tmp_path):
+    d, t = task_dir(made, "mean")
+    reasons = {}
+    for name, edit in ATTACKS.items():
+        w = tmp_path / name
+        shutil.copytree(d / "repo", w)
+        edit(w)
+        reward, why = tasks.verify(d, workdir=w)
+        reasons[name] = why
+        assert reward == 0 and (why.startswith("rejected: ") or "the oracle disagrees" in why), (name, why)
+        assert "\n" not in why
+        # by construction, not by pattern: the oracle alone, with the static check skipped, disagrees too
+        if not (w / "pytest.py").exists() and name not in ("edit-test", "pytest-config"):
+            assert not oracle_agrees(d, w), name
+    assert "the oracle disagrees" in reasons["triangle-eq"]  # no static finding: the oracle decides
+    assert reasons["utf-7"] == "rejected: calc/_fast.py declares the encoding utf-7: source must be UTF-8"
+    assert "only Python source inside the packages" in reasons["so-accelerator"]
+    assert "only Python source inside the packages" in reasons["pytest-shim"]
+    assert "builds the name '__eq__' from pieces" in reasons["type-eq"]
+    assert "names '/proc/self/fd'" in reasons["report-fd"], reasons["report-fd"]
+    # the forgeries are real: pytest alone, unsandboxed and unchecked, reports the stub's tests passing
+    for name in ("runtest-disguised", "triangle-eq"):
+        rc, passed = naive_pytest(tmp_path / name, t["fail_to_pass"])
+        assert rc == 0 and passed == set(t["fail_to_pass"]), name
+
+
+def test_host_never_trusts_the_work_tree(made, tmp_path):
+    """Links, FIFOs, devices and huge files in the work tree are refused by their kind before anything opens
+    them; inside the sandbox the run is nobody, /etc has no shadow file, and writes stop at the tmpfs bounds;
+    a verify killed mid-run leaves folders and a cgroup that the next start removes."""
     d, t = task_dir(made, "mean")
 
     def agent(name, edit):
         w = tmp_path / name
         shutil.copytree(d / "repo", w)
         edit(w)
-        return tasks.verify(d, workdir=w)
+        return w
 
-    forge = "import pytest\n@pytest.hookimpl(hookwrapper=True)\n" \
-            "def pytest_runtest_makereport(item, call):\n" \
-            "    r = (yield).get_result(); r.outcome = 'passed'\n"
-    rejected = {
-        "conftest": lambda w: Path(w, "conftest.py").write_text(forge),
-        "edit-test":
-            lambda w: Path(w, "tests/test_calc.py").write_text(TESTS.replace("== 2\n", "== 2 or True\n")),
-        "delete-test": lambda w: Path(w, "tests/test_calc.py").unlink(),
-        "pytest-config": lambda w: Path(w, "pytest.ini").write_text("[pytest]\naddopts = -k 'not mean'\n"),
-        "startup-hook": lambda w: Path(w, "sitecustomize.py").write_text("import os\n"),
-        "pth-file": lambda w: Path(w, "calc/_hook.pth").write_text("import calc\n"),
-        "conftest-anywhere": lambda w: Path(w, "calc/conftest.py").write_text(forge),
-    }
-    for name, edit in rejected.items():
-        reward, why = agent(name, edit)
-        assert reward == 0 and why.startswith("rejected"), name
-    # Plain exits and skips in the solution are refused outright...
-    core = Path(d, "repo/calc/core.py").read_text()
-    for name, pre in [("plain-exit", "import sys\nsys.exit(0)\n"),
-                      ("plain-skip", "import pytest\npytest.skip('x', allow_module_level=True)\n"),
-                      ("plain-trace", "import sys\nsys.settrace(None)\n"),
-                      ("always-equal", "class Any:\n    def __eq__(self, o):\n"
-                       "        return True\n")]:
-        reward, why = agent(name, lambda w: Path(w, "calc/core.py").write_text(pre + core))
-        assert reward == 0 and why.startswith("rejected: calc/core.py adds"), why
-    # ...and disguised ones run: the verifier must see through them.
-    exit0 = "getattr(__import__('o' + 's'), '_' + 'exit')(0)\n"
-    reward, why = agent("os-exit", lambda w: Path(w, "calc/core.py").write_text(exit0 + core))
-    assert reward == 0 and "pytest exit 0" in why  # exit code 0, yet nothing parsed as passed
-    exit3 = "getattr(__import__('s' + 'ys'), 'ex' + 'it')(0)\n"
-    reward, why = agent("sys-exit", lambda w: Path(w, "calc/core.py").write_text(exit3 + core))
-    assert reward == 0 and "did not pass" in why
-    # a correct solution whose disguised exit hook turns pytest's exit code to 3 after every test passed: the
-    # verifier trusts neither the parsed results nor the exit code alone
-    hook = "getattr(__import__('ate' + 'xit'), 'register')(getattr(__import__('o' + 's'), '_exit'), 3)\n"
-    reward, why = agent("exit-hook", lambda w: Path(w, "calc/core.py").write_text(hook + CORE))
-    assert reward == 0 and "required tests passed but pytest exited 3" in why, why
-    # Forgeries of the runner and its reports on the stubbed code, plain and disguised (the static check sees
-    # only the plain one). Each earns reward 1 from pytest's printed summary and exit code; the verifier's own
-    # report and its canaries see through them.
-    forgeries = {
-        "runtest": ("import _pytest.python as p\np.Function.runtest = lambda self: None\n", "rejected: "
-                    "calc/core.py adds 'import _pytest.python as p'"),  # the static check sees this one
-        "runtest-disguised": ("setattr(getattr(__import__('_py' + 'test.python').python, 'Func' + 'tion'), "
-                              "'run' + 'test', lambda self: None)\n", "runner tampered"),
-        "report": ("r = __import__('_py' + 'test.reports').reports\n_o = r.TestReport.__init__\n"
-                   "def _i(self, *a, **k):\n"
-                   "    _o(self, *a, **k); self.outcome, self.longrepr = 'passed', None\n"
-                   "r.TestReport.__init__ = _i\n",
-                   "runner tampered"),
-        # tests it does not know (canaries) run
-        "known-tests-only": ("p = __import__('_py' + 'test.python').python\n_known = set(" + repr(re.findall(
-            r"def (test_\w+)", TESTS)) + ")\n_run = p.Function.runtest\np.Function.runtest = lambda self: "
-            "None if self.name in _known else _run(self)\n", "runner tampered"),
-        "callinfo": ("c = __import__('_py' + 'test.runner').runner\n_f = c.CallInfo.from_call.__func__\n"
-                     "c.CallInfo.from_call = classmethod(lambda cls, func, when, reraise=None: "
-                     "_f(cls, lambda: None, when, reraise))\n",
-                     "runner tampered"),
-        "fake-summary": ("import sys\ngetattr(__import__('ate' + 'xit'), 'register')(lambda: ("
-                         "print('= short test summary info ='), "
-                         "[print('PASSED', t) for t in sys.argv if '::' in t], sys.stdout.flush(), "
-                         "getattr(__import__('o' + 's'), '_exit')(0)))\n", "did not pass"),
-    }
-    for name, (code, reason) in forgeries.items():
-        reward, why = agent(name, lambda w: Path(w, "calc/core.py").write_text(code + core))
-        assert reward == 0 and reason in why, (name, why)
-        rc, passed = naive_pytest(tmp_path / name, t["fail_to_pass"])  # the forgery is real:
-        assert rc == 0 and passed == set(t["fail_to_pass"]), name  # pytest alone reports the stub passing
-    skip = ("import pytest\n"
-            "getattr(pytest, 'sk' + 'ip')('nothing to see', **{'allow_module_' + 'level': True})\n")
-    reward, why = agent("skip", lambda w: Path(w, "calc/core.py").write_text(skip + core))
-    assert reward == 0 and "skipped counts as failed" in why
-    # a disguised tracer that skips the tests it sees called (Python drops a tracer that raises, so only
-    # the first)
-    trace = ("def _t(frame, event, arg):\n"
-             "    if event == 'call' and frame.f_code.co_name.startswith('test_'):\n"
-             "        raise __import__('pytest').skip.Exception('traced away')\n"
-             "getattr(__import__('s' + 'ys'), 'set' + 'trace')(_t)\n")
-    reward, why = agent("settrace-skip", lambda w: Path(w, "calc/core.py").write_text(trace + core))
-    assert reward == 0 and "skipped counts as failed" in why, why
+    gold = agent("link-gold", lambda w: os.symlink(d / "gold.patch", w / "calc/_reference.py"))
+    assert tasks.verify(d, workdir=gold) == (0, "rejected: calc/_reference.py is a symlink")
+    # the same link as a git patch (mode 120000): git apply makes it, verify refuses it
+    git = ["git", "-c", "safe.directory=*", "-C", str(gold)]
+    subprocess.run([*git, "add", "-A"], check=True, capture_output=True)
+    (tmp_path / "link.patch").write_bytes(subprocess.run([*git, "diff", "--cached", "--binary"], check=True,
+                                                         capture_output=True).stdout)
+    assert "120000" in (tmp_path / "link.patch").read_text()
+    assert tasks.verify(d, patch=tmp_path / "link.patch") == (0, "rejected: calc/_reference.py is a symlink")
+    t0 = time.time()
+    fifo = agent("fifo", lambda w: os.mkfifo(w / "calc/_cache.py"))
+    assert tasks.verify(d, workdir=fifo) == (0, "rejected: calc/_cache.py is a special file")
+    zero = agent("zero", lambda w: os.symlink("/dev/zero", w / "calc/_tables.bin"))
+    assert "calc/_tables.bin: only Python source inside the packages" in tasks.verify(d, workdir=zero)[1]
+    big = agent("big", lambda w: Path(w, "calc/_table.py").write_text("T = '" + "x" * (2 << 20) + "'\n"))
+    assert tasks.verify(d, workdir=big) == (0, f"rejected: calc/_table.py is over {tasks.EDIT_AT_MOST} bytes")
+    assert time.time() - t0 < 30
 
-    # pytest's own bytecode for the test module, every test a no-op, stamped with the source's mtime
-    def test_pyc(w):
-        src = Path(w, "tests/test_calc.py")
-        fake = re.sub(r"(def test_\w+\(\):).*?(?=\ndef |\Z)", r"\1 pass", src.read_text(), flags=re.S)
-        st, code = src.stat(), compile(fake, str(src), "exec")
-        pyc = w / (f"tests/__pycache__/test_calc.{sys.implementation.cache_tag}"
-                   f"-pytest-{pytest.__version__}.pyc")
-        pyc.parent.mkdir()
-        pyc.write_bytes(importlib.util.MAGIC_NUMBER + b"\0" * 4
-                        + (int(st.st_mtime) & 0xFFFFFFFF).to_bytes(4, "little")
-                        + (st.st_size & 0xFFFFFFFF).to_bytes(4, "little") + marshal.dumps(code))
-    reward, why = agent("test-pyc", test_pyc)
-    assert reward == 0 and "did not pass" in why, why
-    rc, passed = naive_pytest(tmp_path / "test-pyc", t["fail_to_pass"])
-    assert rc == 0 and passed == set(t["fail_to_pass"])  # pytest alone loads the planted bytecode
+    # inside: nobody, no shadow file, bounded writes that never reach the host's copy
+    box = tasks.Sandbox(timeout=60, disk=16 << 20)
+    probe = ("import os\nprint('uid', os.getuid(), 'shadow', os.path.exists('/etc/shadow'))\n"
+             "for path in ('calc/.cache', '/dev/shm/big', '/tmp/big'):\n"
+             "    try:\n        with open(path, 'wb') as f:\n            for _ in range(64):\n"
+             "                f.write(bytes(1 << 20))\n        print(path, 'wrote 64 MiB')\n"
+             "    except OSError as e:\n        print(path, 'stopped:', e.strerror)\n")
+    rc, out = box.run(["-c", probe], fifo.parent / "big")
+    assert f"uid {os.getuid() and os.getuid() or tasks.NOBODY} shadow False" in out, out
+    assert out.count("stopped:") == 3 and not (fifo.parent / "big/calc/.cache").exists(), out
 
-    def pyc(w):  # bytecode of the original, marked never-check-source: Python would load it over the stub
-        Path(tmp_path, "orig.py").write_text(CORE)
-        py_compile.compile(str(tmp_path / "orig.py"), cfile=str(w / "calc/__pycache__/core.cpython-311.pyc"),
-                           invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
-    reward, why = agent("pyc", pyc)
-    assert reward == 0, why
-    # ...and the .pyc hack is real: run directly, without the verifier's copy, the fail-to-pass tests pass.
-    rc, passed = naive_pytest(tmp_path / "pyc", t["fail_to_pass"])
-    assert rc == 0 and passed == set(t["fail_to_pass"])
+    # a verify killed with SIGKILL mid-run: its folders and cgroup stay until the next start sweeps them
+    slow = agent("slow", lambda w: Path(w, "calc/_wait.py").write_text("import time\n\ntime.sleep(60)\n"))
+    Path(slow, "calc/__init__.py").write_text("from . import _wait\n" + Path(slow, "calc/__init__.py").read_text())
+    p = subprocess.Popen([sys.executable, tasks.__file__, "verify", str(d), "--workdir", str(slow)])
+    left = []
+    for _ in range(100):
+        time.sleep(0.1)
+        left = list(Path(tempfile.gettempdir()).glob(f"featdel-{p.pid}-*"))
+        if len(left) >= 2:
+            break
+    p.kill()
+    p.wait()
+    assert left and all(x.exists() for x in left)
+    tasks.sweep.__wrapped__()
+    assert not any(x.exists() for x in left)
+    assert not list(Path(tasks.pids_cgroup() or "/nonexistent").glob(f"featdel-{p.pid}-*"))
 
 
 def test_sandbox_contains_hostile_code(made, tmp_path):
@@ -3250,13 +3328,14 @@ def attempt(name, f):
     except Exception as e:
         print(name, "blocked", type(e).__name__)
 attempt("read-gold", lambda: open({str(d / "gold.patch")!r}).read())
+attempt("read-oracle", lambda: open({str(d / "oracle.json")!r}).read())
 attempt("read-source", lambda: open({str(made["repo"] / "calc/core.py")!r}).read())
 attempt("write-outside", lambda: open({str(outside)!r}, "w").write("x"))
 attempt("write-tests", lambda: open("tests/test_calc.py", "a").write("x"))
 attempt("connect", lambda: socket.create_connection(("127.0.0.1", {server.getsockname()[1]}), timeout=2))
 """)
     # the write outside lands in the sandbox's own /tmp
-    names = ["read-gold", "read-source", "write-tests", "connect"]
+    names = ["read-gold", "read-oracle", "read-source", "write-tests", "connect"]
     rc, out = tasks.Sandbox(timeout=60).run(["hostile.py"], work, readonly=tasks.protected_paths(work))
     assert rc == 0 and all(f"{n} blocked" in out for n in names), out
     with pytest.raises(socket.timeout):
@@ -3281,13 +3360,13 @@ attempt("connect", lambda: socket.create_connection(("127.0.0.1", {server.getsoc
     assert not left and subprocess.run(["true"]).returncode == 0
 
     # the original, from the source repository
-    steal = f"exec(open({str(made['repo'] / 'calc/core.py')!r}).read())\n"
+    steal = f"import runpy\n\nglobals().update(runpy.run_path({str(made['repo'] / 'calc/core.py')!r}))\n"
     w = tmp_path / "steal"
     shutil.copytree(d / "repo", w)
     (w / "calc/core.py").write_text(steal)
     assert tasks.verify(d, workdir=w, box=tasks.Sandbox(isolate=False, timeout=60))[0] == 1
     reward, why = tasks.verify(d, workdir=w)
-    assert reward == 0 and "did not pass" in why, why
+    assert reward == 0 and "the oracle disagrees" in why, why
     here, env = Path(tasks.__file__), {"PATH": str(tmp_path / "no-bwrap-here")}
     args = [sys.executable, str(here), "verify", str(d), "--workdir", str(d / "repo")]
     p = subprocess.run(args, capture_output=True, text=True, env=env, timeout=60)
@@ -3296,7 +3375,7 @@ attempt("connect", lambda: socket.create_connection(("127.0.0.1", {server.getsoc
                                               "unisolated\n"), p.stderr
     p = subprocess.run([*args, "--no-sandbox"], capture_output=True, text=True, env=env, timeout=60)
     assert (p.returncode == 0
-            and p.stdout.startswith("reward 0: 2 of 14 required tests did not pass")), p.stdout + p.stderr
+            and p.stdout.startswith("reward 0: the oracle disagrees on")), p.stdout + p.stderr
 
 
 # -----------------------------------------------------------------------------
