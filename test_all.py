@@ -3310,6 +3310,36 @@ def test_host_never_trusts_the_work_tree(made, tmp_path):
     assert not list(Path(tasks.pids_cgroup() or "/nonexistent").glob(f"featdel-{p.pid}-*"))
 
 
+def test_doctests_in_editable_files_are_never_required(tmp_path):
+    """A doctest in the package's source is the solution's to edit, so it is never a required test: rewriting
+    its examples earns nothing. A doctest in the documentation is required and runs from a read-only copy."""
+    files = {"calc/__init__.py": "from .core import half, mean\n",
+             "calc/core.py": 'def mean(values):\n    """Arithmetic mean.\n\n    >>> mean([1, 2, 3])\n    2.0\n'
+                             '    """\n    total = sum(values)\n    return total / len(values)\n\n\n'
+                             'def half(x):\n    """Half of x."""\n    y = x / 2\n    return y\n',
+             "docs/usage.rst": "Usage\n=====\n\n>>> import calc\n>>> calc.mean([2, 4])\n3.0\n",
+             "tests/test_core.py": "import calc\n\n\ndef test_mean():\n    assert calc.mean([1, 3]) == 2\n\n\n"
+                                   "def test_half():\n    assert calc.half(3) == 1.5\n\n\n"
+                                   + "".join(f"def test_filler_{i}():\n    assert {i} == {i}\n\n\n" for i in range(12)),
+             "pyproject.toml": '[tool.pytest.ini_options]\ntestpaths = ["tests", "calc", "docs"]\n'
+                               "addopts = \"--doctest-modules --doctest-glob='*.rst'\"\n"}
+    for rel, text in files.items():
+        Path(tmp_path, "r", rel).parent.mkdir(parents=True, exist_ok=True)
+        Path(tmp_path, "r", rel).write_text(text)
+    made = tasks.make(commit(tmp_path / "r"), tmp_path / "out", n=2, log=lambda s: None)
+    task = next(t for t in made if t["deleted"][0]["qualname"] == "mean")
+    need = task["fail_to_pass"] + task["pass_to_pass"]
+    assert "docs/usage.rst::usage.rst" in task["fail_to_pass"] and not [t for t in need if t.startswith("calc/")]
+    d = tmp_path / "out" / task["id"]
+    assert Path(d, "repo/docs/usage.rst") in tasks.protected_paths(d / "repo", need)
+    w = tmp_path / "rewrite"
+    shutil.copytree(d / "repo", w)
+    core = Path(w, "calc/core.py")
+    core.write_text(core.read_text().replace(">>> mean([1, 2, 3])\n    2.0", ">>> mean  # doctest: +ELLIPSIS\n    <...>"))
+    reward, why = tasks.verify(d, workdir=w)
+    assert reward == 0 and "the oracle disagrees" in why, why
+
+
 def test_sandbox_contains_hostile_code(made, tmp_path):
     """In bubblewrap a run reads nothing of the host outside its view (the gold patch, the source repository),
     writes nowhere but its folder (not the tests), connects nowhere and cannot fork-bomb the host; unisolated,
