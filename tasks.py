@@ -431,6 +431,7 @@ SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64")
 ETC = ("passwd", "group", "hosts", "nsswitch.conf", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime",
        "mime.types", "alternatives", "ssl", "ca-certificates")
 NOBODY = 65534  # the uid and gid a run has when the host is root
+READ_AT_MOST = 64 << 20  # bytes the host reads of what a run wrote to a descriptor it was handed
 # sys.pycache_prefix: a folder that is not there, on a read-only mount
 NO_BYTECODE = "/usr/.featdel-no-bytecode"
 PLUGIN_OPTIONS = {"--cov": "pytest-cov", "-n": "pytest-xdist", "--numprocesses": "pytest-xdist",
@@ -549,7 +550,7 @@ class Sandbox:
     timeout: int = 300  # seconds per run
     processes: int = 512  # processes and threads at once
     memory: int = 8 << 30  # bytes of address space per process
-    disk: int = 1 << 30  # bytes in each of the work folder, /tmp and /dev/shm, and in any one file written
+    disk: int = 512 << 20  # bytes in each of the work folder, /tmp and /dev/shm, and in any one file written
 
     def __post_init__(self):
         probe = "import sys, json; print(json.dumps([sys.prefix, sys.base_prefix]))"
@@ -624,7 +625,7 @@ class Sandbox:
             if nproc:
                 resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
 
-        with scratch() as home:
+        with scratch() as home, tempfile.TemporaryFile() as log:  # a file: output beyond RAM stays bounded
             env = clean_env(root, home, [str(v) for v in path]) | (extra_env or {})
             if self.prefix != self.base:
                 del env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"]
@@ -637,32 +638,32 @@ class Sandbox:
                 cg.mkdir()
                 Path(cg, "pids.max").write_text(str(self.processes))
             try:
-                p = subprocess.Popen(cmd, cwd=root, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                p = subprocess.Popen(cmd, cwd=root, env=env, stdin=subprocess.DEVNULL, stdout=log,
                                      stderr=subprocess.STDOUT, start_new_session=True, pass_fds=pass_fds,
                                      preexec_fn=limit)
                 try:
-                    out, _ = p.communicate(timeout=timeout)
-                    rc = p.returncode
+                    rc = p.wait(timeout=timeout)
                 except subprocess.TimeoutExpired:
                     os.killpg(p.pid, signal.SIGKILL)
-                    out, rc = p.communicate()[0], 124
+                    p.wait()
+                    rc = 124
             finally:
                 if cg:
                     remove_cgroup(cg)
                 if self.isolate and os.getuid() == 0:
                     owner(writable, 0)
-        return rc, out.decode("utf-8", "replace")
+            out = tail(log, 1 << 20)
+        return rc, out
 
     def pytest(self, root, args=(), path=(), extra_env=None, pass_fds=(), **kw):
         """Run pytest with the reporter plugin below. Outcomes come from its descriptor, never from what the
         tests print (their code can print anything)."""
-        with scratch() as plugin, tempfile.TemporaryFile("w+") as fd:
+        with scratch() as plugin, tempfile.TemporaryFile() as fd:
             Path(plugin, "_featdel_report.py").write_text(REPORTER)
             rc, out = self.run([*PYTEST, "-p", "_featdel_report", *args], root, path=[plugin, *path],
                                pass_fds=[fd.fileno(), *pass_fds],
                                extra_env={"FEATDEL_REPORT_FD": str(fd.fileno()), **(extra_env or {})}, **kw)
-            fd.seek(0)
-            lines = fd.read().splitlines()
+            lines = tail(fd, READ_AT_MOST).splitlines()
         try:
             records = [json.loads(line) for line in lines]
             end = records[-1][2] if records and records[-1][0] == "<end>" else None
@@ -672,6 +673,13 @@ class Sandbox:
         except (ValueError, TypeError, IndexError):
             return Report(rc, out, None, None)
         return Report(rc, out, outcomes, end)
+
+
+def tail(f, limit):
+    """The last limit bytes written to an open file, as text: what a run wrote can be any size."""
+    f.seek(max(0, f.seek(0, os.SEEK_END) - limit))
+    data = f.read()
+    return data.decode("utf-8", "replace") if isinstance(data, bytes) else data
 
 
 def owner(folders, uid):
@@ -933,12 +941,11 @@ def trace_tests(root, box):
 def plugin_run(box, root, name, source, env):
     """One pytest run of root with one more plugin (source, loaded with -p name), which writes its result to
     the descriptor in FEATDEL_OUT: (report, what it wrote or None)."""
-    with scratch() as tmp, tempfile.TemporaryFile("w+") as fd:
+    with scratch() as tmp, tempfile.TemporaryFile() as fd:
         Path(tmp, f"{name}.py").write_text(source)
         r = box.pytest(root, ["-p", name], path=[tmp], pass_fds=[fd.fileno()],
                        extra_env={**env, "FEATDEL_OUT": str(fd.fileno())})
-        fd.seek(0)
-        return r, fd.read() or None
+        return r, tail(fd, READ_AT_MOST) or None
 
 
 # -----------------------------------------------------------------------------
@@ -1362,7 +1369,7 @@ class Copier(pickle.Pickler):
 
 
 class Recorder:
-    """The recording plugin. Like Tracer it runs inside the repository's pytest (trace_calls writes its source
+    """The recording plugin. Like Tracer it runs inside the repository's pytest (record_calls writes its source
     into the module loaded with -p). targets: {(file, qualname): feature index}; out: where the records go,
     [[feature index, base64 pickle of (args, kwargs)], ...]."""
 
@@ -1443,12 +1450,13 @@ def canon(x, depth=0, seen=()):
     if depth > 8 or id(x) in seen:
         return "..."
     seen, rec = (*seen, id(x)), lambda v: canon(v, depth + 1, seen)
-    if t in (list, tuple):
-        return ("[%s]" if t is list else "(%s)") % ", ".join(map(rec, x))
-    if t in (set, frozenset):
-        return "{%s}" % ", ".join(sorted(map(rec, x)))
+    name = "" if t in (list, tuple, set, frozenset, dict) else t.__qualname__  # a subclass: named, items kept
+    if isinstance(x, (list, tuple)):
+        return name + ("[%s]" if isinstance(x, list) else "(%s)") % ", ".join(map(rec, x))
+    if isinstance(x, (set, frozenset)):
+        return name + "{%s}" % ", ".join(sorted(map(rec, x)))
     if isinstance(x, dict):
-        return t.__name__ + "{%s}" % ", ".join(sorted(f"{rec(k)}: {rec(v)}" for k, v in x.items()))
+        return (name or "dict") + "{%s}" % ", ".join(sorted(f"{rec(k)}: {rec(v)}" for k, v in x.items()))
     if isinstance(x, BaseException):
         return f"{t.__qualname__}{rec(x.args)}"
     if isinstance(x, type) or callable(x) and hasattr(x, "__qualname__") and not hasattr(x, "__next__"):
@@ -1600,10 +1608,10 @@ def module_name(rel):
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def oracle_run(box, tree, features, calls, mode="run"):
+def oracle_run(box, tree, features, calls, mode="run", timeout=None):
     """ORACLE_CHILD in the sandbox over a copy of tree's packages (their tests and everything else left out):
     {call index: result line} for "run", [[feature, base64 input]] for "mutate". calls: [[feature, base64]]."""
-    with scratch() as view, tempfile.TemporaryFile("w+") as fd:
+    with scratch() as view, tempfile.TemporaryFile() as fd:
         for pkg in packages(tree):
             for rel in walk(Path(tree, pkg)):
                 if not is_protected(rel) and Path(tree, pkg, rel).is_file():
@@ -1611,10 +1619,9 @@ def oracle_run(box, tree, features, calls, mode="run"):
                     shutil.copyfile(Path(tree, pkg, rel), Path(view, pkg, rel))
         Path(view, "oracle-inputs.json").write_text(json.dumps({"features": features, "calls": calls}))
         rc, out = box.run(["-I", "-c", ORACLE_CHILD, mode, view, str(Path(view, "oracle-inputs.json")),
-                           str(fd.fileno())], view, pass_fds=[fd.fileno()])
-        fd.seek(0)
+                           str(fd.fileno())], view, pass_fds=[fd.fileno()], timeout=timeout)
         lines = []
-        for line in fd.read().splitlines():
+        for line in tail(fd, READ_AT_MOST).splitlines():
             with contextlib.suppress(ValueError):
                 lines.append(json.loads(line))
     if mode == "mutate":
@@ -1805,6 +1812,13 @@ def static_findings(data, tree=None):
     except (SyntaxError, ValueError):
         return []
     out, modules = [], {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    # an `if __name__ == "__main__":` block never runs on import, unless the file can change __name__
+    mains = [n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test).replace("'", '"')
+             in ('__name__ == "__main__"', '"__main__" == __name__')]
+    if not any(isinstance(n, ast.Name) and n.id == "__name__" and not isinstance(n.ctx, ast.Load)
+               or isinstance(n, ast.Constant) and n.value == "__name__" for n in ast.walk(tree)):
+        skip = {id(x) for m in mains for x in ast.walk(m)}
+        tree = ast.Module([n for n in tree.body if id(n) not in skip], [])
     for n in ast.walk(tree):
         line = getattr(n, "lineno", 0)
         if isinstance(n, (ast.Assign, ast.AugAssign)):
@@ -1969,7 +1983,8 @@ def verify(task_dir, workdir=None, patch=None, box=None):
             Path(work, rel).parent.mkdir(parents=True, exist_ok=True)
             Path(work, rel).write_bytes(data)
         if oracle["calls"]:  # before the tests: their run may rewrite the solution's own files
-            got = oracle_run(box, work, oracle["features"], [c[:2] for c in oracle["calls"]])
+            got = oracle_run(box, work, oracle["features"], [c[:2] for c in oracle["calls"]],
+                             timeout=max(1, deadline - time.time()))
             wrong = [k for k, c in enumerate(oracle["calls"]) if not agrees(c[2], got.get(k, "no result"))]
             if wrong:
                 held = sum(oracle["calls"][k][3] == "held-out" for k in wrong)
@@ -1980,7 +1995,7 @@ def verify(task_dir, workdir=None, patch=None, box=None):
         need = task["fail_to_pass"] + task["pass_to_pass"]
         must_pass, must_fail = add_canaries(work, need)
         files = sorted({t.split("::")[0] for t in [*need, must_pass]})  # whole files: far faster than ids
-        r = box.pytest(work, files, readonly=protected_paths(work, need))
+        r = box.pytest(work, files, readonly=protected_paths(work, need), timeout=max(1, deadline - time.time()))
     rc, outcomes, passed = r.rc, r.outcomes, r.passed
     if outcomes is None:
         return 0, f"runner tampered: the verifier's report is not what its plugin writes; pytest exit {rc}"
@@ -2214,14 +2229,24 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print):
             tid = (f"{repo.resolve().name}-{len(tasks):03d}-"
                    + hashlib.sha1(repr(feats).encode()).hexdigest()[:8])
             task, why = make_task(work, out, tid, feats, mode, stable, box, source)
+            o = task["oracle"] if task else {}
             log(f"  {tid}: {', '.join(q for _, q in feats)} -> {why}"
-                + (f" (fail-to-pass {len(task['fail_to_pass'])}, "
-                   f"leaks scrubbed {len(task['scan']['before_scrub'])})" if task else ""))
+                + (f" (fail-to-pass {len(task['fail_to_pass'])}, leaks scrubbed "
+                   f"{len(task['scan']['before_scrub'])}, "
+                   + (f"oracle {o['traced']} traced + {o['held_out']} held-out calls)" if o["covered"] else
+                      f"no oracle, not served by default: {'; '.join(o['why'])})") if task else ""))
             if task:
                 tasks.append(task)
                 used |= set(feats)
     log(f"made {len(tasks)} tasks of {tried} tried in {time.time() - t0:.1f}s")
     return tasks
+
+
+def served(out, unrecorded=False):
+    """The task folders in out that RL is served: those whose oracle covers every deleted feature (with
+    unrecorded=True, also those judged by their tests alone)."""
+    return [d for d in sorted(Path(out).iterdir()) if (d / "task.json").is_file()
+            and (unrecorded or json.loads((d / "task.json").read_text()).get("oracle", {}).get("covered"))]
 
 
 # -----------------------------------------------------------------------------
