@@ -13,19 +13,22 @@ tools" feedback example); Toolformer (Schick et al. 2023) for text tool calls.
 
 Feature deletion on real codebases: cut a tested feature out of a Python repository (stub: Commit0-style
 NotImplementedError; remove: the whole definition); the agent re-implements it, and the repository's own tests
-are the verifiable reward (fail-to-pass and pass-to-pass sets). A task is served only when a leak scan finds
-none of the deleted code left in bytecode, type-checker caches, git history, archives or build output, and a
-trajectory monitor flags agent steps that read such leaks or tamper with the verifier. The reward is read from
-the verifier's own report, written outside what the solution's code controls, and checked with a proof that
-each test's body returned and with canary tests, never from what pytest prints. Sources: Cursor's Composer 2.5
-post (the reward hacks seen at scale: a mypy cache read back for a deleted signature, Java bytecode decompiled
-to rebuild an API); SWE-smith and R2E-Gym for tasks made from real repositories with their tests as the
-verifier.
+(fail-to-pass and pass-to-pass sets) plus a hidden oracle are the verifiable reward. The oracle is the gold
+code's results on the inputs the tests gave the feature and on held-out mutations of them (EvalPlus), kept
+where no sandboxed process can read them and compared on the host with what a fresh sandboxed child that
+imports only the solution returns: evidence the solution's code cannot forge, unlike anything the test process
+reports. A solution may change only Python source inside the packages, read by a host that never follows the
+work tree. A task is served only when a leak scan finds none of the deleted code left in bytecode,
+type-checker caches, git history, archives or build output, and a trajectory monitor flags agent steps that
+read such leaks or prepare tampering. Sources: Cursor's Composer 2.5 post (the reward hacks seen at scale: a
+mypy cache read back for a deleted signature, Java bytecode decompiled to rebuild an API); SWE-smith and
+R2E-Gym for tasks made from real repositories with their tests as the verifier; EvalPlus (Liu et al. 2023)
+for held-out inputs by type-aware mutation.
 
 Standard library only: no torch, nothing of the project; untrusted code (tests, solutions) runs in a
-subprocess with a timeout and a scrubbed environment, inside bubblewrap (no network, the host read-only, only
-its folder writable). make takes a git checkout (each task records the commit) and runs its tests with the
-interpreter from `env`.
+subprocess with a timeout and a scrubbed environment, inside bubblewrap (an unprivileged user, no network,
+the host read-only, only a bounded tmpfs copy of its folder writable). make takes a git checkout (each task
+records the commit) and runs its tests with the interpreter from `env`.
 
     python tasks.py                # tool use: tasks, gold transcripts, a long chain, a scripted episode,
                                    # the difficulty sampler
@@ -386,22 +389,26 @@ class DifficultySampler:
 
 
 # -----------------------------------------------------------------------------
-# Feature deletion on real codebases: make cuts a tested feature out of a repo, verify scores the agent's
-# re-implementation with the repo's own tests, scan and scrub keep the deleted code from leaking, monitor
-# flags trajectories that look for it. Everything below up to the Demo is this family; its CLI is cli(). The
-# map:
+# Feature deletion on real codebases: make cuts a tested feature out of a repo and records its oracle, verify
+# scores the agent's re-implementation with the oracle and the repo's own tests, scan and scrub keep the
+# deleted code from leaking, monitor flags trajectories that look for it. Everything below up to the Demo is
+# this family; its CLI is cli(). The map:
 #
-#   Sandbox        Sandbox: every untrusted run (tests, solutions) in bubblewrap, with a timeout; Reporter,
-#                  the pytest plugin whose descriptor is the only source of outcomes
+#   Sandbox        Sandbox: every untrusted run (tests, solutions) in bubblewrap as nobody, on bounded tmpfs,
+#                  with a timeout; Reporter, the pytest plugin whose descriptor is the only source of outcomes
 #   Layout         which files are source, which are tests and configuration (never editable)
 #   Environment    make_env: a venv per repository with the test requirements it declares
 #   Tracing        trace_tests: Tracer profiles each test's calls into the package -> test -> feature map
 #   Splicing       delete_edit: byte ranges that delete a feature (stub or remove), the rest byte-identical
 #   Fingerprints   what the deleted code looks like, for the scanner
 #   Scan           scan: leak sources (bytecode, caches, git history, archives, builds) and what each holds
-#   Verify         verify: the solution on a pristine snapshot, the task's tests and canaries in the sandbox
-#   Make           make: baseline, map, pick, delete, validate, scrub, scan, write a task
-#   Monitor        monitor: trajectory steps that read leak sources or tamper with the verifier
+#   Oracle         Recorder, Copier: the feature's inputs copied while the gold runs its tests; canon,
+#                  mutants, ORACLE_CHILD: held-out inputs and canonical results in a child without tests
+#   Edits          solution_files: Python source inside the packages only, read by lstat, never followed;
+#                  static_findings: the AST check for the tools of in-process tampering
+#   Verify         verify: the oracle on the solution's packages, then the task's tests and canaries
+#   Make           make: baseline, map, pick, delete, validate, scrub, scan, record the oracle, write a task
+#   Monitor        monitor: trajectory steps that read leak sources or the task's files, or prepare tampering
 #   CLI            cli: python tasks.py env|make|verify|scan|monitor
 
 
@@ -531,7 +538,8 @@ def sandbox_problem():
     """None when runs can be isolated here, else why not."""
     if not shutil.which("bwrap"):
         return "bubblewrap is not installed (apt-get install bubblewrap)"
-    ns = ["--unshare-pid", "--unshare-net", "--cap-add", "CAP_SETUID"] if os.getuid() == 0 else ["--unshare-all"]
+    ns = (["--unshare-pid", "--unshare-net", "--cap-add", "CAP_SETUID"] if os.getuid() == 0
+          else ["--unshare-all"])
     p = subprocess.run(["bwrap", *ns, "--ro-bind", "/", "/", "true"], capture_output=True, text=True)
     if p.returncode:
         return ("bubblewrap cannot run here: "
@@ -565,7 +573,8 @@ class Sandbox:
 
     def bwrap(self, root, home, path, writable, readonly, network):
         """The bubblewrap command that runs the launcher. As root it runs without a user namespace and the
-        launcher becomes nobody itself: inside a namespace nobody could not reach an interpreter under /root."""
+        launcher becomes nobody itself: inside a namespace, nobody could not reach an interpreter under
+        /root."""
         if os.getuid() == 0:
             args = ["bwrap", "--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try",
                     *([] if network else ["--unshare-net"]),
@@ -608,16 +617,16 @@ class Sandbox:
 
     def run(self, args, root, path=(), writable=(), readonly=(), extra_env=None, pass_fds=(), network=False,
             timeout=None):
-        """(exit code, output) of `python *args` run in a copy of root; 124 on timeout, all of its processes
-        killed. path: folders put on PYTHONPATH (read-only); writable: host folders it may change (an install's
-        venv: handed to the sandbox's user for the run); readonly: paths inside root it may read but not
-        change; pass_fds: descriptors it may write results to."""
+        """(exit code, the last MiB of its output) of `python *args` run in a copy of root; 124 on timeout,
+        all of its processes killed. path: folders put on PYTHONPATH (read-only); writable: host folders it
+        may change (an install's venv: handed to the sandbox's user for the run); readonly: paths inside root
+        it may read but not change; pass_fds: descriptors it may write results to."""
         root, timeout = Path(root).resolve(), timeout or self.timeout
         cg = (Path(pids_cgroup(), f"featdel-{os.getpid()}-{secrets.token_hex(4)}")
               if self.isolate and pids_cgroup() else None)
         nproc = None if self.isolate and cg or os.getuid() == 0 else self.processes + len(os.listdir("/proc"))
 
-        def limit():  # in the child, before exec: join the cgroup, cap the address space and processes, drop root
+        def limit():  # in the child, before exec: join the cgroup, cap the address space, files, processes
             if cg:
                 Path(cg, "cgroup.procs").write_text(str(os.getpid()))
             resource.setrlimit(resource.RLIMIT_AS, (self.memory, self.memory))
@@ -1309,27 +1318,28 @@ def fresh_git(root):
 # -----------------------------------------------------------------------------
 # Oracle: the deleted feature's behaviour, recorded from the gold code and replayed where no test runs. The
 # repository's tests run in one process with the solution's code, so whatever that process reports can be
-# forged by code that knows the verifier. The oracle's evidence cannot: at make time a pytest plugin (Recorder)
-# copies the arguments of the calls the tests make into the feature while the gold code runs, pickled at the
-# call, receiver included; a sandboxed child adds held-out inputs by type-aware mutation of those (EvalPlus,
-# Liu et al. 2023, "Is Your Code Generated by ChatGPT Really Correct?"); two more children run the gold on all
-# of them, and every input whose canonical result differs between the two runs is dropped. The expected results
-# stay in the task folder, which no sandbox mounts. At verify time a fresh sandboxed child that sees only the
-# solution's packages (no tests, no pytest) calls the feature on the recorded inputs and writes the canonical
-# encoding of each result; the host compares them with the expected ones, which the child never sees. A stub
-# that forges the test run still raises NotImplementedError here; an answer read from the calling test has no
-# test to read; code that special-cases the tests' inputs fails the held-out ones. The host never unpickles
-# anything: inputs are opaque bytes to it, results are strings.
+# forged by code that knows the verifier. The oracle's evidence cannot: at make time a pytest plugin
+# (Recorder) copies the arguments of the calls the tests make into the feature while the gold code runs,
+# pickled at the call, receiver included; a sandboxed child adds held-out inputs by type-aware mutation of
+# those (EvalPlus, Liu et al. 2023, "Is Your Code Generated by ChatGPT Really Correct?"); two more children
+# run the gold on all of them, and every input whose canonical result differs between the two runs is dropped
+# (so is a held-out one whose gold raises). The expected results stay in the task folder, which no sandbox
+# mounts. At verify time a fresh sandboxed child that sees only the solution's packages (no tests, no pytest)
+# calls the feature on the recorded inputs and writes the canonical encoding of each result; the host compares
+# them with the expected ones, which the child never sees. A stub that forges the test run still raises
+# NotImplementedError here; an answer read from the calling test has no test to read; code that special-cases
+# the tests' inputs fails the held-out ones. The host never unpickles anything: inputs are opaque bytes to it,
+# results are strings.
 
 RECORD_AT_MOST = 40  # distinct inputs kept per feature from the tests (and up to 2 held-out ones for each)
 
 
 class Copier(pickle.Pickler):
     """pickle, except that functions and classes it cannot import by name (lambdas, local functions, the
-    tests' helpers and classes) go by value, as cloudpickle sends them: their code marshalled, the globals they
-    name, their defaults and closure. The oracle's child has no test module to import them from. repo, pkgs:
-    when recording, the repository's folder and its packages' folders: what lies under repo but outside the
-    packages' source (the tests) also goes by value; what the packages define, the child imports from the
+    tests' helpers and classes) go by value, as cloudpickle sends them: their code marshalled, the globals
+    they name, their defaults and closure. The oracle's child has no test module to import them from. repo,
+    pkgs: when recording, the repository's folder and its packages' folders: what lies under repo but outside
+    the packages' source (the tests) also goes by value; what the packages define, the child imports from the
     solution."""
 
     def __init__(self, file, repo=None, pkgs=()):
@@ -1361,6 +1371,8 @@ class Copier(pickle.Pickler):
             return types.CellType, (obj.cell_contents,)
         if t is types.ModuleType:
             return importlib.import_module, (obj.__name__,)
+        if t in (type(threading.Lock()), type(threading.RLock())) and repr(obj).startswith("<unlocked"):
+            return (threading.Lock if t is type(threading.Lock()) else threading.RLock), ()  # a new one: a copy
         if isinstance(obj, type) and self.by_value(
                 obj, os.path.realpath(getattr(sys.modules.get(obj.__module__), "__file__", None) or "/")):
             return t, (obj.__name__, obj.__bases__,
@@ -1369,9 +1381,9 @@ class Copier(pickle.Pickler):
 
 
 class Recorder:
-    """The recording plugin. Like Tracer it runs inside the repository's pytest (record_calls writes its source
-    into the module loaded with -p). targets: {(file, qualname): feature index}; out: where the records go,
-    [[feature index, base64 pickle of (args, kwargs)], ...]."""
+    """The recording plugin. Like Tracer it runs inside the repository's pytest (record_calls writes its
+    source into the module loaded with -p). targets: {(file, qualname): feature index}; out: where the records
+    go, [[feature index, base64 pickle of (args, kwargs)], ...]."""
 
     def __init__(self, targets, out, repo, pkgs):
         import base64, dis, io
@@ -1597,7 +1609,8 @@ def oracle_resolve(module, qualname):
     return obj if callable(obj) else f"no function {qualname} in {module}"
 
 
-ORACLE_CHILD = "\n".join(["import contextlib, copy, hashlib, importlib, io, json, marshal, os, pickle, sys, types",
+ORACLE_CHILD = "\n".join(["import contextlib, copy, hashlib, importlib, io, json, marshal, os, pickle, sys",
+                          "import threading, types",
                           *map(inspect.getsource, (Copier, canon, mutants, oracle_main, oracle_resolve)),
                           "oracle_main(*sys.argv[1:])"])
 
@@ -1609,8 +1622,9 @@ def module_name(rel):
 
 
 def oracle_run(box, tree, features, calls, mode="run", timeout=None):
-    """ORACLE_CHILD in the sandbox over a copy of tree's packages (their tests and everything else left out):
-    {call index: result line} for "run", [[feature, base64 input]] for "mutate". calls: [[feature, base64]]."""
+    """ORACLE_CHILD in the sandbox over a copy of tree's packages (their tests and everything else left
+    out): {call index: result line} for "run", [[feature, base64 input]] for "mutate". calls: [[feature,
+    base64 input]]."""
     with scratch() as view, tempfile.TemporaryFile() as fd:
         for pkg in packages(tree):
             for rel in walk(Path(tree, pkg)):
@@ -1658,8 +1672,9 @@ def make_oracle(gold, feats, records, box):
             if first.get(k) == second.get(k) and first.get(k, "").startswith(("returns", "raises"))
             and (k < len(traced) or first[k].startswith("returns"))]  # held-out: no error cases
     per = [sum(c[0] == i for c in kept) for i in range(len(feats))]
-    summary = {"traced": sum(c[3] == "traced" for c in kept), "held_out": sum(c[3] == "held-out" for c in kept),
-               "recorded": len(traced), "covered": all(per)}
+    kinds = Counter(c[3] for c in kept)
+    summary = {"traced": kinds["traced"], "held_out": kinds["held-out"], "recorded": len(traced),
+               "covered": all(per)}
     for i, ((_, q), n) in enumerate(zip(feats, per)):
         if not n:  # why not, call by call
             mine = [k for k, c in enumerate(traced) if c[0] == i]
@@ -1752,7 +1767,8 @@ def solution_files(snap, workdir, deadline):
                 and os.readlink(Path(snap, rel)) == os.readlink(Path(workdir, rel)):
             continue  # a link the repository itself has
         data = read_regular(Path(workdir, rel), EDIT_AT_MOST) if kind == "file" else None
-        if a is not None and stat.S_ISREG(a.st_mode) and kind == "file" and data == Path(snap, rel).read_bytes():
+        if a is not None and stat.S_ISREG(a.st_mode) and kind == "file" \
+                and data == Path(snap, rel).read_bytes():
             continue
         if not editable(rel, pkgs):
             raise Refused(f"{rel}: only Python source inside the packages ({', '.join(pkgs)}) may change")
@@ -1769,7 +1785,8 @@ def solution_files(snap, workdir, deadline):
 
 def source_check(rel, data, old):
     """data, if it is UTF-8 Python source that adds none of STATIC's findings to old; else Refused."""
-    coding = next((m[1].decode() for line in data.splitlines()[:2] for m in [CODING.match(line)] if m), "utf-8")
+    coding = next((m[1].decode() for line in data.splitlines()[:2] for m in [CODING.match(line)] if m),
+                  "utf-8")
     if coding.lower().replace("_", "-") not in ("utf-8", "utf8"):
         raise Refused(f"{rel} declares the encoding {coding}: source must be UTF-8")
     try:
@@ -1790,13 +1807,14 @@ def source_check(rel, data, old):
 # with. Only findings the snapshot's copy of the file lacks count. Defence in depth: a disguise through data
 # flow gets past any static check; the oracle is what it cannot pass.
 STATIC_CALLS = {"sys._getframe", "sys._current_frames", "inspect.currentframe", "inspect.stack",
-                "inspect.getouterframes", "inspect.getinnerframes", "inspect.trace", "traceback.extract_stack",
-                "traceback.walk_stack", "gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys.exit",
-                "os._exit", "os.abort", "os.kill", "os.killpg", "os.fork", "os.forkpty", "sys.settrace",
-                "sys.setprofile", "threading.settrace", "threading.setprofile", "sys.addaudithook", "os.write",
-                "os.writev", "os.pwrite", "os.dup", "os.dup2", "os.fdopen", "os.open", "os.sendfile",
-                "os.mkfifo", "os.symlink", "os.link", "marshal.loads", "importlib.util.spec_from_file_location",
-                "importlib.machinery.SourceFileLoader", "exec", "eval", "compile", "breakpoint"}
+                "inspect.getouterframes", "inspect.getinnerframes", "inspect.trace",
+                "traceback.extract_stack", "traceback.walk_stack", "gc.get_objects", "gc.get_referrers",
+                "gc.get_referents", "sys.exit", "os._exit", "os.abort", "os.kill", "os.killpg", "os.fork",
+                "os.forkpty", "sys.settrace", "sys.setprofile", "threading.settrace", "threading.setprofile",
+                "sys.addaudithook", "os.write", "os.writev", "os.pwrite", "os.dup", "os.dup2", "os.fdopen",
+                "os.open", "os.sendfile", "os.mkfifo", "os.symlink", "os.link", "marshal.loads",
+                "importlib.util.spec_from_file_location", "importlib.machinery.SourceFileLoader", "exec",
+                "eval", "compile", "breakpoint"}
 STATIC_MODULES = {"pytest", "_pytest", "pluggy", "unittest", "doctest", "ctypes", "cffi", "signal", "atexit",
                   "gc", "builtins", "marshal", "pty", "resource"}
 STATIC_ATTRS = {"f_back", "f_globals", "f_locals", "f_builtins", "f_code", "f_trace", "tb_frame", "gi_frame",
@@ -1811,7 +1829,8 @@ def static_findings(data, tree=None):
         tree = tree or ast.parse(data.decode("utf-8", "replace"))
     except (SyntaxError, ValueError):
         return []
-    out, modules = [], {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    out = []
+    modules = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     # an `if __name__ == "__main__":` block never runs on import, unless the file can change __name__
     mains = [n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test).replace("'", '"')
              in ('__name__ == "__main__"', '"__main__" == __name__')]
@@ -1843,7 +1862,8 @@ def static_findings(data, tree=None):
         elif isinstance(n, ast.Name) and n.id in ("__builtins__", "__import__"):
             out.append((f"uses {n.id}", line))
         elif isinstance(n, ast.Constant) and isinstance(n.value, str) \
-                and re.search(r"^/proc\b|^/dev/(fd|shm)\b|(^|/)tests?/|test_[\w*]*\.py|conftest|__eq__", n.value):
+                and re.search(r"^/proc\b|^/dev/(fd|shm)\b|(^|/)tests?/|test_[\w*]*\.py|conftest|__eq__",
+                              n.value):
             out.append((f"names {n.value[:40]!r}", line))
         elif isinstance(n, (ast.FunctionDef, ast.Lambda)) and getattr(n, "name", "") in ("__eq__", "__ne__"):
             other = [a.arg for a in n.args.posonlyargs + n.args.args][1:2]
@@ -1866,8 +1886,8 @@ def dotted(node):
 
 
 def folded(node):
-    """The string a node builds out of constants alone ('ex' + 'it', ''.join([...]), f'{"_"}exit', 'tixe'[::-1],
-    chr(95)), else None."""
+    """The string a node builds out of constants alone ('ex' + 'it', '%s' % 'x', ''.join([...]),
+    f'{"_"}exit', 'tixe'[::-1], chr(95)), else None."""
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return node.value
     if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mod)):
@@ -1933,10 +1953,12 @@ def add_canaries(work, need):
     files = sorted({t.split("::")[0] for t in need if "::" in t and t.split("::")[0].endswith(".py")})
     home = rng.choice(files) if files else f"test_{secrets.token_hex(3)}.py"
     text = Path(work, home).read_text() if files else ""
-    words = sorted({w for name in re.findall(r"^\s*def test_(\w+)", text, re.M) for w in name.split("_") if w})
+    words = sorted({w for name in re.findall(r"^\s*def test_(\w+)", text, re.M)
+                    for w in name.split("_") if w})
     taken, names = set(re.findall(r"\b(test_\w+)", text)), []
     while len(names) < 2:
-        name = "test_" + "_".join(rng.sample(words or ["case"], min(2, len(words) or 1))) + str(rng.randrange(2, 99))
+        name = ("test_" + "_".join(rng.sample(words or ["case"], min(2, len(words) or 1)))
+                + str(rng.randrange(2, 99)))
         if name not in taken | set(names):
             names.append(name)
     a = rng.randrange(10**6)
@@ -1946,11 +1968,11 @@ def add_canaries(work, need):
 
 
 def verify(task_dir, workdir=None, patch=None, box=None):
-    """(reward, reason). Reward 1 only when the solution changes nothing but Python source inside the packages,
-    the oracle agrees with the gold on every recorded call, and the verifier's own report says every required
-    test passed, both canaries behaved and pytest's exit code is 1 (the must-fail canary's failure, nothing
-    else). box: how code runs (default: the task's interpreter, in bubblewrap); its timeout bounds the whole
-    verify."""
+    """(reward, reason). Reward 1 only when the solution changes nothing but Python source inside the
+    packages, the oracle agrees with the gold on every recorded call, and the verifier's own report says every
+    required test passed, both canaries behaved and pytest's exit code is 1 (the must-fail canary's failure,
+    nothing else). box: how code runs (default: the task's interpreter, in bubblewrap); its timeout bounds the
+    whole verify."""
     task_dir = Path(task_dir)
     if not task_dir.is_dir():
         raise TaskError(f"no such task folder: {task_dir}")
@@ -1995,7 +2017,8 @@ def verify(task_dir, workdir=None, patch=None, box=None):
         need = task["fail_to_pass"] + task["pass_to_pass"]
         must_pass, must_fail = add_canaries(work, need)
         files = sorted({t.split("::")[0] for t in [*need, must_pass]})  # whole files: far faster than ids
-        r = box.pytest(work, files, readonly=protected_paths(work, need), timeout=max(1, deadline - time.time()))
+        r = box.pytest(work, files, readonly=protected_paths(work, need),
+                       timeout=max(1, deadline - time.time()))
     rc, outcomes, passed = r.rc, r.outcomes, r.passed
     if outcomes is None:
         return 0, f"runner tampered: the verifier's report is not what its plugin writes; pytest exit {rc}"
@@ -2265,7 +2288,8 @@ LEAK_PATH = (r"(__pycache__|\.pyc\b|\.mypy_cache|\.pytype|\.pyre\b|\.pytest_cach
              r"_modules|egg-info|\.class\b|\.jar\b|\.whl\b|\bbuild/|\bdist/|\.pyi\b)")
 NOT_UTF8 = r"#.*?coding[:=][ \t]*(?!(?i:utf[-_]?8|ascii|us-ascii)\b)[-\w.]+"
 PATTERNS = [  # (name, the fields it looks at, regex)
-    ("task-files", "command read content", r"\b(gold\.patch|task\.json|oracle\.json)\b|\.\./[^\s'\"]*\.(patch|diff)\b"),
+    ("task-files", "command read content",
+     r"\b(gold\.patch|task\.json|oracle\.json)\b|\.\./[^\s'\"]*\.(patch|diff)\b"),
     ("git-history", "command read", r"\bgit\s+(-C\s+\S+\s+)?(show|reflog|rev-list|cat-file|fsck|blame|"
      r"whatchanged|ls-tree|archive|verify-pack|unpack-objects|stash\s+(show|list|apply|pop|branch)|"
      r"log\b.*\s(-p|-u|--patch|-[SGLg]\S*|--all|--reflog)\b|"
@@ -2323,7 +2347,8 @@ def step_fields(s):
 
 
 def edit_findings(text):
-    """static_findings of an edit's code, also of a fragment (an indented body, a bare return): [(what, line)]."""
+    """static_findings of an edit's code, also of a fragment (an indented body, a bare return):
+    [(what, line)]."""
     text = textwrap.dedent(text)
     for source, shift in ((text, 0), ("def _():\n" + textwrap.indent(text, "    "), 1)):
         try:
@@ -2463,6 +2488,9 @@ def cli(argv=None) -> int:
 
 def main():
     if sys.argv[1:2] and sys.argv[1] in ("env", "make", "verify", "scan", "monitor"):
+        # a SIGTERM unwinds like an exception, so temporary folders and cgroups go (after SIGKILL, the next
+        # start's sweep removes them)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         sys.exit(cli(sys.argv[1:]))  # the feature-deletion family
     parser = argparse.ArgumentParser(
         description="Show the tool-use task family: tasks, gold transcripts, an episode. The "
