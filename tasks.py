@@ -43,6 +43,7 @@ import argparse
 import ast
 import configparser
 import contextlib
+import copyreg
 import functools
 import hashlib
 import importlib
@@ -1342,9 +1343,9 @@ class Copier(pickle.Pickler):
     the packages' source (the tests) also goes by value; what the packages define, the child imports from the
     solution."""
 
-    def __init__(self, file, repo=None, pkgs=()):
+    def __init__(self, file, repo=None, pkgs=(), fresh=None):
         super().__init__(file, 4)
-        self.repo, self.pkgs = repo, pkgs
+        self.repo, self.pkgs, self.fresh = repo, pkgs, fresh  # fresh: a receiver __init__ has yet to build
 
     def by_value(self, obj, path):
         found = sys.modules.get(getattr(obj, "__module__", None) or "")
@@ -1355,6 +1356,8 @@ class Copier(pickle.Pickler):
 
     def reducer_override(self, obj):
         t = type(obj)
+        if obj is self.fresh and obj is not None:
+            return copyreg.__newobj__, (t,)
         if t is types.FunctionType and self.by_value(obj, os.path.realpath(obj.__code__.co_filename)):
             codes, names = [obj.__code__], {"__name__"}
             while codes:  # the global names the function and the functions inside it use
@@ -1362,22 +1365,47 @@ class Copier(pickle.Pickler):
                 names |= set(c.co_names)
                 codes += [x for x in c.co_consts if type(x) is types.CodeType]
             scope = {k: obj.__globals__[k] for k in names if k in obj.__globals__}
-            return types.FunctionType, (obj.__code__, scope, obj.__name__, obj.__defaults__, obj.__closure__)
+            cells = tuple(types.CellType() for _ in obj.__closure__ or ())  # filled by restore()
+            return (types.FunctionType, (obj.__code__, {}, obj.__name__, None, cells or None),
+                    (scope, obj.__defaults__, obj.__kwdefaults__, [c.cell_contents for c in obj.__closure__ or ()]),
+                    None, None, restore)
         if obj is types.FunctionType or obj is types.CellType:  # named "function" and "cell" in no module
             return getattr, (types, "FunctionType" if obj is types.FunctionType else "CellType")
         if t is types.CodeType:
             return marshal.loads, (marshal.dumps(obj),)
         if t is types.CellType:
-            return types.CellType, (obj.cell_contents,)
+            return types.CellType, ()  # an empty cell: restore() fills a function's cells
         if t is types.ModuleType:
             return importlib.import_module, (obj.__name__,)
         if t in (type(threading.Lock()), type(threading.RLock())) and repr(obj).startswith("<unlocked"):
             return (threading.Lock if t is type(threading.Lock()) else threading.RLock), ()  # a new one: a copy
         if isinstance(obj, type) and self.by_value(
                 obj, os.path.realpath(getattr(sys.modules.get(obj.__module__), "__file__", None) or "/")):
-            return t, (obj.__name__, obj.__bases__,
-                       {k: v for k, v in vars(obj).items() if k not in ("__dict__", "__weakref__")})
+            attrs = {k: v for k, v in vars(obj).items() if k not in ("__dict__", "__weakref__")}
+            shell = {k: attrs.pop(k) for k in ("__module__", "__qualname__", "__slots__") if k in attrs}
+            return t, (obj.__name__, obj.__bases__, shell), attrs, None, None, restore
         return NotImplemented
+
+
+def restore(obj, state):
+    """Unpickling's last step for what Copier sends by value, once the object exists, so that it may refer to
+    itself (a recursive function, a method that names its class): a function's globals, defaults and closure,
+    a class's attributes. Both sides find it as _featdel_copy.restore."""
+    if isinstance(obj, types.FunctionType):
+        scope, obj.__defaults__, obj.__kwdefaults__, values = state
+        obj.__globals__.update(scope)
+        for cell, value in zip(obj.__closure__ or (), values):
+            cell.cell_contents = value
+    else:
+        for k, v in state.items():
+            setattr(obj, k, v)
+
+
+# what a pickle of Copier's names restore by, in the recorder and in the oracle's child alike
+COPY_MODULE = """restore.__module__ = "_featdel_copy"
+sys.modules["_featdel_copy"] = types.ModuleType("_featdel_copy")
+sys.modules["_featdel_copy"].restore = restore
+"""
 
 
 class Recorder:
@@ -1411,7 +1439,8 @@ class Recorder:
                 kwargs.update(loc[names[k]])
             try:
                 buffer = io.BytesIO()
-                Copier(buffer, repo, pkgs).dump((tuple(args), kwargs))
+                Copier(buffer, repo, pkgs, args[0] if code.co_name == "__init__" and args else None).dump(
+                    (tuple(args), kwargs))
                 data = buffer.getvalue()
             except Exception:  # locks, open files, generators: not copyable, not recorded
                 return
@@ -1429,11 +1458,13 @@ class Recorder:
             json.dump(self.records, f)
 
 
-RECORDER_MODULE = f"""import importlib, inspect, json, marshal, os, pickle, re, sys, threading, types
+RECORDER_MODULE = f"""import copyreg, importlib, inspect, json, marshal, os, pickle, re, sys, threading, types
 RECORD_AT_MOST, CONFIG = {RECORD_AT_MOST}, {CONFIG!r}
 from pathlib import Path
 {inspect.getsource(is_protected)}
 {inspect.getsource(Copier)}
+{inspect.getsource(restore)}
+{COPY_MODULE}
 {inspect.getsource(Recorder)}
 # popped: the tests never see them
 _recorder = Recorder({{(p, q): i for p, q, i in json.loads(os.environ.pop("FEATDEL_TARGETS"))}},
@@ -1456,8 +1487,8 @@ def canon(x, depth=0, seen=()):
         return repr(x)
     if t is float:
         return repr(int(x)) if x.is_integer() and abs(x) < 2 ** 63 else format(x, ".12g")
-    if t in (str, bytes, bytearray, complex):
-        s = repr(x)
+    if t in (str, bytes, bytearray, complex):  # an address in a repr is no value: 0x7f3a... reads 0x?
+        s = re.sub(r"\b0x[0-9a-f]{8,16}\b", "0x?", repr(x))
         return s if len(s) <= 4096 else f"{t.__name__}[{len(x)}:{hashlib.sha256(s.encode()).hexdigest()}]"
     if depth > 8 or id(x) in seen:
         return "..."
@@ -1477,8 +1508,7 @@ def canon(x, depth=0, seen=()):
         items = [rec(v) for v, _ in zip(x, range(1000))]
         return "iter[%s]" % ", ".join(items)
     if t.__module__.partition(".")[0] in sys.stdlib_module_names | {"builtins"}:
-        s = repr(x)  # Decimal, date, Path, deque...: a value repr, unless it shows an address
-        return f"{t.__qualname__}<{s if ' at 0x' not in s else ''}>"
+        return t.__qualname__ + "<" + canon(repr(x))[1:-1] + ">"  # Decimal, date, Path...: a value repr
     state = dict(getattr(x, "__dict__", None) or {})
     for cls in t.__mro__:
         slots = getattr(cls, "__slots__", ())
@@ -1571,14 +1601,17 @@ def oracle_main(mode, root, inputs, fd):
             out.write(json.dumps([k, f"unresolved: {f}"]) + "\n")
             continue
         try:
-            # what the call may change: the receiver's attributes as they were, and mutable arguments
-            before = set(getattr(args[0], "__dict__", ())) if args else set()
+            # what the call may change: the receiver's attributes as they were (all that __init__ sets), and
+            # mutable arguments; attributes a method adds later are caches a re-implementation need not keep
+            init = getattr(f, "__name__", "") == "__init__"
+            before = set(getattr(args[0], "__dict__", ())) if args and not init else set()
             signal.setitimer(signal.ITIMER_REAL, 5)
             try:
                 result = canon(f(*args, **kwargs))
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
-            after = {a: v for a, v in getattr(args[0], "__dict__", {}).items() if a in before} if args else {}
+            after = {a: v for a, v in getattr(args[0], "__dict__", {}).items() if init or a in before} \
+                if args else {}
             changed = [v for v in (*args, *kwargs.values()) if type(v) in (list, dict, set, bytearray)]
             line = f"returns {result}; self {canon(after)}; args {canon(changed)}"
         except Timeout:
@@ -1609,9 +1642,11 @@ def oracle_resolve(module, qualname):
     return obj if callable(obj) else f"no function {qualname} in {module}"
 
 
-ORACLE_CHILD = "\n".join(["import contextlib, copy, hashlib, importlib, io, json, marshal, os, pickle, sys",
+ORACLE_CHILD = "\n".join(["import contextlib, copy, copyreg, hashlib, importlib, io, json, marshal, os, pickle, re",
+                          "import sys",
                           "import threading, types",
-                          *map(inspect.getsource, (Copier, canon, mutants, oracle_main, oracle_resolve)),
+                          *map(inspect.getsource, (Copier, restore)), COPY_MODULE,
+                          *map(inspect.getsource, (canon, mutants, oracle_main, oracle_resolve)),
                           "oracle_main(*sys.argv[1:])"])
 
 
