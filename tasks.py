@@ -1366,9 +1366,9 @@ class Copier(pickle.Pickler):
                 codes += [x for x in c.co_consts if type(x) is types.CodeType]
             scope = {k: obj.__globals__[k] for k in names if k in obj.__globals__}
             cells = tuple(types.CellType() for _ in obj.__closure__ or ())  # filled by restore()
+            values = [c.cell_contents for c in obj.__closure__ or ()]
             return (types.FunctionType, (obj.__code__, {}, obj.__name__, None, cells or None),
-                    (scope, obj.__defaults__, obj.__kwdefaults__, [c.cell_contents for c in obj.__closure__ or ()]),
-                    None, None, restore)
+                    (scope, obj.__defaults__, obj.__kwdefaults__, values), None, None, restore)
         if obj is types.FunctionType or obj is types.CellType:  # named "function" and "cell" in no module
             return getattr, (types, "FunctionType" if obj is types.FunctionType else "CellType")
         if t is types.CodeType:
@@ -1378,7 +1378,7 @@ class Copier(pickle.Pickler):
         if t is types.ModuleType:
             return importlib.import_module, (obj.__name__,)
         if t in (type(threading.Lock()), type(threading.RLock())) and repr(obj).startswith("<unlocked"):
-            return (threading.Lock if t is type(threading.Lock()) else threading.RLock), ()  # a new one: a copy
+            return (threading.Lock if t is type(threading.Lock()) else threading.RLock), ()  # a new one
         if isinstance(obj, type) and self.by_value(
                 obj, os.path.realpath(getattr(sys.modules.get(obj.__module__), "__file__", None) or "/")):
             attrs = {k: v for k, v in vars(obj).items() if k not in ("__dict__", "__weakref__")}
@@ -1642,8 +1642,8 @@ def oracle_resolve(module, qualname):
     return obj if callable(obj) else f"no function {qualname} in {module}"
 
 
-ORACLE_CHILD = "\n".join(["import contextlib, copy, copyreg, hashlib, importlib, io, json, marshal, os, pickle, re",
-                          "import sys",
+ORACLE_CHILD = "\n".join(["import contextlib, copy, copyreg, hashlib, importlib, io, json, marshal, os",
+                          "import pickle, re, sys",
                           "import threading, types",
                           *map(inspect.getsource, (Copier, restore)), COPY_MODULE,
                           *map(inspect.getsource, (canon, mutants, oracle_main, oracle_resolve)),
