@@ -1743,8 +1743,10 @@ def record_calls(root, feats, box):
 
 EDIT_AT_MOST = 1 << 20  # bytes a changed source file may have
 TREE_AT_MOST = 50_000  # entries a work tree may have
-# never read, never copied: version control, virtual environments, bytecode and caches a test run leaves
-IGNORED = SKIP_DIRS | {".pytest_cache", ".hypothesis", ".mypy_cache", ".ruff_cache"}
+# never read, never copied: version control, virtual environments, bytecode, caches and what installing or
+# measuring the package leaves (egg-info, build and dist at the top, coverage data)
+IGNORED = SKIP_DIRS | {".pytest_cache", ".hypothesis", ".mypy_cache", ".ruff_cache", "htmlcov"}
+IGNORED_FILES = re.compile(r"(.*/)?[^/]*\.py[co]|\.coverage(\..*)?|(.*/)?[^/]*\.egg-info/.*|(build|dist)/.*")
 CODING = re.compile(rb"^[ \t\f]*#.*?coding[:=][ \t]*([-\w.]+)")  # PEP 263
 
 
@@ -1753,7 +1755,8 @@ class Refused(Exception):
 
 
 def lstat_tree(root, deadline):
-    """{rel: os.stat_result} of everything under root but IGNORED folders and bytecode, links not followed."""
+    """{rel: os.stat_result} of everything under root but what IGNORED and IGNORED_FILES name, links not
+    followed."""
     out, todo = {}, [""]
     while todo:
         d = todo.pop()
@@ -1765,7 +1768,7 @@ def lstat_tree(root, deadline):
                 st = e.stat(follow_symlinks=False)
                 if stat.S_ISDIR(st.st_mode):
                     todo += [] if e.name in IGNORED else [rel]
-                elif not e.name.endswith((".pyc", ".pyo")):
+                elif not IGNORED_FILES.fullmatch(rel):
                     out[rel] = st
     return out
 

@@ -3120,6 +3120,11 @@ def test_verify_gold_and_honest_styles_score_1_untouched_0(made):
         work = made["base"] / f"honest-{name}"
         shutil.copytree(d / "repo", work)
         Path(work, "calc/core.py").write_text(with_body(stub, body))
+        # what the agent's own installs and test runs leave is never read, never copied
+        for junk in ("calc.egg-info/PKG-INFO", ".coverage", "calc/__pycache__/core.cpython-311.pyc",
+                     ".pytest_cache/v/cache/nodeids", "build/lib/calc/core.py"):
+            Path(work, junk).parent.mkdir(parents=True, exist_ok=True)
+            Path(work, junk).write_text("x")
         reward, why = tasks.verify(d, workdir=work)
         assert reward == 1 and "2 fail-to-pass" in why and "the oracle agrees on" in why, (name, why)
     reward, why = tasks.verify(d, workdir=d / "repo")
