@@ -2299,7 +2299,8 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print):
             if task:
                 tasks.append(task)
                 used |= set(feats)
-    log(f"made {len(tasks)} tasks of {tried} tried in {time.time() - t0:.1f}s")
+    log(f"made {len(tasks)} tasks of {tried} tried in {time.time() - t0:.1f}s, "
+        f"{sum(t['oracle']['covered'] for t in tasks)} with an oracle")
     return tasks
 
 
