@@ -1384,21 +1384,30 @@ class Copier(pickle.Pickler):
             attrs = {k: v for k, v in vars(obj).items() if k not in ("__dict__", "__weakref__")}
             shell = {k: attrs.pop(k) for k in ("__module__", "__qualname__", "__slots__") if k in attrs}
             return t, (obj.__name__, obj.__bases__, shell), attrs, None, None, restore
+        if hasattr(t, "__getattr__") and not hasattr(t, "__setstate__"):
+            # unpickling asks an object for __setstate__, which a __getattr__ that makes attributes on demand
+            # may never answer: restore() sets its state instead
+            rv = obj.__reduce_ex__(4)
+            if isinstance(rv, tuple) and len(rv) >= 3 and isinstance(rv[2], dict):
+                return rv[0], rv[1], rv[2], None, None, restore
         return NotImplemented
 
 
 def restore(obj, state):
     """Unpickling's last step for what Copier sends by value, once the object exists, so that it may refer to
     itself (a recursive function, a method that names its class): a function's globals, defaults and closure,
-    a class's attributes. Both sides find it as _featdel_copy.restore."""
+    a class's attributes, an object's (one whose __getattr__ unpickling must not ask). Both sides find it as
+    _featdel_copy.restore."""
     if isinstance(obj, types.FunctionType):
         scope, obj.__defaults__, obj.__kwdefaults__, values = state
         obj.__globals__.update(scope)
         for cell, value in zip(obj.__closure__ or (), values):
             cell.cell_contents = value
-    else:
+    elif isinstance(obj, type):
         for k, v in state.items():
             setattr(obj, k, v)
+    else:
+        vars(obj).update(state)
 
 
 # what a pickle of Copier's names restore by, in the recorder and in the oracle's child alike
@@ -1481,7 +1490,8 @@ pytest_sessionfinish = _recorder.pytest_sessionfinish
 def canon(x, depth=0, seen=()):
     """A canonical string for a value: equal for equal plain data in any process, never an address. Numbers
     compare as numbers (2 == 2.0, floats to 12 digits), containers by their items (sets and dicts sorted),
-    iterators by their first 1,000 items, other objects by their class and attributes."""
+    iterators by their first 1,000 items, functions and classes by name (a local one only as local), other
+    objects by their class and attributes."""
     t = type(x)
     if x is None or t in (bool, int):
         return repr(x)
@@ -1503,7 +1513,8 @@ def canon(x, depth=0, seen=()):
     if isinstance(x, BaseException):
         return f"{t.__qualname__}{rec(x.args)}"
     if isinstance(x, type) or callable(x) and hasattr(x, "__qualname__") and not hasattr(x, "__next__"):
-        return f"<{getattr(x, '__module__', '?')}.{x.__qualname__}>"
+        # by name; a lambda or local function is only a function (a re-implementation may name its own)
+        return "<local>" if "<" in x.__qualname__ else f"<{getattr(x, '__module__', '?')}.{x.__qualname__}>"
     if hasattr(x, "__next__") and hasattr(x, "__iter__"):  # generators, map, zip, itertools...
         items = [rec(v) for v, _ in zip(x, range(1000))]
         return "iter[%s]" % ", ".join(items)
