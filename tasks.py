@@ -1804,8 +1804,9 @@ def editable(rel, pkgs):
     return rel.endswith(".py") and rel.startswith(tuple(p + "/" for p in pkgs)) and not is_protected(rel)
 
 
-def solution_files(snap, workdir, deadline):
-    """({rel: new bytes}, [deleted rel]) of the solution in workdir against the snapshot, or Refused."""
+def solution_files(snap, workdir, deadline, allowed=None):
+    """({rel: new bytes}, [deleted rel]) of the solution in workdir against the snapshot, or Refused.
+    allowed: {rel: static findings the original file had}, which a re-implementation may have too."""
     pkgs, old, new = packages(snap), lstat_tree(snap, deadline), lstat_tree(workdir, deadline)
     files, deleted = {}, []
     for rel in sorted(old.keys() | new.keys()):
@@ -1828,12 +1829,14 @@ def solution_files(snap, workdir, deadline):
         elif data is None:
             raise Refused(f"{rel} is over {EDIT_AT_MOST} bytes")
         else:
-            files[rel] = source_check(rel, data, Path(snap, rel).read_bytes() if a else b"")
+            files[rel] = source_check(rel, data, Path(snap, rel).read_bytes() if a else b"",
+                                      (allowed or {}).get(rel, ()))
     return files, deleted
 
 
-def source_check(rel, data, old):
-    """data, if it is UTF-8 Python source that adds none of STATIC's findings to old; else Refused."""
+def source_check(rel, data, old, allowed=()):
+    """data, if it is UTF-8 Python source with no static finding that old (or the allowed list) lacks; else
+    Refused."""
     coding = next((m[1].decode() for line in data.splitlines()[:2] for m in [CODING.match(line)] if m),
                   "utf-8")
     if coding.lower().replace("_", "-") not in ("utf-8", "utf8"):
@@ -1842,7 +1845,7 @@ def source_check(rel, data, old):
         tree = ast.parse(data.decode("utf-8"))
     except (UnicodeDecodeError, SyntaxError, ValueError) as e:
         raise Refused(f"{rel} is not UTF-8 Python source ({type(e).__name__})")
-    before = Counter(what for what, _ in static_findings(old))
+    before = Counter(what for what, _ in static_findings(old)) | Counter(allowed)
     for what, line in static_findings(data, tree):
         before[what] -= 1
         if before[what] < 0:
@@ -2043,7 +2046,7 @@ def verify(task_dir, workdir=None, patch=None, box=None):
         if not Path(workdir).is_dir():
             raise TaskError(f"no such work dir: {workdir}")
         try:
-            files, deleted = solution_files(snap, workdir, deadline)
+            files, deleted = solution_files(snap, workdir, deadline, task.get("static_allowed"))
         except Refused as e:
             return 0, f"rejected: {e}"
         work = Path(tmp, "repo")
@@ -2195,7 +2198,10 @@ def build_task(work, tdir, tid, feats, mode, stable, box, source):
     # SHA-1 and SHA-256 (type-checker caches key on these) and the git blob id of each original file
     hashes = {rel: [hashlib.sha1(s).hexdigest(), hashlib.sha256(s).hexdigest(),
                     hashlib.sha1(b"blob %d\0" % len(s) + s).hexdigest()] for rel, s in originals.items()}
-    task = {"id": tid, "source": source, "mode": mode, "fingerprints": fps, "original_hashes": hashes}
+    task = {"id": tid, "source": source, "mode": mode, "fingerprints": fps, "original_hashes": hashes,
+            # what the static check finds in the original files, a re-implementation may do as well
+            "static_allowed": {rel: sorted(what for what, _ in static_findings(src))
+                               for rel, src in originals.items()}}
     before = scan(snap, task)
     scrub(snap, before)
     # Validate on the scrubbed snapshot: imports, collects, breaks some tests, keeps others.

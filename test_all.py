@@ -3264,6 +3264,11 @@ def test_hostile_solutions_score_0(made, tmp_path):
     assert "only Python source inside the packages" in reasons["pytest-shim"]
     assert "builds the name '__eq__' from pieces" in reasons["type-eq"]
     assert "names '/proc/self/fd'" in reasons["report-fd"], reasons["report-fd"]
+    # what the original file did (make keeps the list, host-side), a re-implementation may do too
+    assert t["static_allowed"] == {"calc/core.py": []}
+    assert tasks.source_check("calc/x.py", b"import gc\n", b"", ["imports gc"]) == b"import gc\n"
+    with pytest.raises(tasks.Refused, match="calc/x.py line 1: imports gc"):
+        tasks.source_check("calc/x.py", b"import gc\n", b"")
     # the forgeries are real: pytest alone, unsandboxed and unchecked, reports the stub's tests passing
     for name in ("runtest-disguised", "triangle-eq"):
         rc, passed = naive_pytest(tmp_path / name, t["fail_to_pass"])
