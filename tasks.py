@@ -2035,7 +2035,7 @@ def verify(task_dir, workdir=None, patch=None, box=None):
     deadline = time.time() + box.timeout
     oracle = json.loads((task_dir / "oracle.json").read_text()) if (task_dir / "oracle.json").is_file() \
         else {"calls": []}
-    with tempfile.TemporaryDirectory(prefix=f"featdel-{os.getpid()}-") as tmp:
+    with scratch() as tmp:
         if patch is not None:  # a patch is applied to its own copy of the snapshot, then read like a work dir
             workdir = Path(tmp, "agent")
             shutil.copytree(snap, workdir, symlinks=True)
@@ -2062,8 +2062,8 @@ def verify(task_dir, workdir=None, patch=None, box=None):
             wrong = [k for k, c in enumerate(oracle["calls"]) if not agrees(c[2], got.get(k, "no result"))]
             if wrong:
                 held = sum(oracle["calls"][k][3] == "held-out" for k in wrong)
-                first = got.get(wrong[0], "gave no result")
-                first = " ".join(first.split()[:2]) if first.startswith("raises ") else first[:120]
+                first = got.get(wrong[0], "gave no result")  # what it returned, never what was expected
+                first = " ".join(first.split()[:2]) if first.startswith("raises ") else first.split(";")[0][:120]
                 return 0, (f"the oracle disagrees on {len(wrong)} of {len(oracle['calls'])} calls ({held} of "
                            f"them held-out), e.g. the solution {first}")
         need = task["fail_to_pass"] + task["pass_to_pass"]
