@@ -2063,7 +2063,8 @@ def verify(task_dir, workdir=None, patch=None, box=None):
             if wrong:
                 held = sum(oracle["calls"][k][3] == "held-out" for k in wrong)
                 first = got.get(wrong[0], "gave no result")  # what it returned, never what was expected
-                first = " ".join(first.split()[:2]) if first.startswith("raises ") else first.split(";")[0][:120]
+                first = (" ".join(first.split()[:2]) if first.startswith("raises ")
+                         else first.split(";")[0][:120])
                 return 0, (f"the oracle disagrees on {len(wrong)} of {len(oracle['calls'])} calls ({held} of "
                            f"them held-out), e.g. the solution {first}")
         need = task["fail_to_pass"] + task["pass_to_pass"]
