@@ -1384,6 +1384,13 @@ class Copier(pickle.Pickler):
             attrs = {k: v for k, v in vars(obj).items() if k not in ("__dict__", "__weakref__")}
             shell = {k: attrs.pop(k) for k in ("__module__", "__qualname__", "__slots__") if k in attrs}
             return t, (obj.__name__, obj.__bases__, shell), attrs, None, None, restore
+        if isinstance(obj, io.IOBase) and not obj.closed and obj.seekable() and obj.readable():
+            at = obj.tell()  # an open file (the tests' temporary ones): a new file with the same content
+            obj.seek(0)
+            data = obj.read(1 << 20)
+            obj.seek(at)
+            if len(data) < 1 << 20:
+                return reopen, (data, getattr(obj, "mode", "r"), at)
         if hasattr(t, "__getattr__") and not hasattr(t, "__setstate__"):
             # unpickling asks an object for __setstate__, which a __getattr__ that makes attributes on demand
             # may never answer: restore() sets its state instead
@@ -1410,10 +1417,22 @@ def restore(obj, state):
         vars(obj).update(state)
 
 
-# what a pickle of Copier's names restore by, in the recorder and in the oracle's child alike
-COPY_MODULE = """restore.__module__ = "_featdel_copy"
-sys.modules["_featdel_copy"] = types.ModuleType("_featdel_copy")
-sys.modules["_featdel_copy"].restore = restore
+def reopen(data, mode, at):
+    """Unpickling an open file that Copier sent: the same content in a new temporary file, opened the same
+    way (writing modes without truncating it) at the same place."""
+    fd, path = tempfile.mkstemp()
+    os.write(fd, data if isinstance(data, bytes) else data.encode())
+    os.close(fd)
+    f = open(path, mode.replace("w", "r+").replace("x", "r+").replace("++", "+"))
+    f.seek(at)
+    return f
+
+
+# what a pickle of Copier's names restore and reopen by, in the recorder and in the oracle's child alike
+COPY_MODULE = """sys.modules["_featdel_copy"] = types.ModuleType("_featdel_copy")
+for f in (restore, reopen):
+    f.__module__ = "_featdel_copy"
+    setattr(sys.modules["_featdel_copy"], f.__name__, f)
 """
 
 
@@ -1467,12 +1486,14 @@ class Recorder:
             json.dump(self.records, f)
 
 
-RECORDER_MODULE = f"""import copyreg, importlib, inspect, json, marshal, os, pickle, re, sys, threading, types
+RECORDER_MODULE = f"""import copyreg, importlib, inspect, io, json, marshal, os, pickle, re, sys, tempfile
+import threading, types
 RECORD_AT_MOST, CONFIG = {RECORD_AT_MOST}, {CONFIG!r}
 from pathlib import Path
 {inspect.getsource(is_protected)}
 {inspect.getsource(Copier)}
 {inspect.getsource(restore)}
+{inspect.getsource(reopen)}
 {COPY_MODULE}
 {inspect.getsource(Recorder)}
 # popped: the tests never see them
@@ -1654,9 +1675,9 @@ def oracle_resolve(module, qualname):
 
 
 ORACLE_CHILD = "\n".join(["import contextlib, copy, copyreg, hashlib, importlib, io, json, marshal, os",
-                          "import pickle, re, sys",
+                          "import pickle, re, sys, tempfile",
                           "import threading, types",
-                          *map(inspect.getsource, (Copier, restore)), COPY_MODULE,
+                          *map(inspect.getsource, (Copier, restore, reopen)), COPY_MODULE,
                           *map(inspect.getsource, (canon, mutants, oracle_main, oracle_resolve)),
                           "oracle_main(*sys.argv[1:])"])
 
