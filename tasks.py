@@ -1892,7 +1892,7 @@ STATIC_MODULES = {"pytest", "_pytest", "pluggy", "unittest", "doctest", "ctypes"
                   "gc", "builtins", "marshal", "pty", "resource"}
 STATIC_ATTRS = {"f_back", "f_globals", "f_locals", "f_builtins", "f_code", "f_trace", "tb_frame", "gi_frame",
                 "cr_frame", "ag_frame", "__globals__", "__closure__", "__code__", "__builtins__",
-                "__subclasses__", "meta_path", "path_hooks", "modules", "monitoring"}
+                "__subclasses__", "sys.meta_path", "sys.path_hooks", "sys.modules", "sys.monitoring"}
 NAME_TAKERS = {"getattr", "setattr", "delattr", "hasattr", "__import__", "import_module", "globals", "vars"}
 
 
@@ -1930,7 +1930,7 @@ def static_findings(data, tree=None):
                     s = folded(arg)
                     if s is not None and not isinstance(arg, ast.Constant):
                         out.append((f"builds the name {s!r} from pieces", line))
-        elif isinstance(n, ast.Attribute) and n.attr in STATIC_ATTRS:
+        elif isinstance(n, ast.Attribute) and (n.attr in STATIC_ATTRS or dotted(n) in STATIC_ATTRS):
             out.append((f"uses .{n.attr}", line))
         elif isinstance(n, ast.Name) and n.id in ("__builtins__", "__import__"):
             out.append((f"uses {n.id}", line))
