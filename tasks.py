@@ -1347,7 +1347,9 @@ class Copier(pickle.Pickler):
         super().__init__(file, 4)
         self.repo, self.pkgs, self.fresh = repo, pkgs, fresh  # fresh: a receiver __init__ has yet to build
 
-    def by_value(self, obj, path):
+    def by_value(self, obj):  # a function or a class
+        path = os.path.realpath(obj.__code__.co_filename if isinstance(obj, types.FunctionType) else
+                                getattr(sys.modules.get(obj.__module__), "__file__", None) or "/")
         found = sys.modules.get(getattr(obj, "__module__", None) or "")
         for part in obj.__qualname__.split("."):
             found = getattr(found, part, None)
@@ -1358,7 +1360,7 @@ class Copier(pickle.Pickler):
         t = type(obj)
         if obj is self.fresh and obj is not None:
             return copyreg.__newobj__, (t,)
-        if t is types.FunctionType and self.by_value(obj, os.path.realpath(obj.__code__.co_filename)):
+        if t is types.FunctionType and self.by_value(obj):
             codes, names = [obj.__code__], {"__name__"}
             while codes:  # the global names the function and the functions inside it use
                 c = codes.pop()
@@ -1379,8 +1381,7 @@ class Copier(pickle.Pickler):
             return importlib.import_module, (obj.__name__,)
         if t in (type(threading.Lock()), type(threading.RLock())) and repr(obj).startswith("<unlocked"):
             return (threading.Lock if t is type(threading.Lock()) else threading.RLock), ()  # a new one
-        if isinstance(obj, type) and self.by_value(
-                obj, os.path.realpath(getattr(sys.modules.get(obj.__module__), "__file__", None) or "/")):
+        if isinstance(obj, type) and self.by_value(obj):
             attrs = {k: v for k, v in vars(obj).items() if k not in ("__dict__", "__weakref__")}
             shell = {k: attrs.pop(k) for k in ("__module__", "__qualname__", "__slots__") if k in attrs}
             return t, (obj.__name__, obj.__bases__, shell), attrs, None, None, restore
@@ -1391,6 +1392,12 @@ class Copier(pickle.Pickler):
             obj.seek(at)
             if len(data) < 1 << 20:
                 return reopen, (data, getattr(obj, "mode", "r"), at)
+        if (t.__reduce__ is not object.__reduce__ or t.__reduce_ex__ is not object.__reduce_ex__) \
+                and hasattr(obj, "__dict__") and not isinstance(obj, type):
+            rv = obj.__reduce_ex__(4)  # its own pickling looks it up on a class sent by value: still a shell
+            if isinstance(rv, tuple) and len(rv) > 1 and any(isinstance(a, type) and self.by_value(a)
+                                                              for a in rv[1]):
+                return copyreg.__newobj__, (t,), dict(vars(obj)), None, None, restore
         if hasattr(t, "__getattr__") and not hasattr(t, "__setstate__"):
             # unpickling asks an object for __setstate__, which a __getattr__ that makes attributes on demand
             # may never answer: restore() sets its state instead
