@@ -41,6 +41,7 @@ records the commit) and runs its tests with the interpreter from `env`.
 
 import argparse
 import ast
+import asyncio
 import configparser
 import contextlib
 import copyreg
@@ -1646,7 +1647,10 @@ def oracle_main(mode, root, inputs, fd):
             before = set(getattr(args[0], "__dict__", ())) if args and not init else set()
             signal.setitimer(signal.ITIMER_REAL, 5)
             try:
-                result = canon(f(*args, **kwargs))
+                result = f(*args, **kwargs)
+                if inspect.iscoroutine(result) or inspect.isasyncgen(result):  # an async feature: run it
+                    result = asyncio.run(result if inspect.iscoroutine(result) else drain(result))
+                result = canon(result)
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
             after = {a: v for a, v in getattr(args[0], "__dict__", {}).items() if init or a in before} \
@@ -1659,6 +1663,16 @@ def oracle_main(mode, root, inputs, fd):
             line = "raises " + " ".join(f"{c.__module__}.{c.__qualname__}" for c in type(e).__mro__
                                         if c not in (Exception, BaseException, object))
         out.write(json.dumps([k, line]) + "\n")
+
+
+async def drain(agen, limit=1000):
+    """An async generator's first items, as canon takes an iterator's."""
+    items = []
+    async for x in agen:
+        items.append(x)
+        if len(items) >= limit:
+            break
+    return items
 
 
 def oracle_resolve(module, qualname):
@@ -1682,10 +1696,10 @@ def oracle_resolve(module, qualname):
 
 
 ORACLE_CHILD = "\n".join(["import contextlib, copy, copyreg, hashlib, importlib, io, json, marshal, os",
-                          "import pickle, re, sys, tempfile",
+                          "import asyncio, inspect, pickle, re, sys, tempfile",
                           "import threading, types",
                           *map(inspect.getsource, (Copier, restore, reopen)), COPY_MODULE,
-                          *map(inspect.getsource, (canon, mutants, oracle_main, oracle_resolve)),
+                          *map(inspect.getsource, (canon, mutants, oracle_main, drain, oracle_resolve)),
                           "oracle_main(*sys.argv[1:])"])
 
 
