@@ -551,6 +551,17 @@ def sandbox_problem():
     return None
 
 
+@functools.cache
+def prefixes(python):
+    """(sys.prefix, sys.base_prefix) of an interpreter: a venv's own folder and the Python it was made from."""
+    probe = "import sys, json; print(json.dumps([sys.prefix, sys.base_prefix]))"
+    try:
+        p = subprocess.run([python, "-I", "-c", probe], capture_output=True, text=True, timeout=60)
+        return tuple(json.loads(p.stdout))
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        raise TaskError(f"--python {python} is not a Python interpreter")
+
+
 @dataclass
 class Sandbox:
     """How untrusted code runs: which interpreter, isolated or not, for how long, with how much."""
@@ -563,12 +574,7 @@ class Sandbox:
     disk: int = 512 << 20  # bytes in each of the work folder, /tmp and /dev/shm, and in any one file written
 
     def __post_init__(self):
-        probe = "import sys, json; print(json.dumps([sys.prefix, sys.base_prefix]))"
-        try:
-            p = subprocess.run([self.python, "-I", "-c", probe], capture_output=True, text=True, timeout=60)
-            self.prefix, self.base = json.loads(p.stdout)
-        except (OSError, ValueError, subprocess.TimeoutExpired):
-            raise TaskError(f"--python {self.python} is not a Python interpreter")
+        self.prefix, self.base = prefixes(self.python)
         if self.isolate and sandbox_problem():
             raise TaskError(f"cannot sandbox the tests: {sandbox_problem()}; "
                             "pass --no-sandbox to run them unisolated")
