@@ -553,7 +553,7 @@ def sandbox_problem():
 
 @functools.cache
 def prefixes(python):
-    """(sys.prefix, sys.base_prefix) of an interpreter: a venv's own folder and the Python it was made from."""
+    """(sys.prefix, sys.base_prefix) of an interpreter: a venv's folder and the Python it was made from."""
     probe = "import sys, json; print(json.dumps([sys.prefix, sys.base_prefix]))"
     try:
         p = subprocess.run([python, "-I", "-c", probe], capture_output=True, text=True, timeout=60)
