@@ -962,7 +962,7 @@ def plugin_run(box, root, name, source, env):
         Path(tmp, f"{name}.py").write_text(source)
         r = box.pytest(root, ["-p", name], path=[tmp], pass_fds=[fd.fileno()],
                        extra_env={**env, "FEATDEL_OUT": str(fd.fileno())})
-        return r, tail(fd, box.disk) or None  # whole (a large suite's trace is over 64 MiB), bounded by the run's file size limit
+        return r, tail(fd, box.disk) or None  # whole: a large trace is over 64 MiB; bounded by RLIMIT_FSIZE
 
 
 # -----------------------------------------------------------------------------
