@@ -42,14 +42,18 @@ records the commit) and runs its tests with the interpreter from `env`.
 import argparse
 import ast
 import asyncio
+import collections
+import concurrent.futures
 import configparser
 import contextlib
 import copyreg
 import functools
 import hashlib
 import importlib
+import importlib.machinery
 import inspect
 import io
+import itertools
 import json
 import marshal
 import os
@@ -58,6 +62,7 @@ import random
 import re
 import resource
 import secrets
+import shlex
 import shutil
 import signal
 import site
@@ -71,7 +76,10 @@ import textwrap
 import threading
 import time
 import tomllib
+import traceback
 import types
+import urllib.parse
+import urllib.request
 import zipfile
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -572,6 +580,7 @@ class Sandbox:
     processes: int = 512  # processes and threads at once
     memory: int = 8 << 30  # bytes of address space per process
     disk: int = 512 << 20  # bytes in each of the work folder, /tmp and /dev/shm, and in any one file written
+    executed: int = 0  # tests run so far, setup to teardown: what make's cost is counted in
 
     def __post_init__(self):
         self.prefix, self.base = prefixes(self.python)
@@ -672,14 +681,19 @@ class Sandbox:
             out = tail(log, 1 << 20)
         return rc, out
 
-    def pytest(self, root, args=(), path=(), extra_env=None, pass_fds=(), **kw):
-        """Run pytest with the reporter plugin below. Outcomes come from its descriptor, never from what the
-        tests print (their code can print anything)."""
+    def pytest(self, root, args=(), path=(), extra_env=None, pass_fds=(), select=None, **kw):
+        """Run pytest with the reporter plugin below; select: run only these node ids (their files are
+        collected, the rest of each file deselected: far faster than naming thousands of ids). Outcomes come
+        from the plugin's descriptor, never from what the tests print (their code can print anything)."""
         with scratch() as plugin, tempfile.TemporaryFile() as fd:
             Path(plugin, "_featdel_report.py").write_text(REPORTER)
+            env = {"FEATDEL_REPORT_FD": str(fd.fileno())}
+            if select is not None:
+                Path(plugin, "select.json").write_text(json.dumps(sorted(select)))
+                env["FEATDEL_SELECT"] = str(Path(plugin, "select.json"))
+                args = [*args, *sorted({t.split("::")[0] for t in select})]
             rc, out = self.run([*PYTEST, "-p", "_featdel_report", *args], root, path=[plugin, *path],
-                               pass_fds=[fd.fileno(), *pass_fds],
-                               extra_env={"FEATDEL_REPORT_FD": str(fd.fileno()), **(extra_env or {})}, **kw)
+                               pass_fds=[fd.fileno(), *pass_fds], extra_env={**env, **(extra_env or {})}, **kw)
             lines = tail(fd, READ_AT_MOST).splitlines()
         try:
             records = [json.loads(line) for line in lines]
@@ -689,7 +703,12 @@ class Sandbox:
                 outcomes.setdefault(nodeid, {})[when] = outcome
         except (ValueError, TypeError, IndexError):
             return Report(rc, out, None, None)
+        with RUNS:
+            self.executed += len(outcomes)
         return Report(rc, out, outcomes, end)
+
+
+RUNS = threading.Lock()  # make's tries run side by side (--jobs) and count into one Sandbox
 
 
 def tail(f, limit):
@@ -729,10 +748,16 @@ class Report(NamedTuple):
 class Reporter:
     """The reporting plugin. It runs inside the repository's pytest, not here: Sandbox.pytest writes REPORTER,
     this class's source after a line that turns bytecode off, into the module it loads with -p. fd: the
-    descriptor the outcomes go to (None in pytest-xdist's workers, whose controller reports)."""
+    descriptor the outcomes go to (None in pytest-xdist's workers, whose controller reports); select: a JSON
+    file of the node ids to run (make's runs; verify runs whole files)."""
 
-    def __init__(self, fd):
+    def __init__(self, fd, select):
         self.out = os.fdopen(int(fd), "w", buffering=1) if fd else None
+        self.select = set(json.loads(open(select).read())) if select else None
+
+    def pytest_collection_modifyitems(self, config, items):
+        if self.select is not None:
+            items[:] = [item for item in items if item.nodeid in self.select]
 
     def pytest_runtest_logreport(self, report):
         if self.out:
@@ -747,7 +772,8 @@ REPORTER = f"""import json, os, sys
 sys.pycache_prefix = {NO_BYTECODE!r}  # from here on (conftests, tests, the solution) no bytecode is used
 {inspect.getsource(Reporter)}
 # popped: the tests never see which descriptor
-_reporter = Reporter(os.environ.pop("FEATDEL_REPORT_FD", None))
+_reporter = Reporter(os.environ.pop("FEATDEL_REPORT_FD", None), os.environ.pop("FEATDEL_SELECT", None))
+pytest_collection_modifyitems = _reporter.pytest_collection_modifyitems
 pytest_runtest_logreport = _reporter.pytest_runtest_logreport
 pytest_sessionfinish = _reporter.pytest_sessionfinish
 """
@@ -757,6 +783,9 @@ pytest_sessionfinish = _reporter.pytest_sessionfinish
 # Repository layout: which files are source, which are tests and test configuration (never editable).
 
 SKIP_DIRS = {".git", "__pycache__", ".tox", ".nox", ".venv", "venv", "node_modules"}
+# top-level scripts that are never the project's module
+NOT_MODULES = {"setup", "conftest", "noxfile", "fabfile", "tasks", "manage", "versioneer", "ez_setup",
+               "distribute_setup", "bootstrap", "runtests", "run_tests", "docs", "conf"}
 CONFIG = {"conftest.py", "pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml", "setup.py", "noxfile.py",
           ".coveragerc", "sitecustomize.py", "usercustomize.py"}
 
@@ -775,16 +804,51 @@ def walk(root, skip=SKIP_DIRS):
 
 
 def packages(root):
-    """Top-level import packages (flat or src/ layout), tests excluded."""
+    """The top-level import packages (folders with __init__.py, flat or src/ layout) and, for a project that
+    is one module, its module file (`name.py`, declared as py-modules or imported by the tests); tests
+    excluded. Relative paths: "pkg", "src/pkg", "name.py"."""
     root = Path(root)
-    found = [p for base in (root, root / "src") if base.is_dir() for p in sorted(base.iterdir())
+    bases = [b for b in (root, root / "src") if b.is_dir()]
+    found = [p for base in bases for p in sorted(base.iterdir())
              if (p / "__init__.py").is_file() and not is_protected(p.name + "/x") and p.name not in SKIP_DIRS]
+    loose = [p for base in bases for p in sorted(base.glob("*.py")) if not is_protected(p.name)
+             and p.stem not in NOT_MODULES and p.is_file() and not p.is_symlink()]
+    if loose:  # a single-module project: the module the tests import
+        imported = set()
+        for rel in walk(root):
+            if rel.endswith(".py") and is_protected(rel):
+                with contextlib.suppress(SyntaxError, ValueError, OSError):
+                    for n in ast.walk(ast.parse(Path(root, rel).read_bytes())):
+                        if isinstance(n, ast.Import):
+                            imported |= {a.name.split(".")[0] for a in n.names}
+                        elif isinstance(n, ast.ImportFrom) and not n.level and n.module:
+                            imported.add(n.module.split(".")[0])
+        found += [p for p in loose if p.stem in imported and p.stem not in {f.name for f in found}]
     return [str(p.relative_to(root)) for p in found]
 
 
+def package_name(pkg):
+    return Path(pkg).stem  # "src/pkg" -> pkg, "name.py" -> name
+
+
+def package_files(root, pkg):
+    """The files of one entry of packages(root), relative to root."""
+    return [pkg] if pkg.endswith(".py") else [os.path.join(pkg, r) for r in walk(Path(root) / pkg)]
+
+
+def inside(rel, pkgs):
+    return any(rel == p or rel.startswith(p + "/") for p in pkgs)
+
+
+def package_roots(root):
+    """Path prefixes of root's packages, as the tracer and recorder match code objects' files against."""
+    return os.pathsep.join(os.path.realpath(Path(root, p)) + ("" if p.endswith(".py") else os.sep)
+                           for p in packages(root))
+
+
 def source_files(root):
-    return [r for pkg in packages(root) for r in walk(Path(root) / pkg)
-            for r in [os.path.join(pkg, r)] if r.endswith(".py") and not is_protected(r)]
+    return [r for pkg in packages(root) for r in package_files(root, pkg)
+            if r.endswith(".py") and not is_protected(r)]
 
 
 # -----------------------------------------------------------------------------
@@ -794,11 +858,77 @@ def source_files(root):
 # folder's copy, and an installed copy of deleted code would be a leak.
 
 TEST_EXTRAS = ("test", "tests", "testing", "dev")
+# ini keys of a pytest configuration that only a plugin understands
+INI_PLUGINS = {"asyncio_mode": "pytest-asyncio", "asyncio_default_fixture_loop_scope": "pytest-asyncio",
+               "timeout": "pytest-timeout", "env": "pytest-env", "mock_use_standalone_module": "pytest-mock",
+               "doctest_plus": "pytest-doctestplus", "xdist_auto_num_workers": "pytest-xdist"}
+# a test's import -> the distribution that provides it, where the two names differ
+DISTRIBUTIONS = {"yaml": "pyyaml", "dateutil": "python-dateutil", "PIL": "pillow", "attr": "attrs",
+                 "bs4": "beautifulsoup4", "jwt": "pyjwt", "pytest_mock": "pytest-mock", "dns": "dnspython",
+                 "pytest_asyncio": "pytest-asyncio", "pytest_benchmark": "pytest-benchmark", "Crypto":
+                 "pycryptodome", "OpenSSL": "pyopenssl", "google": "protobuf", "pkg_resources": "setuptools",
+                 "typing_extensions": "typing-extensions", "sklearn": "scikit-learn", "serial": "pyserial",
+                 "magic": "python-magic", "docutils": "docutils", "markdown": "markdown"}
+COMPILED = "featdel-compiled"  # in a venv from `env`: the package's compiled modules, kept for its tests
+
+
+def plugin_for(option):
+    """The pytest plugin that provides a command-line option (--cov-report=x -> pytest-cov), or None."""
+    name = option.split("=")[0]
+    return next((v for k, v in PLUGIN_OPTIONS.items()
+                 if name == k or name.startswith(k + "-") or k == "-n" and re.fullmatch(r"-n\d+|-nauto", name)),
+                None)
+
+
+def pytest_config(repo):
+    """{ini key: value} of the pytest configuration pytest itself would pick (pytest.ini, pyproject.toml,
+    tox.ini, setup.cfg, in that order)."""
+    repo = Path(repo)
+    for name, section in (("pytest.ini", "pytest"), ("pyproject.toml", None), ("tox.ini", "pytest"),
+                          ("setup.cfg", "tool:pytest")):
+        f = repo / name
+        if not f.is_file():
+            continue
+        if section is None:
+            with contextlib.suppress(tomllib.TOMLDecodeError, UnicodeDecodeError):
+                opts = tomllib.loads(f.read_text()).get("tool", {}).get("pytest", {}).get("ini_options")
+                if opts is not None:
+                    return opts
+            continue
+        cfg = configparser.ConfigParser(interpolation=None)
+        with contextlib.suppress(configparser.Error, UnicodeDecodeError):
+            cfg.read(f)
+            if cfg.has_section(section):
+                return dict(cfg[section])
+    return {}
+
+
+def config_plugins(repo):
+    """The plugins a repository's pytest configuration cannot run without: those its addopts' options
+    belong to, its ini keys need, and its required_plugins."""
+    cfg = pytest_config(repo)
+
+    def words(v):
+        with contextlib.suppress(ValueError):
+            return v if isinstance(v, list) else shlex.split(str(v))
+        return str(v).split()
+    need = [plugin_for(w) for w in words(cfg.get("addopts", ""))] + [INI_PLUGINS.get(k) for k in cfg]
+    need += words(cfg.get("required_plugins", ""))
+    return list(dict.fromkeys(x for x in need if x))
+
+
+def poetry_requirement(name, spec):
+    """A Poetry dependency table entry as a pip requirement (its version constraint dropped: Poetry's ^ and ~
+    are not PEP 440; the resolver picks a version the package's own metadata admits)."""
+    extras = spec.get("extras", []) if isinstance(spec, dict) else []
+    return name + (f"[{','.join(extras)}]" if extras else "")
 
 
 def test_requirements(repo):
     """(extras, pip arguments) for the test requirements a repository declares: extras and dependency groups
-    named test/tests/testing/dev, hatch test environments, requirements files, tox deps."""
+    named test/tests/testing/dev, Poetry groups and dev-dependencies, PDM dev-dependencies, hatch test
+    environments, setup.py's tests_require, requirements files, tox deps, and the plugins its pytest
+    configuration needs."""
     repo, extras, args = Path(repo), [], []
     pp = repo / "pyproject.toml"
     try:
@@ -816,17 +946,35 @@ def test_requirements(repo):
             elif isinstance(item, dict) and item.get("include-group") in groups and name not in seen:
                 yield from group(item["include-group"], (*seen, name))
     args += [r for g in groups if g.lower() in TEST_EXTRAS for r in group(g)]
-    hatch = data.get("tool", {}).get("hatch", {}).get("envs", {})
+    tool = data.get("tool", {})
+    poetry = tool.get("poetry", {})
+    tables = [poetry.get("dev-dependencies", {})] + [g.get("dependencies", {}) for k, g in
+                                                     poetry.get("group", {}).items() if k.lower() in TEST_EXTRAS]
+    args += [poetry_requirement(k, v) for t in tables for k, v in t.items() if k.lower() != "python"]
+    args += [r for k, v in tool.get("pdm", {}).get("dev-dependencies", {}).items() if k.lower() in TEST_EXTRAS
+             for r in v if isinstance(r, str) and not r.startswith("-")]
+    hatch = tool.get("hatch", {}).get("envs", {})
     args += [r for e in ("default", "test", "tests") for r in hatch.get(e, {}).get("dependencies", [])
              if "{" not in r]
     cfg = configparser.ConfigParser(interpolation=None)
-    with contextlib.suppress(configparser.Error):
+    with contextlib.suppress(configparser.Error, UnicodeDecodeError):
         cfg.read([repo / "setup.cfg", repo / "tox.ini"])
     if cfg.has_section("options.extras_require"):
         extras += [k for k in cfg["options.extras_require"] if k.lower() in TEST_EXTRAS]
-    if (repo / "setup.py").is_file() and not extras:
-        # setup.py declares extras in code; pip ignores the ones it lacks
-        extras += ["test", "tests", "testing"]
+    args += [x.strip() for x in cfg.get("options", "tests_require", fallback="").splitlines() if x.strip()]
+    if (repo / "setup.py").is_file():
+        with contextlib.suppress(SyntaxError, ValueError, UnicodeDecodeError):
+            # tests_require=[...] and extras_require={"test": [...]} as literals in setup.py
+            for n in ast.walk(ast.parse((repo / "setup.py").read_bytes())):
+                for kw in n.keywords if isinstance(n, ast.Call) else []:
+                    with contextlib.suppress(ValueError):
+                        v = ast.literal_eval(kw.value)
+                        if kw.arg == "tests_require" and isinstance(v, (list, tuple)):
+                            args += [x for x in v if isinstance(x, str)]
+                        elif kw.arg == "extras_require" and isinstance(v, dict):
+                            extras += [k for k in v if isinstance(k, str) and k.lower() in TEST_EXTRAS]
+        if not extras:  # setup.py declares extras in code; pip ignores the ones it lacks
+            extras += ["test", "tests", "testing"]
     for dep in cfg.get("testenv", "deps", fallback="").splitlines():
         dep = dep.strip()
         if dep.startswith("-r"):
@@ -835,19 +983,46 @@ def test_requirements(repo):
             args.append(dep.split(" #")[0].strip())
     for pattern in ("requirements*test*.txt", "requirements-dev.txt", "requirements_dev.txt",
                     "test*requirements.txt", "dev-requirements.txt", "requirements/test*.txt",
-                    "requirements/dev*.txt"):
+                    "requirements/dev*.txt", "test*/requirements*.txt"):
         for f in sorted(repo.glob(pattern)):
             args.append(f"--requirement={f.relative_to(repo)}")
-    return sorted(set(extras)), list(dict.fromkeys(args))
+    args += config_plugins(repo)
+    return sorted(set(extras)), list(dict.fromkeys(a for a in args if a.split("[")[0].lower() != "pytest"))
+
+
+def test_imports(repo):
+    """Top-level modules the tests and conftests import unconditionally (at module level, outside try)."""
+    names = set()
+    for rel in walk(repo):
+        if rel.endswith(".py") and is_protected(rel) and Path(rel).name != "setup.py":
+            with contextlib.suppress(SyntaxError, ValueError, OSError):
+                for n in ast.parse(Path(repo, rel).read_bytes()).body:
+                    if isinstance(n, ast.Import):
+                        names |= {a.name.split(".")[0] for a in n.names}
+                    elif isinstance(n, ast.ImportFrom) and not n.level and n.module:
+                        names.add(n.module.split(".")[0])
+    local = {part for rel in walk(repo) for part in Path(rel).with_suffix("").parts}  # helpers, conftest
+    return names - local - set(sys.stdlib_module_names) - {"__future__"}
+
+
+def pip_failure(out):
+    """The line of pip's output that says why it failed: its `ERROR: ...` line, or, after `ERROR: Exception:`
+    (pip itself crashed), the last line of the traceback."""
+    lines = [x.strip() for x in out.strip().splitlines() if x.strip()] or ["no output"]
+    err = next((x for x in reversed(lines) if x.startswith("ERROR") and x != "ERROR: Exception:"), None)
+    return err or lines[-1]
 
 
 def make_env(repo, venv, isolate=True, log=print):
-    """Create venv with this interpreter's venv module, install repo[test extras] and its test requirements
-    plus pytest into it (network allowed, nothing writable but the venv and a copy of the repo), then take the
-    repository's own packages out again. Returns the venv's interpreter."""
+    """Create venv with this interpreter's venv module, upgrade its pip, install repo[test extras], the test
+    requirements it declares and pytest into it (network allowed, nothing writable but the venv and a copy of
+    the repo), then what its tests import and is still missing (best effort). The repository's own packages
+    are taken out again; compiled modules of theirs that have no Python twin are kept in venv/COMPILED, for
+    make to put beside the sources. Returns the venv's interpreter."""
     repo, venv = Path(repo).resolve(), Path(venv).resolve()
     if not repo.is_dir() or not packages(repo):
-        raise TaskError(f"--repo {repo} is not a directory with a Python package (a folder with __init__.py)")
+        raise TaskError(f"--repo {repo} is not a directory with a Python package (a folder with __init__.py) "
+                        f"or a single module the tests import")
     if venv.exists() and any(venv.iterdir()):
         raise TaskError(f"--venv {venv} exists and is not empty")
     t0, (extras, reqs) = time.time(), test_requirements(repo)
@@ -857,23 +1032,46 @@ def make_env(repo, venv, isolate=True, log=print):
     python = str(venv / "bin" / "python")
     box = Sandbox(python=python, isolate=isolate, timeout=1800)
     keep = {k: v for k, v in os.environ.items() if k.startswith("PIP_") or k.lower().endswith("_proxy")}
+    pip = ["-m", "pip", "install", "--no-input", "--disable-pip-version-check"]
     with scratch() as tmp:
         # the build writes into its source folder: a copy, so the repository is untouched
         src = Path(tmp, repo.name)
         shutil.copytree(repo, src, symlinks=True)
+        # a fresh venv's pip can be too old to read today's package metadata
+        rc, out = box.run([*pip, "--upgrade", "pip"], src, writable=[venv], network=True, extra_env=keep)
         target = f"{src}[{','.join(extras)}]" if extras else str(src)
         log(f"installing {repo.name}{'[' + ','.join(extras) + ']' if extras else ''} {' '.join(reqs)} pytest")
-        rc, out = box.run(["-m", "pip", "install", "--no-input", "--disable-pip-version-check", target, *reqs,
-                           "pytest"], src, writable=[venv], network=True, extra_env=keep)
-    if rc:
-        lines = [x.strip() for x in out.strip().splitlines()] or ["no output"]
-        raise TaskError(f"pip install failed in {venv}: "
-                        f"{next((x for x in reversed(lines) if x.startswith('ERROR')), lines[-1])}")
-    site_dir = next(venv.glob("lib/python3*/site-packages"))
+        rc, out = (rc, out) if rc else box.run([*pip, target, *reqs, "pytest"], src, writable=[venv],
+                                                network=True, extra_env=keep)
+        if rc:
+            raise TaskError(f"pip install failed in {venv}: {pip_failure(out)}")
+        site_dir = next(venv.glob("lib/python3*/site-packages"))
+        names = {package_name(pkg) for pkg in packages(repo)}
+        missing = sorted(m for m in test_imports(repo) - names
+                         if not (site_dir / m).exists() and not list(site_dir.glob(m + ".*")))
+        if missing:
+            dists = [DISTRIBUTIONS.get(m, m.replace("_", "-")) for m in missing]
+            log(f"the tests import {', '.join(missing)}, which nothing declares: installing {' '.join(dists)}")
+            for d in dists:  # one at a time: a name that is no distribution must not stop the others
+                rc, out = box.run([*pip, d], src, writable=[venv], network=True, extra_env=keep)
+                if rc:
+                    log(f"  {d}: {pip_failure(out)}")
+    kept = 0
     for pkg in packages(repo):
-        shutil.rmtree(site_dir / Path(pkg).name, ignore_errors=True)
-    log(f"environment for {repo.name} ready in {time.time() - t0:.0f} s; "
-        f"run its tests with --python {python}")
+        name = package_name(pkg)
+        installed = site_dir / name
+        for f in sorted(installed.rglob("*")) if installed.is_dir() else []:
+            suffix = next((x for x in importlib.machinery.EXTENSION_SUFFIXES if f.name.endswith(x)), None)
+            if suffix and not f.with_name(f.name[:-len(suffix)] + ".py").exists():  # no mypyc twin
+                to = venv / COMPILED / name / f.relative_to(installed)
+                to.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(f, to)
+                kept += 1
+        shutil.rmtree(installed, ignore_errors=True)
+        (site_dir / (name + ".py")).unlink(missing_ok=True)
+    log(f"environment for {repo.name} ready in {time.time() - t0:.0f} s"
+        + (f", {kept} compiled modules kept for the tests" if kept else "")
+        + f"; run its tests with --python {python}")
     return python
 
 
@@ -929,11 +1127,12 @@ pytest_sessionfinish = _tracer.pytest_sessionfinish
 
 
 def trace_tests(root, box):
-    """One traced pytest run: (passed ids, {node id: {(file, qualname)}}, the import-time set)."""
+    """One traced pytest run, past test files that fail to collect: (report, {node id: {(file, qualname)}},
+    the import-time set)."""
     root = Path(root).resolve()
-    roots = os.pathsep.join(str(root / p) + os.sep for p in packages(root))
-    r, raw = plugin_run(box, root, "_featdel_tracer", TRACER_MODULE, {"FEATDEL_ROOTS": roots})
-    rc, passed, log = r.rc, r.passed, r.out
+    r, raw = plugin_run(box, root, "_featdel_tracer", TRACER_MODULE, {"FEATDEL_ROOTS": package_roots(root)},
+                        ["--continue-on-collection-errors"])
+    rc, log = r.rc, r.out
     if rc == 124:
         raise TaskError(f"the test suite ran past the timeout of {box.timeout} s (make --timeout)")
     if rc == 5:
@@ -944,23 +1143,37 @@ def trace_tests(root, box):
         # e.g. addopts = --cov=pkg, no pytest-cov
         opt = re.search(r"unrecognized arguments: (-[-\w]+)", why)
         if opt:
-            plugin = next((v for k, v in PLUGIN_OPTIONS.items() if opt[1].startswith(k)),
-                          "a pytest plugin")
+            plugin = plugin_for(opt[1]) or "a pytest plugin"
             why += (f" (the repository's pytest configuration needs {plugin}, not installed for "
                     f"{box.python}: make its environment with "
                     f"`python tasks.py env --repo DIR --venv DIR` and pass --python)")
         raise TaskError(f"the test suite did not run (pytest exit {rc}): {why}")
     raw = json.loads(raw)
     calls = {k: {(os.path.relpath(f, root), q) for f, q in v} for k, v in raw.items()}
-    return passed, calls, calls.pop("<import>", set()) | calls.pop("<between>", set())
+    return r, calls, calls.pop("<import>", set()) | calls.pop("<between>", set())
 
 
-def plugin_run(box, root, name, source, env):
-    """One pytest run of root with one more plugin (source, loaded with -p name), which writes its result to
-    the descriptor in FEATDEL_OUT: (report, what it wrote or None)."""
+def first_error(out):
+    """What a pytest run printed about its first failure, in one line: the file that failed to collect and its
+    exception, or the first FAILED/ERROR line of the short summary."""
+    lines = out.splitlines()
+    for i, line in enumerate(lines):
+        m = re.match(r"_+ ERROR collecting (\S+) _+$", line)
+        if m:
+            e = next((x[1:].strip() for x in lines[i + 1:] if x.startswith("E ")), None)
+            return f"{m[1]} does not collect: " + (e or next((x.strip() for x in lines[i + 1:] if x.strip()),
+                                                             "no reason printed"))
+    summary = next((x.strip() for x in lines if re.match(r"(FAILED|ERROR) ", x)), None)
+    return summary or (lines[-1].strip() if lines else "no output")
+
+
+def plugin_run(box, root, name, source, env, args=(), select=None):
+    """One pytest run of root (args: options; select: node ids, as Sandbox.pytest) with one more plugin
+    (source, loaded with -p name), which writes its result to the descriptor in FEATDEL_OUT: (report, what it
+    wrote or None)."""
     with scratch() as tmp, tempfile.TemporaryFile() as fd:
         Path(tmp, f"{name}.py").write_text(source)
-        r = box.pytest(root, ["-p", name], path=[tmp], pass_fds=[fd.fileno()],
+        r = box.pytest(root, ["-p", name, *args], path=[tmp], pass_fds=[fd.fileno()], select=select,
                        extra_env={**env, "FEATDEL_OUT": str(fd.fileno())})
         return r, tail(fd, box.disk) or None  # whole: a large trace is over 64 MiB; bounded by RLIMIT_FSIZE
 
@@ -1287,7 +1500,7 @@ def installed_copies(root, site_dirs):
     """The repository's packages as installed in the environment: a copy of the deleted code, whole."""
     for sp in site_dirs:
         for pkg in packages(root):
-            name = Path(pkg).name
+            name = package_name(pkg)
             for p in sorted(Path(sp).glob(f"{name}*")) if Path(sp).is_dir() else []:
                 if p.name == name or re.match(rf"{re.escape(name)}-[^/]*\.(dist|egg)-info$"
                                               rf"|{re.escape(name)}\.py$", p.name):
@@ -1296,11 +1509,11 @@ def installed_copies(root, site_dirs):
 
 def scrub(root, findings):
     """Delete every artifact the scan found (and all bytecode), then re-create git as one fresh commit."""
-    root, pkgs = Path(root), tuple(p + "/" for p in packages(root))
+    root, pkgs = Path(root), packages(root)
     for f in findings:
         p = root / f["path"]
         if (f["kind"] == "site-packages"
-                or f["kind"] == "text" and (is_protected(f["path"]) or f["path"].startswith(pkgs))):
+                or f["kind"] == "text" and (is_protected(f["path"]) or inside(f["path"], pkgs))):
             continue  # never touch the environment, tests or the package; such a task is simply not served
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
     for d, dirs, _ in os.walk(root, topdown=False):
@@ -1721,10 +1934,10 @@ def oracle_run(box, tree, features, calls, mode="run", timeout=None):
     base64 input]]."""
     with scratch() as view, tempfile.TemporaryFile() as fd:
         for pkg in packages(tree):
-            for rel in walk(Path(tree, pkg)):
-                if not is_protected(rel) and Path(tree, pkg, rel).is_file():
-                    Path(view, pkg, rel).parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copyfile(Path(tree, pkg, rel), Path(view, pkg, rel))
+            for rel in package_files(tree, pkg):
+                if not is_protected(rel) and Path(tree, rel).is_file():
+                    Path(view, rel).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(Path(tree, rel), Path(view, rel))
         Path(view, "oracle-inputs.json").write_text(json.dumps({"features": features, "calls": calls}))
         rc, out = box.run(["-I", "-c", ORACLE_CHILD, mode, view, str(Path(view, "oracle-inputs.json")),
                            str(fd.fileno())], view, pass_fds=[fd.fileno()], timeout=timeout)
@@ -1781,14 +1994,15 @@ def make_oracle(gold, feats, records, box):
     return {"features": features, "calls": kept}, summary
 
 
-def record_calls(root, feats, box):
-    """One pytest run of root (the gold code) with Recorder on feats: (passed ids, recorded calls)."""
+def record_calls(root, feats, box, select=None):
+    """One pytest run of root (the gold code; select: those tests only) with Recorder on feats: (report,
+    recorded calls)."""
     root = Path(root).resolve()
     targets = [[os.path.realpath(root / rel), q, i] for i, (rel, q) in enumerate(feats)]
     r, out = plugin_run(box, root, "_featdel_recorder", RECORDER_MODULE, {
         "FEATDEL_TARGETS": json.dumps(targets), "FEATDEL_REPO": os.path.realpath(root) + os.sep,
-        "FEATDEL_ROOTS": os.pathsep.join(os.path.realpath(root / p) + os.sep for p in packages(root))})
-    return r.passed, json.loads(out) if out else []
+        "FEATDEL_ROOTS": package_roots(root)}, select=select)
+    return r, json.loads(out) if out else []
 
 
 # -----------------------------------------------------------------------------
@@ -1849,7 +2063,7 @@ def read_regular(path, limit):
 
 
 def editable(rel, pkgs):
-    return rel.endswith(".py") and rel.startswith(tuple(p + "/" for p in pkgs)) and not is_protected(rel)
+    return rel.endswith(".py") and inside(rel, pkgs) and not is_protected(rel)
 
 
 def solution_files(snap, workdir, deadline, allowed=None):
@@ -2067,12 +2281,13 @@ def add_canaries(work, need):
     return f"{home}::{names[0]}", f"{home}::{names[1]}"
 
 
-def verify(task_dir, workdir=None, patch=None, box=None):
+def verify(task_dir, workdir=None, patch=None, box=None, missing=None):
     """(reward, reason). Reward 1 only when the solution changes nothing but Python source inside the
     packages, the oracle agrees with the gold on every recorded call, and the verifier's own report says every
     required test passed, both canaries behaved and pytest's exit code is 1 (the must-fail canary's failure,
     nothing else). box: how code runs (default: the task's interpreter, in bubblewrap); its timeout bounds the
-    whole verify."""
+    whole verify. missing: a list that gets the required tests that did not pass (make drops those that fail
+    on the gold)."""
     task_dir = Path(task_dir)
     if not task_dir.is_dir():
         raise TaskError(f"no such task folder: {task_dir}")
@@ -2125,10 +2340,11 @@ def verify(task_dir, workdir=None, patch=None, box=None):
         return 0, f"runner tampered: the verifier's report is not what its plugin writes; pytest exit {rc}"
     if r.end is None:
         return 0, f"runner tampered or crashed: pytest's session never finished; pytest exit {rc}"
-    missing = [t for t in need if t not in passed]
-    if missing:
-        return 0, f"{len(missing)} of {len(need)} required tests did not pass (skipped counts as failed), " \
-                  f"e.g. {missing[0]}; pytest exit {rc}"
+    failed = [t for t in need if t not in passed]
+    (missing if missing is not None else []).extend(failed)
+    if failed:
+        return 0, f"{len(failed)} of {len(need)} required tests did not pass (skipped counts as failed), " \
+                  f"e.g. {failed[0]}; pytest exit {rc}"
     if must_fail in passed or outcomes.get(must_fail, {}).get("call") != "failed" or must_pass not in passed:
         return 0, f"runner tampered: a canary did not behave ({outcomes.get(must_fail)}, " \
                   f"{outcomes.get(must_pass)}); pytest exit {rc}"
@@ -2143,9 +2359,10 @@ def verify(task_dir, workdir=None, patch=None, box=None):
 # -----------------------------------------------------------------------------
 # Make: baseline, map, pick, delete, validate, scrub, scan, write.
 
-def candidates(root, passed, calls, at_import, min_lines=2):
-    """{(file, qualname): tests reaching it} for top-level functions and methods, filtered per the spec."""
-    limit = max(1, int(TESTS_AT_MOST * len(passed)))
+def candidates(root, passed, calls, at_import, reach=TESTS_AT_MOST, min_lines=2):
+    """{(file, qualname): tests reaching it} for top-level functions and methods that at least min_lines of
+    code, 1 to a share `reach` of the passing tests, and nothing at import reach."""
+    limit = max(1, int(reach * len(passed)))
     reach = {}
     for t, keys in calls.items():
         if t in passed:
@@ -2225,12 +2442,12 @@ def prompt_for(ents, f2p):
     return "\n".join(parts)
 
 
-def make_task(work, out, tid, feats, mode, stable, box, source):
+def make_task(work, out, tid, feats, mode, stable, reach, box, source):
     """(task, "ok") with out/tid written, or (None, why) with nothing left behind."""
     tdir = Path(out, tid)
     shutil.rmtree(tdir, ignore_errors=True)
     try:
-        task, why = build_task(work, tdir, tid, feats, mode, stable, box, source)
+        task, why = build_task(work, tdir, tid, feats, mode, stable, reach, box, source)
     except (SyntaxError, AttributeError, TypeError, ValueError) as e:
         task, why = None, f"splice failed: {e!r}"
     if task is None:
@@ -2238,7 +2455,12 @@ def make_task(work, out, tid, feats, mode, stable, box, source):
     return task, why
 
 
-def build_task(work, tdir, tid, feats, mode, stable, box, source):
+def build_task(work, tdir, tid, feats, mode, stable, reach, box, source):
+    """Delete feats from a copy of work and validate it: the tests that reach them (reach: node ids, from the
+    trace) run with the feature deleted and again on the gold code; every other stable test's
+    outcome is known from the baseline, as the trace says it never calls the feature. In remove mode the whole
+    suite runs with the feature deleted (an import of the removed name breaks tests the trace cannot see). The
+    whole required suite runs once at the end, in the gold's verify."""
     snap = tdir / "repo"
     shutil.copytree(work, snap, symlinks=True)
     fps, ents, originals, removed = delete_features(snap, feats, mode)
@@ -2255,17 +2477,18 @@ def build_task(work, tdir, tid, feats, mode, stable, box, source):
     scrub(snap, before)
     # Validate on the scrubbed snapshot: imports, collects, breaks some tests, keeps others.
     for pkg in packages(snap):
-        rc, log = box.run(["-c", f"import {Path(pkg).name}"], snap)
+        rc, log = box.run(["-c", f"import {package_name(pkg)}"], snap)
         if rc:
             return None, f"package no longer imports: {log.strip().splitlines()[-1:]}"
+    unrun = stable - reach  # their outcome is the baseline's
     with scratch() as tmp:  # tests may write files: run them on a throwaway copy
         shutil.copytree(snap, Path(tmp, "s"), symlinks=True)
-        r = box.pytest(Path(tmp, "s"))
-        rc, broken, log = r.rc, r.passed, r.out
+        r = box.pytest(Path(tmp, "s"), select=reach if mode == "stub" else None)
+        rc, broken, log = r.rc, r.passed | (unrun if mode == "stub" else set()), r.out
     if rc == 124:  # a deletion can make the suite far slower (packaging: past 300 s, where it passes in 80 s)
-        return None, f"with the feature deleted the suite ran past the timeout of {box.timeout} s"
+        return None, f"with the feature deleted the tests ran past the timeout of {box.timeout} s"
     if rc not in (0, 1) or "during collection" in log:
-        return None, f"test collection broke (pytest exit {rc})"
+        return None, f"test collection broke (pytest exit {rc}): {first_error(log)}"
     after = scan(snap, task)
     if after:
         return None, f"scan not clean after scrub: {after[0]}"
@@ -2277,24 +2500,32 @@ def build_task(work, tdir, tid, feats, mode, stable, box, source):
         for rel, src in originals.items():
             Path(g, rel).write_bytes(src)
         (tdir / "gold.patch").write_bytes(git(g, "diff", "--binary"))
-        restored, records = record_calls(g, feats, box)
+        r, records = record_calls(g, feats, box, reach)
         oracle, task["oracle"] = make_oracle(g, feats, records, box)
+    pkgs = packages(snap)
     # a doctest in a file the solution may edit is never a required test: rewriting it would pass it
-    kept = {t for t in stable & restored if not editable(t.split("::")[0], packages(snap))}
-    f2p, p2p = sorted(kept - broken), sorted(kept & broken)
-    if not f2p or not p2p:
-        return None, f"needs fail-to-pass and pass-to-pass tests, got {len(f2p)} and {len(p2p)}"
-    task.update({"prompt": prompt_for(ents, f2p), "deleted": ents, "fail_to_pass": f2p, "pass_to_pass": p2p,
-                 "python": box.python,
-                 "test_command": ["python", *PYTEST, "<fail_to_pass + pass_to_pass ids>"],
-                 "scan": {"before_scrub": before, "after_scrub": after},
-                 "difficulty": {"entities": len(ents), "tests_failed": len(f2p), "lines_removed": removed}})
-    (tdir / "task.json").write_text(json.dumps(task, indent=1))
-    (tdir / "oracle.json").write_text(json.dumps(oracle))
-    reward, why = verify(tdir, patch=tdir / "gold.patch", box=box)
-    if reward != 1:  # restoring the original must make every fail-to-pass test pass
-        return None, f"gold patch scores 0: {why}"
-    return task, "ok"
+    kept = {t for t in stable & (r.passed | unrun) if not editable(t.split("::")[0], pkgs)}
+    for attempt in (1, 2):
+        f2p, p2p = sorted(kept - broken), sorted(kept & broken)
+        if not f2p or not p2p:
+            return None, f"needs fail-to-pass and pass-to-pass tests, got {len(f2p)} and {len(p2p)}"
+        task.update({"prompt": prompt_for(ents, f2p), "deleted": ents, "fail_to_pass": f2p,
+                     "pass_to_pass": p2p, "python": box.python,
+                     "test_command": ["python", *PYTEST, "<fail_to_pass + pass_to_pass ids>"],
+                     "scan": {"before_scrub": before, "after_scrub": after},
+                     "difficulty": {"entities": len(ents), "tests_failed": len(f2p), "lines_removed": removed}})
+        (tdir / "task.json").write_text(json.dumps(task, indent=1))
+        (tdir / "oracle.json").write_text(json.dumps(oracle))
+        missing = []
+        reward, why = verify(tdir, patch=tdir / "gold.patch", box=box, missing=missing)
+        if reward == 1:
+            return task, "ok"
+        # a test that passes in make's runs but not in verify's (flaky, or it needs what verify keeps
+        # read-only) cannot judge a solution: dropped, and the gold verified once more
+        if not missing or attempt == 2:
+            break
+        kept -= set(missing)
+    return None, f"gold patch scores 0: {why}"  # restoring the original must make every required test pass
 
 
 def git_source(repo):
@@ -2311,16 +2542,24 @@ def git_source(repo):
             "commit": rev_parse("--verify", "-q", "HEAD").stdout.strip() or None}
 
 
-def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print):
+DEBRIS = (".benchmarks", ".hypothesis", ".pytest_cache", ".tox", ".nox", "htmlcov", ".coverage", ".coverage.*")
+
+
+def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reach=TESTS_AT_MOST, jobs=1,
+         stats=None):
     """Up to n validated, scan-clean tasks from repo into out/; returns the task dicts. box: how the
-    repository's tests run (default: this interpreter, in bubblewrap, 300 s a run)."""
+    repository's tests run (default: this interpreter, in bubblewrap, 300 s a run); reach: the largest share
+    of the suite a feature may be reached by; jobs: tries run side by side; stats: a dict that gets the
+    suite's size, the tries and the test executions."""
+    stats = {} if stats is None else stats
     repo, out, box = Path(repo), Path(out), box or Sandbox()
     if not repo.is_dir():
         raise TaskError(f"--repo is not a directory: {repo}")
     if not packages(repo):
-        raise TaskError(f"no Python package (a folder with __init__.py) at the top of {repo} or {repo}/src")
-    if n < 1 or group < 1:
-        raise TaskError("--n and --group must be >= 1")
+        raise TaskError(f"no Python package (a folder with __init__.py) or single module imported by the tests "
+                        f"at the top of {repo} or {repo}/src")
+    if n < 1 or group < 1 or jobs < 1 or not 0 < reach <= 1:
+        raise TaskError("--n, --group and --jobs must be >= 1, --reach in (0, 1]")
     source = git_source(repo)
     for rel in source_files(repo):  # every module must parse: candidates and splices read them all
         try:
@@ -2328,45 +2567,83 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print):
         except (SyntaxError, ValueError) as e:
             why = e.msg if isinstance(e, SyntaxError) else e
             raise TaskError(f"{repo / rel} is not Python source this interpreter can parse ({why})") from None
-    t0 = time.time()
+    t0, executed = time.time(), box.executed
     with scratch() as tmp:
         work = Path(tmp, "repo")
-        shutil.copytree(repo, work, symlinks=True)  # leaks and all: the scan before scrubbing reports them
-        first, calls, at_import = trace_tests(work, box)  # run 1, traced
-        second = box.pytest(work).passed  # run 2: a test must pass both times
-        stable = first & second
-        log(f"baseline: {len(stable)} stable passing tests, {len(first ^ second)} flaky dropped")
+        # leaks and all (the scan before scrubbing reports them), test-run debris aside
+        shutil.copytree(repo, work, symlinks=True, ignore=shutil.ignore_patterns(*DEBRIS))
+        compiled = Path(box.prefix, COMPILED)  # from `env`: the package's compiled modules, beside its sources
+        for pkg in packages(work) if compiled.is_dir() else []:
+            if (compiled / package_name(pkg)).is_dir() and not pkg.endswith(".py"):
+                shutil.copytree(compiled / package_name(pkg), work / pkg, dirs_exist_ok=True)
+        r1, calls, at_import = trace_tests(work, box)  # run 1, traced
+        r2 = box.pytest(work, ["--continue-on-collection-errors"])  # run 2: a test must pass both times
+        stable = r1.passed & r2.passed
+        stats["tests"] = len(stable)
+        bad = [t for t, o in (r2.outcomes or {}).items() if {"failed", "error"} & set(o.values())]
+        log(f"baseline: {len(stable)} stable passing tests, {len(r1.passed ^ r2.passed)} flaky dropped"
+            + (f", {len(bad)} failing ({first_error(r2.out)})" if bad else ""))
+        if len(bad) > len(r2.passed):  # e.g. a compiled extension missing: never tasks from a broken suite
+            raise TaskError(f"the baseline is broken: {len(bad)} of {len(r2.outcomes)} tests fail and "
+                            f"{len(r2.passed)} pass in {repo} ({first_error(r2.out)})"
+                            + ("" if box.prefix != box.base else "; make its environment with `python tasks.py "
+                                                                 "env --repo DIR --venv DIR` and pass --python"))
         if not stable:
-            raise TaskError(f"no test passes twice in {repo} ({len(first)} passed in the first run, "
-                            f"{len(second)} in the second)")
-        cands = candidates(work, stable, calls, at_import)
-        log(f"{len(cands)} candidate features "
-            f"(reached by 1..{max(1, int(TESTS_AT_MOST * len(stable)))} tests, not run at import): "
+            raise TaskError(f"no test passes twice in {repo} ({len(r1.passed)} passed in the first run, "
+                            f"{len(r2.passed)} in the second): {first_error(r2.out)}")
+        cands = candidates(work, stable, calls, at_import, reach)
+        limit = max(1, int(reach * len(stable)))
+        log(f"{len(cands)} candidate features (reached by 1..{limit} tests, not run at import): "
             + ", ".join(sorted(q for _, q in cands)))
+        if not cands:
+            raise TaskError(f"no candidate feature in {repo}: each function is reached by no passing test, by "
+                            f"more than {limit} (--reach {reach} of {len(stable)}), or runs at import")
         order = sorted(cands)
         random.Random(seed).shuffle(order)
-        tasks, used, tried = [], set(), 0
-        for seed_feat in order:
-            if len(tasks) >= n or tried >= 3 * n:  # a repository that keeps failing is not worth hours
-                break
-            feats = related(seed_feat, cands, group)
-            if used & set(feats):
-                continue
-            tried += 1
-            tid = (f"{repo.resolve().name}-{len(tasks):03d}-"
-                   + hashlib.sha1(repr(feats).encode()).hexdigest()[:8])
-            task, why = make_task(work, out, tid, feats, mode, stable, box, source)
-            o = task["oracle"] if task else {}
-            log(f"  {tid}: {', '.join(q for _, q in feats)} -> {why}"
-                + (f" (fail-to-pass {len(task['fail_to_pass'])}, leaks scrubbed "
-                   f"{len(task['scan']['before_scrub'])}, "
-                   + (f"oracle {o['traced']} traced + {o['held_out']} held-out calls)" if o["covered"] else
-                      f"no oracle, not served by default: {'; '.join(o['why'])})") if task else ""))
-            if task:
-                tasks.append(task)
-                used |= set(feats)
+        groups, taken = [], set()  # disjoint groups of features, tried in this order
+        for f in order:
+            feats = related(f, cands, group)
+            if not taken & set(feats):
+                groups.append(feats)
+                taken |= set(feats)
+        groups = groups[:3 * n]  # a repository that keeps failing is not worth hours
+
+        def attempt(i, feats):
+            tid = f"{repo.resolve().name}-{i:03d}-" + hashlib.sha1(repr(feats).encode()).hexdigest()[:8]
+            return tid, make_task(work, out, tid, feats, mode, stable, set().union(*(cands[f] for f in feats)),
+                                  box, source)
+        tasks, tried, reasons = [], 0, []
+        with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+            todo = iter(enumerate(groups))
+            running = collections.deque((feats, pool.submit(attempt, i, feats))
+                                        for i, feats in itertools.islice(todo, jobs))
+            while running:  # results are taken in order: the tasks do not depend on --jobs
+                feats, fut = running.popleft()
+                tid, (task, why) = fut.result()
+                if len(tasks) >= n:  # a try started beside the last one needed
+                    shutil.rmtree(out / tid, ignore_errors=True)
+                    continue
+                tried += 1
+                o = task["oracle"] if task else {}
+                log(f"  {tid}: {', '.join(q for _, q in feats)} -> {why}"
+                    + (f" (fail-to-pass {len(task['fail_to_pass'])}, leaks scrubbed "
+                       f"{len(task['scan']['before_scrub'])}, "
+                       + (f"oracle {o['traced']} traced + {o['held_out']} held-out calls)" if o["covered"] else
+                          f"no oracle, not served by default: {'; '.join(o['why'])})") if task else ""))
+                tasks += [task] if task else []
+                reasons += [] if task else [why]
+                while len(running) < jobs and len(tasks) < n:
+                    i, f = next(todo, (None, None))
+                    if f is None:
+                        break
+                    running.append((f, pool.submit(attempt, i, f)))
+    executed = stats["executed"] = box.executed - executed
+    stats.update(tried=tried, reasons=reasons)
     log(f"made {len(tasks)} tasks of {tried} tried in {time.time() - t0:.1f}s, "
-        f"{sum(t['oracle']['covered'] for t in tasks)} with an oracle")
+        f"{sum(t['oracle']['covered'] for t in tasks)} with an oracle; {executed} test executions"
+        + (f", {executed / len(tasks):.0f} per task" if tasks else "")
+        + ("" if len(tasks) >= n or not reasons else f"; the most common failure: "
+           f"{collections.Counter(reasons).most_common(1)[0][0]}"))
     return tasks
 
 
@@ -2375,6 +2652,114 @@ def served(out, unrecorded=False):
     unrecorded=True, also those judged by their tests alone)."""
     return [d for d in sorted(Path(out).iterdir()) if (d / "task.json").is_file()
             and (unrecorded or json.loads((d / "task.json").read_text()).get("oracle", {}).get("covered"))]
+
+
+# -----------------------------------------------------------------------------
+# Survey: make tasks from packages nobody here chose, as a user would. For each package spec: its sdist from
+# the package index, unpacked into a git repository, `env`, `make --n N`, then verify of each task's gold
+# patch (1 expected) and of its untouched snapshot (0 expected); one row per package, with the one-line reason
+# of whatever failed. SURVEY_PACKAGES is the list `survey --draw K --seed S` draws from.
+
+SURVEY_PACKAGES = ()
+INDEX = "https://pypi.org/pypi"
+
+
+def fetch_sdist(spec, dest):
+    """Download name==version's sdist from the package index into dest, checked against its SHA-256, and
+    unpack it (nothing outside dest, no links out, no special files): the unpacked folder."""
+    name, _, version = spec.partition("==")
+    if not name or not version:
+        raise TaskError(f"package spec {spec!r} is not name==version")
+    try:
+        with urllib.request.urlopen(f"{INDEX}/{name}/json", timeout=60) as r:
+            urls = json.load(r)["releases"][version]
+    except (OSError, ValueError, KeyError) as e:
+        raise TaskError(f"{spec}: the package index has no such release ({e})") from None
+    sdist = next((u for u in urls if u.get("packagetype") == "sdist"), None)
+    if sdist is None:
+        raise TaskError(f"{spec}: the release has no sdist (only wheels, which ship no tests)")
+    archive = Path(dest, sdist["filename"])
+    with urllib.request.urlopen(urllib.parse.urljoin(f"{INDEX}/{name}/json", sdist["url"]), timeout=300) as r:
+        archive.write_bytes(r.read())
+    if hashlib.sha256(archive.read_bytes()).hexdigest() != sdist["digests"]["sha256"]:
+        raise TaskError(f"{spec}: {archive.name} does not match the index's SHA-256")
+    src = Path(dest, "src")
+    if archive.name.endswith(".zip"):
+        with zipfile.ZipFile(archive) as z:
+            for m in z.infolist():
+                if not m.is_dir() and ".." not in Path(m.filename).parts and not m.filename.startswith("/"):
+                    Path(src, m.filename).parent.mkdir(parents=True, exist_ok=True)
+                    Path(src, m.filename).write_bytes(z.read(m))
+    else:
+        with tarfile.open(archive) as tf:
+            tf.extractall(src, filter="data")
+    tops = list(src.iterdir())
+    return tops[0] if len(tops) == 1 and tops[0].is_dir() else src
+
+
+def survey_one(spec, root, n, timeout, isolate):
+    """One package through download, env, make and verify: its row (a dict), its log in root/spec/log.txt."""
+    d = Path(root, spec.replace("==", "-"))
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    row = {"package": spec, "tests": None, "env_s": None, "make_s": None, "made": 0, "tried": 0, "gold": [],
+           "untouched": [], "executed": None, "why": ""}
+    with open(d / "log.txt", "w", buffering=1) as f:
+        def log(line):
+            f.write(line + "\n")
+        try:
+            repo = fetch_sdist(spec, d)
+            fresh_git(repo)
+            t0 = time.time()
+            python = make_env(repo, d / "venv", isolate, log=log)
+            row["env_s"], t0, stats = time.time() - t0, time.time(), {}
+            box = Sandbox(python, isolate, timeout)
+            made = make(repo, d / "tasks", n=n, box=box, log=log, stats=stats)
+            row.update(make_s=time.time() - t0, made=len(made), tests=stats.get("tests"),
+                       tried=stats.get("tried"), executed=stats.get("executed"))
+            for t in made:
+                tdir = d / "tasks" / t["id"]
+                for key, kw in (("gold", {"patch": tdir / "gold.patch"}), ("untouched", {"workdir": tdir / "repo"})):
+                    reward, why = verify(tdir, box=box, **kw)
+                    row[key].append(reward)
+                    log(f"verify {key} {t['id']}: reward {reward}: {why}")
+            if len(made) < n:
+                row["why"] = collections.Counter(stats["reasons"]).most_common(1)[0][0] if stats.get("reasons") \
+                    else f"{len(made)} tasks: too few candidate features"
+        except TaskError as e:
+            row["why"] = str(e)
+        except Exception as e:  # a row, not a crash of the whole survey: the traceback is in the log
+            log(traceback.format_exc())
+            row["why"] = f"{type(e).__name__}: {e}"
+        log(json.dumps(row))
+    return row
+
+
+def survey_line(r):
+    valid = sum(g == 1 and u == 0 for g, u in zip(r["gold"], r["untouched"]))
+    num = (lambda x, f: "-" if x is None else f % x)
+    return (f"{r['package']:<32} {num(r['tests'], '%6d'):>6} {num(r['env_s'], '%5.0f'):>5} "
+            f"{num(r['make_s'], '%6.0f'):>6} {r['made']:>2}/{r['tried'] or 0:<2} {valid:>5} "
+            f"{''.join(map(str, r['gold'])) or '-':>4} {''.join(map(str, r['untouched'])) or '-':>4} "
+            f"{num(r['executed'], '%7d'):>7}  {r['why']}")
+
+
+def survey(specs, root, n=3, jobs=2, timeout=300, isolate=True, log=print):
+    """Every spec through survey_one, up to jobs at once; prints a row as each finishes and the table at the
+    end. Returns the rows."""
+    Path(root).mkdir(parents=True, exist_ok=True)
+    head = (f"{'package':<32} {'tests':>6} {'env s':>5} {'make s':>6} made  valid gold untc   execs  why")
+    log(head)
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        futs = [pool.submit(survey_one, spec, root, n, timeout, isolate) for spec in specs]
+        for fut in concurrent.futures.as_completed(futs):
+            log(survey_line(fut.result()))
+    rows = [f.result() for f in futs]
+    good = sum(sum(g == 1 and u == 0 for g, u in zip(r["gold"], r["untouched"])) >= n for r in rows)
+    log("\n" + "\n".join([head, *map(survey_line, rows)]))
+    log(f"{good} of {len(rows)} packages gave {n} valid tasks (gold 1, untouched 0)")
+    (Path(root) / "survey.json").write_text(json.dumps(rows, indent=1))
+    return rows
 
 
 # -----------------------------------------------------------------------------
@@ -2521,6 +2906,10 @@ def cli(argv=None) -> int:
     m.add_argument("--group", type=int, default=1,
                    help="difficulty: delete up to this many related features together")
     m.add_argument("--timeout", type=int, default=300, help="seconds allowed for one test-suite run")
+    m.add_argument("--reach", type=float, default=TESTS_AT_MOST,
+                   help="the largest share of the passing tests a feature may be reached by (a feature "
+                        "most tests use is no task: deleting it breaks everything)")
+    m.add_argument("--jobs", type=int, default=1, help="tries run side by side")
     v = sub.add_parser("verify", help="score an agent's work on a task: 1 when every required test passes")
     v.add_argument("task_dir", help="a task dir written by make")
     g = v.add_mutually_exclusive_group(required=True)
@@ -2543,6 +2932,17 @@ def cli(argv=None) -> int:
     s.add_argument("--task", help="task.json whose fingerprints to look for")
     s.add_argument("--site-packages", action="store_true",
                    help="also look for installed copies of the package")
+    su = sub.add_parser("survey", help="make tasks from packages off the index: sdist, env, make, verify; "
+                                       "a row per package")
+    su.add_argument("specs", nargs="*", help="packages as name==version")
+    su.add_argument("--draw", type=int, help=f"draw this many from the {len(SURVEY_PACKAGES)} packages "
+                                             f"in SURVEY_PACKAGES")
+    su.add_argument("--seed", type=int, default=0, help="seed of the draw")
+    su.add_argument("--out", required=True, help="folder for each package's sdist, venv, tasks and log")
+    su.add_argument("--n", type=int, default=3, help="tasks to make per package")
+    su.add_argument("--jobs", type=int, default=2, help="packages run side by side")
+    su.add_argument("--timeout", type=int, default=300, help="seconds allowed for one test-suite run")
+    su.add_argument("--no-sandbox", action="store_true", help="run everything without bubblewrap")
     mo = sub.add_parser("monitor",
                         help="flag trajectory steps that read leak sources or tamper with the verifier")
     mo.add_argument("trajectory",
@@ -2554,9 +2954,12 @@ def cli(argv=None) -> int:
             return 0
         if a.cmd == "make":
             box = Sandbox(a.python or sys.executable, not a.no_sandbox, a.timeout)
-            tasks = make(a.repo, a.out, a.n, a.seed, a.mode, a.group, box)
+            tasks = make(a.repo, a.out, a.n, a.seed, a.mode, a.group, box, reach=a.reach, jobs=a.jobs)
             return 0 if tasks else 1
         if a.cmd == "verify":
+            if not Path(a.task_dir, "task.json").is_file():
+                raise TaskError(f"no task at {a.task_dir}: " + ("it has no task.json" if Path(a.task_dir).is_dir()
+                                                                 else "no such folder"))
             if a.patch and not Path(a.patch).is_file():
                 raise TaskError(f"no such patch file: {a.patch}")
             task = Path(a.task_dir, "task.json")
@@ -2565,6 +2968,17 @@ def cli(argv=None) -> int:
                                  Sandbox(python or sys.executable, not a.no_sandbox, a.timeout))
             print(f"reward {reward}: {why}")
             return 0
+        if a.cmd == "survey":
+            specs = list(a.specs)
+            if a.draw:
+                if not 0 < a.draw <= len(SURVEY_PACKAGES):
+                    raise TaskError(f"--draw must be in 1..{len(SURVEY_PACKAGES)}")
+                specs += random.Random(a.seed).sample(sorted(SURVEY_PACKAGES), a.draw)
+                print(f"drew {a.draw} of {len(SURVEY_PACKAGES)} packages with --seed {a.seed}: {' '.join(specs)}")
+            if not specs or a.n < 1 or a.jobs < 1:
+                raise TaskError("survey needs package specs or --draw, and --n, --jobs >= 1")
+            rows = survey(specs, a.out, a.n, a.jobs, a.timeout, not a.no_sandbox)
+            return 0 if rows else 1
         if a.cmd == "scan":
             if not Path(a.dir).is_dir():
                 raise TaskError(f"not a directory: {a.dir}")
@@ -2592,7 +3006,7 @@ def cli(argv=None) -> int:
 
 
 def main():
-    if sys.argv[1:2] and sys.argv[1] in ("env", "make", "verify", "scan", "monitor"):
+    if sys.argv[1:2] and sys.argv[1] in ("env", "make", "verify", "survey", "scan", "monitor"):
         # a SIGTERM unwinds like an exception, so temporary folders and cgroups go (after SIGKILL, the next
         # start's sweep removes them)
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -4055,10 +4055,11 @@ def test_monitor_precision_and_recall_on_a_labelled_set(tmp_path, capsys):
 
 
 def test_make_refuses_bad_repositories_in_one_line_and_never_touches_the_source(tmp_path):
-    """Not a git repository, a module that is not Python source (binary), no tests, tests that all fail, a
+    """Not a git repository, a module that is not Python source (binary), no tests, no test passing twice, a
+    baseline where most tests fail, a test file that does not collect, no feature few enough tests reach, a
     suite past the timeout, a configuration that needs a missing plugin: one line each. A make that succeeds
-    keeps binary data files as they are, records the source commit, and leaves the source repository
-    byte-identical, .git included."""
+    keeps binary data files as they are, leaves test-run debris out, records the source commit, and leaves
+    the source repository byte-identical, .git included."""
     def tree(root):
         return {p.relative_to(root): (p.stat().st_mode, p.read_bytes())
                 for p in sorted(root.rglob("*")) if p.is_file()}
@@ -4069,7 +4070,18 @@ def test_make_refuses_bad_repositories_in_one_line_and_never_touches_the_source(
              "calc/latin.py is not Python source this interpreter can parse":
                  {"calc/latin.py": b"X = '\xe9t\xe9'\n"},
              "pytest collected no tests": {"tests/test_calc.py": b""},
-             "no test passes twice": {"tests/test_calc.py": b"def test_no(): assert False\n"},
+             "no test passes twice in": {"tests/test_calc.py": b"import sys\n"
+                                         b"def test_p(): assert sys.getprofile() is None\n"},
+             "the baseline is broken: 2 of 3 tests fail and 1 pass in": {
+                 "tests/test_calc.py": b"def test_no(): assert False\ndef test_no2(): assert 0\n"
+                                       b"def test_yes(): pass\n"},
+             # pytest's first error, not just that nothing passed (a missing dependency; an sdist that left
+             # out a tests/__init__.py that the tests' relative imports need)
+             "tests/test_calc.py does not collect: ImportError: attempted relative import with no known "
+             "parent package": {"tests/test_calc.py": b"from .helpers import two\n"},
+             "no candidate feature in": {"tests/test_calc.py": b"import calc\n" + b"".join(
+                 b"def test_%d(): calc.mean([1]); calc.clamp(1, 0, 2); calc.shout('a')\n" % i for i in range(2))
+                 + b"".join(b"def test_x%d(): pass\n" % i for i in range(3))},
              "ran past the timeout of 3 s":
                  {"tests/test_calc.py": b"import time\ndef test_slow(): time.sleep(60)\n"},
              "unrecognized arguments: --cov=calc (the repository's pytest configuration needs pytest-cov":
@@ -4088,6 +4100,8 @@ def test_make_refuses_bad_repositories_in_one_line_and_never_touches_the_source(
     repo = write_fixture(tmp_path / "git-repo")
     logo = bytes(range(256)) * 4  # a binary data file in the package
     (repo / "calc/logo.png").write_bytes(logo)
+    (repo / ".benchmarks").mkdir()
+    (repo / ".benchmarks/run.json").write_text("{}")
     commit(repo)
     before, head = tree(repo), subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True,
                                               text=True).stdout
@@ -4096,6 +4110,7 @@ def test_make_refuses_bad_repositories_in_one_line_and_never_touches_the_source(
     assert task["source"] == {"repo": "git-repo", "commit": head.strip()}
     d = tmp_path / "made" / task["id"]
     assert (d / "repo/calc/logo.png").read_bytes() == logo and tasks.verify(d, patch=d / "gold.patch")[0] == 1
+    assert not (d / "repo/.benchmarks").exists()
 
 
 def test_cli_errors_are_one_line(tmp_path):
@@ -4113,13 +4128,23 @@ def test_cli_errors_are_one_line(tmp_path):
 
 
 def test_test_requirements_are_found_where_projects_declare_them(tmp_path):
+    """Extras, PEP 735 groups, hatch environments, setup.cfg, tox, requirements files; Poetry's groups and
+    dev-dependencies, PDM's, setup.py's tests_require; and the plugins the pytest configuration cannot run
+    without though nothing declares them (an addopts option, an ini key)."""
     files = {"pyproject.toml": '[project]\nname = "x"\n[project.optional-dependencies]\n'
                                'tests = ["hypothesis"]\ndocs = ["sphinx"]\n'
                                '[dependency-groups]\nlint = ["ruff"]\n'
                                'test = ["pytest-cov", {include-group = "typing"}]\n'
                                'typing = ["mypy"]\n[tool.hatch.envs.default]\n'
-                               'dependencies = ["coverage", "{root:uri}"]\n',
+                               'dependencies = ["coverage", "{root:uri}"]\n'
+                               '[tool.poetry.group.dev.dependencies]\npython = "^3.8"\nfreezegun = "^1.2"\n'
+                               'pytest = "^8"\n[tool.poetry.group.docs.dependencies]\nsphinx = "*"\n'
+                               '[tool.poetry.dev-dependencies]\nresponses = {version = "^0.2", extras = ["x"]}\n'
+                               '[tool.pdm.dev-dependencies]\ntest = ["trustme>=1"]\n'
+                               '[tool.pytest.ini_options]\naddopts = "-ra --cov=x --cov-report=xml -n 2"\n'
+                               'asyncio_mode = "auto"\n',
              "setup.cfg": "[options.extras_require]\ntesting = freezegun\n",
+             "setup.py": "from setuptools import setup\nsetup(tests_require=['mock>=1', 'nose'])\n",
              "tox.ini": "[testenv]\ndeps =\n    pytest-xdist\n    -r requirements/ci.txt\n    {[base]deps}\n",
              "requirements-test.txt": "pytest-mock\n", "requirements/dev.txt": "tox\n"}
     for rel, text in files.items():
@@ -4127,15 +4152,55 @@ def test_test_requirements_are_found_where_projects_declare_them(tmp_path):
         Path(tmp_path, rel).write_text(text)
     extras, args = tasks.test_requirements(tmp_path)
     assert extras == ["testing", "tests"]
-    assert args == ["pytest-cov", "mypy", "coverage", "pytest-xdist", "--requirement=requirements/ci.txt",
-                    "--requirement=requirements-test.txt", "--requirement=requirements/dev.txt"], args
+    assert args == ["pytest-cov", "mypy", "responses[x]", "freezegun", "trustme>=1", "coverage", "mock>=1",
+                    "nose", "pytest-xdist", "--requirement=requirements/ci.txt",
+                    "--requirement=requirements-test.txt", "--requirement=requirements/dev.txt",
+                    "pytest-asyncio"], args
+
+
+def test_single_module_projects_and_documentation_doctests(tmp_path):
+    """A project that is one module (calc.py at the top, its tests with no __init__.py) whose documentation
+    holds doctests (--doctest-glob): its module is the package, documentation doctests that pass in verify's
+    run are required, one that passes only in make's runs (it checks that its own file is writable, which
+    verify keeps read-only) is dropped before the gold is verified again."""
+    repo = write_fixture(tmp_path / "calc")
+    shutil.rmtree(repo / "calc")
+    (repo / "calc.py").write_text(CORE + "\n\n" + TEXT)
+    (repo / "setup.py").write_text("from setuptools import setup\nsetup(name='calc', py_modules=['calc'])\n")
+    (repo / "tests/test_calc.py").write_text(
+        "import calc\n\n\ndef test_mean(): assert calc.mean([1, 3]) == 2\n"
+        + "".join(f"def test_{i}(): assert calc.add({i}, 1) == {i + 1}\n" for i in range(8)))
+    (repo / "docs").mkdir()
+    (repo / "docs/usage.rst").write_text("Usage\n=====\n\n>>> import calc\n>>> calc.mean([2, 4])\n3.0\n")
+    (repo / "docs/notes.rst").write_text("Notes\n=====\n\n>>> import os\n"
+                                         ">>> os.access('docs/notes.rst', os.W_OK)\nTrue\n")
+    (repo / "pyproject.toml").write_text('[tool.pytest.ini_options]\ntestpaths = ["tests", "docs"]\n'
+                                         'addopts = "--doctest-glob=*.rst"\n')
+    assert tasks.packages(commit(repo)) == ["calc.py"]
+    logs = []
+    (task,) = tasks.make(repo, tmp_path / "out", n=1, seed=0, log=logs.append)
+    d = tmp_path / "out" / task["id"]
+    assert task["deleted"][0]["file"] == "calc.py" and task["deleted"][0]["qualname"] == "mean", logs
+    assert task["fail_to_pass"] == ["docs/usage.rst::usage.rst", "tests/test_calc.py::test_mean"], logs
+    assert "docs/notes.rst::notes.rst" not in task["pass_to_pass"] and len(task["pass_to_pass"]) == 8
+    assert tasks.verify(d, patch=d / "gold.patch")[0] == 1 and tasks.verify(d, workdir=d / "repo")[0] == 0
+
+
+SPEED_C = """#include <Python.h>
+static PyObject *twice(PyObject *self, PyObject *x) { return PyNumber_Add(x, x); }
+static PyMethodDef methods[] = {{"twice", twice, METH_O, "x + x"}, {NULL}};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_speed", NULL, -1, methods};
+PyMODINIT_FUNC PyInit__speed(void) { return PyModule_Create(&module); }
+"""
 
 
 def test_env_installs_what_the_configuration_needs(tmp_path):
-    """A repository whose pytest configuration needs pytest-timeout (declared in a dependency group): without
-    its environment make fails in one line naming the plugin and the fix; `env` builds the venv, and make and
-    verify run with its interpreter. A --python that is not an interpreter and an install that fails are one
-    line each (that install runs beside the rest: each waits on the package index)."""
+    """A repository whose pytest configuration needs pytest-timeout, which nothing declares, and whose package
+    has a compiled extension the tests import: without its environment make fails in one line naming the
+    plugin and the fix; `env` installs the plugin, builds the extension and keeps the compiled module for the
+    tests (the package's Python code leaves the venv), and make and verify run with its interpreter. A
+    --python that is not an interpreter and an install that fails are one line each (that install runs
+    beside the rest: each waits on the package index)."""
     if not index_reachable():
         pytest.skip("package index unreachable")
     broken = write_fixture(tmp_path / "broken")
@@ -4145,11 +4210,16 @@ def test_env_installs_what_the_configuration_needs(tmp_path):
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         failing = pool.submit(tasks.make_env, broken, tmp_path / "venv2", log=lambda s: None)
         repo = write_fixture(tmp_path / "calc")
-        (repo / "tests/test_calc.py").write_text(TESTS.split("def test_flaky")[0])
+        (repo / "tests/test_calc.py").write_text(TESTS.split("def test_flaky")[0] + "def test_twice():\n"
+                                                 "    from calc._speed import twice\n"
+                                                 "    assert twice(21) == 42\n")
+        (repo / "calc/_speed.c").write_text(SPEED_C)
+        (repo / "setup.py").write_text('from setuptools import Extension, setup\n'
+                                       'setup(ext_modules=[Extension("calc._speed", ["calc/_speed.c"])])\n')
         (repo / "pyproject.toml").write_text('[build-system]\nrequires = ["setuptools>=61"]\n'
                                              'build-backend = "setuptools.build_meta"\n'
                                              '[project]\nname = "calc"\nversion = "0.1"\n'
-                                             '[dependency-groups]\ntest = ["pytest-timeout"]\n'
+                                             '[tool.setuptools]\npackages = ["calc"]\n'
                                              '[tool.pytest.ini_options]\ntestpaths = ["tests"]\n'
                                              'addopts = "--timeout=60"\n')
         commit(repo)
@@ -4158,12 +4228,14 @@ def test_env_installs_what_the_configuration_needs(tmp_path):
                                                   r"for .*tasks.py env"):
             tasks.make(repo, tmp_path / "out0", log=lambda s: None)
         python = tasks.make_env(repo, tmp_path / "venv", log=lambda s: None)
+        # the package itself is not installed; its compiled module is kept for the tests
+        assert not list(tmp_path.glob("venv/lib/python3*/site-packages/calc"))
+        assert list(tmp_path.glob(f"venv/{tasks.COMPILED}/calc/_speed.*.so"))
         (task,) = tasks.make(repo, tmp_path / "out", n=1, box=tasks.Sandbox(python), log=lambda s: None)
         d = tmp_path / "out" / task["id"]
-        # the task's interpreter
-        assert task["python"] == python and tasks.verify(d, patch=d / "gold.patch")[0] == 1
-        # the package itself is not installed
-        assert not list(tmp_path.glob("venv/lib/python3*/site-packages/calc"))
+        # the task's interpreter; the test of the compiled module is required
+        assert task["python"] == python and "tests/test_calc.py::test_twice" in task["pass_to_pass"]
+        assert tasks.verify(d, patch=d / "gold.patch")[0] == 1 and tasks.verify(d, workdir=d / "repo")[0] == 0
         for bad in ("/bin/true", str(tmp_path / "nope")):
             with pytest.raises(tasks.TaskError, match=f"^--python {bad} is not a Python interpreter$"):
                 tasks.Sandbox(bad)
