@@ -583,6 +583,8 @@ class Sandbox:
     executed: int = 0  # tests run so far, setup to teardown: what make's cost is counted in
 
     def __post_init__(self):
+        # a relative path means the caller's folder: runs start elsewhere (a venv's link is kept, not resolved)
+        self.python = os.path.abspath(self.python) if os.sep in self.python else self.python
         self.prefix, self.base = prefixes(self.python)
         if self.isolate and sandbox_problem():
             raise TaskError(f"cannot sandbox the tests: {sandbox_problem()}; "
@@ -1922,6 +1924,10 @@ ORACLE_CHILD = "\n".join(["import contextlib, copy, copyreg, hashlib, importlib,
                           "oracle_main(*sys.argv[1:])"])
 
 
+# which code wrote the oracle's inputs and expected strings: a verify by other code refuses its oracle.json
+ENCODING = hashlib.sha256(ORACLE_CHILD.encode()).hexdigest()[:16]
+
+
 def module_name(rel):
     parts = Path(rel).with_suffix("").parts
     parts = parts[1:] if parts[0] == "src" else parts
@@ -1963,7 +1969,8 @@ def agrees(expected, got):
 
 def make_oracle(gold, feats, records, box):
     """The oracle of a task from the calls recorded while the gold code ran its tests: (oracle, summary).
-    oracle: {features: [[module, qualname]], calls: [[feature, base64 input, expected, traced|held-out]]}."""
+    oracle: {encoding: ENCODING, features: [[module, qualname]], calls: [[feature, base64 input, expected,
+    traced|held-out]]}."""
     features = [[module_name(rel), q] for rel, q in feats]
     traced = [r for r in records if isinstance(r, list) and len(r) == 2]
     known = {r[1] for r in traced}
@@ -1991,7 +1998,7 @@ def make_oracle(gold, feats, records, box):
             summary.setdefault("why", []).append(
                 f"{q}: {len(mine)} calls recorded (arguments that cannot be copied are not)"
                 + "".join(f", {v} {w}" for w, v in sorted(lost.items())))
-    return {"features": features, "calls": kept}, summary
+    return {"encoding": ENCODING, "features": features, "calls": kept}, summary
 
 
 def record_calls(root, feats, box, select=None):
@@ -2298,6 +2305,9 @@ def verify(task_dir, workdir=None, patch=None, box=None, missing=None):
     deadline = time.time() + box.timeout
     oracle = json.loads((task_dir / "oracle.json").read_text()) if (task_dir / "oracle.json").is_file() \
         else {"calls": []}
+    if oracle["calls"] and oracle.get("encoding") != ENCODING:
+        raise TaskError(f"{task_dir / 'oracle.json'} was written by another version of tasks.py (its encoding "
+                        f"{oracle.get('encoding')}, this one {ENCODING}): make the task again")
     with scratch() as tmp:
         if patch is not None:  # a patch is applied to its own copy of the snapshot, then read like a work dir
             workdir = Path(tmp, "agent")
@@ -2735,8 +2745,12 @@ def survey_one(spec, root, n, timeout, isolate):
     return row
 
 
+def valid_tasks(row):
+    return sum(g == 1 and u == 0 for g, u in zip(row["gold"], row["untouched"]))
+
+
 def survey_line(r):
-    valid = sum(g == 1 and u == 0 for g, u in zip(r["gold"], r["untouched"]))
+    valid = valid_tasks(r)
     num = (lambda x, f: "-" if x is None else f % x)
     return (f"{r['package']:<32} {num(r['tests'], '%6d'):>6} {num(r['env_s'], '%5.0f'):>5} "
             f"{num(r['make_s'], '%6.0f'):>6} {r['made']:>2}/{r['tried'] or 0:<2} {valid:>5} "
@@ -2755,7 +2769,7 @@ def survey(specs, root, n=3, jobs=2, timeout=300, isolate=True, log=print):
         for fut in concurrent.futures.as_completed(futs):
             log(survey_line(fut.result()))
     rows = [f.result() for f in futs]
-    good = sum(sum(g == 1 and u == 0 for g, u in zip(r["gold"], r["untouched"])) >= n for r in rows)
+    good = sum(valid_tasks(r) >= n for r in rows)
     log("\n" + "\n".join([head, *map(survey_line, rows)]))
     log(f"{good} of {len(rows)} packages gave {n} valid tasks (gold 1, untouched 0)")
     (Path(root) / "survey.json").write_text(json.dumps(rows, indent=1))
@@ -2977,8 +2991,11 @@ def cli(argv=None) -> int:
                 print(f"drew {a.draw} of {len(SURVEY_PACKAGES)} packages with --seed {a.seed}: {' '.join(specs)}")
             if not specs or a.n < 1 or a.jobs < 1:
                 raise TaskError("survey needs package specs or --draw, and --n, --jobs >= 1")
+            bad = [x for x in specs if not re.fullmatch(r"[A-Za-z0-9][\w.-]*==[\w.!+-]+", x)]
+            if bad:
+                raise TaskError(f"package spec {bad[0]!r} is not name==version")
             rows = survey(specs, a.out, a.n, a.jobs, a.timeout, not a.no_sandbox)
-            return 0 if rows else 1
+            return 0 if all(valid_tasks(r) >= a.n for r in rows) else 1
         if a.cmd == "scan":
             if not Path(a.dir).is_dir():
                 raise TaskError(f"not a directory: {a.dir}")

@@ -3134,6 +3134,13 @@ def test_verify_gold_and_honest_styles_score_1_untouched_0(made):
     oracle = json.loads(Path(d, "oracle.json").read_text())
     assert {c[3] for c in oracle["calls"]} == {"traced", "held-out"}
     assert not [p for p in Path(d, "repo").rglob("*") if "oracle" in p.name]
+    # an oracle written by another version of the encoding is refused, never compared
+    old = made["base"] / "old-encoding"
+    shutil.copytree(d, old)
+    Path(old, "oracle.json").write_text(json.dumps({**oracle, "encoding": "0123456789abcdef"}))
+    with pytest.raises(tasks.TaskError, match=r"oracle.json was written by another version of tasks.py .*: "
+                                              r"make the task again$"):
+        tasks.verify(old, patch=old / "gold.patch")
 
 
 def naive_pytest(root, ids):
@@ -4118,6 +4125,8 @@ def test_cli_errors_are_one_line(tmp_path):
     cases = [["make", "--repo", str(tmp_path / "nope"), "--out", str(tmp_path)],
              ["make", "--repo", str(tmp_path), "--out", str(tmp_path), "--mode", "delete"],
              ["verify", str(tmp_path), "--workdir", str(tmp_path)],
+             ["verify", str(tmp_path / "nope"), "--patch", str(tmp_path / "nope/gold.patch")],
+             ["survey", "--out", str(tmp_path), "not-a-spec"],
              ["scan", str(tmp_path / "nope")],
              ["monitor", str(here)]]
     for args in cases:
@@ -4156,6 +4165,13 @@ def test_test_requirements_are_found_where_projects_declare_them(tmp_path):
                     "nose", "pytest-xdist", "--requirement=requirements/ci.txt",
                     "--requirement=requirements-test.txt", "--requirement=requirements/dev.txt",
                     "pytest-asyncio"], args
+    # pip's own crash: the cause is the traceback's last line, not "ERROR: Exception:"
+    crash = ("ERROR: Exception:\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
+             "pip._vendor.packaging.requirements.InvalidRequirement: Expected end or semicolon\n")
+    assert tasks.pip_failure(crash) == "pip._vendor.packaging.requirements.InvalidRequirement: Expected end or " \
+                                       "semicolon"
+    assert tasks.pip_failure("x\nERROR: No matching distribution found for y\n") == \
+        "ERROR: No matching distribution found for y"
 
 
 def test_single_module_projects_and_documentation_doctests(tmp_path):
