@@ -583,7 +583,7 @@ class Sandbox:
     executed: int = 0  # tests run so far, setup to teardown: what make's cost is counted in
 
     def __post_init__(self):
-        # a relative path means the caller's folder: runs start elsewhere (a venv's link is kept, not resolved)
+        # a relative path means the caller's folder, and runs start elsewhere (a venv's link stays a link)
         self.python = os.path.abspath(self.python) if os.sep in self.python else self.python
         self.prefix, self.base = prefixes(self.python)
         if self.isolate and sandbox_problem():
@@ -695,7 +695,7 @@ class Sandbox:
                 env["FEATDEL_SELECT"] = str(Path(plugin, "select.json"))
                 args = [*args, *sorted({t.split("::")[0] for t in select})]
             rc, out = self.run([*PYTEST, "-p", "_featdel_report", *args], root, path=[plugin, *path],
-                               pass_fds=[fd.fileno(), *pass_fds], extra_env={**env, **(extra_env or {})}, **kw)
+                               pass_fds=[fd.fileno(), *pass_fds], extra_env=env | (extra_env or {}), **kw)
             lines = tail(fd, READ_AT_MOST).splitlines()
         try:
             records = [json.loads(line) for line in lines]
@@ -877,9 +877,8 @@ COMPILED = "featdel-compiled"  # in a venv from `env`: the package's compiled mo
 def plugin_for(option):
     """The pytest plugin that provides a command-line option (--cov-report=x -> pytest-cov), or None."""
     name = option.split("=")[0]
-    return next((v for k, v in PLUGIN_OPTIONS.items()
-                 if name == k or name.startswith(k + "-") or k == "-n" and re.fullmatch(r"-n\d+|-nauto", name)),
-                None)
+    return next((v for k, v in PLUGIN_OPTIONS.items() if name == k or name.startswith(k + "-")
+                 or k == "-n" and re.fullmatch(r"-n\d+|-nauto", name)), None)
 
 
 def pytest_config(repo):
@@ -950,8 +949,8 @@ def test_requirements(repo):
     args += [r for g in groups if g.lower() in TEST_EXTRAS for r in group(g)]
     tool = data.get("tool", {})
     poetry = tool.get("poetry", {})
-    tables = [poetry.get("dev-dependencies", {})] + [g.get("dependencies", {}) for k, g in
-                                                     poetry.get("group", {}).items() if k.lower() in TEST_EXTRAS]
+    tables = [poetry.get("dev-dependencies", {})] + [g.get("dependencies", {}) for k, g in poetry.get(
+        "group", {}).items() if k.lower() in TEST_EXTRAS]
     args += [poetry_requirement(k, v) for t in tables for k, v in t.items() if k.lower() != "python"]
     args += [r for k, v in tool.get("pdm", {}).get("dev-dependencies", {}).items() if k.lower() in TEST_EXTRAS
              for r in v if isinstance(r, str) and not r.startswith("-")]
@@ -993,10 +992,11 @@ def test_requirements(repo):
 
 
 def test_imports(repo):
-    """Top-level modules the tests and conftests import unconditionally (at module level, outside try)."""
+    """Top-level modules the test modules and conftests import unconditionally (at module level, outside
+    try); not what other scripts among the tests import (a test may run one only where it can)."""
     names = set()
     for rel in walk(repo):
-        if rel.endswith(".py") and is_protected(rel) and Path(rel).name != "setup.py":
+        if re.fullmatch(r"test_.*\.py|.*_test\.py|conftest\.py", Path(rel).name):
             with contextlib.suppress(SyntaxError, ValueError, OSError):
                 for n in ast.parse(Path(repo, rel).read_bytes()).body:
                     if isinstance(n, ast.Import):
@@ -1011,6 +1011,10 @@ def pip_failure(out):
     """The line of pip's output that says why it failed: its `ERROR: ...` line, or, after `ERROR: Exception:`
     (pip itself crashed), the last line of the traceback."""
     lines = [x.strip() for x in out.strip().splitlines() if x.strip()] or ["no output"]
+    if "The conflict is caused by:" in lines:  # the resolver: what conflicts with what
+        cause = itertools.takewhile(lambda x: not x.startswith(("To fix", "Additionally", "ERROR")),
+                                    lines[lines.index("The conflict is caused by:") + 1:])
+        return "conflicting requirements: " + "; ".join(itertools.islice(cause, 4))
     err = next((x for x in reversed(lines) if x.startswith("ERROR") and x != "ERROR: Exception:"), None)
     return err or lines[-1]
 
@@ -1036,9 +1040,11 @@ def make_env(repo, venv, isolate=True, log=print):
     keep = {k: v for k, v in os.environ.items() if k.startswith("PIP_") or k.lower().endswith("_proxy")}
     pip = ["-m", "pip", "install", "--no-input", "--disable-pip-version-check"]
     with scratch() as tmp:
-        # the build writes into its source folder: a copy, so the repository is untouched
+        # the build writes into its source folder: a copy, so the repository is untouched; an sdist's copy
+        # without the git history it was given, whose missing tags would make setuptools-scm call it 0.1.dev1
         src = Path(tmp, repo.name)
-        shutil.copytree(repo, src, symlinks=True)
+        sdist = (repo / "PKG-INFO").is_file()
+        shutil.copytree(repo, src, symlinks=True, ignore=shutil.ignore_patterns(".git") if sdist else None)
         # a fresh venv's pip can be too old to read today's package metadata
         rc, out = box.run([*pip, "--upgrade", "pip"], src, writable=[venv], network=True, extra_env=keep)
         target = f"{src}[{','.join(extras)}]" if extras else str(src)
@@ -1053,7 +1059,8 @@ def make_env(repo, venv, isolate=True, log=print):
                          if not (site_dir / m).exists() and not list(site_dir.glob(m + ".*")))
         if missing:
             dists = [DISTRIBUTIONS.get(m, m.replace("_", "-")) for m in missing]
-            log(f"the tests import {', '.join(missing)}, which nothing declares: installing {' '.join(dists)}")
+            log(f"the tests import {', '.join(missing)}, which nothing declares: installing "
+                + " ".join(dists))
             for d in dists:  # one at a time: a name that is no distribution must not stop the others
                 rc, out = box.run([*pip, d], src, writable=[venv], network=True, extra_env=keep)
                 if rc:
@@ -2306,8 +2313,8 @@ def verify(task_dir, workdir=None, patch=None, box=None, missing=None):
     oracle = json.loads((task_dir / "oracle.json").read_text()) if (task_dir / "oracle.json").is_file() \
         else {"calls": []}
     if oracle["calls"] and oracle.get("encoding") != ENCODING:
-        raise TaskError(f"{task_dir / 'oracle.json'} was written by another version of tasks.py (its encoding "
-                        f"{oracle.get('encoding')}, this one {ENCODING}): make the task again")
+        raise TaskError(f"{task_dir / 'oracle.json'} was written by another version of tasks.py (its "
+                        f"encoding {oracle.get('encoding')}, this one {ENCODING}): make the task again")
     with scratch() as tmp:
         if patch is not None:  # a patch is applied to its own copy of the snapshot, then read like a work dir
             workdir = Path(tmp, "agent")
@@ -2523,7 +2530,8 @@ def build_task(work, tdir, tid, feats, mode, stable, reach, box, source):
                      "pass_to_pass": p2p, "python": box.python,
                      "test_command": ["python", *PYTEST, "<fail_to_pass + pass_to_pass ids>"],
                      "scan": {"before_scrub": before, "after_scrub": after},
-                     "difficulty": {"entities": len(ents), "tests_failed": len(f2p), "lines_removed": removed}})
+                     "difficulty": {"entities": len(ents), "tests_failed": len(f2p),
+                                    "lines_removed": removed}})
         (tdir / "task.json").write_text(json.dumps(task, indent=1))
         (tdir / "oracle.json").write_text(json.dumps(oracle))
         missing = []
@@ -2552,7 +2560,9 @@ def git_source(repo):
             "commit": rev_parse("--verify", "-q", "HEAD").stdout.strip() or None}
 
 
-DEBRIS = (".benchmarks", ".hypothesis", ".pytest_cache", ".tox", ".nox", "htmlcov", ".coverage", ".coverage.*")
+# what earlier test runs leave in a checkout: never part of a task
+DEBRIS = (".benchmarks", ".hypothesis", ".pytest_cache", ".tox", ".nox", "htmlcov", ".coverage",
+          ".coverage.*")
 
 
 def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reach=TESTS_AT_MOST, jobs=1,
@@ -2566,8 +2576,8 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reac
     if not repo.is_dir():
         raise TaskError(f"--repo is not a directory: {repo}")
     if not packages(repo):
-        raise TaskError(f"no Python package (a folder with __init__.py) or single module imported by the tests "
-                        f"at the top of {repo} or {repo}/src")
+        raise TaskError(f"no Python package (a folder with __init__.py) or single module imported by the "
+                        f"tests at the top of {repo} or {repo}/src")
     if n < 1 or group < 1 or jobs < 1 or not 0 < reach <= 1:
         raise TaskError("--n, --group and --jobs must be >= 1, --reach in (0, 1]")
     source = git_source(repo)
@@ -2582,7 +2592,7 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reac
         work = Path(tmp, "repo")
         # leaks and all (the scan before scrubbing reports them), test-run debris aside
         shutil.copytree(repo, work, symlinks=True, ignore=shutil.ignore_patterns(*DEBRIS))
-        compiled = Path(box.prefix, COMPILED)  # from `env`: the package's compiled modules, beside its sources
+        compiled = Path(box.prefix, COMPILED)  # from `env`: the package's compiled modules, put beside it
         for pkg in packages(work) if compiled.is_dir() else []:
             if (compiled / package_name(pkg)).is_dir() and not pkg.endswith(".py"):
                 shutil.copytree(compiled / package_name(pkg), work / pkg, dirs_exist_ok=True)
@@ -2594,20 +2604,21 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reac
         log(f"baseline: {len(stable)} stable passing tests, {len(r1.passed ^ r2.passed)} flaky dropped"
             + (f", {len(bad)} failing ({first_error(r2.out)})" if bad else ""))
         if len(bad) > len(r2.passed):  # e.g. a compiled extension missing: never tasks from a broken suite
+            fix = "; make its environment with `python tasks.py env --repo DIR --venv DIR`, pass --python"
             raise TaskError(f"the baseline is broken: {len(bad)} of {len(r2.outcomes)} tests fail and "
                             f"{len(r2.passed)} pass in {repo} ({first_error(r2.out)})"
-                            + ("" if box.prefix != box.base else "; make its environment with `python tasks.py "
-                                                                 "env --repo DIR --venv DIR` and pass --python"))
+                            + (fix if box.prefix == box.base else ""))
         if not stable:
             raise TaskError(f"no test passes twice in {repo} ({len(r1.passed)} passed in the first run, "
                             f"{len(r2.passed)} in the second): {first_error(r2.out)}")
         cands = candidates(work, stable, calls, at_import, reach)
-        limit = max(1, int(reach * len(stable)))
+        limit = stats["limit"] = max(1, int(reach * len(stable)))
+        stats["candidates"] = len(cands)
         log(f"{len(cands)} candidate features (reached by 1..{limit} tests, not run at import): "
             + ", ".join(sorted(q for _, q in cands)))
         if not cands:
-            raise TaskError(f"no candidate feature in {repo}: each function is reached by no passing test, by "
-                            f"more than {limit} (--reach {reach} of {len(stable)}), or runs at import")
+            raise TaskError(f"no candidate feature in {repo}: each function is reached by no passing test, "
+                            f"by more than {limit} (--reach {reach} of {len(stable)}), or runs at import")
         order = sorted(cands)
         random.Random(seed).shuffle(order)
         groups, taken = [], set()  # disjoint groups of features, tried in this order
@@ -2620,8 +2631,8 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reac
 
         def attempt(i, feats):
             tid = f"{repo.resolve().name}-{i:03d}-" + hashlib.sha1(repr(feats).encode()).hexdigest()[:8]
-            return tid, make_task(work, out, tid, feats, mode, stable, set().union(*(cands[f] for f in feats)),
-                                  box, source)
+            reach = set().union(*(cands[f] for f in feats))
+            return tid, make_task(work, out, tid, feats, mode, stable, reach, box, source)
         tasks, tried, reasons = [], 0, []
         with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
             todo = iter(enumerate(groups))
@@ -2638,8 +2649,8 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reac
                 log(f"  {tid}: {', '.join(q for _, q in feats)} -> {why}"
                     + (f" (fail-to-pass {len(task['fail_to_pass'])}, leaks scrubbed "
                        f"{len(task['scan']['before_scrub'])}, "
-                       + (f"oracle {o['traced']} traced + {o['held_out']} held-out calls)" if o["covered"] else
-                          f"no oracle, not served by default: {'; '.join(o['why'])})") if task else ""))
+                       + (f"oracle {o['traced']} traced + {o['held_out']} held-out calls)" if o["covered"]
+                          else f"no oracle, not served by default: {'; '.join(o['why'])})") if task else ""))
                 tasks += [task] if task else []
                 reasons += [] if task else [why]
                 while len(running) < jobs and len(tasks) < n:
@@ -2777,13 +2788,15 @@ def survey_one(spec, root, n, timeout, isolate):
                        tried=stats.get("tried"), executed=stats.get("executed"))
             for t in made:
                 tdir = d / "tasks" / t["id"]
-                for key, kw in (("gold", {"patch": tdir / "gold.patch"}), ("untouched", {"workdir": tdir / "repo"})):
+                for key, kw in (("gold", {"patch": tdir / "gold.patch"}),
+                                ("untouched", {"workdir": tdir / "repo"})):
                     reward, why = verify(tdir, box=box, **kw)
                     row[key].append(reward)
                     log(f"verify {key} {t['id']}: reward {reward}: {why}")
             if len(made) < n:
-                row["why"] = collections.Counter(stats["reasons"]).most_common(1)[0][0] if stats.get("reasons") \
-                    else f"{len(made)} tasks: too few candidate features"
+                row["why"] = (collections.Counter(stats["reasons"]).most_common(1)[0][0] if stats["reasons"]
+                              else f"only {stats['candidates']} candidate features (functions reached by 1.."
+                                   f"{stats['limit']} tests, not run at import)")
         except TaskError as e:
             row["why"] = str(e)
         except Exception as e:  # a row, not a crash of the whole survey: the traceback is in the log
@@ -3020,8 +3033,8 @@ def cli(argv=None) -> int:
             return 0 if tasks else 1
         if a.cmd == "verify":
             if not Path(a.task_dir, "task.json").is_file():
-                raise TaskError(f"no task at {a.task_dir}: " + ("it has no task.json" if Path(a.task_dir).is_dir()
-                                                                 else "no such folder"))
+                raise TaskError(f"no task at {a.task_dir}: "
+                                + ("it has no task.json" if Path(a.task_dir).is_dir() else "no such folder"))
             if a.patch and not Path(a.patch).is_file():
                 raise TaskError(f"no such patch file: {a.patch}")
             task = Path(a.task_dir, "task.json")
@@ -3036,7 +3049,8 @@ def cli(argv=None) -> int:
                 if not 0 < a.draw <= len(SURVEY_PACKAGES):
                     raise TaskError(f"--draw must be in 1..{len(SURVEY_PACKAGES)}")
                 specs += random.Random(a.seed).sample(sorted(SURVEY_PACKAGES), a.draw)
-                print(f"drew {a.draw} of {len(SURVEY_PACKAGES)} packages with --seed {a.seed}: {' '.join(specs)}")
+                print(f"drew {a.draw} of {len(SURVEY_PACKAGES)} packages with --seed {a.seed}: "
+                      + " ".join(specs))
             if not specs or a.n < 1 or a.jobs < 1:
                 raise TaskError("survey needs package specs or --draw, and --n, --jobs >= 1")
             bad = [x for x in specs if not re.fullmatch(r"[A-Za-z0-9][\w.-]*==[\w.!+-]+", x)]

@@ -4095,7 +4095,8 @@ def test_make_refuses_bad_repositories_in_one_line_and_never_touches_the_source(
              "tests/test_calc.py does not collect: ImportError: attempted relative import with no known "
              "parent package": {"tests/test_calc.py": b"from .helpers import two\n"},
              "no candidate feature in": {"tests/test_calc.py": b"import calc\n" + b"".join(
-                 b"def test_%d(): calc.mean([1]); calc.clamp(1, 0, 2); calc.shout('a')\n" % i for i in range(2))
+                 b"def test_%d(): calc.mean([1]); calc.clamp(1, 0, 2); calc.shout('a')\n" % i
+                 for i in range(2))
                  + b"".join(b"def test_x%d(): pass\n" % i for i in range(3))},
              "ran past the timeout of 3 s":
                  {"tests/test_calc.py": b"import time\ndef test_slow(): time.sleep(60)\n"},
@@ -4156,7 +4157,8 @@ def test_test_requirements_are_found_where_projects_declare_them(tmp_path):
                                'dependencies = ["coverage", "{root:uri}"]\n'
                                '[tool.poetry.group.dev.dependencies]\npython = "^3.8"\nfreezegun = "^1.2"\n'
                                'pytest = "^8"\n[tool.poetry.group.docs.dependencies]\nsphinx = "*"\n'
-                               '[tool.poetry.dev-dependencies]\nresponses = {version = "^0.2", extras = ["x"]}\n'
+                               '[tool.poetry.dev-dependencies]\n'
+                               'responses = {version = "^0.2", extras = ["x"]}\n'
                                '[tool.pdm.dev-dependencies]\ntest = ["trustme>=1"]\n'
                                '[tool.pytest.ini_options]\naddopts = "-ra --cov=x --cov-report=xml -n 2"\n'
                                'asyncio_mode = "auto"\n',
@@ -4176,10 +4178,13 @@ def test_test_requirements_are_found_where_projects_declare_them(tmp_path):
     # pip's own crash: the cause is the traceback's last line, not "ERROR: Exception:"
     crash = ("ERROR: Exception:\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
              "pip._vendor.packaging.requirements.InvalidRequirement: Expected end or semicolon\n")
-    assert tasks.pip_failure(crash) == "pip._vendor.packaging.requirements.InvalidRequirement: Expected end or " \
-                                       "semicolon"
+    assert tasks.pip_failure(crash) == ("pip._vendor.packaging.requirements.InvalidRequirement: Expected end "
+                                        "or semicolon")
     assert tasks.pip_failure("x\nERROR: No matching distribution found for y\n") == \
         "ERROR: No matching distribution found for y"
+    conflict = ("ERROR: Cannot install x\n\nThe conflict is caused by:\n    The user requested x 0.1\n"
+                "    y 1.2 depends on x>=1.1\n\nTo fix this you could try to:\nERROR: ResolutionImpossible: for help\n")
+    assert tasks.pip_failure(conflict) == "conflicting requirements: The user requested x 0.1; y 1.2 depends on x>=1.1"
 
 
 def test_single_module_projects_and_documentation_doctests(tmp_path):
