@@ -4183,8 +4183,10 @@ def test_test_requirements_are_found_where_projects_declare_them(tmp_path):
     assert tasks.pip_failure("x\nERROR: No matching distribution found for y\n") == \
         "ERROR: No matching distribution found for y"
     conflict = ("ERROR: Cannot install x\n\nThe conflict is caused by:\n    The user requested x 0.1\n"
-                "    y 1.2 depends on x>=1.1\n\nTo fix this you could try to:\nERROR: ResolutionImpossible: for help\n")
-    assert tasks.pip_failure(conflict) == "conflicting requirements: The user requested x 0.1; y 1.2 depends on x>=1.1"
+                "    y 1.2 depends on x>=1.1\n\nTo fix this you could try to:\n"
+                "ERROR: ResolutionImpossible: for help\n")
+    assert (tasks.pip_failure(conflict)
+            == "conflicting requirements: The user requested x 0.1; y 1.2 depends on x>=1.1")
 
 
 def test_single_module_projects_and_documentation_doctests(tmp_path):
