@@ -1172,8 +1172,9 @@ def first_error(out):
             e = next((x[1:].strip() for x in lines[i + 1:] if x.startswith("E ")), None)
             return f"{m[1]} does not collect: " + (e or next((x.strip() for x in lines[i + 1:] if x.strip()),
                                                              "no reason printed"))
-    summary = next((x.strip() for x in lines if re.match(r"(FAILED|ERROR) ", x)), None)
-    return summary or (lines[-1].strip() if lines else "no output")
+    summary = next((x.split(" - ")[0].strip() for x in lines if re.match(r"(FAILED|ERROR) ", x)), None)
+    e = next((x[1:].strip() for x in lines if x.startswith("E ") and x[1:].strip()), None)
+    return f"{summary}: {e}" if summary and e else summary or (lines[-1].strip() if lines else "no output")
 
 
 def plugin_run(box, root, name, source, env, args=(), select=None):
@@ -2092,9 +2093,11 @@ def solution_files(snap, workdir, deadline, allowed=None):
         if a is not None and b is not None and stat.S_ISLNK(a.st_mode) and kind == "a symlink" \
                 and os.readlink(Path(snap, rel)) == os.readlink(Path(workdir, rel)):
             continue  # a link the repository itself has
-        data = read_regular(Path(workdir, rel), EDIT_AT_MOST) if kind == "file" else None
-        if a is not None and stat.S_ISREG(a.st_mode) and kind == "file" \
-                and data == Path(snap, rel).read_bytes():
+        # an unchanged file may be as large as the snapshot's own (a data file over the limit: an image)
+        was = a is not None and stat.S_ISREG(a.st_mode)
+        data = read_regular(Path(workdir, rel), max(EDIT_AT_MOST, a.st_size if was else 0)) \
+            if kind == "file" else None
+        if was and kind == "file" and data == Path(snap, rel).read_bytes():
             continue
         if not editable(rel, pkgs):
             raise Refused(f"{rel}: only Python source inside the packages ({', '.join(pkgs)}) may change")
@@ -2102,7 +2105,7 @@ def solution_files(snap, workdir, deadline, allowed=None):
             deleted.append(rel)
         elif kind != "file":
             raise Refused(f"{rel} is {kind}")
-        elif data is None:
+        elif data is None or len(data) > EDIT_AT_MOST:
             raise Refused(f"{rel} is over {EDIT_AT_MOST} bytes")
         else:
             files[rel] = source_check(rel, data, Path(snap, rel).read_bytes() if a else b"",

@@ -4114,7 +4114,7 @@ def test_make_refuses_bad_repositories_in_one_line_and_never_touches_the_source(
     with concurrent.futures.ThreadPoolExecutor(3) as pool:  # each mostly waits on its pytest
         list(pool.map(refused, range(len(cases)), cases, cases.values()))
     repo = write_fixture(tmp_path / "git-repo")
-    logo = bytes(range(256)) * 4  # a binary data file in the package
+    logo = bytes(range(256)) * 5000  # a binary data file in the package, larger than any edit may be
     (repo / "calc/logo.png").write_bytes(logo)
     (repo / ".benchmarks").mkdir()
     (repo / ".benchmarks/run.json").write_text("{}")
