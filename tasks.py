@@ -666,15 +666,21 @@ class Sandbox:
                 cg.mkdir()
                 Path(cg, "pids.max").write_text(str(self.processes))
             try:
-                p = subprocess.Popen(cmd, cwd=root, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                     stderr=subprocess.STDOUT, start_new_session=True, pass_fds=pass_fds,
-                                     preexec_fn=limit)
+                with RUNS:
+                    if STOPPING.is_set():
+                        raise TaskError("stopped by a signal")
+                    p = subprocess.Popen(cmd, cwd=root, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True, pass_fds=pass_fds,
+                                         preexec_fn=limit)
+                    LIVE.add(p)
                 try:
                     rc = p.wait(timeout=timeout)
                 except subprocess.TimeoutExpired:
                     os.killpg(p.pid, signal.SIGKILL)
                     p.wait()
                     rc = 124
+                finally:
+                    LIVE.discard(p)
             finally:
                 if cg:
                     remove_cgroup(cg)
@@ -710,7 +716,19 @@ class Sandbox:
         return Report(rc, out, outcomes, end)
 
 
-RUNS = threading.Lock()  # make's tries run side by side (--jobs) and count into one Sandbox
+RUNS = threading.RLock()  # make's tries run side by side (--jobs) and count into one Sandbox
+LIVE, STOPPING = set(), threading.Event()  # the runs under way, and whether a signal asked to stop them
+
+
+def stop(signum, frame):
+    """SIGTERM: kill every run under way and start no other, so threads waiting on runs (make --jobs, survey)
+    end at once and the process exits, its temporary folders and cgroups removed on the way out."""
+    with RUNS:
+        STOPPING.set()
+        for p in LIVE:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+    sys.exit(143)
 
 
 def tail(f, limit):
@@ -3091,7 +3109,7 @@ def main():
     if sys.argv[1:2] and sys.argv[1] in ("env", "make", "verify", "survey", "scan", "monitor"):
         # a SIGTERM unwinds like an exception, so temporary folders and cgroups go (after SIGKILL, the next
         # start's sweep removes them)
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        signal.signal(signal.SIGTERM, stop)
         sys.exit(cli(sys.argv[1:]))  # the feature-deletion family
     parser = argparse.ArgumentParser(
         description="Show the tool-use task family: tasks, gold transcripts, an episode. The "
