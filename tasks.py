@@ -443,6 +443,7 @@ class TaskError(Exception):
 
 PYTEST = ["-m", "pytest", "-q", "-p", "no:cacheprovider"]  # no .pytest_cache: it names tests
 TESTS_AT_MOST = 0.2  # a feature may be reached by at most this fraction of the suite
+REACH_STEPS = (TESTS_AT_MOST, 0.35, 0.5)  # ... or, while there are too few such features, this much
 # what a sandboxed run sees of the host; with the network (installs), all of /etc
 SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64")
 ETC = ("passwd", "group", "hosts", "nsswitch.conf", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime",
@@ -2586,11 +2587,11 @@ DEBRIS = (".benchmarks", ".hypothesis", ".pytest_cache", ".tox", ".nox", "htmlco
           ".coverage.*")
 
 
-def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reach=TESTS_AT_MOST, jobs=1,
+def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reach=None, jobs=1,
          stats=None):
     """Up to n validated, scan-clean tasks from repo into out/; returns the task dicts. box: how the
     repository's tests run (default: this interpreter, in bubblewrap, 300 s a run); reach: the largest share
-    of the suite a feature may be reached by; jobs: tries run side by side; stats: a dict that gets the
+    of the suite a feature may be reached by (default: REACH_STEPS); jobs: tries run side by side; stats: a dict that gets the
     suite's size, the tries and the test executions."""
     stats = {} if stats is None else stats
     repo, out, box = Path(repo), Path(out), box or Sandbox()
@@ -2599,7 +2600,7 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reac
     if not packages(repo):
         raise TaskError(f"no Python package (a folder with __init__.py) or single module imported by the "
                         f"tests at the top of {repo} or {repo}/src")
-    if n < 1 or group < 1 or jobs < 1 or not 0 < reach <= 1:
+    if n < 1 or group < 1 or jobs < 1 or reach is not None and not 0 < reach <= 1:
         raise TaskError("--n, --group and --jobs must be >= 1, --reach in (0, 1]")
     source = git_source(repo)
     for rel in source_files(repo):  # every module must parse: candidates and splices read them all
@@ -2632,8 +2633,14 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reac
         if not stable:
             raise TaskError(f"no test passes twice in {repo} ({len(r1.passed)} passed in the first run, "
                             f"{len(r2.passed)} in the second): {first_error(r2.out)}")
-        cands = candidates(work, stable, calls, at_import, reach)
-        limit = stats["limit"] = max(1, int(reach * len(stable)))
+        # by default a fifth of the suite, more while there are fewer than 2n candidates (a small library
+        # whose every function most tests use); a given --reach is kept as given
+        for r in [reach] if reach else REACH_STEPS:
+            cands = candidates(work, stable, calls, at_import, r)
+            if len(cands) >= 2 * n:
+                break
+        reach, limit = r, max(1, int(r * len(stable)))
+        stats["limit"] = limit
         stats["candidates"] = len(cands)
         log(f"{len(cands)} candidate features (reached by 1..{limit} tests, not run at import): "
             + ", ".join(sorted(q for _, q in cands)))
@@ -3002,9 +3009,11 @@ def cli(argv=None) -> int:
     m.add_argument("--group", type=int, default=1,
                    help="difficulty: delete up to this many related features together")
     m.add_argument("--timeout", type=int, default=300, help="seconds allowed for one test-suite run")
-    m.add_argument("--reach", type=float, default=TESTS_AT_MOST,
-                   help="the largest share of the passing tests a feature may be reached by (a feature "
-                        "most tests use is no task: deleting it breaks everything)")
+    m.add_argument("--reach", type=float,
+                   help=f"the largest share of the passing tests a feature may be reached by (a feature "
+                        f"most tests use is no task: deleting it breaks everything); default {TESTS_AT_MOST}, "
+                        f"widened to {', '.join(map(str, REACH_STEPS[1:]))} while there are fewer than "
+                        f"2 x --n candidates")
     m.add_argument("--jobs", type=int, default=1, help="tries run side by side")
     v = sub.add_parser("verify", help="score an agent's work on a task: 1 when every required test passes")
     v.add_argument("task_dir", help="a task dir written by make")

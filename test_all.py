@@ -4096,8 +4096,8 @@ def test_make_refuses_bad_repositories_in_one_line_and_never_touches_the_source(
              "parent package": {"tests/test_calc.py": b"from .helpers import two\n"},
              "no candidate feature in": {"tests/test_calc.py": b"import calc\n" + b"".join(
                  b"def test_%d(): calc.mean([1]); calc.clamp(1, 0, 2); calc.shout('a')\n" % i
-                 for i in range(2))
-                 + b"".join(b"def test_x%d(): pass\n" % i for i in range(3))},
+                 for i in range(3))
+                 + b"".join(b"def test_x%d(): pass\n" % i for i in range(2))},
              "ran past the timeout of 3 s":
                  {"tests/test_calc.py": b"import time\ndef test_slow(): time.sleep(60)\n"},
              "unrecognized arguments: --cov=calc (the repository's pytest configuration needs pytest-cov":
