@@ -732,6 +732,18 @@ def stop(signum, frame):
     sys.exit(143)
 
 
+@contextlib.contextmanager
+def stoppable(jobs):
+    """A thread pool whose queued work is dropped when the block is left by an exception (SIGTERM's exit):
+    only the work under way, whose runs stop() killed, is waited for."""
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        try:
+            yield pool
+        except BaseException:
+            pool.shutdown(cancel_futures=True)
+            raise
+
+
 def tail(f, limit):
     """The last limit bytes written to an open file, as text: what a run wrote can be any size."""
     f.seek(max(0, f.seek(0, os.SEEK_END) - limit))
@@ -2662,7 +2674,7 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reac
             reach = set().union(*(cands[f] for f in feats))
             return tid, make_task(work, out, tid, feats, mode, stable, reach, box, source)
         tasks, tried, reasons = [], 0, []
-        with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        with stoppable(jobs) as pool:
             todo = iter(enumerate(groups))
             running = collections.deque((feats, pool.submit(attempt, i, feats))
                                         for i, feats in itertools.islice(todo, jobs))
@@ -2853,7 +2865,7 @@ def survey(specs, root, n=3, jobs=2, timeout=300, isolate=True, log=print):
     Path(root).mkdir(parents=True, exist_ok=True)
     head = (f"{'package':<32} {'tests':>6} {'env s':>5} {'make s':>6} made  valid gold untc   execs  why")
     log(head)
-    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+    with stoppable(jobs) as pool:
         futs = [pool.submit(survey_one, spec, root, n, timeout, isolate) for spec in specs]
         for fut in concurrent.futures.as_completed(futs):
             log(survey_line(fut.result()))
