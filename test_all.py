@@ -3293,7 +3293,8 @@ def test_hostile_solutions_score_0(made, tmp_path):
 def test_host_never_trusts_the_work_tree(made, tmp_path):
     """Links, FIFOs, devices and huge files in the work tree are refused by their kind before anything opens
     them; inside the sandbox the run is nobody, /etc has no shadow file, and writes stop at the tmpfs bounds;
-    a verify killed mid-run leaves folders and a cgroup that the next start removes."""
+    a verify killed mid-run leaves folders and a cgroup that the next start removes; one sent SIGTERM stops at
+    once and removes them itself."""
     d, t = task_dir(made, "mean")
 
     def agent(name, edit):
@@ -3348,6 +3349,17 @@ def test_host_never_trusts_the_work_tree(made, tmp_path):
     tasks.sweep.__wrapped__()
     assert not any(x.exists() for x in left)
     assert not list(Path(tasks.pids_cgroup() or "/nonexistent").glob(f"featdel-{p.pid}-*"))
+    # with SIGTERM the run under way is killed, and the process exits at once and removes its own folders
+    p = subprocess.Popen([sys.executable, tasks.__file__, "verify", str(d), "--workdir", str(slow)])
+    for _ in range(100):
+        time.sleep(0.1)
+        left = list(Path(tempfile.gettempdir()).glob(f"featdel-{p.pid}-*"))
+        if len(left) >= 2:
+            break
+    t0 = time.time()
+    p.terminate()
+    assert p.wait(timeout=30) == 143 and time.time() - t0 < 10 and left
+    assert not any(x.exists() for x in left)
 
 
 def test_doctests_in_editable_files_are_never_required(tmp_path):
