@@ -2599,12 +2599,33 @@ DEBRIS = (".benchmarks", ".hypothesis", ".pytest_cache", ".tox", ".nox", "htmlco
           ".coverage.*")
 
 
+def baseline(work, box, repo, log):
+    """The suite run twice, once traced, past test files that fail to collect: (the tests that pass both
+    times, {test: functions it calls}, the functions called at import). A suite that mostly fails is refused
+    with pytest's first error: a broken environment (a compiled extension missing) is no baseline."""
+    r1, calls, at_import = trace_tests(work, box)
+    r2 = box.pytest(work, ["--continue-on-collection-errors"])
+    stable = r1.passed & r2.passed
+    bad = [t for t, o in (r2.outcomes or {}).items() if {"failed", "error"} & set(o.values())]
+    log(f"baseline: {len(stable)} stable passing tests, {len(r1.passed ^ r2.passed)} flaky dropped"
+        + (f", {len(bad)} failing ({first_error(r2.out)})" if bad else ""))
+    if len(bad) > len(r2.passed):
+        fix = "; make its environment with `python tasks.py env --repo DIR --venv DIR`, pass --python"
+        raise TaskError(f"the baseline is broken: {len(bad)} of {len(r2.outcomes)} tests fail and "
+                        f"{len(r2.passed)} pass in {repo} ({first_error(r2.out)})"
+                        + (fix if box.prefix == box.base else ""))
+    if not stable:
+        raise TaskError(f"no test passes twice in {repo} ({len(r1.passed)} passed in the first run, "
+                        f"{len(r2.passed)} in the second): {first_error(r2.out)}")
+    return stable, calls, at_import
+
+
 def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reach=None, jobs=1,
          stats=None):
     """Up to n validated, scan-clean tasks from repo into out/; returns the task dicts. box: how the
     repository's tests run (default: this interpreter, in bubblewrap, 300 s a run); reach: the largest share
-    of the suite a feature may be reached by (default: REACH_STEPS); jobs: tries run side by side; stats: a dict that gets the
-    suite's size, the tries and the test executions."""
+    of the suite a feature may be reached by (default: REACH_STEPS); jobs: tries run side by side; stats: a
+    dict that gets the suite's size, the candidates, the tries and the test executions."""
     stats = {} if stats is None else stats
     repo, out, box = Path(repo), Path(out), box or Sandbox()
     if not repo.is_dir():
@@ -2630,21 +2651,8 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reac
         for pkg in packages(work) if compiled.is_dir() else []:
             if (compiled / package_name(pkg)).is_dir() and not pkg.endswith(".py"):
                 shutil.copytree(compiled / package_name(pkg), work / pkg, dirs_exist_ok=True)
-        r1, calls, at_import = trace_tests(work, box)  # run 1, traced
-        r2 = box.pytest(work, ["--continue-on-collection-errors"])  # run 2: a test must pass both times
-        stable = r1.passed & r2.passed
+        stable, calls, at_import = baseline(work, box, repo, log)
         stats["tests"] = len(stable)
-        bad = [t for t, o in (r2.outcomes or {}).items() if {"failed", "error"} & set(o.values())]
-        log(f"baseline: {len(stable)} stable passing tests, {len(r1.passed ^ r2.passed)} flaky dropped"
-            + (f", {len(bad)} failing ({first_error(r2.out)})" if bad else ""))
-        if len(bad) > len(r2.passed):  # e.g. a compiled extension missing: never tasks from a broken suite
-            fix = "; make its environment with `python tasks.py env --repo DIR --venv DIR`, pass --python"
-            raise TaskError(f"the baseline is broken: {len(bad)} of {len(r2.outcomes)} tests fail and "
-                            f"{len(r2.passed)} pass in {repo} ({first_error(r2.out)})"
-                            + (fix if box.prefix == box.base else ""))
-        if not stable:
-            raise TaskError(f"no test passes twice in {repo} ({len(r1.passed)} passed in the first run, "
-                            f"{len(r2.passed)} in the second): {first_error(r2.out)}")
         # by default a fifth of the suite, more while there are fewer than 2n candidates (a small library
         # whose every function most tests use); a given --reach is kept as given
         for r in [reach] if reach else REACH_STEPS:
@@ -2652,8 +2660,7 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reac
             if len(cands) >= 2 * n:
                 break
         reach, limit = r, max(1, int(r * len(stable)))
-        stats["limit"] = limit
-        stats["candidates"] = len(cands)
+        stats.update(limit=limit, candidates=len(cands))
         log(f"{len(cands)} candidate features (reached by 1..{limit} tests, not run at import): "
             + ", ".join(sorted(q for _, q in cands)))
         if not cands:
@@ -2671,8 +2678,8 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reac
 
         def attempt(i, feats):
             tid = f"{repo.resolve().name}-{i:03d}-" + hashlib.sha1(repr(feats).encode()).hexdigest()[:8]
-            reach = set().union(*(cands[f] for f in feats))
-            return tid, make_task(work, out, tid, feats, mode, stable, reach, box, source)
+            reaching = set().union(*(cands[f] for f in feats))
+            return tid, make_task(work, out, tid, feats, mode, stable, reaching, box, source)
         tasks, tried, reasons = [], 0, []
         with stoppable(jobs) as pool:
             todo = iter(enumerate(groups))
@@ -3023,8 +3030,8 @@ def cli(argv=None) -> int:
     m.add_argument("--timeout", type=int, default=300, help="seconds allowed for one test-suite run")
     m.add_argument("--reach", type=float,
                    help=f"the largest share of the passing tests a feature may be reached by (a feature "
-                        f"most tests use is no task: deleting it breaks everything); default {TESTS_AT_MOST}, "
-                        f"widened to {', '.join(map(str, REACH_STEPS[1:]))} while there are fewer than "
+                        f"most tests use is no task: deleting it breaks everything); default "
+                        f"{TESTS_AT_MOST}, widened to {', '.join(map(str, REACH_STEPS[1:]))} while there are fewer than "
                         f"2 x --n candidates")
     m.add_argument("--jobs", type=int, default=1, help="tries run side by side")
     v = sub.add_parser("verify", help="score an agent's work on a task: 1 when every required test passes")
