@@ -3031,8 +3031,8 @@ def cli(argv=None) -> int:
     m.add_argument("--reach", type=float,
                    help=f"the largest share of the passing tests a feature may be reached by (a feature "
                         f"most tests use is no task: deleting it breaks everything); default "
-                        f"{TESTS_AT_MOST}, widened to {', '.join(map(str, REACH_STEPS[1:]))} while there are fewer than "
-                        f"2 x --n candidates")
+                        f"{TESTS_AT_MOST}, widened to {', '.join(map(str, REACH_STEPS[1:]))} while there are "
+                        f"fewer than 2 x --n candidates")
     m.add_argument("--jobs", type=int, default=1, help="tries run side by side")
     v = sub.add_parser("verify", help="score an agent's work on a task: 1 when every required test passes")
     v.add_argument("task_dir", help="a task dir written by make")
