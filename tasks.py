@@ -42,6 +42,7 @@ records the commit) and runs its tests with the interpreter from `env`.
 import argparse
 import ast
 import asyncio
+import codecs
 import collections
 import concurrent.futures
 import configparser
@@ -441,7 +442,8 @@ class TaskError(Exception):
 # bubblewrap (--no-sandbox) a run gets only a scrubbed environment, its own folder and the same limits on
 # time and memory.
 
-PYTEST = ["-m", "pytest", "-q", "-p", "no:cacheprovider"]  # no .pytest_cache: it names tests
+# no .pytest_cache (it names tests); a test file that fails to collect costs its own tests, not the run's
+PYTEST = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--continue-on-collection-errors"]
 TESTS_AT_MOST = 0.2  # a feature may be reached by at most this fraction of the suite
 REACH_STEPS = (TESTS_AT_MOST, 0.35, 0.5)  # ... or, while there are too few such features, this much
 # what a sandboxed run sees of the host; with the network (installs), all of /etc
@@ -1011,7 +1013,8 @@ def test_requirements(repo):
         dep = dep.strip()
         if dep.startswith("-r"):
             args.append(f"--requirement={dep[2:].strip()}")
-        elif dep and not dep.startswith(("#", "-", ".")) and "{" not in dep:
+        elif dep and not dep.startswith(("#", "-", ".")) and "{" not in dep \
+                and not re.match(r"[\w,!{}.-]+:\s", dep):  # `docs: sphinx`: another tox env's
             args.append(dep.split(" #")[0].strip())
     for pattern in ("requirements*test*.txt", "requirements-dev.txt", "requirements_dev.txt",
                     "test*requirements.txt", "dev-requirements.txt", "requirements/test*.txt",
@@ -1167,11 +1170,9 @@ pytest_sessionfinish = _tracer.pytest_sessionfinish
 
 
 def trace_tests(root, box):
-    """One traced pytest run, past test files that fail to collect: (report, {node id: {(file, qualname)}},
-    the import-time set)."""
+    """One traced pytest run: (report, {node id: {(file, qualname)}}, the import-time set)."""
     root = Path(root).resolve()
-    r, raw = plugin_run(box, root, "_featdel_tracer", TRACER_MODULE, {"FEATDEL_ROOTS": package_roots(root)},
-                        ["--continue-on-collection-errors"])
+    r, raw = plugin_run(box, root, "_featdel_tracer", TRACER_MODULE, {"FEATDEL_ROOTS": package_roots(root)})
     rc, log = r.rc, r.out
     if rc == 124:
         raise TaskError(f"the test suite ran past the timeout of {box.timeout} s (make --timeout)")
@@ -2144,17 +2145,29 @@ def solution_files(snap, workdir, deadline, allowed=None):
     return files, deleted
 
 
+def declared(data):
+    """The encoding Python source declares (PEP 263), by its codec's name: "utf-8" when none."""
+    coding = next((m[1].decode() for line in data.splitlines()[:2] for m in [CODING.match(line)] if m),
+                  "utf-8")
+    try:
+        return codecs.lookup(coding).name
+    except LookupError:
+        return coding
+
+
 def source_check(rel, data, old, allowed=()):
     """data, if it is UTF-8 Python source with no static finding that old (or the allowed list) lacks; else
     Refused."""
-    coding = next((m[1].decode() for line in data.splitlines()[:2] for m in [CODING.match(line)] if m),
-                  "utf-8")
-    if coding.lower().replace("_", "-") not in ("utf-8", "utf8"):
-        raise Refused(f"{rel} declares the encoding {coding}: source must be UTF-8")
+    coding, original = declared(data), declared(old)
+    # UTF-8, or the encoding the original file declares (xlwt's windows-1252) unless it can hide text from
+    # the check (UTF-7's +...- runs, UTF-16)
+    if coding != "utf-8" and (coding != original or coding.startswith(("utf-7", "utf-16", "utf-32"))):
+        raise Refused(f"{rel} declares the encoding {coding}: source must be UTF-8"
+                      + (f" or {original}, as the original" if original != "utf-8" else ""))
     try:
-        tree = ast.parse(data.decode("utf-8"))
+        tree = ast.parse(data.decode(coding))
     except (UnicodeDecodeError, SyntaxError, ValueError) as e:
-        raise Refused(f"{rel} is not UTF-8 Python source ({type(e).__name__})")
+        raise Refused(f"{rel} is not {coding} Python source ({type(e).__name__})")
     before = Counter(what for what, _ in static_findings(old)) | Counter(allowed)
     for what, line in static_findings(data, tree):
         before[what] -= 1
@@ -2604,7 +2617,7 @@ def baseline(work, box, repo, log):
     times, {test: functions it calls}, the functions called at import). A suite that mostly fails is refused
     with pytest's first error: a broken environment (a compiled extension missing) is no baseline."""
     r1, calls, at_import = trace_tests(work, box)
-    r2 = box.pytest(work, ["--continue-on-collection-errors"])
+    r2 = box.pytest(work)
     stable = r1.passed & r2.passed
     bad = [t for t, o in (r2.outcomes or {}).items() if {"failed", "error"} & set(o.values())]
     log(f"baseline: {len(stable)} stable passing tests, {len(r1.passed ^ r2.passed)} flaky dropped"
