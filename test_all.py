@@ -4204,13 +4204,14 @@ def test_test_requirements_are_found_where_projects_declare_them(tmp_path):
 
 def test_single_module_projects_and_documentation_doctests(tmp_path):
     """A project that is one module (calc.py at the top, in windows-1252, its tests with no __init__.py) whose
-    documentation holds doctests (--doctest-glob): its module is the package, documentation doctests that pass in verify's
-    run are required, one that passes only in make's runs (it checks that its own file is writable, which
-    verify keeps read-only) is dropped before the gold is verified again."""
+    documentation holds doctests (--doctest-glob): its module is the package, documentation doctests that pass
+    in verify's run are required, one that passes only in make's runs (it checks that its own file is
+    writable, which verify keeps read-only) is dropped before the gold is verified again."""
     repo = write_fixture(tmp_path / "calc")
     shutil.rmtree(repo / "calc")
     # an older project's encoding (xlwt's): a re-implementation may keep it
-    (repo / "calc.py").write_bytes(("# -*- coding: windows-1252 -*-\n" + CORE + "\n\n" + TEXT).encode("cp1252"))
+    (repo / "calc.py").write_bytes(("# -*- coding: windows-1252 -*-\n" + CORE + "\n\n" + TEXT)
+                                   .encode("cp1252"))
     (repo / "setup.py").write_text("from setuptools import setup\nsetup(name='calc', py_modules=['calc'])\n")
     (repo / "tests/test_calc.py").write_text(
         "import calc\n\n\ndef test_mean(): assert calc.mean([1, 3]) == 2\n"
