@@ -445,6 +445,7 @@ class TaskError(Exception):
 # no .pytest_cache (it names tests); a test file that fails to collect costs its own tests, not the run's
 PYTEST = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--continue-on-collection-errors"]
 TESTS_AT_MOST = 0.2  # a feature may be reached by at most this fraction of the suite
+TRACE_SLOWER = 3  # the traced run's timeout, in plain runs' timeouts
 REACH_STEPS = (TESTS_AT_MOST, 0.35, 0.5)  # ... or, while there are too few such features, this much
 # what a sandboxed run sees of the host; with the network (installs), all of /etc
 SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64")
@@ -1174,10 +1175,13 @@ pytest_sessionfinish = _tracer.pytest_sessionfinish
 def trace_tests(root, box):
     """One traced pytest run: (report, {node id: {(file, qualname)}}, the import-time set)."""
     root = Path(root).resolve()
-    r, raw = plugin_run(box, root, "_featdel_tracer", TRACER_MODULE, {"FEATDEL_ROOTS": package_roots(root)})
+    # a profiler on every call: the traced run may take TRACE_SLOWER times a plain run's timeout
+    r, raw = plugin_run(box, root, "_featdel_tracer", TRACER_MODULE, {"FEATDEL_ROOTS": package_roots(root)},
+                        timeout=TRACE_SLOWER * box.timeout)
     rc, log = r.rc, r.out
     if rc == 124:
-        raise TaskError(f"the test suite ran past the timeout of {box.timeout} s (make --timeout)")
+        raise TaskError(f"the traced test suite ran past {TRACE_SLOWER} x the timeout of {box.timeout} s "
+                        f"(make --timeout)")
     if rc == 5:
         raise TaskError("pytest collected no tests")
     if raw is None:
@@ -1211,13 +1215,12 @@ def first_error(out):
     return f"{summary}: {e}" if summary and e else summary or (lines[-1].strip() if lines else "no output")
 
 
-def plugin_run(box, root, name, source, env, args=(), select=None):
-    """One pytest run of root (args: options; select: node ids, as Sandbox.pytest) with one more plugin
-    (source, loaded with -p name), which writes its result to the descriptor in FEATDEL_OUT: (report, what it
-    wrote or None)."""
+def plugin_run(box, root, name, source, env, select=None, timeout=None):
+    """One pytest run of root (select: node ids, as Sandbox.pytest) with one more plugin (source, loaded with
+    -p name), which writes its result to the descriptor in FEATDEL_OUT: (report, what it wrote or None)."""
     with scratch() as tmp, tempfile.TemporaryFile() as fd:
         Path(tmp, f"{name}.py").write_text(source)
-        r = box.pytest(root, ["-p", name, *args], path=[tmp], pass_fds=[fd.fileno()], select=select,
+        r = box.pytest(root, ["-p", name], path=[tmp], pass_fds=[fd.fileno()], select=select, timeout=timeout,
                        extra_env={**env, "FEATDEL_OUT": str(fd.fileno())})
         return r, tail(fd, box.disk) or None  # whole: a large trace is over 64 MiB; bounded by RLIMIT_FSIZE
 

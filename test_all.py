@@ -4110,7 +4110,7 @@ def test_make_refuses_bad_repositories_in_one_line_and_never_touches_the_source(
                  b"def test_%d(): calc.mean([1]); calc.clamp(1, 0, 2); calc.shout('a')\n" % i
                  for i in range(3))
                  + b"".join(b"def test_x%d(): pass\n" % i for i in range(2))},
-             "ran past the timeout of 3 s":
+             "the traced test suite ran past 3 x the timeout of 3 s":
                  {"tests/test_calc.py": b"import time\ndef test_slow(): time.sleep(60)\n"},
              "unrecognized arguments: --cov=calc (the repository's pytest configuration needs pytest-cov":
                  {"pyproject.toml": b"[tool.pytest.ini_options]\naddopts = \"--cov=calc\"\n"}}
