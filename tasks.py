@@ -907,6 +907,7 @@ DISTRIBUTIONS = {"yaml": "pyyaml", "dateutil": "python-dateutil", "PIL": "pillow
                  "pycryptodome", "OpenSSL": "pyopenssl", "google": "protobuf", "pkg_resources": "setuptools",
                  "typing_extensions": "typing-extensions", "sklearn": "scikit-learn", "serial": "pyserial",
                  "magic": "python-magic", "docutils": "docutils", "markdown": "markdown"}
+SELF_REQUIREMENT = re.compile(r"\s*(-e\s+|--editable[=\s]\s*)?\.(/)?(\[[^\]]*\])?\s*(#.*)?")  # ., -e .[dev]
 COMPILED = "featdel-compiled"  # in a venv from `env`: the package's compiled modules, kept for its tests
 
 
@@ -1082,6 +1083,11 @@ def make_env(repo, venv, isolate=True, log=print):
         src = Path(tmp, repo.name)
         sdist = (repo / "PKG-INFO").is_file()
         shutil.copytree(repo, src, symlinks=True, ignore=shutil.ignore_patterns(".git") if sdist else None)
+        for arg in reqs:  # a requirements file that installs the project itself (-e .[dev]): it is installed
+            f = src / arg.partition("=")[2] if arg.startswith("--requirement=") else None
+            if f and f.is_file() and not f.is_symlink():
+                lines = f.read_text(errors="replace").splitlines()
+                f.write_text("\n".join(x for x in lines if not SELF_REQUIREMENT.fullmatch(x)) + "\n")
         # a fresh venv's pip can be too old to read today's package metadata
         rc, out = box.run([*pip, "--upgrade", "pip"], src, writable=[venv], network=True, extra_env=keep)
         target = f"{src}[{','.join(extras)}]" if extras else str(src)

@@ -4242,8 +4242,9 @@ PyMODINIT_FUNC PyInit__speed(void) { return PyModule_Create(&module); }
 
 def test_env_installs_what_the_configuration_needs(tmp_path):
     """A repository whose pytest configuration needs pytest-timeout, which nothing declares, and whose package
-    has a compiled extension the tests import: without its environment make fails in one line naming the
-    plugin and the fix; `env` installs the plugin, builds the extension and keeps the compiled module for the
+    has a compiled extension the tests import, and whose requirements file installs the project itself:
+    without its environment make fails in one line naming the plugin and the fix; `env` installs the plugin
+    (and the project once), builds the extension and keeps the compiled module for the
     tests (the package's Python code leaves the venv), and make and verify run with its interpreter. A
     --python that is not an interpreter and an install that fails are one line each (that install runs
     beside the rest: each waits on the package index)."""
@@ -4260,6 +4261,7 @@ def test_env_installs_what_the_configuration_needs(tmp_path):
                                                  "    from calc._speed import twice\n"
                                                  "    assert twice(21) == 42\n")
         (repo / "calc/_speed.c").write_text(SPEED_C)
+        (repo / "requirements-dev.txt").write_text("-e .[test]\n")  # the project itself, once more
         (repo / "setup.py").write_text('from setuptools import Extension, setup\n'
                                        'setup(ext_modules=[Extension("calc._speed", ["calc/_speed.c"])])\n')
         (repo / "pyproject.toml").write_text('[build-system]\nrequires = ["setuptools>=61"]\n'
