@@ -61,7 +61,6 @@ import os
 import pickle
 import random
 import re
-import resource
 import secrets
 import shlex
 import shutil
@@ -460,6 +459,19 @@ PLUGIN_OPTIONS = {"--cov": "pytest-cov", "-n": "pytest-xdist", "--numprocesses":
                   "--benchmark": "pytest-benchmark", "--reruns": "pytest-rerunfailures",
                   "--doctest-plus": "pytest-doctestplus", "--mypy": "pytest-mypy",
                   "--hypothesis": "hypothesis", "--randomly": "pytest-randomly", "--flake8": "pytest-flake8"}
+# Before the sandbox: join the run's pids cgroup, cap the address space, file size and processes, then become
+# the command (bubblewrap, or the interpreter unisolated). Arguments: cgroup or "", bytes, bytes, count or 0.
+LIMITS = """import os, resource, sys
+cg, memory, disk, nproc = sys.argv[1:5]
+if cg:
+    with open(os.path.join(cg, "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
+resource.setrlimit(resource.RLIMIT_AS, (int(memory), int(memory)))
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(disk), int(disk)))
+if int(nproc):
+    resource.setrlimit(resource.RLIMIT_NPROC, (int(nproc), int(nproc)))
+os.execvp(sys.argv[5], sys.argv[5:])
+"""
 # The launcher, run with -I -S before anything of the repository: fills the tmpfs work folder from the
 # read-only view (skipping the read-only mounts already in place), then becomes the real command.
 FILL = f"""import os, shutil, sys
@@ -649,14 +661,6 @@ class Sandbox:
               if self.isolate and pids_cgroup() else None)
         nproc = None if self.isolate and cg or os.getuid() == 0 else self.processes + len(os.listdir("/proc"))
 
-        def limit():  # in the child, before exec: join the cgroup, cap the address space, files, processes
-            if cg:
-                Path(cg, "cgroup.procs").write_text(str(os.getpid()))
-            resource.setrlimit(resource.RLIMIT_AS, (self.memory, self.memory))
-            resource.setrlimit(resource.RLIMIT_FSIZE, (self.disk, self.disk))
-            if nproc:
-                resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-
         with scratch() as home, tempfile.TemporaryFile() as log:  # a file: output beyond RAM stays bounded
             env = clean_env(root, home, [str(v) for v in path]) | (extra_env or {})
             if self.prefix != self.base:
@@ -669,13 +673,16 @@ class Sandbox:
             if cg:
                 cg.mkdir()
                 Path(cg, "pids.max").write_text(str(self.processes))
+            # the limits are set by a launcher of their own, not a preexec_fn: Python code between fork and
+            # exec is not safe beside threads (make --jobs, survey), and once crashed here on a heap in use
+            cmd = [sys.executable, "-I", "-S", "-c", LIMITS, str(cg or ""), str(self.memory), str(self.disk),
+                   str(nproc or 0), *cmd]
             try:
                 with RUNS:
                     if STOPPING.is_set():
                         raise TaskError("stopped by a signal")
                     p = subprocess.Popen(cmd, cwd=root, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True, pass_fds=pass_fds,
-                                         preexec_fn=limit)
+                                         stderr=subprocess.STDOUT, start_new_session=True, pass_fds=pass_fds)
                     LIVE.add(p)
                 try:
                     rc = p.wait(timeout=timeout)
