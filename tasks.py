@@ -2326,9 +2326,15 @@ def folded(node):
 # oracle is the evidence it cannot forge.
 
 def protected_paths(root, need=()):
-    """The test folders, test/configuration files and the files of required tests (documentation with
-    doctests) in root, outermost only: a run may read them, not change them."""
-    out, tested = [], {t.split("::")[0] for t in need}
+    """The files of the tests (all of a test folder's), the configuration files and the files of required
+    tests (documentation with doctests) in root: a run may read them, not change them. The folders stay
+    writable, since many suites write output beside their tests (xlwt's tests/output/); a tree with more
+    than BINDS_AT_MOST such files gets its outermost test folders read-only instead."""
+    tested = {t.split("::")[0] for t in need}
+    files = [Path(root, rel) for rel in walk(root) if is_protected(rel) or rel in tested]
+    if len(files) <= BINDS_AT_MOST:
+        return files
+    out = []
     for rel in walk(root):
         parts = Path(rel).parts
         cut = next((i for i, x in enumerate(parts[:-1]) if x in ("tests", "test", "testing")), None)
@@ -2337,6 +2343,9 @@ def protected_paths(root, need=()):
         if path and path.exists() and path not in out:
             out.append(path)
     return out
+
+
+BINDS_AT_MOST = 5000  # read-only binds of single files a run gets; past that, whole folders
 
 
 def add_canaries(work, need):

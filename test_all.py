@@ -4206,7 +4206,8 @@ def test_single_module_projects_and_documentation_doctests(tmp_path):
     """A project that is one module (calc.py at the top, in windows-1252, its tests with no __init__.py) whose
     documentation holds doctests (--doctest-glob): its module is the package, documentation doctests that pass
     in verify's run are required, one that passes only in make's runs (it checks that its own file is
-    writable, which verify keeps read-only) is dropped before the gold is verified again."""
+    writable, which verify keeps read-only) is dropped before the gold is verified again; a test that writes
+    a new file beside the tests is required and passes."""
     repo = write_fixture(tmp_path / "calc")
     shutil.rmtree(repo / "calc")
     # an older project's encoding (xlwt's): a re-implementation may keep it
@@ -4215,7 +4216,10 @@ def test_single_module_projects_and_documentation_doctests(tmp_path):
     (repo / "setup.py").write_text("from setuptools import setup\nsetup(name='calc', py_modules=['calc'])\n")
     (repo / "tests/test_calc.py").write_text(
         "import calc\n\n\ndef test_mean(): assert calc.mean([1, 3]) == 2\n"
-        + "".join(f"def test_{i}(): assert calc.add({i}, 1) == {i + 1}\n" for i in range(8)))
+        + "".join(f"def test_{i}(): assert calc.add({i}, 1) == {i + 1}\n" for i in range(8))
+        # output written beside the tests (xlwt's do): the test folder's files are read-only, not the folder
+        + "def test_writes():\n    import os\n    os.makedirs('tests/output', exist_ok=True)\n"
+          "    open('tests/output/x.txt', 'w').write('x')\n")
     (repo / "docs").mkdir()
     (repo / "docs/usage.rst").write_text("Usage\n=====\n\n>>> import calc\n>>> calc.mean([2, 4])\n3.0\n")
     (repo / "docs/notes.rst").write_text("Notes\n=====\n\n>>> import os\n"
@@ -4228,7 +4232,8 @@ def test_single_module_projects_and_documentation_doctests(tmp_path):
     d = tmp_path / "out" / task["id"]
     assert task["deleted"][0]["file"] == "calc.py" and task["deleted"][0]["qualname"] == "mean", logs
     assert task["fail_to_pass"] == ["docs/usage.rst::usage.rst", "tests/test_calc.py::test_mean"], logs
-    assert "docs/notes.rst::notes.rst" not in task["pass_to_pass"] and len(task["pass_to_pass"]) == 8
+    assert "docs/notes.rst::notes.rst" not in task["pass_to_pass"] and len(task["pass_to_pass"]) == 9
+    assert "tests/test_calc.py::test_writes" in task["pass_to_pass"]
     assert tasks.verify(d, patch=d / "gold.patch")[0] == 1 and tasks.verify(d, workdir=d / "repo")[0] == 0
 
 
