@@ -1366,19 +1366,11 @@ def grep(data, needle_map):
     return sorted({v for k, v in needle_map.items() if k in data})
 
 
-def code_strings(code):
-    """Every qualname, variable name and string constant in a code object tree."""
-    out = [code.co_qualname, *code.co_varnames, *code.co_names]
-    for c in code.co_consts:
-        out += code_strings(c) if hasattr(c, "co_code") else [c] if isinstance(c, str) else []
-    return out
-
-
-def pyc_strings(data):
-    try:
-        return code_strings(marshal.loads(data[16:]))  # 16-byte header: magic, flags, mtime/hash, size
-    except Exception:
-        return []
+def pyc_names(data):
+    """Names a .pyc holds, read off its bytes: marshal keeps names and string constants as plain bytes, and
+    unmarshalling is never done here (marshal is not safe against data it did not write: another Python's
+    bytecode, which pyhocon's sdist ships, corrupted the host's heap)."""
+    return [m.decode() for m in re.findall(rb"[A-Za-z_][A-Za-z0-9_]{2,}", data[16:])]
 
 
 def class_strings(data):
@@ -1404,10 +1396,9 @@ def class_strings(data):
 
 
 def blob_evidence(name, data, nmap):
-    """Evidence from one file's bytes, decoding the formats that hide names: pyc, class, sqlite, zip."""
-    if name.endswith((".pyc", ".pyo")):
-        data += "\n".join(map(str, pyc_strings(data))).encode()
-    elif name.endswith(".class"):
+    """Evidence from one file's bytes, decoding the formats that hide names: class, sqlite, zip (a pyc keeps
+    its names as plain bytes)."""
+    if name.endswith(".class"):
         data += "\n".join(class_strings(data)).encode()
     elif data[:16] == b"SQLite format 3\x00":
         with tempfile.NamedTemporaryFile(suffix=".db") as f:  # sqlite3 wants a path; read a copy, read-only
@@ -1531,7 +1522,7 @@ def file_finding(path, task, nmap):
         data = path.read_bytes()
         ev = blob_evidence(path.name, data, nmap)
         if kind == "pyc" and not ev:
-            ev = [f"defines {', '.join(map(str, pyc_strings(data)[:4]))}"]
+            ev = [f"names {', '.join(list(dict.fromkeys(pyc_names(data)))[:4])}"]
         # test-data archives are fine; ones holding code or deleted names are not
         return (kind, ev) if kind != "archive" or ev else None
     if not task or path.stat().st_size >= 2_000_000:
