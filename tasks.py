@@ -674,7 +674,7 @@ class Sandbox:
                 cg.mkdir()
                 Path(cg, "pids.max").write_text(str(self.processes))
             # the limits are set by a launcher of their own, not a preexec_fn: Python code between fork and
-            # exec is not safe beside threads (make --jobs, survey), and once crashed here on a heap in use
+            # exec is not safe beside threads (make --jobs, survey), as subprocess's documentation warns
             cmd = [sys.executable, "-I", "-S", "-c", LIMITS, str(cg or ""), str(self.memory), str(self.disk),
                    str(nproc or 0), *cmd]
             try:
