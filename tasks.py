@@ -859,17 +859,24 @@ def packages(root):
     loose = [p for base in bases for p in sorted(base.glob("*.py")) if not is_protected(p.name)
              and p.stem not in NOT_MODULES and p.is_file() and not p.is_symlink()]
     if loose:  # a single-module project: the module the tests import
-        imported = set()
-        for rel in walk(root):
-            if rel.endswith(".py") and is_protected(rel):
-                with contextlib.suppress(SyntaxError, ValueError, OSError):
-                    for n in ast.walk(ast.parse(Path(root, rel).read_bytes())):
-                        if isinstance(n, ast.Import):
-                            imported |= {a.name.split(".")[0] for a in n.names}
-                        elif isinstance(n, ast.ImportFrom) and not n.level and n.module:
-                            imported.add(n.module.split(".")[0])
+        imported = imports(root, lambda rel: rel.endswith(".py") and is_protected(rel), ast.walk)
         found += [p for p in loose if p.stem in imported and p.stem not in {f.name for f in found}]
     return [str(p.relative_to(root)) for p in found]
+
+
+def imports(root, which, nodes):
+    """Top-level module names that the files `which` picks import, in the statements nodes(tree) gives
+    (ast.walk: anywhere; a tree's body: at module level only)."""
+    names = set()
+    for rel in walk(root):
+        if which(rel):
+            with contextlib.suppress(SyntaxError, ValueError, OSError):
+                for n in nodes(ast.parse(Path(root, rel).read_bytes())):
+                    if isinstance(n, ast.Import):
+                        names |= {a.name.split(".")[0] for a in n.names}
+                    elif isinstance(n, ast.ImportFrom) and not n.level and n.module:
+                        names.add(n.module.split(".")[0])
+    return names
 
 
 def package_name(pkg):
@@ -1039,15 +1046,8 @@ def test_requirements(repo):
 def test_imports(repo):
     """Top-level modules the test modules and conftests import unconditionally (at module level, outside
     try); not what other scripts among the tests import (a test may run one only where it can)."""
-    names = set()
-    for rel in walk(repo):
-        if re.fullmatch(r"test_.*\.py|.*_test\.py|conftest\.py", Path(rel).name):
-            with contextlib.suppress(SyntaxError, ValueError, OSError):
-                for n in ast.parse(Path(repo, rel).read_bytes()).body:
-                    if isinstance(n, ast.Import):
-                        names |= {a.name.split(".")[0] for a in n.names}
-                    elif isinstance(n, ast.ImportFrom) and not n.level and n.module:
-                        names.add(n.module.split(".")[0])
+    names = imports(repo, lambda rel: re.fullmatch(r"test_.*\.py|.*_test\.py|conftest\.py", Path(rel).name),
+                    lambda tree: tree.body)
     local = {part for rel in walk(repo) for part in Path(rel).with_suffix("").parts}  # helpers, conftest
     return names - local - set(sys.stdlib_module_names) - {"__future__"}
 
