@@ -138,6 +138,9 @@ def build_meshes(layout: Layout, device_type: str):
                             mesh_dim_names=("dp_replicate", "dp_shard_cp"))
     dense = dense_fsdp._unflatten("dp_shard_cp", (L.dp_shard, L.cp), ("dp_shard", "cp"))  # same grid, 3 dims
     expert = DeviceMesh(device_type, L.expert_grid(), mesh_dim_names=("ep_replicate", "ep_shard", "ep"))
+    # an expert tensor's partial sums (a gradient norm) reduce over ep_shard and ep: with the two flattened
+    # into one group DTensor reduces them in one all-reduce, not two in a row
+    expert["ep_shard", "ep"]._flatten("ep_shard_ep")
     # without replicas, a 1-D FSDP mesh: a 2-D one would all-reduce every gradient over a group of one
     dense_fsdp = dense_fsdp if L.dp_replicate > 1 else dense_fsdp["dp_shard_cp"]
     expert_fsdp = expert["ep_replicate", "ep_shard"] if L.ep_replicate > 1 else expert["ep_shard"]

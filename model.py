@@ -235,7 +235,7 @@ class MLA(nn.Module):
             kv_a, k_pos = cache.update(self.layer_id, kv_a), cache.k_pos
         if self.cp_group is not None:  # -> [B, S, r + rope], S = T * cp, in sequence order
             kv_a = funcol.all_gather_single(kv_a.contiguous(), 1, self.cp_group)
-            k_pos = funcol.all_gather_tensor(pos, gather_dim=0, group=self.cp_group)
+            k_pos = funcol.all_gather_single(pos, 0, self.cp_group)
         S = kv_a.size(1)
         c_kv, k_pe = kv_a.split([r, rope], dim=-1)
         if cache is not None and cache.absorbs(T, cfg):
@@ -728,7 +728,9 @@ class ContextParallel(nn.Module):
         chunk = -(-T // cp)
         idx = F.pad(idx, (0, chunk * cp - T), value=TOKEN["<|pad|>"])[:, k * chunk:(k + 1) * chunk]
         logits, _ = self.model(idx, pos=torch.arange(k * chunk, (k + 1) * chunk, device=idx.device))
-        logits = funcol.all_gather_single(logits.contiguous(), 1, self.group)  # with autograd
+        # with autograd; waited here (wait_tensor keeps the graph): at B = 1 the gather comes back lazy (an
+        # AsyncCollectiveTensor), and one never read is an unwaited collective that torch reports at exit
+        logits = funcol.wait_tensor(funcol.all_gather_single(logits.contiguous(), 1, self.group))
         return logits[:, :T], None
 
 

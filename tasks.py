@@ -278,22 +278,26 @@ FORMAT_REMINDER = "Reminder: reply with exactly 'call TOOL(A,B)' or 'answer N'."
 STYLE_REMINDER = "Style: write call in lower case."  # the hint for a "Call"
 
 
-def gold_transcript(task: ToolTask, rng: random.Random, p_mistake: float = 0.0,
-                    p_hint: float = 0.0) -> list[Turn]:
+def gold_transcript(task: ToolTask, rng: random.Random, p_mistake: float = 0.0, p_hint: float = 0.0,
+                    p_capital: float = 0.0) -> list[Turn]:
     """The gold plan as turns. With p_mistake one call first reaches for an absent tool and recovers from the
-    error; with p_hint a call is preceded by one of the two hints as a system turn, and a reminded call is
-    always right (this is how the model learns what a hint means, so that the hinted teacher of feedback.py is
-    better)."""
+    error; with p_capital a call opens "Call" (a habit the reward cannot see); with p_hint a call is preceded by
+    one of the hints as a system turn, and a reminded call is always right (this is how the model learns what
+    a hint means, so that the hinted teacher of feedback.py is better)."""
     absent = [t for t in TOOLS if t not in task.tools]
+    hints = [reminder(task.tools), FORMAT_REMINDER] + [STYLE_REMINDER] * (p_capital > 0)
     slip = rng.randrange(len(task.plan)) if rng.random() < p_mistake else -1
     turns = [("user", task.question)]
     for i, (name, a, b) in enumerate(task.plan):
+        c = "C" if p_capital and rng.random() < p_capital else "c"
         if i == slip:  # reach for an absent tool, read the error, then make the right call
             wrong = rng.choice(absent)
-            turns += [("assistant", f"call {wrong}({a},{b})"), ("tool", not_found(wrong, task.tools))]
+            turns += [("assistant", f"{c}all {wrong}({a},{b})"), ("tool", not_found(wrong, task.tools))]
         if rng.random() < p_hint:
-            turns += [("system", reminder(task.tools) if rng.random() < 0.5 else FORMAT_REMINDER)]
-        turns += [("assistant", f"call {name}({a},{b})"), ("tool", str(TOOLS[name](a, b)))]
+            hint = rng.choice(hints)
+            c = "c" if hint == STYLE_REMINDER else c
+            turns += [("system", hint)]
+        turns += [("assistant", f"{c}all {name}({a},{b})"), ("tool", str(TOOLS[name](a, b)))]
     return turns + [("assistant", f"answer {task.answer}")]
 
 
@@ -335,8 +339,8 @@ def chain_transcript(task: ToolTask, rng: random.Random, budget: int, request: s
     return segments + [turns + [("assistant", f"answer {task.answer}")]]
 
 
-def corpus(n: int, seed: int, p_mistake: float = 0.2, p_hint: float = 0.2, long_share: float = 0.0,
-           budget: int = 224, request: str = "") -> str:
+def corpus(n: int, seed: int, p_mistake: float = 0.2, p_hint: float = 0.2, p_capital: float = 0.3,
+           long_share: float = 0.0, budget: int = 224, request: str = "") -> str:
     """n gold transcripts of the tool-use family, long_share of them chains (each segment one document)."""
     rng = random.Random(seed)
     docs = []
@@ -346,7 +350,7 @@ def corpus(n: int, seed: int, p_mistake: float = 0.2, p_hint: float = 0.2, long_
             docs += [render(seg) for seg in chain_transcript(task, rng, budget, request)]
         else:
             docs.append(render(gold_transcript(make_tool_task(rng, rng.randint(1, MAX_DIFFICULTY)), rng,
-                                               p_mistake, p_hint)))
+                                               p_mistake, p_hint, p_capital)))
     return "\n".join(docs)
 
 

@@ -407,6 +407,13 @@ HF_VARIANTS = {  # each config's distinctive fields: DeepSeek-V3 (expert groups)
 }
 
 
+def needs_safetensors():
+    """Skip, with the reason, where the optional safetensors package (reads and writes the checkpoints) is
+    missing: the README's quick start does not install it."""
+    pytest.importorskip("safetensors", reason="Hugging Face checkpoints are optional: pip install safetensors "
+                                              "(CI installs it)")
+
+
 def hf_reference(path, variant, seed=0):
     """A tiny random model of transformers' own implementation, saved with save_pretrained -> the
     model (eval)."""
@@ -577,6 +584,7 @@ def test_quantized_release_checkpoints_load_dequantized(tmp_path, fmt):
     pack-quantized INT4 with a bf16 scale a group of 32 inputs (Kimi K2.5; in its vision-language wrapper, the
     quantization config outside the text config). Loaded, every weight equals the value its quantized form
     stands for: the same as loading those values written in fp32."""
+    needs_safetensors()
     from safetensors.torch import load_file, save_file
     m = tiny_model(n_group=2, topk_group=1)
     M.save_hf(m, tmp_path / "fp32", torch.float32)
@@ -653,6 +661,7 @@ def test_sharded_ranks_read_only_their_blocks_and_export_the_whole_model(tmp_pat
     4 ranks, --init-from fills each rank's shards with the values one process loads, and a rank reads about
     what it holds (whole experts where it holds rows of them), never the whole model; --save-hf from the
     sharded model writes what one process writes."""
+    needs_safetensors()
     for name, experts in (("e16", 16), ("e2", 2)):
         M.save_hf(tiny_model(seed=3, num_experts=experts), tmp_path / name, torch.float32)
     one = {name: dict(load_ours(tmp_path / name).named_parameters()) for name in ("e16", "e2")}
@@ -1277,6 +1286,28 @@ def test_train_reads_text_folders_and_bin_files(tmp_path):
         assert read_metrics(tmp_path / f"out-{data}")[-1]["step"] == 3
 
 
+def test_the_default_corpus_does_not_move_with_the_docs(tmp_path):
+    """The built-in corpus is generated (tool-use transcripts, a pure function of the code and the seed), never
+    read from files: a copy of the checkout whose README, documents and comments differ trains the same
+    model, to the digit."""
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for f in [*HERE.glob("*.py"), *HERE.glob("*.md")]:
+        shutil.copy(f, copy)
+    (copy / "README.md").write_text("# another README\n" * 200)
+    (copy / "notes.md").write_text("a document nobody here wrote\n" * 500)
+    (copy / "train.py").write_text((copy / "train.py").read_text() + "\n# a comment at the end\n")
+    flags = ["--stage", "pretrain", "--steps", "6", "--eval-every", "3", "--eval-batches", "1"]
+    runs = [start_train(*flags, "--out", str(tmp_path / "here")),
+            Launched(str(copy / "train.py"), *flags, "--out", str(tmp_path / "copy-out"))]
+    for proc in runs:
+        r = finish(proc)
+        assert r.returncode == 0, r.stderr
+    here, there = (read_metrics(tmp_path / name) for name in ("here", "copy-out"))
+    assert [r.get("loss") for r in here] == [r.get("loss") for r in there]
+    assert [r.get("val_loss") for r in here] == [r.get("val_loss") for r in there] and here[-1]["val_loss"]
+
+
 def test_train_bad_input_is_one_clear_line(tmp_path):
     """(A bad layout and a --resume with nothing to resume: the next section, on every rank.)"""
     (tmp_path / "empty").mkdir()
@@ -1321,6 +1352,96 @@ def test_train_bad_input_is_one_clear_line(tmp_path):
         assert stderr.startswith("error: ") and expected in stderr, (expected, stderr)
 
 
+def test_train_flags_are_exact_and_a_misspelled_one_is_one_line():
+    """A prefix of a flag is refused (`--step 3` is not silently --steps), a misspelled flag is one line that
+    names the nearest real one, and --help shows each default once."""
+    runs = {flag: Launched("train.py", flag, "3") for flag in ("--step", "--stpes")}
+    r = finish(Launched("train.py", "--help"), timeout=60)
+    assert r.returncode == 0 and "(default: None)" not in r.stdout and "(default: False)" not in r.stdout
+    assert all(flag.count("(default") <= 1 for flag in re.split(r"\n  (?=-)", r.stdout))
+    assert re.search(r"--preset PRESET model size, one of \[.*?\] \(default: tiny\) --", " ".join(r.stdout.split()))
+    for flag, proc in runs.items():
+        r = finish(proc, timeout=60)
+        assert r.returncode == 2 and r.stderr == f"error: unknown flag {flag}; did you mean --steps?\n", r.stderr
+
+
+def test_train_progress_lines_count_down_and_every_record_has_its_time(tmp_path):
+    r = run_train(*SMALL_RUN, "--steps", "4", "--log-every", "2", "--eval-every", "4", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "matmul measured" in r.stdout and "cached in" in r.stdout  # the MFU's peak, and where it came from
+    lines = [line for line in r.stdout.splitlines() if "ms/step" in line]
+    assert [line.split(" | ")[0] for line in lines] == ["step     2/4", "step     4/4"], lines
+    assert re.search(r"\| expert balance max/mean [\d.]+ \| \d\d:\d\d elapsed, \d\d:\d\d left$", lines[0]), lines
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 6 and all(0 <= r["elapsed"] < 300 and abs(r["time"] - time.time()) < 300
+                                     for r in records)
+    assert [r["time"] for r in records] == sorted(r["time"] for r in records)
+
+
+def start_without(packages, *flags):
+    """train.py as if `packages` were not installed (importing them raises ImportError)."""
+    script = Path(tempfile.mkdtemp(prefix="without-")) / "train_without.py"
+    script.write_text(f"import runpy, sys\nsys.modules.update(dict.fromkeys({list(packages)!r}))\n"
+                      f"sys.argv[0] = {str(HERE / 'train.py')!r}\nrunpy.run_path(sys.argv[0], run_name='__main__')\n")
+    return Launched(str(script), *flags)
+
+
+def test_train_tensorboard_gets_the_figures_of_metrics_jsonl_and_a_missing_sink_is_one_line(tmp_path):
+    for flag, package in (("--tensorboard", "tensorboard"), ("--wandb", "wandb")):
+        r = finish(start_without([package], flag, str(tmp_path / "sink"), "--out", str(tmp_path / "no")), 60)
+        assert r.returncode == 2 and r.stderr == f"error: {flag} needs the {package} package: pip install " \
+            f"{package}\n" and not (tmp_path / "no").exists(), r.stderr  # before any work
+    pytest.importorskip("tensorboard", reason="pip install tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    r = run_train(*SMALL_RUN, "--steps", "3", "--eval-every", "3", "--tensorboard", str(tmp_path / "tb"),
+                  "--out", str(tmp_path / "out"))
+    assert r.returncode == 0, r.stderr
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    expected = {}
+    for record in read_metrics(tmp_path / "out"):
+        for k, v in record.items():
+            if k not in ("step", "time", "elapsed"):
+                expected.setdefault(f"pretrain/{k}", []).append((record["step"], v))
+    assert sorted(events.Tags()["scalars"]) == sorted(expected) and "pretrain/val_loss" in expected
+    for tag, points in expected.items():
+        got = [(e.step, e.value) for e in events.Scalars(tag)]
+        assert [s for s, _ in got] == [s for s, _ in points], tag
+        np.testing.assert_allclose([v for _, v in got], [v for _, v in points], rtol=1e-6, err_msg=tag)
+
+
+def test_train_plot_draws_runs_and_groups_of_seeds_into_a_png(tmp_path):
+    """--plot reads metrics.jsonl by its start/keep rule (a resumed run's redone records are not drawn) and
+    writes one PNG; without matplotlib, one line."""
+    def write_run(path, seed):
+        rng = random.Random(seed)
+        records = [{"step": s, "loss": 5 - s / 2 + rng.random() / 9, **({"val_loss": 5 - s / 2} if s % 2 == 0
+                                                                        else {})} for s in range(5)]
+        records += [{"stage": stage, "step": 4 + k, "rl_step": k, "reward": rng.random(), "pass_level1": k / 4,
+                     "pass_level2": k / 8, "tool_error_rate": 0.3 / (k + 1), "capital_rate": 0.1 / (k + 1)}
+                    for k in range(1, 4) for stage in ("rl", "rl_eval")]
+        lines = [{"event": "start", "keep": 0}, *records[:3], {"step": 3, "loss": 99.0},  # killed after step 3,
+                 {"event": "start", "keep": 4}, *records[3:]]  # resumed from the step-2 checkpoint
+        path.mkdir()
+        (path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"step": 9, ')
+        return records
+    import plot
+    runs = {name: write_run(tmp_path / name, seed) for seed, name in enumerate(("a", "b", "c"))}
+    assert plot.read_metrics(tmp_path / "a" / "metrics.jsonl") == runs["a"]  # the rule, and the torn last line
+    r = finish(start_without(["matplotlib"], "--plot", str(tmp_path / "a")), 60)
+    assert r.returncode == 2 and r.stderr == "error: --plot needs matplotlib: pip install matplotlib\n", r.stderr
+    pytest.importorskip("matplotlib", reason="pip install matplotlib")
+    group, one = (Launched("train.py", "--plot", f"on={tmp_path / 'a'},{tmp_path / 'b'}", str(tmp_path / "c"),
+                           "--plot-out", str(tmp_path / "p" / "on-off.png")),
+                  Launched("train.py", "--plot", str(tmp_path / "c")))
+    for proc, png in ((group, tmp_path / "p" / "on-off.png"), (one, tmp_path / "c" / "plot.png")):
+        r = finish(proc, 120)
+        assert r.returncode == 0 and r.stdout == f"wrote {png}\n", r.stderr
+        assert png.read_bytes().startswith(b"\x89PNG") and png.stat().st_size > 20_000
+    r = finish(Launched("train.py", "--plot", str(tmp_path / "missing")), 60)
+    assert r.returncode == 2 and "no metrics.jsonl" in r.stderr, r.stderr
+
+
 def test_continued_pretraining_from_a_released_checkpoint(tmp_path):
     """train.py --init-from a checkpoint written by transformers, on --data shards: the first step's loss is
     transformers' loss on the same batch, at one rank and at two (EP 2: each rank reads its half of the
@@ -1360,11 +1481,12 @@ def test_continued_pretraining_from_a_released_checkpoint(tmp_path):
     assert r.returncode == 0 and read_metrics(tmp_path / "w1")[-1]["step"] == 3, r.stderr[-2000:]
 
 
-def test_bad_checkpoints_are_one_line_naming_the_file(tmp_path, monkeypatch):
+def test_bad_checkpoints_are_one_line_naming_the_file(tmp_path):
     """--init-from with a folder without config.json, an architecture we do not model, a missing shard, a
     tensor of the wrong shape, sizes that disagree with --preset, data from another tokenizer, the byte-level
     RL stage, and no data: one line each, exit 2 (on both ranks for the two found while loading: the missing
-    shard and the wrong shape); without the safetensors package, one line."""
+    shard and the wrong shape)."""
+    needs_safetensors()
     good = tmp_path / "good"
     M.save_hf(tiny_model(seed=1, vocab_size=300), good, torch.float32, shard_bytes=200_000)  # several files
     (tmp_path / "empty").mkdir()
@@ -1405,15 +1527,25 @@ def test_bad_checkpoints_are_one_line_naming_the_file(tmp_path, monkeypatch):
         assert set(codes) == {2} and all(not e.strip() for e in errs[1:]), (expected, codes, errs)
         assert (len(errs[0].strip().splitlines()) == 1 and expected in errs[0]
                 and "Traceback" not in errs[0]), (expected, errs[0])
+
+
+def test_checkpoints_without_safetensors_are_one_line(tmp_path, monkeypatch):
+    """Without the safetensors package (hidden here, so this runs whether it is installed or not), reading a
+    checkpoint and writing one each stop with one line that says how to install it."""
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(M.hf_config_dict(tiny_model().cfg, torch.float32)))
     monkeypatch.setitem(sys.modules, "safetensors", None)
-    with pytest.raises(M.CheckpointError, match="need the safetensors package: pip install safetensors"):
-        load_ours(good)
+    for step in (lambda: load_ours(tmp_path / "ckpt"), lambda: M.save_hf(tiny_model(), tmp_path / "export")):
+        with pytest.raises(M.CheckpointError, match="need the safetensors package: pip install safetensors$"):
+            step()
+    assert not (tmp_path / "export").exists()
 
 
 def test_an_exported_byte_level_model_continues_into_rl(tmp_path, par_data):
     """A model of this project's byte vocabulary, exported with --save-hf, starts RL with --init-from and
     --stage rl (no --resume checkpoint needed); the export holds the pretraining checkpoint's weights
     exactly."""
+    needs_safetensors()
     r = run_train(*PAR_RUN, "--steps", "2", "--eval-every", "2", "--data", str(par_data), "--out",
                   str(tmp_path / "pre"), "--save-hf", str(tmp_path / "hf"), "--save-hf-dtype", "fp32")
     assert r.returncode == 0, r.stderr[-2000:]
@@ -1433,6 +1565,7 @@ def test_save_hf_on_a_full_disk_is_one_line_on_every_rank(tmp_path, par_data):
     r = run_train("--save-hf", str(tmp_path / "file"), "--out", str(tmp_path / "o1"))
     assert (r.returncode == 2 and r.stderr.strip().splitlines()
             == [f"error: --save-hf {tmp_path / 'file'}: a file is in the way"]), r.stderr
+    needs_safetensors()  # the refusal above needs no package; the export does
     disk = tmp_path / "disk"
     try:
         mount_tmpfs(disk, "size=1m")
@@ -1722,7 +1855,7 @@ def same_run(a, b):
     """Two runs (records, final parameters) agree: the same training records (wall times aside), every
     held-out evaluation of a also in b (a run stopped early evaluates where it stops), the same parameters."""
     def strip(rows, evals):
-        return [{k: v for k, v in r.items() if not k.endswith("ms")} for r in rows
+        return [{k: v for k, v in r.items() if not k.endswith("ms") and k not in ("time", "elapsed")} for r in rows
                 if (r.get("stage") == "rl_eval") == evals]
     assert strip(a[0], False) == strip(b[0], False)
     assert all(r in strip(b[0], True) for r in strip(a[0], True))
@@ -3182,6 +3315,18 @@ def mean_body(body, extra=""):
                                                         + extra)
 
 
+def planted_pyc(w):
+    """calc/__pycache__/core.*.pyc: the original's bytecode, marked never to be checked against its source (PEP
+    552 unchecked-hash), so any Python that imports calc.core runs it instead of the stub. CPython's own format,
+    not pytest's assertion-rewrite cache of the tests (pytest 9.2 gave that one a checked source hash, and a
+    copy planted with the older mtime header is ignored)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, "core.py").write_text(CORE)
+        py_compile.compile(str(Path(tmp, "core.py")), doraise=True,
+                           cfile=str(Path(w, "calc/__pycache__", f"core.{sys.implementation.cache_tag}.pyc")),
+                           invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+
+
 # Hostile solutions, written the way a policy under RL finds them: disguised as compatibility shims,
 # accelerators or caches. Each earned reward 1 from a verifier that trusted the test process (its report,
 # proofs and canaries); here each is refused or scores 0. The stub still raises NotImplementedError in most.
@@ -3243,6 +3388,8 @@ return float(linecache.getline(caller.filename, caller.lineno).rsplit("==", 1)[1
         b"# -*- coding: utf-7 -*-\nimport sys+AC4-path\n"),
     "so-accelerator": lambda w: Path(w, "calc/_speedups.cpython-311-x86_64-linux-gnu.so").write_bytes(
         b"\x7fELF" + bytes(64)),
+    # 8: the original's bytecode planted as the stub's cache: Python's own import loads it over the stub
+    "planted-pyc": planted_pyc,
     # earlier forgeries of the runner and its reports, and files that are never the solution's to change
     "runtest-disguised": compat("setattr(getattr(__import__('_py' + 'test.python').python, 'Func' + 'tion'), "
                                 "'run' + 'test', lambda self: None)\n"),
@@ -3285,7 +3432,7 @@ def test_hostile_solutions_score_0(made, tmp_path):
     with pytest.raises(tasks.Refused, match="calc/x.py line 1: imports gc"):
         tasks.source_check("calc/x.py", b"import gc\n", b"")
     # the forgeries are real: pytest alone, unsandboxed and unchecked, reports the stub's tests passing
-    for name in ("runtest-disguised", "triangle-eq"):
+    for name in ("runtest-disguised", "triangle-eq", "planted-pyc"):
         rc, passed = naive_pytest(tmp_path / name, t["fail_to_pass"])
         assert rc == 0 and passed == set(t["fail_to_pass"]), name
 
@@ -4389,6 +4536,14 @@ def run_readme_command(line, cwd, quick_start_out):
         return "needs the package index"
     if "--init-from" in flags and not importlib.util.find_spec("safetensors"):
         return "needs safetensors"
+    if "--plot" in flags and not importlib.util.find_spec("matplotlib"):
+        return "needs matplotlib"
+    for spec in flags[flags.index("--plot") + 1:] if "--plot" in flags else []:  # the runs it draws: copies
+        if spec.startswith("-"):  # of the quick start's
+            break
+        for run in spec.partition("=")[2].split(",") if "=" in spec else [spec]:
+            if not (cwd / run).exists():
+                shutil.copytree(quick_start_out(), cwd / run)
     if "MODEL" in flags and not (cwd / "MODEL").exists():  # a released checkpoint and shards of its tokenizer
         M.save_hf(tiny_model(vocab_size=300, max_seq_len=4096), cwd / "MODEL", torch.float32)
         (cwd / "SHARDS").mkdir()
@@ -4481,4 +4636,5 @@ def test_every_readme_command_runs(tmp_path):
         quick_start.result()
     assert all(why == "needs CUDA" and "--device cuda" in line
                or why == "needs the package index" and " env " in line
-               or why == "needs safetensors" and "--init-from" in line for line, why in skipped), skipped
+               or why == "needs safetensors" and "--init-from" in line
+               or why == "needs matplotlib" and "--plot" in line for line, why in skipped), skipped

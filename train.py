@@ -33,13 +33,16 @@ trained model back in that layout.
 import argparse
 import atexit
 import contextlib
+import difflib
 import errno
 import functools
 import hashlib
+import importlib
 import json
 import logging
 import math
 import os
+import platform
 import random
 import re
 import shlex
@@ -47,7 +50,6 @@ import shutil
 import signal
 import socket
 import sys
-import sysconfig
 import time
 import warnings
 from dataclasses import asdict, replace
@@ -76,8 +78,36 @@ from muon import Muon, param_groups
 # -----------------------------------------------------------------------------
 # Flags
 
-parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+run_started = time.time()  # metrics' "elapsed" and the progress lines count from here
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad command line is one line (no usage block), a misspelled flag names the nearest real
+    one, and a prefix of a flag is no flag (allow_abbrev=False: `--step 10` is not `--steps 10`)."""
+
+    def error(self, message):
+        unknown = message.removeprefix("unrecognized arguments: ").split() if "unrecognized" in message else []
+        flags = [a.split("=")[0] for a in unknown if a.startswith("-")]
+        if unknown:
+            near = difflib.get_close_matches(flags[0], [o for a in self._actions for o in a.option_strings],
+                                             n=1) if flags else []
+            message = (f"unknown flag {flags[0]}" if flags else f"unexpected argument {unknown[0]}") + \
+                (f"; did you mean {near[0]}?" if near else "; see --help")
+        if os.environ.get("RANK", "0") == "0":  # torchrun: every rank parses, rank 0 speaks
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default once: none added where the help text already names it, or for None and False."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+parser = Parser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsOnce, allow_abbrev=False)
 g = parser.add_argument_group("model")
 g.add_argument("--preset", default=None, help=f"model size, one of {list(PRESETS)} (default: tiny)")
 g.add_argument("--init-from", default=None, metavar="DIR",
@@ -157,6 +187,18 @@ g.add_argument("--log-every", type=int, default=20, help="steps between progress
 g.add_argument("--eval-every", type=int, default=200,
                help="steps between validation evaluations and checkpoints")
 g.add_argument("--eval-batches", type=int, default=8, help="batches per validation evaluation")
+g.add_argument("--tensorboard", default=None, metavar="DIR",
+               help="also write every metrics.jsonl figure to TensorBoard event files in DIR (needs the "
+                    "tensorboard package)")
+g.add_argument("--wandb", default=None, metavar="PROJECT",
+               help="also log every metrics.jsonl figure to Weights & Biases (needs the wandb package; "
+                    "WANDB_MODE=offline keeps it local)")
+g.add_argument("--plot", nargs="+", default=None, metavar="RUN",
+               help="draw runs' metrics.jsonl into a PNG and exit (no training): RUN is an --out folder, or "
+                    "NAME=DIR1,DIR2,...: one run under a name, or a group of runs (seeds) drawn as mean +- std "
+                    "(plot.py; needs matplotlib)")
+g.add_argument("--plot-out", default=None, metavar="FILE",
+               help="with --plot: the PNG to write; default: plot.png in the run's folder (one run), else here")
 g = parser.add_argument_group("RL stage: Dr. GRPO with textual feedback on the tool-use tasks")
 g.add_argument("--stage", default=None, choices=["pretrain", "rl", "both"],
                help="pretrain then RL, pretraining only, or RL only (from --resume); default: both, but only "
@@ -249,6 +291,28 @@ def last_line(e):
                                       else "no details")
 
 
+if args.plot:  # draws runs' metrics and exits: no model, no data, no process group
+    if world_size > 1:
+        die("--plot draws in one process: run it with python, not torchrun")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        die("--plot needs matplotlib: pip install matplotlib")
+    import plot
+    try:
+        print(f"wrote {plot.plot_runs(args.plot, args.plot_out)}")
+    except plot.PlotError as e:
+        die(f"--plot {e}")
+    sys.exit(0)
+# the optional logging sinks (log() feeds them): a missing package stops every rank now, before any work
+sinks = {}
+for flag, package, module in (("tensorboard", "tensorboard", "torch.utils.tensorboard"),
+                              ("wandb", "wandb", "wandb")):
+    if getattr(args, flag):
+        try:
+            sinks[flag] = importlib.import_module(module)
+        except ImportError:
+            die(f"--{flag} needs the {package} package: pip install {package}")
 if (args.preset or "tiny") not in PRESETS:
     die(f"unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}")
 cfg: ModelConfig = PRESETS[args.preset or "tiny"]
@@ -636,27 +700,18 @@ rl_resumed = meta is not None and meta.get("stage") == "rl"
 # batch's window list (cheap) and reads only its rows and its context-parallel chunk of each: every layout
 # sees the same data.
 
-TOOL_SHARE = 0.9
-# of the transcripts, chains (about half their tokens: a chain is 8-32 calls, a short task 1-4)
-LONG_SHARE = 0.15
+LONG_SHARE = 0.15  # of the transcripts, chains (about half their tokens: a chain is 8-32 calls, a short task 1-4)
 SHARD_MAGIC, SHARD_HEADER = 20240520, 256  # llm.c's token shards: 256 int32 [magic, version, n_tokens, ...]
 
 
 def load_tokens(path):
     """-> (train shards, val shards, vocab size or None): lists of 1-D token arrays; dies with one line on
     missing, empty or corrupt data."""
-    if path is None:  # text every Python install has: this project's sources and the standard library's
-        here, stdlib = Path(__file__).resolve().parent, Path(sysconfig.get_paths()["stdlib"])
-        files = sorted(here.glob("*.py")) + sorted(here.glob("*.md")) + sorted(stdlib.glob("*.py"))
-        train, val = split(tokenize_files(files))
-        # plus transcripts of the tool-use tasks, repeated to make TOOL_SHARE of the tokens: the RL stage
-        # needs a model that knows the format and copies a call's arguments, which the tiny model learns only
-        # after a few hundred steps of them (a run sees far fewer windows than there are distinct transcripts)
-        tools = [transcripts(here, n, seed) for n, seed in ((20000, 1), (1000, 2))]
-        tools = [np.tile(t, max(1, round(TOOL_SHARE / (1 - TOOL_SHARE) * len(code) / len(t))))
-                 for t, code in zip(tools, (train, val))]
-        # one shard: mixed
-        return [np.concatenate([train, tools[0]])], [np.concatenate([val, tools[1]])], None
+    if path is None:  # generated: transcripts of the tool-use tasks, a pure function of the code and a seed
+        # The RL stage needs a model that knows the format and copies a call's arguments, which the tiny model
+        # learns only after a few hundred steps of them. Nothing here reads a file, so an edit to a comment or
+        # to the README never changes what a run trains on (a run reads fewer windows than there are).
+        return [transcripts(20000, seed=1)], [transcripts(1000, seed=2)], None
     p = Path(path)
     if not p.exists():
         die(f"--data {path}: no such file or folder")
@@ -685,12 +740,13 @@ def load_tokens(path):
     return [train], [val], None
 
 
-def transcripts(here, n, seed):
+def transcripts(n, seed):
     """Tokens of n gold transcripts (tasks.corpus, seeded), as uint16. Making them takes seconds and every run
     (every rank) makes the same ones, so they are cached in ~/.cache/composer-stack under the hash of the code
     that makes them (tasks.py, model.py, grpo.py's summary request and budget); a missing, unwritable or
     unreadable cache only costs the seconds. A share of them are long chains, cut into the segments a rollout
     makes at the RL stage's context budget."""
+    here = Path(__file__).resolve().parent
     key = hashlib.sha256(b"".join((here / f).read_bytes()
                                   for f in ("tasks.py", "model.py", "grpo.py"))).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "composer-stack"
@@ -916,20 +972,32 @@ PEAK_BF16 = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12
 
 
 def device_peak():
-    """-> (FLOP/s, its source), the MFU denominator: a known GPU's datasheet bf16 peak when computing in bf16,
-    else the best of a few square matmuls in the compute dtype, measured here."""
+    """-> (FLOP/s, where it comes from), the MFU denominator: a known GPU's datasheet bf16 peak when computing in
+    bf16, else the best square matmul in the compute dtype on this machine. A quick measurement swings from run
+    to run (and the MFU with it), so it is made once, for a few seconds, and kept in ~/.cache/composer-stack
+    under the hash of what it depends on (the CPU or GPU model, torch's version, the dtype, the threads); an
+    unreadable or bad file is measured again."""
     if device.type == "cuda" and bf16:
         name = torch.cuda.get_device_name(device)
         for key, flops in PEAK_BF16.items():
             if all(word in name for word in key.split()):
                 return flops, f"{key} bf16 datasheet"
     dtype = torch.bfloat16 if bf16 else torch.float32
+    what = [torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model(), torch.__version__,
+            str(dtype), torch.get_num_threads()]
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "composer-stack"
+    path = cache / f"peak-{hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]}.json"
+    matmul = f"{str(dtype).removeprefix('torch.')} matmul"
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        cached = json.loads(path.read_text())
+        if cached["what"] == what and math.isfinite(cached["flops"]) and cached["flops"] > 0:
+            return cached["flops"], f"{matmul} measured {cached['measured']}, cached in {path}"
     n = 4096 if device.type == "cuda" else 512
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    reps, best, start = 8 if device.type == "cuda" else 1, 0.0, time.perf_counter()
-    for _ in range(10):  # for at most about half a second: a CPU without bf16 units takes 0.3 s for one
-        if best and time.perf_counter() - start > 0.5:
-            break
+    reps, best, trials, start = 8 if device.type == "cuda" else 2, 0.0, 0, time.perf_counter()
+    # the best of at least 2 s of trials, 3 at least (a CPU without bf16 units takes 0.3 s a bf16 matmul)
+    while trials < 3 or time.perf_counter() - start < 2.0:
+        trials += 1
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -938,7 +1006,26 @@ def device_peak():
         if device.type == "cuda":
             torch.cuda.synchronize()
         best = max(best, 2 * n ** 3 * reps / (time.perf_counter() - t0))
-    return best, f"measured {str(dtype).removeprefix('torch.')} matmul"
+    with contextlib.suppress(OSError):  # written whole, then renamed: ranks measuring at once do not clash
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"flops": best, "what": what, "measured": time.strftime("%Y-%m-%d %H:%M")}))
+        os.replace(tmp, path)
+    return best, f"{matmul} measured now, cached in {path}"
+
+
+def cpu_model():
+    with contextlib.suppress(OSError):
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def clock(seconds):
+    """Seconds as mm:ss, or h:mm:ss from an hour on."""
+    m, s = divmod(round(seconds), 60)
+    return f"{m // 60}:{m % 60:02d}:{s:02d}" if m >= 60 else f"{m:02d}:{s:02d}"
 
 
 def peak_memory():
@@ -1064,8 +1151,8 @@ if meta:
 
 # metrics.jsonl is append-only: every record is flushed as it is written, and each run (fresh or resumed)
 # first writes {"event": "start", "keep": K}: of the lines above it only the first K belong to the run's
-# history (records past the resumed checkpoint are about to be redone). A reader applies that rule; see
-# test_all.py.
+# history (records past the resumed checkpoint are about to be redone). A reader applies that rule, as
+# plot.read_metrics does.
 metrics_path, metrics_lines = out / "metrics.jsonl", 0
 if is_rank0:
     text = metrics_path.read_bytes() if metrics_path.exists() else b""
@@ -1078,19 +1165,40 @@ if is_rank0:
     metrics = open(metrics_path, "a")
 
 
+# --tensorboard, --wandb: rank 0 sends them what it writes to metrics.jsonl, and closes them at exit
+tensorboard = sinks["tensorboard"].SummaryWriter(args.tensorboard) if is_rank0 and "tensorboard" in sinks else None
+wandb_run = sinks["wandb"].init(project=args.wandb, config=vars(args)) if is_rank0 and "wandb" in sinks else None
+if tensorboard:
+    atexit.register(tensorboard.close)
+if wandb_run:
+    atexit.register(wandb_run.finish)
+
+
 def log(record):
+    """A record to metrics.jsonl (the source of truth), with its wall-clock time and the seconds since the run
+    started; its numbers to the sinks too, keyed by stage (pretrain/loss, rl/reward, rl_eval/pass_level1)."""
     global metrics_lines
     if is_rank0:
+        now = time.time()
+        record = {**record, "time": now, "elapsed": now - run_started}
         metrics.write(json.dumps(record) + "\n")
         metrics.flush()
         metrics_lines += 1
+        if (tensorboard or wandb_run) and "event" not in record:
+            scalars = {f"{record.get('stage', 'pretrain')}/{k}": v for k, v in record.items()
+                       if type(v) in (int, float) and k not in ("step", "time", "elapsed")}
+            if tensorboard:
+                for key, value in scalars.items():
+                    tensorboard.add_scalar(key, value, record["step"])
+            if wandb_run:
+                wandb_run.log(scalars, step=record["step"])
 
 
 same_folder = resume_path is not None and resume_path.resolve().parent == out.resolve()
 log({"event": "start",
      "keep": min(meta.get("metrics_lines", metrics_lines), metrics_lines) if same_folder else 0,
      "step": start_step, "resumed_from": str(resume_path) if resume_path else None, "argv": sys.argv[1:],
-     "world_size": world_size, "time": time.time()})
+     "world_size": world_size})
 
 # SIGINT (Ctrl-C) and SIGTERM (a preempted job; torchrun passes it on) finish the current step on every rank,
 # which agree at the step's end (the flag rides on the loss's all-reduce), save it and print how to resume.
@@ -1157,6 +1265,7 @@ elif pretraining:
     log({"step": 0, "loss": train_loss, "val_loss": val_loss})
 model.train()
 t_log, n_log, t_opt_sum = time.perf_counter(), 0, 0.0
+t_loop = t_log  # time left: the mean step so far (evaluations and checkpoints included) x the steps to go
 step = start_step
 if pretraining:  # --stage rl, and a resumed RL run, go straight to RL
     for step in range(start_step + 1, args.steps + 1):
@@ -1205,11 +1314,13 @@ if pretraining:  # --stage rl, and a resumed RL run, go straight to RL
         n_log, t_opt_sum = n_log + 1, t_opt_sum + t_opt
         if step % args.log_every == 0 or step == args.steps:
             elapsed = (time.perf_counter() - t_log) / n_log
-            print0(f"step {step:5d} | loss {loss:.4f} | {1000 * elapsed:6.1f} ms/step | "
+            left = (time.perf_counter() - t_loop) / (step - start_step) * (args.steps - step)
+            print0(f"step {step:5d}/{args.steps} | loss {loss:.4f} | {1000 * elapsed:6.1f} ms/step | "
                    f"{tokens_per_step / elapsed / world_size:8.0f} tok/s a rank | "
                    f"MFU {100 * flops_per_step / elapsed / (peak * world_size):5.1f}% | optimizer "
                    f"{1000 * t_opt_sum / n_log:.1f} ms | peak mem {peak_memory() / 2**30:.2f} GiB | "
-                   f"load max/mean {balance:.2f}")
+                   f"expert balance max/mean {balance:.2f} | {clock(time.time() - run_started)} elapsed, "
+                   f"{clock(left)} left" + (" of pretraining" if args.stage == "both" else ""))
             t_log, n_log, t_opt_sum = time.perf_counter(), 0, 0.0
         saving = step % args.eval_every == 0 or step == args.steps
         if saving:
@@ -1388,7 +1499,7 @@ if args.stage != "pretrain":
             if "reference" in copies:  # the reference's log-probs, its weights loaded in turn
                 with copies["reference"].loaded(model):
                     refs = [logprobs(trainer, part, grpo_cfg) for part in parts]
-        updates = []
+        updates, grad_norms = [], []
         for epoch in range(args.ppo_epochs):
             for k, (part, old) in enumerate(zip(parts, olds)):
                 with amp:
@@ -1403,7 +1514,7 @@ if args.stage != "pretrain":
                                                           logits=logits, targets=targets)
                         loss = loss + args.feedback_coef * fb_loss
                 loss.backward()
-                clip_grad_norm(args.grad_clip)
+                grad_norms.append(clip_grad_norm(args.grad_clip))
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 if args.qk_clip:
@@ -1439,6 +1550,11 @@ if args.stage != "pretrain":
             rewards = torch.cat(gathered)
         for r in rewards.tolist():
             difficulty.update(level, r)
+        # the learning signal: a group whose rewards are all equal has zero advantage everywhere
+        by_group = rewards.view(-1, args.group_size)
+        signal_stats = {"groups_all_equal": (by_group == by_group[:, :1]).all(-1).double().mean().item(),
+                        "reward_std_in_group": by_group.std(-1, unbiased=False).mean().item(),
+                        "grad_norm": sum(grad_norms) / len(grad_norms)}
         calls, errors, capital, malformed, summaries, n_episodes = episode_stats(envs, trajs)
         tokens, stopping, *fb_all = sum_over_ranks([stats["gen_tokens"] * len(train) / layout.cp,
                                                     stop_signal is not None, *fb_sums, *fb_counts])
@@ -1451,16 +1567,15 @@ if args.stage != "pretrain":
                   "summaries": summaries / n_episodes, "gen_tokens": tokens / n_episodes,
                   "feedback_targets": fb_counts[0], "feedback_kl": fb_means["feedback_kl"] or 0.0,
                   **({k: v for k, v in fb_means.items() if k.startswith("p_")} if args.feedback_coef else {}),
-                  "clip_frac": mean_over_ranks(stats["clip_frac"]), **lag,
+                  "clip_frac": mean_over_ranks(stats["clip_frac"]), **signal_stats, **lag,
                   "ms": 1000 * (time.perf_counter() - t0)}
         low, high = sum_over_ranks([-stats["tis_min"], stats["tis_max"]], op="max")
         record.update(tis_min=-low, tis_max=high)  # the spread of trainer / sampler over all ranks
         log(record)
-        if rl_step % max(1, args.log_every // 4) == 0 or rl_step == args.rl_steps:
-            print0(f"rl step {rl_step:4d} | level {level} | reward {record['reward']:.3f} | of calls: "
-                   f"tool not found {record['tool_error_rate']:.3f}, 'Call' {record['capital_rate']:.3f} | "
-                   f"feedback KL {record['feedback_kl']:.4f} | {record['gen_tokens']:.0f} tokens | "
-                   f"{record['ms']:.0f} ms")
+        print0(f"rl step {rl_step:4d}/{args.rl_steps} | level {level} | reward {record['reward']:.3f} | of calls: "
+               f"tool not found {record['tool_error_rate']:.3f}, 'Call' {record['capital_rate']:.3f} | "
+               f"feedback KL {record['feedback_kl']:.4f} | {record['gen_tokens']:.0f} tokens | "
+               f"{record['ms']:.0f} ms")
         saving = rl_step % args.rl_eval_every == 0 or rl_step == args.rl_steps
         if saving:
             rl_eval(rl_step)
