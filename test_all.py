@@ -1308,6 +1308,34 @@ def test_the_default_corpus_does_not_move_with_the_docs(tmp_path):
     assert [r.get("val_loss") for r in here] == [r.get("val_loss") for r in there] and here[-1]["val_loss"]
 
 
+# The default run, shortened, as it ran at this commit: the figures below are what it printed (one thread,
+# --precision fp32 so that a CPU without bf16 units computes the same). A change to the code that moves them
+# moves the README's figures too: re-measure those (README: What `python train.py` prints), then paste what
+# this test prints here.
+SHORT_DEFAULT_RUN = ["--steps", "40", "--eval-every", "20", "--eval-batches", "2", "--rl-steps", "2",
+                     "--rl-eval-every", "2", "--rl-eval-tasks", "4", "--tasks-per-step", "2", "--group-size", "4",
+                     "--max-gen-tokens", "48", "--precision", "fp32"]
+SHORT_DEFAULT_FIGURES = {'val_loss': [5.575121641159058, 1.8620449304580688, 1.3929783701896667],
+                         'rl': [[0.0, 48.0, 2.25, 0.0], [0.0, 48.0, 2.0, 0.0]],
+                         'held_out': [[0.0, 0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0, 1.0]]}
+
+
+def test_the_default_run_keeps_its_figures(tmp_path):
+    r = run_train(*SHORT_DEFAULT_RUN, "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    rows = read_metrics(tmp_path)
+    got = {"val_loss": [row["val_loss"] for row in rows if "val_loss" in row],
+           "rl": [[row[k] for k in ("reward", "gen_tokens", "malformed_rate", "feedback_targets")]
+                  for row in rows if row.get("stage") == "rl"],
+           "held_out": [[row[k] for k in ("pass_level1", "pass_level2", "tool_error_rate", "capital_rate",
+                                          "summaries")] for row in rows if row.get("stage") == "rl_eval"]}
+    want = SHORT_DEFAULT_FIGURES
+    assert want is not None and got.keys() == want.keys(), f"SHORT_DEFAULT_FIGURES = {got}"
+    np.testing.assert_allclose(got["val_loss"], want["val_loss"], rtol=1e-4, err_msg=f"now: {got}")
+    assert got["rl"] == want["rl"] and got["held_out"] == want["held_out"], f"now: {got}"
+    assert r.stdout.strip().splitlines()[-1].startswith("verdict after 2 RL steps: ")
+
+
 def test_train_bad_input_is_one_clear_line(tmp_path):
     """(A bad layout and a --resume with nothing to resume: the next section, on every rank.)"""
     (tmp_path / "empty").mkdir()
@@ -1425,9 +1453,8 @@ def test_train_plot_draws_runs_and_groups_of_seeds_into_a_png(tmp_path):
         path.mkdir()
         (path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"step": 9, ')
         return records
-    import plot
-    runs = {name: write_run(tmp_path / name, seed) for seed, name in enumerate(("a", "b", "c"))}
-    assert plot.read_metrics(tmp_path / "a" / "metrics.jsonl") == runs["a"]  # the rule, and the torn last line
+    for seed, name in enumerate(("a", "b", "c")):
+        write_run(tmp_path / name, seed)
     r = finish(start_without(["matplotlib"], "--plot", str(tmp_path / "a")), 60)
     assert r.returncode == 2 and r.stderr == "error: --plot needs matplotlib: pip install matplotlib\n", r.stderr
     pytest.importorskip("matplotlib", reason="pip install matplotlib")
@@ -1848,7 +1875,8 @@ def test_bad_input_stops_every_rank_and_prints_once(tmp_path):
 # train.py: resume from every checkpoint, retention, signals and crash safety
 
 RL_RUN = [*PAR_RUN, "--batch-size", "4", "--eval-every", "2", "--rl-eval-every", "2", "--rl-eval-tasks", "1",
-          "--group-size", "2", "--max-gen-tokens", "32", "--log-every", "10"]
+          "--group-size", "2", "--max-gen-tokens", "32", "--log-every", "10", "--tasks-per-step", "2",
+          "--rl-tasks", "long"]  # long episodes: summaries and segments in every RL test
 
 
 def same_run(a, b):

@@ -4,9 +4,9 @@ process to torchrun on many nodes.
 The script reads top to bottom: flags and checks, the memory plan (--dry-run stops there), processes and
 meshes, the run folder (lock, the checkpoint to resume), data, model and sharding, optimizer, checkpoints,
 metrics and signals, pretraining loop, RL. With no arguments it trains the `tiny` preset on a laptop CPU in
-about five minutes: pretraining on text every Python install has (this
-project's sources and the standard library's: nothing to download) plus transcripts of the tool-use tasks
-(tasks.py), then Dr. GRPO with textual feedback (grpo.py, feedback.py) on those tasks. For real runs `--data`
+about five minutes: pretraining on generated transcripts of the tool-use tasks (tasks.py: nothing to download,
+nothing read from files, so the same seed trains the same model whatever else the checkout holds), then
+Dr. GRPO with textual feedback (grpo.py, feedback.py) on those tasks. For real runs `--data`
 takes a folder of llm.c-style token shards (memory-mapped; the read position is checkpointed), a raw uint16
 .bin file (nanoGPT's) or a folder of text. Under torchrun the same code shards dense weights with FSDP2/HSDP
 on the dense mesh and expert weights on the expert mesh (mesh.py), with expert parallelism (--ep) and context
@@ -170,8 +170,8 @@ g = parser.add_argument_group("data and output")
 g.add_argument("--data", default=None,
                help="a folder of token shards (*.bin: llm.c's header, uint16 or uint32; names containing "
                     "'val' are validation), one .bin file (with that header, or raw uint16 as nanoGPT's; "
-                    "val.bin beside it is validation), or a folder of text files; default: this project's "
-                    "and Python's standard library's sources")
+                    "val.bin beside it is validation), or a folder of text files; default: generated "
+                    "transcripts of the tool-use tasks")
 g.add_argument("--out", default="out", help="folder for metrics.jsonl and the checkpoints (step-NNNNNNNN/)")
 g.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
                help="continue from the newest intact checkpoint in OUT, or from the step-NNNNNNNN "
@@ -196,7 +196,7 @@ g.add_argument("--wandb", default=None, metavar="PROJECT",
 g.add_argument("--plot", nargs="+", default=None, metavar="RUN",
                help="draw runs' metrics.jsonl into a PNG and exit (no training): RUN is an --out folder, or "
                     "NAME=DIR1,DIR2,...: one run under a name, or a group of runs (seeds) drawn as mean +- std "
-                    "(plot.py; needs matplotlib)")
+                    "(needs matplotlib)")
 g.add_argument("--plot-out", default=None, metavar="FILE",
                help="with --plot: the PNG to write; default: plot.png in the run's folder (one run), else here")
 g = parser.add_argument_group("RL stage: Dr. GRPO with textual feedback on the tool-use tasks")
@@ -206,27 +206,28 @@ g.add_argument("--stage", default=None, choices=["pretrain", "rl", "both"],
                     "not your corpus)")
 g.add_argument("--init", default=None, choices=["scratch"],
                help="scratch: let --stage rl start from random weights (a smoke test: it earns no reward)")
-g.add_argument("--rl-steps", type=int, default=4,
+g.add_argument("--rl-steps", type=int, default=16,
                help="RL steps (each: sample, then --ppo-epochs x --ppo-minibatches updates)")
 g.add_argument("--group-size", type=int, default=8, help="rollouts per task (the GRPO group)")
-g.add_argument("--rl-tasks", default="long", choices=["long", "short"],
-               help="long: chains of 8 x level calls that run past the context (summaries; a slip costs the "
-                    "reward little); short: nested expressions of 1-4 calls")
+g.add_argument("--rl-tasks", default="short", choices=["short", "long"],
+               help="short: nested expressions of 1-4 calls (a CPU learns them in minutes); long: chains of "
+                    "8 x level calls that run past the context (summaries; a slip costs the reward little)")
 g.add_argument("--max-gen-tokens", type=int, default=None,
                help="tokens a rollout may write over all its turns (L_max, also the loss's constant "
                     "normaliser); default 512 for long tasks, 128 for short")
 g.add_argument("--tasks-per-step", type=int, default=None,
                help="tasks (groups) per RL step, a multiple of the world size (each rank samples its own); "
-                    "default: 2 rounded up to a multiple of the world size")
-g.add_argument("--rl-lr", type=float, default=1e-3, help="RL learning rate (both groups)")
+                    "default: 8 rounded up to a multiple of the world size")
+g.add_argument("--rl-lr", type=float, default=5e-4, help="RL learning rate (both groups)")
 g.add_argument("--feedback-coef", type=float, default=0.1, help="lambda of the feedback KL (0: pure RL)")
 g.add_argument("--feedback-rules", default="tool_not_found,capital",
                help=f"comma-separated hint rules of feedback.py: {', '.join(name for name, _ in RULES)}")
 g.add_argument("--feedback-estimator", default="full", choices=["full", "sampled"],
                help="full: exact KL over the vocabulary; sampled: the sampled-token estimator")
-g.add_argument("--feedback-teacher", default="current", choices=["current", "frozen", "ema"],
-               help="the hinted teacher: the current policy, the policy RL started from, or an EMA "
-                    "of the policy")
+g.add_argument("--feedback-teacher", default="frozen", choices=["frozen", "current", "ema"],
+               help="the hinted teacher: the policy RL started from, the current policy, or an EMA of the "
+                    "policy (a current teacher drifts with the student: on the default run the pass rate "
+                    "collapses after about 15 RL steps; experiments.md)")
 g.add_argument("--feedback-ema-decay", type=float, default=0.99, help="the EMA teacher's decay a RL step")
 g.add_argument("--kl-coef", type=float, default=0.0,
                help="KL to the starting policy (0: none, no reference kept)")
@@ -240,8 +241,8 @@ g.add_argument("--ppo-epochs", type=int, default=1,
 g.add_argument("--ppo-minibatches", type=int, default=1,
                help="optimizer steps a pass, each on whole groups of this rank's (split as evenly "
                     "as they allow)")
-g.add_argument("--rl-eval-every", type=int, default=2, help="RL steps between held-out evaluations")
-g.add_argument("--rl-eval-tasks", type=int, default=8,
+g.add_argument("--rl-eval-every", type=int, default=4, help="RL steps between held-out evaluations")
+g.add_argument("--rl-eval-tasks", type=int, default=64,
                help="held-out tasks a level (1 and 2) per evaluation; 0: none")
 g.add_argument("--sampler-bits", type=int, default=0, choices=[0, 8],
                help="8: sample with 8-bit block-quantised weights (MXFP8-like), corrected by truncated "
@@ -291,6 +292,115 @@ def last_line(e):
                                       else "no details")
 
 
+# -----------------------------------------------------------------------------
+# Plots (--plot): runs' metrics.jsonl drawn into one PNG of three panels, then exit (no model, no data): the
+# pretraining loss (train and validation) against the step; RL reward and the held-out pass rates against the
+# RL step; the rates the feedback rules target (absent-tool calls, "Call" calls). Several runs are drawn over
+# each other, a group of runs (seeds) as its mean with a band of one standard deviation.
+
+# (panel title, x, [(stage, field, legend name, line style)]); stage None: pretraining (no "stage" field)
+PANELS = [("pretraining", "step", [(None, "loss", "train loss", "-"), (None, "val_loss", "val loss", "--")]),
+          ("RL: reward and held-out pass rates", "rl_step",
+           [("rl", "reward", "reward", "-"), ("rl_eval", "pass_level1", "pass level 1", "--"),
+            ("rl_eval", "pass_level2", "pass level 2", ":")]),
+          ("RL: targeted rates (held-out, per call)", "rl_step",
+           [("rl_eval", "tool_error_rate", "tool not found", "-"), ("rl_eval", "capital_rate", "'Call'", "--")])]
+
+
+class PlotError(Exception):
+    pass
+
+
+def read_metrics(path):
+    """A run's history in its metrics.jsonl, by train.py's rule: a {"event": "start", "keep": K} record keeps
+    only the first K lines above it (a resumed run redoes what came after its checkpoint). A torn last line (a
+    run killed mid-write, or one still writing) is left out. -> the records, events dropped"""
+    lines = Path(path).read_text().splitlines()
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if i == len(lines) - 1:
+                break
+            raise PlotError(f"{path}: line {i + 1} is not JSON")
+        if record.get("event") == "start":
+            records = records[:record["keep"]]
+        records.append(record)
+    return [r for r in records if "event" not in r]
+
+
+def parse_runs(specs):
+    """["DIR", "NAME=DIR1,DIR2", ...] -> [(label, [records of each run])]: a bare DIR is its own label, NAME=DIR
+    names one run, NAME=DIR1,DIR2,... a group (seeds)."""
+    runs = []
+    for spec in specs:
+        label, _, dirs = (spec, "", spec) if Path(spec).exists() else spec.partition("=")
+        dirs = dirs or label  # no "=": a bare DIR
+        group = []
+        for d in dirs.split(","):
+            path = Path(d) / "metrics.jsonl" if Path(d).is_dir() else Path(d)
+            if not path.is_file():
+                raise PlotError(f"{d}: no metrics.jsonl (a run's --out folder, or its metrics.jsonl)")
+            group.append(read_metrics(path))
+        runs.append((label, group))
+    return runs
+
+
+def curve(records, stage, field, x):
+    """{x: value} of one field of one stage's records."""
+    return {r[x]: r[field] for r in records
+            if r.get("stage") == stage and isinstance(r.get(field), (int, float)) and x in r}
+
+
+def plot_runs(specs, out=None):
+    """Draw the runs (parse_runs' specs) into a PNG. -> its path: out, or plot.png in the run's folder when
+    one folder is given, else in the current one"""
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+    import numpy as np
+    runs = parse_runs(specs)
+    if out is None:
+        single = len(specs) == 1 and "=" not in specs[0] and "," not in specs[0] and Path(specs[0]).is_dir()
+        out = Path(specs[0]) / "plot.png" if single else Path("plot.png")
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(6 * len(PANELS), 4.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, (title, x, lines) in zip(axes, PANELS):
+        for i, (label, group) in enumerate(runs):
+            for stage, field, name, style in lines:
+                curves = [c for c in (curve(records, stage, field, x) for records in group) if c]
+                if not curves:
+                    continue
+                xs = sorted(set.intersection(*(set(c) for c in curves)))  # steps every run of the group has
+                ys = np.array([[c[s] for s in xs] for c in curves])  # [runs, steps]
+                mean = ys.mean(0)
+                color = colors[i % len(colors)]
+                n = f" (mean of {len(curves)})" if len(curves) > 1 else ""
+                ax.plot(xs, mean, style, color=color, label=f"{label}: {name}{n}",
+                        marker="o" if len(xs) < 12 else None, markersize=3)
+                if len(curves) > 1:
+                    std = ys.std(0, ddof=1)
+                    ax.fill_between(xs, mean - std, mean + std, color=color, alpha=0.2, linewidth=0)
+        ax.set_title(title)
+        ax.set_xlabel("RL step" if x == "rl_step" else "step")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        if x == "rl_step" and ax.lines:  # rates and rewards in [0, 1]: the whole range, comparable across plots
+            low, high = ax.get_ylim()
+            ax.set_ylim(min(low, -0.03), max(high, 1.03))
+        if ax.lines:
+            ax.legend(fontsize=7)
+            ax.grid(alpha=0.3)
+        else:
+            ax.text(0.5, 0.5, "no records of this stage", ha="center", va="center", transform=ax.transAxes)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 if args.plot:  # draws runs' metrics and exits: no model, no data, no process group
     if world_size > 1:
         die("--plot draws in one process: run it with python, not torchrun")
@@ -298,10 +408,9 @@ if args.plot:  # draws runs' metrics and exits: no model, no data, no process gr
         import matplotlib  # noqa: F401
     except ImportError:
         die("--plot needs matplotlib: pip install matplotlib")
-    import plot
     try:
-        print(f"wrote {plot.plot_runs(args.plot, args.plot_out)}")
-    except plot.PlotError as e:
+        print(f"wrote {plot_runs(args.plot, args.plot_out)}")
+    except PlotError as e:
         die(f"--plot {e}")
     sys.exit(0)
 # the optional logging sinks (log() feeds them): a missing package stops every rank now, before any work
@@ -404,7 +513,7 @@ if args.stage == "rl" and not (args.resume or args.init_from) and args.init != "
     die("--stage rl needs a model to start from: run `python train.py --stage pretrain` first, then "
         "`python train.py --stage rl --resume` (or pass --init scratch to start RL from random weights)")
 if args.stage != "pretrain":
-    args.tasks_per_step = args.tasks_per_step or -(-2 // world_size) * world_size  # >= 2, one a rank at least
+    args.tasks_per_step = args.tasks_per_step or -(-8 // world_size) * world_size  # >= 8, one a rank at least
     if min(args.rl_steps, args.tasks_per_step, args.rl_lr, args.rl_eval_every) <= 0 or args.group_size < 2:
         die("the RL stage needs --rl-steps, --tasks-per-step, --rl-lr and --rl-eval-every > 0, "
             "--group-size >= 2")
@@ -1152,7 +1261,7 @@ if meta:
 # metrics.jsonl is append-only: every record is flushed as it is written, and each run (fresh or resumed)
 # first writes {"event": "start", "keep": K}: of the lines above it only the first K belong to the run's
 # history (records past the resumed checkpoint are about to be redone). A reader applies that rule, as
-# plot.read_metrics does.
+# read_metrics (--plot) does.
 metrics_path, metrics_lines = out / "metrics.jsonl", 0
 if is_rank0:
     text = metrics_path.read_bytes() if metrics_path.exists() else b""
@@ -1421,6 +1530,30 @@ def episode_stats(envs, trajs):
                            sum(len(t.segments) - 1 for t in trajs), len(envs)])
 
 
+# What the README promises of the default run, from the first held-out evaluation to the last: RL raises the
+# pass rate (mean of the levels) by PASS_GAIN or more, feedback cuts the "Call" rate by CALL_CUT times or more,
+# and the tool-not-found rate does not rise.
+PASS_GAIN, CALL_CUT = 0.1, 2.0
+evals = []  # this process's held-out evaluations
+
+
+def verdict(first, last):
+    """One line, in words: did RL and feedback do what the README says they do?"""
+    pass0, pass1 = ((r["pass_level1"] + r["pass_level2"]) / 2 for r in (first, last))
+    call0, call1 = first["capital_rate"], last["capital_rate"]
+    tnf0, tnf1 = first["tool_error_rate"], last["tool_error_rate"]
+    checks = [(pass1 - pass0 >= PASS_GAIN, f"held-out pass rate {pass0:.3f} -> {pass1:.3f} "
+               f"({pass1 - pass0:+.3f}, README: +{PASS_GAIN} or more)"),
+              (call1 * CALL_CUT <= call0, f"'Call' rate {call0:.3f} -> {call1:.3f} "
+               f"({call0 / max(call1, 1e-9):.1f}x fewer, README: {CALL_CUT:g}x or more)"),
+              (tnf1 <= tnf0, f"tool-not-found rate {tnf0:.3f} -> {tnf1:.3f} (README: not higher)")]
+    ok = all(good for good, _ in checks)
+    return (f"verdict after {last['rl_step']} RL steps: " +
+            ("RL learned and feedback removed the habits, as the README expects" if ok else
+             "NOT as the README expects (" + ", ".join(what for good, what in checks if not good) + ")") +
+            " | " + "; ".join(what for _, what in checks))
+
+
 @torch.no_grad()
 def rl_eval(rl_step, per_level=args.rl_eval_tasks):
     """Pass rate, the targeted rates (absent-tool calls and "Call" calls, per call) and summaries on the same
@@ -1428,6 +1561,7 @@ def rl_eval(rl_step, per_level=args.rl_eval_tasks):
     policy; the tasks are split over the ranks."""
     if not per_level:  # --rl-eval-tasks 0: no held-out evaluation
         return
+    print0(f"rl eval after {rl_step:3d} steps | sampling {2 * per_level} held-out episodes ...", end="\r")
     rng, gen_eval = random.Random(10**6), torch.Generator().manual_seed(10**6 + rank)
     held_out = [(lvl, make_task(rng, lvl)) for lvl in (1, 2) for _ in range(per_level)]
     mine = held_out[rank::world_size]
@@ -1440,6 +1574,7 @@ def rl_eval(rl_step, per_level=args.rl_eval_tasks):
               "tool_error_rate": errors / max(1, calls), "capital_rate": capital / max(1, calls),
               "summaries": summaries / episodes}
     log(record)
+    evals.append(record)
     print0(f"rl eval after {rl_step:3d} steps | held-out pass rate level 1 {record['pass_level1']:.3f}, "
            f"level 2 {record['pass_level2']:.3f} | of calls: tool not found {record['tool_error_rate']:.3f}, "
            f"'Call' {record['capital_rate']:.3f} | {record['summaries']:.1f} summaries an episode")
@@ -1593,6 +1728,8 @@ if args.save_hf:  # every rank: each sharded tensor is gathered whole, rank 0 wr
     print0(f"wrote {args.save_hf}: a Hugging Face DeepSeek-V3 checkpoint ({args.save_hf_dtype})")
 print0(f"done: checkpoint {checkpoints()[-1]}, metrics {metrics_path}, "
        f"peak memory {peak_memory() / 2**30:.2f} GiB (rank 0)")
+if len(evals) > 1:  # the last line says whether the run did what it should
+    print0(verdict(evals[0], evals[-1]))
 if bridge is not None:
     try:
         bridge.flush()
