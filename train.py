@@ -4,7 +4,7 @@ process to torchrun on many nodes.
 The script reads top to bottom: flags and checks, the memory plan (--dry-run stops there), processes and
 meshes, the run folder (lock, the checkpoint to resume), data, model and sharding, optimizer, checkpoints,
 metrics and signals, pretraining loop, RL. With no arguments it trains the `tiny` preset on a laptop CPU in
-about five minutes: pretraining on generated transcripts of the tool-use tasks (tasks.py: nothing to download,
+five to seven minutes: pretraining on generated transcripts of the tool-use tasks (tasks.py: nothing to download,
 nothing read from files, so the same seed trains the same model whatever else the checkout holds), then
 Dr. GRPO with textual feedback (grpo.py, feedback.py) on those tasks. For real runs `--data`
 takes a folder of llm.c-style token shards (memory-mapped; the read position is checkpointed), a raw uint16
@@ -26,6 +26,7 @@ trained model back in that layout.
     torchrun --nproc_per_node=8 train.py --dp-replicate 2 --ep 4
     torchrun --nproc_per_node=4 train.py --stage rl --resume --rollout-ranks 1 --max-staleness 1  # async RL
     python train.py --resume                             # continue from the newest intact checkpoint in out/
+    python train.py --plot out                           # draw out/metrics.jsonl into out/plot.png
     python train.py --init-from DIR --data SHARDS --save-hf OUT  # continued pretraining of a released model
     python train.py --preset kimi-k2 --dry-run --world 512 --ep 64 --stage pretrain --seq-len 4096 \
         --batch-size 512                                 # plan the 1T model on 512 GPUs
