@@ -810,6 +810,8 @@ rl_resumed = meta is not None and meta.get("stage") == "rl"
 # batch's window list (cheap) and reads only its rows and its context-parallel chunk of each: every layout
 # sees the same data.
 
+# what runs on this machine keep between them: the corpus's tokens, the measured peak
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "composer-stack"
 LONG_SHARE = 0.15  # of the transcripts, chains (about half their tokens: a chain is 8-32 calls, a short task 1-4)
 SHARD_MAGIC, SHARD_HEADER = 20240520, 256  # llm.c's token shards: 256 int32 [magic, version, n_tokens, ...]
 
@@ -859,19 +861,24 @@ def transcripts(n, seed):
     here = Path(__file__).resolve().parent
     key = hashlib.sha256(b"".join((here / f).read_bytes()
                                   for f in ("tasks.py", "model.py", "grpo.py"))).hexdigest()[:16]
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "composer-stack"
-    path = cache / f"tools-{n}-{seed}-{key}.npy"
+    path = CACHE / f"tools-{n}-{seed}-{key}.npy"
     with contextlib.suppress(OSError, ValueError, EOFError):
         return np.load(path)
     text = tasks.corpus(n, seed=seed, long_share=LONG_SHARE, budget=GRPOConfig.context_budget,
                         request=SUMMARY_REQUEST)
     tokens = np.array(encode(text, specials=True), dtype=np.uint16)
-    with contextlib.suppress(OSError):  # written whole, then renamed: ranks building it at once do not clash
+    keep_in_cache(path, lambda f: np.save(f, tokens))
+    return tokens
+
+
+def keep_in_cache(path, write):
+    """write(file) into path, whole or not at all (a temporary file, then renamed: ranks writing it at once do
+    not clash); a cache that cannot be written only costs the next run the time to remake it."""
+    with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp := path.with_name(f"{path.name}.{os.getpid()}.tmp"), "wb") as f:
-            np.save(f, tokens)
+            write(f)
         os.replace(tmp, path)
-    return tokens
 
 
 def read_shard(path):
@@ -1095,8 +1102,7 @@ def device_peak():
     dtype = torch.bfloat16 if bf16 else torch.float32
     what = [torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model(), torch.__version__,
             str(dtype), torch.get_num_threads()]
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "composer-stack"
-    path = cache / f"peak-{hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]}.json"
+    path = CACHE / f"peak-{hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]}.json"
     matmul = f"{str(dtype).removeprefix('torch.')} matmul"
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         cached = json.loads(path.read_text())
@@ -1116,11 +1122,8 @@ def device_peak():
         if device.type == "cuda":
             torch.cuda.synchronize()
         best = max(best, 2 * n ** 3 * reps / (time.perf_counter() - t0))
-    with contextlib.suppress(OSError):  # written whole, then renamed: ranks measuring at once do not clash
-        cache.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"flops": best, "what": what, "measured": time.strftime("%Y-%m-%d %H:%M")}))
-        os.replace(tmp, path)
+    record = {"flops": best, "what": what, "measured": time.strftime("%Y-%m-%d %H:%M")}
+    keep_in_cache(path, lambda f: f.write(json.dumps(record).encode()))
     return best, f"{matmul} measured now, cached in {path}"
 
 
