@@ -32,7 +32,6 @@ Sources:
   python muon.py --plan kimi-k2 --gpus 512      # analytic step time of the 1T model on a cluster (--ns gram)
 """
 
-import functools
 import gc
 import math
 import os
@@ -70,22 +69,13 @@ POLAR_EXPRESS = [
 ]
 
 
-@functools.cache
-def cpu_has_bf16_units():
-    """Whether the CPU has bf16 dot-product instructions (x86's AVX512-BF16 or AMX, Arm's BF16), as Linux's
-    /proc/cpuinfo lists them; False where that file is missing."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return bool({"avx512_bf16", "amx_bf16", "bf16"} & set(f.read().split()))
-    except OSError:
-        return False
-
-
 def default_ns_dtype(device):
-    """bf16 where the hardware multiplies bf16 natively: a GPU, or a CPU with bf16 units (measured on an
-    AVX512-BF16 CPU: bf16 matmul 2.4x fp32, the tiny preset's Muon step 2.1x faster, its loss after 150 steps
-    within 0.3% of fp32's). fp32 on other CPUs, where bf16 is emulated and many times slower."""
-    return torch.bfloat16 if torch.device(device).type == "cuda" or cpu_has_bf16_units() else torch.float32
+    """bf16 on a GPU, fp32 on a CPU. A CPU's bf16 speed cannot be read off its flags: on one 2-core VM
+    advertising AVX512-BF16, a 512x512 bf16 matmul ran at 407-423 GFLOP/s against 167 in fp32 on one day and at
+    130 against 235 on another (another host under the same flags), and the tiny preset's NS at 84 ms a step in
+    bf16 against 55 ms in fp32. fp32 also keeps a seed's figures the same on every CPU; pass ns_dtype (train.py
+    --precision bf16) where bf16 is fast."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
 def msign(G, coefficients, eps=1e-7, dtype=None, method="standard"):
@@ -232,7 +222,7 @@ class Muon(torch.optim.Optimizer):
     groups with algorithm="adamw" (keys lr, betas, adamw_eps, weight_decay; torch.optim.AdamW
     semantics). Extra Muon options: ns_schedule (None: ns_coefficients repeated ns_steps times;
     "polar_express": POLAR_EXPRESS; or an explicit list of (a, b, c)), ns_dtype (None: bf16 on
-    a GPU or a CPU with bf16 units, else fp32) and ns_method ("standard", or "gram": Gram Newton-Schulz where
+    a GPU, fp32 on a CPU) and ns_method ("standard", or "gram": Gram Newton-Schulz where
     it is cheaper).
 
     A step runs in phases: AdamW for its groups; momentum on each rank's shards and the updates bucketed
@@ -787,7 +777,7 @@ if __name__ == "__main__":
     if args.threads:
         torch.set_num_threads(args.threads)
     device = "cuda" if args.device == "cuda" or args.device == "auto" and torch.cuda.is_available() else "cpu"
-    # the NS dtype each device is fast at (default_ns_dtype), and its matmul peak
+    # the NS dtype each device uses by default (default_ns_dtype), and its matmul peak
     ns_dtype, peak_n = default_ns_dtype(device), 8192 if device == "cuda" else 512
     print(f"torch {torch.__version__} on {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, "
           f"{torch.get_num_threads()} threads on {os.cpu_count()} cores, "
@@ -803,9 +793,9 @@ if __name__ == "__main__":
         print(f"\n[{name}] one Muon step over all {n} matrices ({len(shapes)} parameters), "
               f"median of {args.repeats}:")
         print(f"  torch.optim.Muon, one 2D param per slice, bf16 NS {tt * 1e3:9.1f} ms")
-        print(f"  ours, batched, fp32 NS (CPUs without bf16 units) {t32 * 1e3:9.1f} ms  {_ratio(tt, t32)}")
-        print(f"  ours, batched, bf16 NS (GPUs, CPUs with them)    {t16 * 1e3:9.1f} ms  {_ratio(tt, t16)}")
-        print(f"  ours, batched, bf16 NS, Gram (--ns gram)         {tg * 1e3:9.1f} ms  {_ratio(tt, tg)}")
+        print(f"  ours, batched, fp32 NS (the CPU default)        {t32 * 1e3:9.1f} ms  {_ratio(tt, t32)}")
+        print(f"  ours, batched, bf16 NS (GPUs; --precision bf16) {t16 * 1e3:9.1f} ms  {_ratio(tt, t16)}")
+        print(f"  ours, batched, bf16 NS, Gram (--ns gram)       {tg * 1e3:9.1f} ms  {_ratio(tt, tg)}")
         print(f"  {'[B, m, n]':>18} {'NS GFLOP/s':>11} {'bmm GFLOP/s':>12} {'NS/bmm':>7}   "
               f"({str(ns_dtype)[6:]})")
         for (B, m, n), ns, mm in _bench_ns(shapes, args.repeats, args.ns_max_batch, device, ns_dtype):

@@ -287,7 +287,6 @@ def _qk_clip_run(tau, steps=12, lr=0.2):
     for i, block in enumerate(model.layers):
         block.attn.track_max_logit = True
         block.attn.register_forward_pre_hook(lambda mod, args, i=i: inputs.__setitem__(i, args))
-    # the same on CPUs with bf16 units or not
     opt = muon.Muon(muon.param_groups(model.named_parameters(), lr=lr, weight_decay=0.0),
                     adjust_lr_fn="match_rms_adamw", ns_dtype=torch.float32)
 
@@ -1310,8 +1309,8 @@ def test_the_default_corpus_does_not_move_with_the_docs(tmp_path):
     assert [r.get("val_loss") for r in here] == [r.get("val_loss") for r in there] and here[-1]["val_loss"]
 
 
-# The default run, shortened, as it ran at this commit: the figures below are what it printed (one thread,
-# --precision fp32 so that a CPU without bf16 units computes the same). A change to the code that moves them
+# The default run, shortened, as it ran at this commit: the figures below are what it printed (one thread;
+# --precision fp32, what the default is on a CPU, so that a machine with a GPU computes the same). A change to the code that moves them
 # moves the README's figures too: re-measure those (README: What `python train.py` prints), then paste what
 # this test prints here.
 SHORT_DEFAULT_RUN = ["--steps", "20", "--eval-every", "10", "--eval-batches", "2", "--rl-steps", "2",
@@ -1689,8 +1688,7 @@ def torchrun(world, *flags):
     return r
 
 
-# --precision fp32: Newton-Schulz in fp32 too, so that layouts agree to fp32 rounding on every CPU (bf16 NS,
-# the default on CPUs with bf16 units, makes them agree only to bf16's)
+# --precision fp32: compute and Newton-Schulz in fp32 on a GPU too, so that layouts agree to fp32 rounding
 PAR_RUN = ["--stage", "pretrain", "--batch-size", "8", "--seq-len", "32", "--eval-batches", "1",
            "--log-every", "1", "--warmup", "40", "--precision", "fp32"]
 

@@ -1012,9 +1012,8 @@ if args.init_from and not resume_path:  # each rank reads the blocks of its own 
 else:
     model.init_weights(args.seed)  # values depend on the seed alone, not on the layout
 
-# --precision fp32: Newton-Schulz in fp32 too; else muon.default_ns_dtype (bf16 on a GPU or a CPU with bf16
-# units)
-ns_dtype = torch.float32 if args.precision == "fp32" else None
+# Newton-Schulz in the compute dtype (muon.default_ns_dtype explains why not by the CPU's flags)
+ns_dtype = torch.bfloat16 if bf16 else torch.float32
 
 
 def make_optimizer(lr, weight_decay):
