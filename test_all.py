@@ -1310,9 +1310,9 @@ def test_the_default_corpus_does_not_move_with_the_docs(tmp_path):
 
 
 # The default run, shortened, as it ran at this commit: the figures below are what it printed (one thread;
-# --precision fp32, what the default is on a CPU, so that a machine with a GPU computes the same). A change to the code that moves them
-# moves the README's figures too: re-measure those (README: What `python train.py` prints), then paste what
-# this test prints here.
+# --precision fp32, the default on a CPU, so that a machine with a GPU computes the same). A change to the code
+# that moves them moves the README's figures too: re-measure those (README: What `python train.py` prints),
+# then paste what this test prints here.
 SHORT_DEFAULT_RUN = ["--steps", "20", "--eval-every", "10", "--eval-batches", "2", "--rl-steps", "2",
                      "--rl-eval-every", "2", "--rl-eval-tasks", "4", "--tasks-per-step", "2", "--group-size", "4",
                      "--max-gen-tokens", "48", "--precision", "fp32"]
