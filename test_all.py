@@ -1876,7 +1876,8 @@ def test_bad_input_stops_every_rank_and_prints_once(tmp_path):
 
 RL_RUN = [*PAR_RUN, "--batch-size", "4", "--eval-every", "2", "--rl-eval-every", "2", "--rl-eval-tasks", "1",
           "--group-size", "2", "--max-gen-tokens", "32", "--log-every", "10", "--tasks-per-step", "2",
-          "--rl-tasks", "long"]  # long episodes: summaries and segments in every RL test
+          "--rl-tasks", "long",  # long episodes: summaries and segments in every RL test
+          "--ppo-epochs", "1"]  # one update a step: these compare layouts and resumes, not PPO's epochs
 
 
 def same_run(a, b):
@@ -4509,7 +4510,7 @@ def test_real_package_tinydb(tmp_path):
 # README: every python/torchrun command in it runs as written (shortened)
 
 SHORT = {"train.py": ["--eval-every", "2", "--eval-batches", "1", "--rl-eval-tasks", "0", "--group-size", "2",
-                      "--max-gen-tokens", "32"],
+                      "--max-gen-tokens", "32", "--ppo-epochs", "1"],
          "feedback.py": ["--pretrain-steps", "3"],
          "muon.py": ["--presets", "tiny", "--repeats", "1", "--ns-max-batch", "4", "--k2", "none"],
          "model.py --bench-decode": ["--presets", "tiny", "--contexts", "64"],
@@ -4628,10 +4629,10 @@ def run_readme_command(line, cwd, quick_start_out):
 
 def test_every_readme_command_runs(tmp_path):
     """Each python/torchrun command in README.md runs as written, shortened (for train.py --steps/--rl-steps,
-    one validation batch, no held-out RL evaluation; fewer pretraining steps for feedback.py; the tiny preset
-    for muon.py's benchmarks, and --world 1 2 for its sharded one), and exits 0. A `--resume` with nothing to
-    resume, or a checkpoint of a run that is not there, starts from a copy of the quick start's run; a
-    checkpoint the README names is mapped to the shortened run's; REPO, TASKS/ID and TRAJECTORY.jsonl are a
+    one validation batch, no held-out RL evaluation, one PPO epoch; fewer pretraining steps for feedback.py;
+    the tiny preset for muon.py's benchmarks, and --world 1 2 for its sharded one), and exits 0. A `--resume`
+    with nothing to resume, or a checkpoint of a run that is not there, starts from a copy of the quick start's
+    run; a checkpoint the README names is mapped to the shortened run's; REPO, TASKS/ID and TRAJECTORY.jsonl are a
     fixture repository, the task `make` wrote and a clean trajectory. The quick start runs as a real process,
     beside the other groups, the rest fork from the preloaded server (Launched; torchrun's ranks with its
     environment). Many-node commands are planned with --dry-run at their world size; MODEL and SHARDS are a
