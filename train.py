@@ -4,7 +4,7 @@ process to torchrun on many nodes.
 The script reads top to bottom: flags and checks, the memory plan (--dry-run stops there), processes and
 meshes, the run folder (lock, the checkpoint to resume), data, model and sharding, optimizer, checkpoints,
 metrics and signals, pretraining loop, RL. With no arguments it trains the `tiny` preset on a laptop CPU in
-five to seven minutes: pretraining on generated transcripts of the tool-use tasks (tasks.py: nothing to download,
+four to six minutes: pretraining on generated transcripts of the tool-use tasks (tasks.py: nothing to download,
 nothing read from files, so the same seed trains the same model whatever else the checkout holds), then
 Dr. GRPO with textual feedback (grpo.py, feedback.py) on those tasks. For real runs `--data`
 takes a folder of llm.c-style token shards (memory-mapped; the read position is checkpointed), a raw uint16
