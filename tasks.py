@@ -281,9 +281,9 @@ STYLE_REMINDER = "Style: write call in lower case."  # the hint for a "Call"
 def gold_transcript(task: ToolTask, rng: random.Random, p_mistake: float = 0.0, p_hint: float = 0.0,
                     p_capital: float = 0.0) -> list[Turn]:
     """The gold plan as turns. With p_mistake one call first reaches for an absent tool and recovers from the
-    error; with p_capital a call opens "Call" (a habit the reward cannot see); with p_hint a call is preceded by
-    one of the hints as a system turn, and a reminded call is always right (this is how the model learns what
-    a hint means, so that the hinted teacher of feedback.py is better)."""
+    error; with p_capital a call opens "Call" (a habit the reward cannot see); with p_hint a call is preceded
+    by one of the hints as a system turn, and a reminded call is always right (this is how the model learns
+    what a hint means, so that the hinted teacher of feedback.py is better)."""
     absent = [t for t in TOOLS if t not in task.tools]
     hints = [reminder(task.tools), FORMAT_REMINDER] + [STYLE_REMINDER] * (p_capital > 0)
     slip = rng.randrange(len(task.plan)) if rng.random() < p_mistake else -1

@@ -411,8 +411,8 @@ HF_VARIANTS = {  # each config's distinctive fields: DeepSeek-V3 (expert groups)
 def needs_safetensors():
     """Skip, with the reason, where the optional safetensors package (reads and writes the checkpoints) is
     missing: the README's quick start does not install it."""
-    pytest.importorskip("safetensors", reason="Hugging Face checkpoints are optional: pip install safetensors "
-                                              "(CI installs it)")
+    pytest.importorskip("safetensors", reason="Hugging Face checkpoints are optional: "
+                                              "pip install safetensors (CI installs it)")
 
 
 def hf_reference(path, variant, seed=0):
@@ -1288,8 +1288,8 @@ def test_train_reads_text_folders_and_bin_files(tmp_path):
 
 
 def test_the_default_corpus_does_not_move_with_the_docs(tmp_path):
-    """The built-in corpus is generated (tool-use transcripts, a pure function of the code and the seed), never
-    read from files: a copy of the checkout whose README, documents and comments differ trains the same
+    """The built-in corpus is generated (tool-use transcripts, a pure function of the code and the seed),
+    never read from files: a copy of the checkout whose README, documents and comments differ trains the same
     model, to the digit."""
     copy = tmp_path / "copy"
     copy.mkdir()
@@ -1310,12 +1310,12 @@ def test_the_default_corpus_does_not_move_with_the_docs(tmp_path):
 
 
 # The default run, shortened, as it ran at this commit: the figures below are what it printed (one thread;
-# --precision fp32, the default on a CPU, so that a machine with a GPU computes the same). A change to the code
-# that moves them moves the README's figures too: re-measure those (README: What `python train.py` prints),
-# then paste what this test prints here.
+# --precision fp32, the default on a CPU, so that a machine with a GPU computes the same). A change to the
+# code that moves them moves the README's figures too: re-measure those (README: What `python train.py`
+# prints), then paste what this test prints here.
 SHORT_DEFAULT_RUN = ["--steps", "20", "--eval-every", "10", "--eval-batches", "2", "--rl-steps", "2",
-                     "--rl-eval-every", "2", "--rl-eval-tasks", "4", "--tasks-per-step", "2", "--group-size", "4",
-                     "--max-gen-tokens", "48", "--precision", "fp32"]
+                     "--rl-eval-every", "2", "--rl-eval-tasks", "4", "--tasks-per-step", "2",
+                     "--group-size", "4", "--max-gen-tokens", "48", "--precision", "fp32"]
 SHORT_DEFAULT_FIGURES = {'val_loss': [5.575121641159058, 3.2995526790618896, 1.8620449304580688],
                          'rl': [[0.0, 48.0, 2.25, 0.0], [0.0, 48.0, 2.375, 0.0]],
                          'held_out': [[0.0, 0.0, 0.0, 0.0, 0.625], [0.0, 0.0, 0.0, 0.0, 0.625]]}
@@ -1388,10 +1388,12 @@ def test_train_flags_are_exact_and_a_misspelled_one_is_one_line():
     r = finish(Launched("train.py", "--help"), timeout=60)
     assert r.returncode == 0 and "(default: None)" not in r.stdout and "(default: False)" not in r.stdout
     assert all(flag.count("(default") <= 1 for flag in re.split(r"\n  (?=-)", r.stdout))
-    assert re.search(r"--preset PRESET model size, one of \[.*?\] \(default: tiny\) --", " ".join(r.stdout.split()))
+    assert re.search(r"--preset PRESET model size, one of \[.*?\] \(default: tiny\) --",
+                     " ".join(r.stdout.split()))
     for flag, proc in runs.items():
         r = finish(proc, timeout=60)
-        assert r.returncode == 2 and r.stderr == f"error: unknown flag {flag}; did you mean --steps?\n", r.stderr
+        assert r.returncode == 2, r.stderr
+        assert r.stderr == f"error: unknown flag {flag}; did you mean --steps?\n", r.stderr
 
 
 def test_train_progress_lines_count_down_and_every_record_has_its_time(tmp_path):
@@ -1400,7 +1402,8 @@ def test_train_progress_lines_count_down_and_every_record_has_its_time(tmp_path)
     assert "matmul measured" in r.stdout and "cached in" in r.stdout  # the MFU's peak, and where it came from
     lines = [line for line in r.stdout.splitlines() if "ms/step" in line]
     assert [line.split(" | ")[0] for line in lines] == ["step     2/4", "step     4/4"], lines
-    assert re.search(r"\| expert balance max/mean [\d.]+ \| \d\d:\d\d elapsed, \d\d:\d\d left$", lines[0]), lines
+    assert re.search(r"\| expert balance max/mean [\d.]+ \| \d\d:\d\d elapsed, \d\d:\d\d left$",
+                     lines[0]), lines
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 6 and all(0 <= r["elapsed"] < 300 and abs(r["time"] - time.time()) < 300
                                      for r in records)
@@ -1411,7 +1414,8 @@ def start_without(packages, *flags):
     """train.py as if `packages` were not installed (importing them raises ImportError)."""
     script = Path(tempfile.mkdtemp(prefix="without-")) / "train_without.py"
     script.write_text(f"import runpy, sys\nsys.modules.update(dict.fromkeys({list(packages)!r}))\n"
-                      f"sys.argv[0] = {str(HERE / 'train.py')!r}\nrunpy.run_path(sys.argv[0], run_name='__main__')\n")
+                      f"sys.argv[0] = {str(HERE / 'train.py')!r}\n"
+                      "runpy.run_path(sys.argv[0], run_name='__main__')\n")
     return Launched(str(script), *flags)
 
 
@@ -1446,18 +1450,22 @@ def test_train_plot_draws_runs_and_groups_of_seeds_into_a_png(tmp_path):
         rng = random.Random(seed)
         records = [{"step": s, "loss": 5 - s / 2 + rng.random() / 9, **({"val_loss": 5 - s / 2} if s % 2 == 0
                                                                         else {})} for s in range(5)]
-        records += [{"stage": stage, "step": 4 + k, "rl_step": k, "reward": rng.random(), "pass_level1": k / 4,
-                     "pass_level2": k / 8, "tool_error_rate": 0.3 / (k + 1), "capital_rate": 0.1 / (k + 1)}
+        records += [{"stage": stage, "step": 4 + k, "rl_step": k, "reward": rng.random(),
+                     "pass_level1": k / 4, "pass_level2": k / 8, "tool_error_rate": 0.3 / (k + 1),
+                     "capital_rate": 0.1 / (k + 1)}
                     for k in range(1, 4) for stage in ("rl", "rl_eval")]
-        lines = [{"event": "start", "keep": 0}, *records[:3], {"step": 3, "loss": 99.0},  # killed after step 3,
-                 {"event": "start", "keep": 4}, *records[3:]]  # resumed from the step-2 checkpoint
+        # killed after step 3, resumed from the step-2 checkpoint
+        lines = [{"event": "start", "keep": 0}, *records[:3], {"step": 3, "loss": 99.0},
+                 {"event": "start", "keep": 4}, *records[3:]]
         path.mkdir()
-        (path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"step": 9, ')
+        torn = '{"step": 9, '
+        (path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines) + torn)
         return records
     for seed, name in enumerate(("a", "b", "c")):
         write_run(tmp_path / name, seed)
     r = finish(start_without(["matplotlib"], "--plot", str(tmp_path / "a")), 60)
-    assert r.returncode == 2 and r.stderr == "error: --plot needs matplotlib: pip install matplotlib\n", r.stderr
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == "error: --plot needs matplotlib: pip install matplotlib\n", r.stderr
     pytest.importorskip("matplotlib", reason="pip install matplotlib")
     group, one = (Launched("train.py", "--plot", f"on={tmp_path / 'a'},{tmp_path / 'b'}", str(tmp_path / "c"),
                            "--plot-out", str(tmp_path / "p" / "on-off.png")),
@@ -1561,7 +1569,8 @@ def test_checkpoints_without_safetensors_are_one_line(tmp_path, monkeypatch):
     """Without the safetensors package (hidden here, so this runs whether it is installed or not), reading a
     checkpoint and writing one each stop with one line that says how to install it."""
     (tmp_path / "ckpt").mkdir()
-    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(M.hf_config_dict(tiny_model().cfg, torch.float32)))
+    config = M.hf_config_dict(tiny_model().cfg, torch.float32)
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
     monkeypatch.setitem(sys.modules, "safetensors", None)
     for step in (lambda: load_ours(tmp_path / "ckpt"), lambda: M.save_hf(tiny_model(), tmp_path / "export")):
         with pytest.raises(M.CheckpointError, match="need the safetensors package: pip install safetensors$"):
@@ -1884,8 +1893,8 @@ def same_run(a, b):
     """Two runs (records, final parameters) agree: the same training records (wall times aside), every
     held-out evaluation of a also in b (a run stopped early evaluates where it stops), the same parameters."""
     def strip(rows, evals):
-        return [{k: v for k, v in r.items() if not k.endswith("ms") and k not in ("time", "elapsed")} for r in rows
-                if (r.get("stage") == "rl_eval") == evals]
+        return [{k: v for k, v in r.items() if not k.endswith("ms") and k not in ("time", "elapsed")}
+                for r in rows if (r.get("stage") == "rl_eval") == evals]
     assert strip(a[0], False) == strip(b[0], False)
     assert all(r in strip(b[0], True) for r in strip(a[0], True))
     for name, p in a[1].items():
@@ -3345,10 +3354,10 @@ def mean_body(body, extra=""):
 
 
 def planted_pyc(w):
-    """calc/__pycache__/core.*.pyc: the original's bytecode, marked never to be checked against its source (PEP
-    552 unchecked-hash), so any Python that imports calc.core runs it instead of the stub. CPython's own format,
-    not pytest's assertion-rewrite cache of the tests (pytest 9.2 gave that one a checked source hash, and a
-    copy planted with the older mtime header is ignored)."""
+    """calc/__pycache__/core.*.pyc: the original's bytecode, marked never to be checked against its source
+    (PEP 552 unchecked-hash), so any Python that imports calc.core runs it instead of the stub. CPython's own
+    format, not pytest's assertion-rewrite cache of the tests (pytest 9.2 gave that one a checked source hash,
+    and a copy planted with the older mtime header is ignored)."""
     with tempfile.TemporaryDirectory() as tmp:
         Path(tmp, "core.py").write_text(CORE)
         py_compile.compile(str(Path(tmp, "core.py")), doraise=True,
@@ -4631,14 +4640,14 @@ def test_every_readme_command_runs(tmp_path):
     """Each python/torchrun command in README.md runs as written, shortened (for train.py --steps/--rl-steps,
     one validation batch, no held-out RL evaluation, one PPO epoch; fewer pretraining steps for feedback.py;
     the tiny preset for muon.py's benchmarks, and --world 1 2 for its sharded one), and exits 0. A `--resume`
-    with nothing to resume, or a checkpoint of a run that is not there, starts from a copy of the quick start's
-    run; a checkpoint the README names is mapped to the shortened run's; REPO, TASKS/ID and TRAJECTORY.jsonl are a
-    fixture repository, the task `make` wrote and a clean trajectory. The quick start runs as a real process,
-    beside the other groups, the rest fork from the preloaded server (Launched; torchrun's ranks with its
-    environment). Many-node commands are planned with --dry-run at their world size; MODEL and SHARDS are a
-    tiny checkpoint in the Hugging Face layout and token shards. CUDA commands are skipped on a machine
-    without CUDA, `tasks.py env` where the package index cannot be reached, --init-from without the
-    safetensors package, and nothing else."""
+    with nothing to resume, or a checkpoint of a run that is not there, starts from a copy of the quick
+    start's run; a checkpoint the README names is mapped to the shortened run's; REPO, TASKS/ID and
+    TRAJECTORY.jsonl are a fixture repository, the task `make` wrote and a clean trajectory. The quick start
+    runs as a real process, beside the other groups, the rest fork from the preloaded server (Launched;
+    torchrun's ranks with its environment). Many-node commands are planned with --dry-run at their world size;
+    MODEL and SHARDS are a tiny checkpoint in the Hugging Face layout and token shards. CUDA commands are
+    skipped on a machine without CUDA, `tasks.py env` where the package index cannot be reached, --init-from
+    without the safetensors package, and nothing else."""
     forkserver()  # started before the threads below
     groups = readme_commands()
     assert groups[0] == ["python train.py"]  # the quick start: the run the resume examples continue

@@ -4,9 +4,9 @@ process to torchrun on many nodes.
 The script reads top to bottom: flags and checks, the memory plan (--dry-run stops there), processes and
 meshes, the run folder (lock, the checkpoint to resume), data, model and sharding, optimizer, checkpoints,
 metrics and signals, pretraining loop, RL. With no arguments it trains the `tiny` preset on a laptop CPU in
-four to six minutes: pretraining on generated transcripts of the tool-use tasks (tasks.py: nothing to download,
-nothing read from files, so the same seed trains the same model whatever else the checkout holds), then
-Dr. GRPO with textual feedback (grpo.py, feedback.py) on those tasks. For real runs `--data`
+four to six minutes: pretraining on generated transcripts of the tool-use tasks (tasks.py: nothing to
+download, nothing read from files, so the same seed trains the same model whatever else the checkout holds),
+then Dr. GRPO with textual feedback (grpo.py, feedback.py) on those tasks. For real runs `--data`
 takes a folder of llm.c-style token shards (memory-mapped; the read position is checkpointed), a raw uint16
 .bin file (nanoGPT's) or a folder of text. Under torchrun the same code shards dense weights with FSDP2/HSDP
 on the dense mesh and expert weights on the expert mesh (mesh.py), with expert parallelism (--ep) and context
@@ -87,7 +87,8 @@ class Parser(argparse.ArgumentParser):
     one, and a prefix of a flag is no flag (allow_abbrev=False: `--step 10` is not `--steps 10`)."""
 
     def error(self, message):
-        unknown = message.removeprefix("unrecognized arguments: ").split() if "unrecognized" in message else []
+        unknown = (message.removeprefix("unrecognized arguments: ").split() if "unrecognized" in message
+                   else [])
         flags = [a.split("=")[0] for a in unknown if a.startswith("-")]
         if unknown:
             near = difflib.get_close_matches(flags[0], [o for a in self._actions for o in a.option_strings],
@@ -195,11 +196,12 @@ g.add_argument("--wandb", default=None, metavar="PROJECT",
                help="also log every metrics.jsonl figure to Weights & Biases (needs the wandb package; "
                     "WANDB_MODE=offline keeps it local)")
 g.add_argument("--plot", nargs="+", default=None, metavar="RUN",
-               help="draw runs' metrics.jsonl into a PNG and exit (no training): RUN is an --out folder, or "
-                    "NAME=DIR1,DIR2,...: one run under a name, or a group of runs (seeds) drawn as mean +- std "
-                    "(needs matplotlib)")
+               help="draw runs' metrics.jsonl into a PNG and exit (no training): RUN is an --out folder, "
+                    "or NAME=DIR1,DIR2,...: one run under a name, or a group of runs (seeds) drawn as mean "
+                    "+- std (needs matplotlib)")
 g.add_argument("--plot-out", default=None, metavar="FILE",
-               help="with --plot: the PNG to write; default: plot.png in the run's folder (one run), else here")
+               help="with --plot: the PNG to write; default: plot.png in the run's folder (one run), else "
+                    "here")
 g = parser.add_argument_group("RL stage: Dr. GRPO with textual feedback on the tool-use tasks")
 g.add_argument("--stage", default=None, choices=["pretrain", "rl", "both"],
                help="pretrain then RL, pretraining only, or RL only (from --resume); default: both, but only "
@@ -238,8 +240,8 @@ g.add_argument("--kl-estimator", default="k1", choices=["k1", "k2", "k3"],
 g.add_argument("--temperature", type=float, default=1.0,
                help="sampling temperature (the trainer's log-probs use it too)")
 g.add_argument("--ppo-epochs", type=int, default=2,
-               help="passes over each RL batch (PPO's clip acts from the 2nd; 2 updates a batch learn more in "
-                    "the default run's 16 steps than 1: experiments.md)")
+               help="passes over each RL batch (PPO's clip acts from the 2nd; 2 updates a batch learn more "
+                    "in the default run's 16 steps than 1: experiments.md)")
 g.add_argument("--ppo-minibatches", type=int, default=1,
                help="optimizer steps a pass, each on whole groups of this rank's (split as evenly "
                     "as they allow)")
@@ -306,7 +308,8 @@ PANELS = [("pretraining", "step", [(None, "loss", "train loss", "-"), (None, "va
            [("rl", "reward", "reward", "-"), ("rl_eval", "pass_level1", "pass level 1", "--"),
             ("rl_eval", "pass_level2", "pass level 2", ":")]),
           ("RL: targeted rates (held-out, per call)", "rl_step",
-           [("rl_eval", "tool_error_rate", "tool not found", "-"), ("rl_eval", "capital_rate", "'Call'", "--")])]
+           [("rl_eval", "tool_error_rate", "tool not found", "-"),
+            ("rl_eval", "capital_rate", "'Call'", "--")])]
 
 
 class PlotError(Exception):
@@ -333,8 +336,8 @@ def read_metrics(path):
 
 
 def parse_runs(specs):
-    """["DIR", "NAME=DIR1,DIR2", ...] -> [(label, [records of each run])]: a bare DIR is its own label, NAME=DIR
-    names one run, NAME=DIR1,DIR2,... a group (seeds)."""
+    """["DIR", "NAME=DIR1,DIR2", ...] -> [(label, [records of each run])]: a bare DIR is its own label,
+    NAME=DIR names one run, NAME=DIR1,DIR2,... a group (seeds)."""
     runs = []
     for spec in specs:
         label, _, dirs = (spec, "", spec) if Path(spec).exists() else spec.partition("=")
@@ -387,7 +390,8 @@ def plot_runs(specs, out=None):
         ax.set_title(title)
         ax.set_xlabel("RL step" if x == "rl_step" else "step")
         ax.xaxis.get_major_locator().set_params(integer=True)
-        if x == "rl_step" and ax.lines:  # rates and rewards in [0, 1]: the whole range, comparable across plots
+        # rates and rewards in [0, 1]: the whole range, comparable across plots
+        if x == "rl_step" and ax.lines:
             low, high = ax.get_ylim()
             ax.set_ylim(min(low, -0.03), max(high, 1.03))
         if ax.lines:
@@ -813,7 +817,8 @@ rl_resumed = meta is not None and meta.get("stage") == "rl"
 
 # what runs on this machine keep between them: the corpus's tokens, the measured peak
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "composer-stack"
-LONG_SHARE = 0.15  # of the transcripts, chains (about half their tokens: a chain is 8-32 calls, a short task 1-4)
+# of the transcripts, chains (about half their tokens: a chain is 8-32 calls, a short task 1-4)
+LONG_SHARE = 0.15
 SHARD_MAGIC, SHARD_HEADER = 20240520, 256  # llm.c's token shards: 256 int32 [magic, version, n_tokens, ...]
 
 
@@ -1089,11 +1094,11 @@ PEAK_BF16 = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12
 
 
 def device_peak():
-    """-> (FLOP/s, where it comes from), the MFU denominator: a known GPU's datasheet bf16 peak when computing in
-    bf16, else the best square matmul in the compute dtype on this machine. A quick measurement swings from run
-    to run (and the MFU with it), so it is made once, for a few seconds, and kept in ~/.cache/composer-stack
-    under the hash of what it depends on (the CPU or GPU model, torch's version, the dtype, the threads); an
-    unreadable or bad file is measured again."""
+    """-> (FLOP/s, where it comes from), the MFU denominator: a known GPU's datasheet bf16 peak when computing
+    in bf16, else the best square matmul in the compute dtype on this machine. A quick measurement swings from
+    run to run (and the MFU with it), so it is made once, for a few seconds, and kept in
+    ~/.cache/composer-stack under the hash of what it depends on (the CPU or GPU model, torch's version, the
+    dtype, the threads); an unreadable or bad file is measured again."""
     if device.type == "cuda" and bf16:
         name = torch.cuda.get_device_name(device)
         for key, flops in PEAK_BF16.items():
@@ -1279,8 +1284,10 @@ if is_rank0:
 
 
 # --tensorboard, --wandb: rank 0 sends them what it writes to metrics.jsonl, and closes them at exit
-tensorboard = sinks["tensorboard"].SummaryWriter(args.tensorboard) if is_rank0 and "tensorboard" in sinks else None
-wandb_run = sinks["wandb"].init(project=args.wandb, config=vars(args)) if is_rank0 and "wandb" in sinks else None
+tensorboard = (sinks["tensorboard"].SummaryWriter(args.tensorboard)
+               if is_rank0 and "tensorboard" in sinks else None)
+wandb_run = (sinks["wandb"].init(project=args.wandb, config=vars(args))
+             if is_rank0 and "wandb" in sinks else None)
 if tensorboard:
     atexit.register(tensorboard.close)
 if wandb_run:
@@ -1535,8 +1542,8 @@ def episode_stats(envs, trajs):
 
 
 # What the README promises of the default run, from the first held-out evaluation to the last: RL raises the
-# pass rate (mean of the levels) by PASS_GAIN or more, feedback cuts the "Call" rate by CALL_CUT times or more,
-# and the tool-not-found rate does not rise.
+# pass rate (mean of the levels) by PASS_GAIN or more, feedback cuts the "Call" rate by CALL_CUT times or
+# more, and the tool-not-found rate does not rise.
 PASS_GAIN, CALL_CUT = 0.1, 2.0
 evals = []  # this process's held-out evaluations
 
@@ -1547,12 +1554,13 @@ def verdict(first, last):
     call0, call1 = first["capital_rate"], last["capital_rate"]
     tnf0, tnf1 = first["tool_error_rate"], last["tool_error_rate"]
     checks = [(pass1 - pass0 >= PASS_GAIN, f"the pass rate rose less than {PASS_GAIN}",
-               f"held-out pass rate {pass0:.3f} -> {pass1:.3f} ({pass1 - pass0:+.3f}, README: +{PASS_GAIN} or more)"),
+               f"held-out pass rate {pass0:.3f} -> {pass1:.3f} ({pass1 - pass0:+.3f}, README: +{PASS_GAIN} "
+               f"or more)"),
               (call1 * CALL_CUT <= call0, f"'Call' fell less than {CALL_CUT:g}x",
                f"'Call' rate {call0:.3f} -> {call1:.3f} ({call0 / max(call1, 1e-9):.1f}x fewer, README: "
                f"{CALL_CUT:g}x or more)"),
-              (tnf1 <= tnf0, "tool-not-found rose", f"tool-not-found rate {tnf0:.3f} -> {tnf1:.3f} (README: not "
-                                                   f"higher)")]
+              (tnf1 <= tnf0, "tool-not-found rose",
+               f"tool-not-found rate {tnf0:.3f} -> {tnf1:.3f} (README: not higher)")]
     failed = [short for good, short, _ in checks if not good]
     return (f"verdict after {last['rl_step']} RL steps: " +
             ("NOT as the README expects: " + ", ".join(failed) if failed else
@@ -1631,8 +1639,8 @@ if args.stage != "pretrain":
                    "sample_ms": 1000 * batch["sample_s"], "rollout_wait_ms": 1000 * batch["wait_s"]}
         # under CP each trained trajectory is on layout.cp ranks: sums below divide by it
         train = cp_union(trajs)
-        # PPO: every minibatch's log-probs under the policy that sampled it. The first minibatch's come from its
-        # own first forward (no update has run before it); the others' are taken before the first update.
+        # PPO: every minibatch's log-probs under the policy that sampled it. The first minibatch's come from
+        # its own first forward (no update has run before it); the others' are taken before the first update.
         parts = minibatches(train, args.ppo_minibatches, args.group_size)
         with amp:
             olds = [None] + [logprobs(trainer, part, grpo_cfg) for part in parts[1:]]
@@ -1648,8 +1656,9 @@ if args.stage != "pretrain":
                     # it); a frozen or EMA teacher does not move within a step, so its pass runs once
                     if args.feedback_coef and (epoch == 0 or feedback.teacher is None):
                         targets[k] = feedback.targets(trainer, part)
+                    ref = refs[k] if "reference" in copies else None
                     loss, stats, olds[k], logits = grpo_loss(trainer, part, grpo_cfg, old_logp=olds[k],
-                                                             ref_logp=refs[k] if "reference" in copies else None)
+                                                             ref_logp=ref)
                     fb_stats = {}
                     if args.feedback_coef:  # lambda = 0 leaves the RL loss exactly as it is
                         fb_loss, fb_stats = feedback.loss(trainer, part, len(part) * grpo_cfg.max_gen_tokens,
@@ -1714,8 +1723,9 @@ if args.stage != "pretrain":
         low, high = sum_over_ranks([-stats["tis_min"], stats["tis_max"]], op="max")
         record.update(tis_min=-low, tis_max=high)  # the spread of trainer / sampler over all ranks
         log(record)
-        print0(f"rl step {rl_step:4d}/{args.rl_steps} | level {level} | reward {record['reward']:.3f} | of calls: "
-               f"tool not found {record['tool_error_rate']:.3f}, 'Call' {record['capital_rate']:.3f} | "
+        print0(f"rl step {rl_step:4d}/{args.rl_steps} | level {level} | reward {record['reward']:.3f} | "
+               f"of calls: tool not found {record['tool_error_rate']:.3f}, "
+               f"'Call' {record['capital_rate']:.3f} | "
                f"feedback KL {record['feedback_kl']:.4f} | {record['gen_tokens']:.0f} tokens | "
                f"{record['ms']:.0f} ms")
         saving = rl_step % args.rl_eval_every == 0 or rl_step == args.rl_steps
