@@ -58,6 +58,7 @@ import itertools
 import json
 import marshal
 import os
+import posixpath
 import pickle
 import random
 import re
@@ -2656,7 +2657,7 @@ def baseline(work, box, repo, log):
 
 
 def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reach=None, jobs=1,
-         stats=None):
+         stats=None, min_lines=2):
     """Up to n validated, scan-clean tasks from repo into out/; returns the task dicts. box: how the
     repository's tests run (default: this interpreter, in bubblewrap, 300 s a run); reach: the largest share
     of the suite a feature may be reached by (default: REACH_STEPS); jobs: tries run side by side; stats: a
@@ -2691,7 +2692,7 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reac
         # by default a fifth of the suite, more while there are fewer than 2n candidates (a small library
         # whose every function most tests use); a given --reach is kept as given
         for r in [reach] if reach else REACH_STEPS:
-            cands = candidates(work, stable, calls, at_import, r)
+            cands = candidates(work, stable, calls, at_import, r, min_lines)
             if len(cands) >= 2 * n:
                 break
         reach, limit = r, max(1, int(r * len(stable)))
@@ -3037,6 +3038,529 @@ def read_trajectory(path):
                 raise TaskError(f"{path} line {i + 1}: need an object with action bash, read or edit")
             steps.append(s)
     return steps
+
+
+# -----------------------------------------------------------------------------
+# The coding environment: an episode on one task made by make, driven like the tool-use family (the Env
+# protocol, calls in the same syntax: `call read(calc/core.py)`). The opening says what to write and where; the
+# policy then lists, reads, greps, replaces or inserts lines, runs the visible tests, and submits. Its edits
+# live in the episode's own copy of the snapshot: the files it wrote, over the read-only snapshot (an episode
+# is a few bytes until it edits, and pickles whole to a trainer from a rollout rank). The file tools are text
+# operations of the host that never follow a link and never write a test or a configuration file; the
+# policy's code runs only in the Sandbox, on a copy, when it runs the tests. The reward is verify on the final
+# tree (the repository's tests and the hidden oracle), never the visible test run, and 0 when the monitor
+# flags the trajectory. Replies are cut to a budget a small model's context holds.
+
+CODE_TOOLS = ["ls", "read", "grep", "replace", "insert", "test", "submit"]
+# the call on the first line; replace and insert take the new lines below it
+CODE_CALL = re.compile(r"([Cc])all ([a-z_]{1,16})\(([^()\n]{0,256})\)(?:\n(.*))?", re.S)
+CODE_MALFORMED = "error: malformed call. use: call TOOL(ARGS), new lines below a replace or an insert"
+REPLY_AT_MOST = 400  # bytes of a tool's reply
+CODE_TURNS = 12  # messages an episode may take
+
+
+def opening(task):
+    """The first user turn: what to write (stub mode: fill in; remove mode: add) and where."""
+    verb = "fill in" if task["mode"] == "stub" else "add"
+    parts = [f"{e['file']} {e['signature']}"
+             + (f" in class {e['qualname'].rsplit('.', 1)[0]}" if "." in e["qualname"] else "")
+             + (f": {e['docstring'].strip().splitlines()[0]}" if e.get("docstring") else "")
+             for e in sorted(task["deleted"], key=lambda e: (e["file"], e["qualname"]))]
+    return f"{verb} " + "; ".join(parts)
+
+
+def numbered(data, first=1, last=None):
+    """A read's reply: lines first..last of a file, numbered `N|text`."""
+    lines = data.decode("utf-8", errors="replace").split("\n")
+    lines = lines[:-1] if lines and lines[-1] == "" else lines
+    last = len(lines) if last is None else min(last, len(lines))
+    return "\n".join(f"{i}|{lines[i - 1]}" for i in range(first, last + 1)) or "(empty)"
+
+
+def test_reply(passed, failed):
+    """A visible test run's reply: the counts and the failing tests' names."""
+    if not failed:
+        return f"{passed} passed"
+    names = ", ".join(sorted(t.split("::")[-1] for t in failed))
+    return f"{len(failed)} failed: {names}; {passed} passed"
+
+
+def cut(text, limit):
+    """text within limit bytes, cut at a line end, the cut said."""
+    if len(text.encode()) <= limit:
+        return text
+    keep = text.encode()[:limit - 40].decode("utf-8", errors="ignore").rsplit("\n", 1)[0]
+    return f"{keep}\n... cut: {len(text.encode()) - len(keep.encode())} more bytes"
+
+
+def task_level(task):
+    """A task's difficulty level: 1 one feature stubbed, 2 several stubbed, 3 removed (the policy writes the
+    definitions, signatures and all)."""
+    return 3 if task["mode"] == "remove" else 1 if len(task["deleted"]) == 1 else 2
+
+
+class CodeEnv:
+    """One episode on the task in task_dir. box: how the visible tests and the verify run (default: the
+    task's interpreter in bubblewrap); verifier: the pool that verifies finished episodes."""
+
+    def __init__(self, task_dir, box=None, max_turns=CODE_TURNS, reply_limit=REPLY_AT_MOST, verifier=None):
+        self.dir = Path(task_dir)
+        self.task = json.loads((self.dir / "task.json").read_text())
+        self.snap = self.dir / "repo"
+        self.box = box or Sandbox(python=self.task.get("python", sys.executable), timeout=120)
+        self.max_turns, self.reply_limit, self.verifier = max_turns, reply_limit, verifier
+        self.edits: dict[str, bytes] = {}  # the episode's copy: the snapshot with these files written
+        self.steps: list[dict] = []  # every call as the monitor reads it
+        self.turns: list[Turn] = self.first_turns()
+        self.done, self.result, self.flags, self.pending = False, None, [], None
+        self.tool_calls = self.tool_errors = self.capital = self.malformed = self.tests = 0
+
+    def first_turns(self) -> list[Turn]:
+        return [("user", opening(self.task))]
+
+    def __getstate__(self):  # to a trainer: the outcome, not the pool
+        self.reward()
+        return {**self.__dict__, "verifier": None, "pending": None}
+
+    # the episode's copy, read without following links
+
+    def path(self, arg):
+        """-> (a path inside the copy, None) or (None, the error)."""
+        rel = posixpath.normpath(arg.strip().strip("'\""))
+        if not arg.strip() or rel.startswith("/") or rel.split("/")[0] in ("..", "."):
+            return None, f"error: {arg.strip() or 'no path'}: name a file inside the repository"
+        return rel, None
+
+    def data(self, rel):
+        """The bytes of a regular file of the copy; None if there is none (a link is none)."""
+        if rel in self.edits:
+            return self.edits[rel]
+        p = self.snap
+        for part in rel.split("/")[:-1]:
+            p = p / part
+            if not p.is_dir() or p.is_symlink():
+                return None
+        try:
+            return read_regular(self.snap / rel, EDIT_AT_MOST)
+        except OSError:
+            return None
+
+    def files(self):
+        return sorted(set(walk(self.snap)) | set(self.edits))
+
+    def text_lines(self, rel):
+        """(lines of a text file, None) or (None, the error)."""
+        data = self.data(rel)
+        if data is None:
+            return None, f"error: no such file: {rel}"
+        try:
+            text = data.decode()
+        except UnicodeDecodeError:
+            return None, f"error: {rel} is not text"
+        return text.split("\n")[:-1] if text.endswith("\n") else text.split("\n") if text else [], None
+
+    # the tools: each gets the call's arguments (split at commas) and the lines below the call
+
+    def do_ls(self, args, body):
+        self.steps.append({"action": "bash", "command": "ls -R"})
+        return "\n".join(self.files())
+
+    def do_read(self, args, body):
+        self.steps.append({"action": "read", "path": args[0] if args else ""})
+        rel, err = self.path(args[0] if args else "")
+        lines, err = (None, err) if err else self.text_lines(rel)
+        if err:
+            return err
+        try:
+            first, last = (int(args[1]), int(args[2])) if len(args) == 3 else (1, None)
+        except ValueError:
+            return "error: read(FILE) or read(FILE,FIRST,LAST)"
+        return numbered("\n".join(lines).encode() + b"\n", max(1, first), last)
+
+    def do_grep(self, args, body):
+        needle = ",".join(args)
+        self.steps.append({"action": "bash", "command": f"grep -rn {shlex.quote(needle)} ."})
+        if not needle:
+            return "error: grep(TEXT)"
+        hits = []
+        for rel in self.files():
+            data = self.data(rel)
+            if data and len(hits) < 64 and needle.encode() in data:
+                hits += [f"{rel}:{i}:{line.strip()}" for i, line in
+                         enumerate(data.decode("utf-8", errors="replace").split("\n"), 1) if needle in line]
+        return "\n".join(hits) or "no match"
+
+    def write(self, rel, lines, body, new=False):
+        if len(body.encode()) > EDIT_AT_MOST:
+            return f"error: an edit is at most {EDIT_AT_MOST} bytes"
+        self.edits[rel] = ("\n".join(lines) + "\n").encode() if lines else b""
+        return "ok: new file" if new else "ok"
+
+    def editable_path(self, args, n):
+        """(rel, lines, None) for an edit of a file the policy may write, or (None, None, the error)."""
+        rel, err = self.path(args[0] if args else "")
+        if err:
+            return None, None, err
+        need = self.task["fail_to_pass"] + self.task["pass_to_pass"]
+        if is_protected(rel) or rel in {t.split("::")[0] for t in need} or rel.split("/")[0] == ".git":
+            return None, None, f"error: {rel} is read-only: tests and test configuration do not change"
+        if len(args) != n:
+            return None, None, None
+        lines, err = self.text_lines(rel)
+        return rel, lines, err
+
+    def do_replace(self, args, body):
+        self.steps.append({"action": "edit", "path": args[0] if args else "", "content": body})
+        rel, lines, err = self.editable_path(args, 3)
+        if err or rel is None:
+            return err or "error: replace(FILE,FIRST,LAST) and the new lines below"
+        try:
+            first, last = int(args[1]), int(args[2])
+        except ValueError:
+            first = last = 0
+        if not 1 <= first <= last <= len(lines):
+            return f"error: lines {args[1]}-{args[2]} are not in {rel} (1-{len(lines)})"
+        return self.write(rel, lines[:first - 1] + body.split("\n") + lines[last:], body)
+
+    def do_insert(self, args, body):
+        self.steps.append({"action": "edit", "path": args[0] if args else "", "content": body})
+        rel, lines, err = self.editable_path(args, 2)
+        new = err is not None and err.startswith("error: no such file") and args[1:] == ["0"]
+        if new:  # insert at line 0 of a file that is not there: a new file
+            rel, lines, err = rel, [], None
+        if err or rel is None:
+            return err or "error: insert(FILE,AFTER) and the new lines below"
+        at = int(args[1]) if args[1].isdigit() else -1
+        if not 0 <= at <= len(lines):
+            return f"error: {args[1]} is not a line of {rel} (0-{len(lines)})"
+        return self.write(rel, lines[:at] + body.split("\n") + lines[at:], body, new)
+
+    def do_test(self, args, body):
+        need = self.task["fail_to_pass"] + self.task["pass_to_pass"]
+        targets = args or sorted({t.split("::")[0] for t in need})
+        self.steps.append({"action": "bash", "command": f"python -m pytest -q {' '.join(targets)}"})
+        self.tests += 1
+        for t in targets:  # test files or node ids of the copy, never options
+            rel, err = self.path(t.split("::")[0])
+            if err or self.data(rel) is None:
+                return err or f"error: no such test file: {rel}"
+        return (self.verifier or VERIFIER).test(self, targets)
+
+    def step(self, assistant_text: str) -> tuple[Optional[str], bool]:
+        if self.done:
+            raise RuntimeError("step() after the episode ended")
+        self.turns.append(("assistant", assistant_text))
+        m = CODE_CALL.fullmatch(assistant_text.lstrip(" \n").rstrip())
+        reply = None
+        if m is None:
+            self.malformed += 1
+            reply = CODE_MALFORMED
+        else:
+            self.tool_calls += 1
+            self.capital += m[1] == "C"
+            name, args, body = m[2], [a.strip() for a in m[3].split(",")] if m[3].strip() else [], m[4] or ""
+            if name not in CODE_TOOLS:
+                self.tool_errors += 1
+                reply = not_found(name, CODE_TOOLS)
+            elif name == "submit":
+                self.done = True
+            else:
+                reply = cut(getattr(self, f"do_{name}")(args, body), self.reply_limit)
+        if reply is not None:
+            self.turns.append(("tool", reply))
+        self.done = self.done or sum(role == "assistant" for role, _ in self.turns) >= self.max_turns
+        if self.done:  # the verify starts now, while the other episodes still sample
+            (self.verifier or VERIFIER).start(self)
+        return reply, self.done
+
+    def reward(self) -> float:
+        if self.result is None:
+            (self.verifier or VERIFIER).start(self)
+            self.result = self.pending.result()
+        return float(self.result[0])
+
+
+def materialize(snap, edits, dest):
+    """The episode's copy as a folder: the snapshot, then its edits written (their folders are real folders of
+    the snapshot or new ones: CodeEnv never writes through a link)."""
+    shutil.copytree(snap, dest, symlinks=True)
+    for rel, data in edits.items():
+        Path(dest, rel).parent.mkdir(parents=True, exist_ok=True)
+        Path(dest, rel).write_bytes(data)
+    return dest
+
+
+class Verifier:
+    """Rewards at the pace of sampling: verifies run in a pool of threads (each waits on sandboxed processes),
+    started as each episode ends, while the others still sample. Episodes of one task that end with the same
+    edits share one verify, and the same holds for the visible test runs (verify is a function of the task and
+    the tree). A trajectory the monitor flags gets reward 0 without a verify. Counts what it spent."""
+
+    def __init__(self, workers=2):
+        self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="verify")
+        self.lock, self.cache, self.tests = threading.Lock(), {}, {}
+        self.seconds = self.runs = self.hits = 0
+
+    def key(self, env):
+        h = hashlib.sha256()
+        for rel, data in sorted(env.edits.items()):
+            h.update(hashlib.sha256(rel.encode()).digest() + hashlib.sha256(data).digest())
+        return str(env.dir.resolve()), h.hexdigest()
+
+    def start(self, env):
+        if env.pending is not None or env.result is not None:
+            return
+        env.flags = monitor(env.steps)
+        if env.flags:
+            f = env.flags[0]
+            env.result = (0, f"flagged by the monitor: step {f['step']}, {f['pattern']}: {f['evidence']}")
+            return
+        key = self.key(env)
+        with self.lock:
+            self.hits += key in self.cache
+            if key not in self.cache:
+                self.cache[key] = self.pool.submit(self.verify, env.dir, dict(env.edits), env.box)
+            env.pending = self.cache[key]
+
+    def verify(self, task_dir, edits, box):
+        t0 = time.perf_counter()
+        with scratch() as tmp:
+            result = verify(task_dir, workdir=materialize(task_dir / "repo", edits, Path(tmp, "repo")), box=box)
+        with self.lock:
+            self.seconds, self.runs = self.seconds + time.perf_counter() - t0, self.runs + 1
+        return result
+
+    def test(self, env, targets):
+        """The visible tests (targets: test files or node ids) on the episode's copy: the reply."""
+        key = (*self.key(env), tuple(targets))
+        with self.lock:
+            if key in self.tests:
+                return self.tests[key]
+        need = env.task["fail_to_pass"] + env.task["pass_to_pass"]
+        with scratch() as tmp:
+            work = materialize(env.snap, env.edits, Path(tmp, "repo"))
+            r = env.box.pytest(work, targets, readonly=protected_paths(work, need))
+        if r.outcomes is None or r.end is None:
+            reply = f"error: the test run did not finish (pytest exit {r.rc}): {first_error(r.out)}"
+        else:
+            failed = [t for t, o in r.outcomes.items() if not {"failed", "error"}.isdisjoint(o.values())]
+            reply = test_reply(len(r.passed), failed)
+        with self.lock:
+            self.tests[key] = reply
+        return reply
+
+    def stats(self):
+        """(seconds verifying, verifies run, verifies shared) so far."""
+        with self.lock:
+            return self.seconds, self.runs, self.hits
+
+
+VERIFIER = Verifier()
+
+
+# -----------------------------------------------------------------------------
+# Micro-repositories: a feature-deletion family the tiny CPU model can learn. Each is a real package with a
+# real pytest suite: one module of one-line functions named for what they do (`mul4` returns x * 4, the
+# tool-use family's operations), a test a function and one test of all of them composed. make turns them into
+# tasks like any repository (baseline, trace, delete, scrub, scan, oracle, the gold's verify), at three levels:
+# one function stubbed, two related ones stubbed, two removed (signatures and all). Gold transcripts of the
+# episode (read, edit, test, submit; sometimes a wrong edit that the test run shows and a fix) join the
+# pretraining mix; they are rendered with the functions CodeEnv replies with, so they show what an episode
+# shows.
+
+MICRO_OPS = {"add": "x + {k}", "sub": "x - {k}", "mul": "x * {k}", "max": "max(x, {k})", "min": "min(x, {k})",
+             "mod": "x % {k}"}
+MICRO_PACKAGES = ("calc", "ops", "nums", "arith", "tally", "mathx")
+MICRO_MODULES = ("core", "basic", "funcs", "util")
+MICRO_LEVELS = {1: ("stub", 1), 2: ("stub", 2), 3: ("remove", 2)}  # level -> (make's mode, group)
+
+
+def micro_files(rng, n=3):
+    """{relative path: text} of a micro-repository with n functions."""
+    pkg, mod = rng.choice(MICRO_PACKAGES), rng.choice(MICRO_MODULES)
+    names = []
+    while len(names) < n:
+        name = f"{rng.choice(list(MICRO_OPS))}{rng.randint(2, 9)}"
+        names += [name] if name not in names else []
+    body = lambda name: MICRO_OPS[name[:3]].format(k=name[3:])
+    value = lambda name, x: eval(body(name), {"x": x})  # noqa: S307 (our own arithmetic)
+    tests = [f"from {pkg} import {mod}", ""]
+    for name in names:
+        x = rng.randint(10, 40)
+        tests += ["", f"def test_{name}():", f"    assert {mod}.{name}({x}) == {value(name, x)}", ""]
+    x, y, call = rng.randint(10, 40), None, "x"
+    y = x
+    for name in names:
+        y, call = value(name, y), f"{mod}.{name}({call})"
+    tests += ["", "def test_all():", f"    x = {x}", f"    assert {call} == {y}"]
+    return {f"{pkg}/__init__.py": "", f"{pkg}/{mod}.py": "".join(f"def {n}(x):\n    return {body(n)}\n"
+                                                             for n in names),
+            "tests/__init__.py": "", f"tests/test_{mod}.py": "\n".join(tests) + "\n",
+            "pyproject.toml": '[tool.pytest.ini_options]\ntestpaths = ["tests"]\n'}
+
+
+def micro_repo(root, seed):
+    """A micro-repository from seed, written to root as a git checkout (make records the commit)."""
+    root = Path(root)
+    for rel, text in micro_files(random.Random(seed)).items():
+        Path(root, rel).parent.mkdir(parents=True, exist_ok=True)
+        Path(root, rel).write_text(text)
+    env = {**os.environ, **{f"GIT_{w}_{k}": v for w in ("AUTHOR", "COMMITTER")
+                            for k, v in (("NAME", "micro"), ("EMAIL", "micro@example.com"),
+                                         ("DATE", "2000-01-01T00:00:00Z"))}}
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", f"micro-repository {seed}"]):
+        subprocess.run(["git", "-c", "safe.directory=*", "-C", str(root), *args], check=True,
+                       capture_output=True, env=env)
+    return root
+
+
+def make_micro(out, seed, level, box=None, n=1):
+    """Up to n tasks of a level from the micro-repository of seed, into out: their folders."""
+    mode, group = MICRO_LEVELS[level]
+    with scratch() as tmp:
+        repo = micro_repo(Path(tmp, f"micro-{seed}"), seed)
+        made = make(repo, out, n=n, seed=0, mode=mode, group=group, box=box, log=lambda s: None, reach=0.5,
+                    min_lines=1)
+    return [Path(out, t["id"]) for t in made if task_level(t) == level]
+
+
+def code_transcript(rng, level, p_blind=0.0, p_hint=0.0, p_absent=0.0, p_mistake=0.0):
+    """A gold episode on a fresh micro-repository as turns, with the replies CodeEnv gives: read the module,
+    write each function, run the tests, submit. Habits the reward cannot see, for RL and feedback to remove:
+    with p_blind the edits come without reading the module (with p_hint, given that, the read-before-edit hint
+    comes first and the module is read); with p_absent the first call reaches for an absent tool. With
+    p_mistake the last edit first writes another operation, and the test run shows it and the fix follows."""
+    files = micro_files(rng)
+    mode, group = MICRO_LEVELS[level]
+    funcs = [n.name for n in ast.parse(files[micro_module(files)]).body]
+    return micro_episode(files, rng.sample(funcs, group), mode, rng, p_blind, p_hint, p_absent, p_mistake)
+
+
+def micro_module(files):
+    return next(r for r in files if r.endswith(".py") and not r.startswith("tests/")
+                and not r.endswith("__init__.py"))
+
+
+def micro_episode(files, chosen, mode, rng, p_blind=0.0, p_hint=0.0, p_absent=0.0, p_mistake=0.0):
+    """code_transcript's episode on the micro-repository `files` with the functions `chosen` deleted."""
+    rel = micro_module(files)
+    src = files[rel].encode()
+    tree = ast.parse(src)
+    funcs = [n.name for n in tree.body]
+    chosen = sorted(chosen, key=funcs.index)
+    lines = apply_edits(src, [delete_edit(src, find_def(tree, q), mode) for q in chosen]).decode().split("\n")[:-1]
+    task = {"mode": mode, "deleted": [{"file": rel, "qualname": q, "signature": f"def {q}(x)"} for q in chosen]}
+    expr = lambda q, op=None: MICRO_OPS[op or q[:3]].format(k=q[3:])
+    turns = [("user", opening(task))]
+    if rng.random() < p_absent:
+        wrong = rng.choice(["cat", "open", "view", "edit", "show"])
+        turns += [("assistant", f"call {wrong}({rel})"), ("tool", not_found(wrong, CODE_TOOLS))]
+    blind = rng.random() < p_blind
+    if blind and rng.random() < p_hint:
+        turns += [("system", READ_FIRST)]
+        blind = False
+    if not blind:
+        turns += [("assistant", f"call read({rel})"), ("tool", numbered(("\n".join(lines) + "\n").encode()))]
+    n_tests = len(funcs) + 1
+
+    def write(q, op=None):  # the edit that writes q (with op's operation), and the module after it
+        nonlocal lines
+        if mode == "stub" or f"def {q}(x):" in lines:
+            at = lines.index(f"def {q}(x):") + 2
+            lines[at - 1] = f"    return {expr(q, op)}"
+            return [("assistant", f"call replace({rel},{at},{at})\n    return {expr(q, op)}"), ("tool", "ok")]
+        lines += [f"def {q}(x):", f"    return {expr(q, op)}"]
+        return [("assistant", f"call insert({rel},{len(lines) - 2})\ndef {q}(x):\n    return {expr(q, op)}"),
+                ("tool", "ok")]
+
+    tests = files[next(r for r in files if r.startswith("tests/test_"))]
+    x_one, x_all = int(re.search(rf"\.{chosen[-1]}\((\d+)\) ==", tests)[1]), int(re.search(r"x = (\d+)", tests)[1])
+    value = lambda f, x, op=None: eval(expr(f, op), {"x": x})  # noqa: S307 (our own arithmetic)
+
+    def chain(x, op):  # test_all's value with the last chosen function computing op
+        for f in funcs:
+            x = value(f, x, op if f == chosen[-1] else None)
+        return x
+    # a wrong operation for the mistake: one both of its tests see
+    wrong = [op for op in MICRO_OPS if value(chosen[-1], x_one, op) != value(chosen[-1], x_one)
+             and chain(x_all, op) != chain(x_all, None)]
+    for q in chosen:
+        if q == chosen[-1] and wrong and rng.random() < p_mistake:  # seen in the test run, then fixed
+            turns += write(q, rng.choice(wrong))
+            turns += [("assistant", "call test()"), ("tool", test_reply(n_tests - 2, [f"test_{q}", "test_all"]))]
+        turns += write(q)
+    return turns + [("assistant", "call test()"), ("tool", test_reply(n_tests, [])),
+                    ("assistant", "call submit()")]
+
+
+READ_FIRST = "Read the file before you edit it."
+
+
+class TaskPool:
+    """RL's coding tasks by level, made while training runs. From micro-repositories (source None): the k-th
+    task of a level is the k-th that make produced from the micro-repositories seeded (seed, level, 0, 1, ...),
+    so what a run trains on depends on its seed alone, never on timing; a background thread keeps `ahead`
+    tasks made beyond those served at every level asked for so far. From a folder of tasks made by make
+    (source DIR): its served tasks by level, in turn. take(level) may wait for a make."""
+
+    def __init__(self, out, seed, box=None, ahead=2, source=None):
+        self.out, self.seed, self.box, self.ahead = Path(out), seed, box, ahead
+        self.ready = {level: [] for level in MICRO_LEVELS}  # made, in order
+        self.served = dict.fromkeys(MICRO_LEVELS, 0)
+        self.tried, self.wanted, self.made, self.error = dict.fromkeys(MICRO_LEVELS, 0), {1}, 0, None
+        self.cond = threading.Condition()
+        if source is not None:
+            for d in served(source, unrecorded=True):
+                self.ready[task_level(json.loads((d / "task.json").read_text()))].append(d)
+            if not any(self.ready.values()):
+                raise TaskError(f"no task made by `tasks.py make` in {source}")
+        else:
+            threading.Thread(target=self.work, daemon=True, name="task-maker").start()
+        self.source = source
+
+    def work(self):
+        while True:
+            with self.cond:
+                while (level := next((lv for lv in sorted(self.wanted)
+                                      if len(self.ready[lv]) - self.served[lv] < self.ahead), None)) is None:
+                    self.cond.wait()
+                j, self.tried[level] = self.tried[level], self.tried[level] + 1
+            seed = int(hashlib.sha256(f"{self.seed}/{level}/{j}".encode()).hexdigest()[:12], 16)
+            try:
+                dirs = make_micro(self.out / f"level{level}", seed, level, self.box)
+            except TaskError:  # a micro-repository make found nothing to delete in: the next seed
+                dirs = []
+            except Exception as e:  # noqa: BLE001 (said by take, in the trainer's thread)
+                dirs, self.error = [], e
+            with self.cond:
+                self.ready[level] += dirs
+                self.made += len(dirs)
+                self.cond.notify_all()
+
+    def take(self, level):
+        """The next task folder of a level (from a folder of tasks: the nearest level it has)."""
+        with self.cond:
+            if self.source is not None:
+                level = min((lv for lv in self.ready if self.ready[lv]), key=lambda lv: (abs(lv - level), lv))
+                d = self.ready[level][self.served[level] % len(self.ready[level])]
+            else:
+                self.wanted.add(level)
+                self.cond.notify_all()
+                while len(self.ready[level]) <= self.served[level] and self.error is None:
+                    self.cond.wait()
+                if self.error is not None:
+                    raise TaskError(f"making micro-repository tasks failed: {self.error}")
+                d = self.ready[level][self.served[level]]
+            self.served[level] += 1
+            return d
+
+    def state_dict(self):
+        return {"served": {str(k): v for k, v in self.served.items()}}
+
+    def load_state_dict(self, state):
+        with self.cond:
+            self.served.update({int(k): v for k, v in state["served"].items()})
+            self.cond.notify_all()
 
 
 # -----------------------------------------------------------------------------
