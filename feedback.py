@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from grpo import Weights, device_of, rows as grpo_rows, turn_tokens
 from model import TOKEN
-from tasks import FORMAT_REMINDER, STYLE_REMINDER, reminder
+from tasks import FORMAT_REMINDER, READ_FIRST, STYLE_REMINDER, reminder
 
 
 @dataclass
@@ -43,26 +43,37 @@ class FeedbackConfig:
 
 
 # -----------------------------------------------------------------------------
-# Rules: (name, detector) pairs; a detector reads an assistant message and the environment's reply to it (None
-# when there was none) and returns a hint for that message, or None. The reward sees none of this: a slip the
+# Rules: (name, detector) pairs; a detector reads an assistant message, the environment's reply to it (None
+# when there was none) and the turns before it, and returns a hint for that message, or None. The reward sees none of this: a slip the
 # episode recovers from, or a style the environment accepts, costs the final answer nothing.
 
 
-def tool_not_found(message, reply):
+def tool_not_found(message, reply, before):
     m = re.match(r"error: tool not found: \w+\. available tools: (.*)", reply or "")
     return reminder(m.group(1).split(", ")) if m else None
 
 
-def malformed(message, reply):
+def malformed(message, reply, before):
     return FORMAT_REMINDER if (reply or "").startswith("error: malformed") else None
 
 
-def capital(message, reply):
+def capital(message, reply, before):
     """A style rule: the environment accepts 'Call add(2,3)', the style guide wants 'call add(2,3)'."""
     return STYLE_REMINDER if message.strip().startswith("Call ") else None
 
 
-RULES = [("tool_not_found", tool_not_found), ("malformed", malformed), ("capital", capital)]
+def read_first(message, reply, before):
+    """Coding episodes: an edit of a file the episode has not read. It may still be right (the reward cannot
+    tell), but an edit by line numbers nobody has seen is a guess."""
+    m = re.match(r"\s*[Cc]all (replace|insert)\(([^,()]+),", message)
+    if not m or reply != "ok":  # "ok": an existing file changed ("ok: new file" needs no read)
+        return None
+    read = rf"\s*[Cc]all read\({re.escape(m[2].strip())}[,)]"
+    return None if any(role == "assistant" and re.match(read, text) for role, text in before) else READ_FIRST
+
+
+RULES = [("tool_not_found", tool_not_found), ("malformed", malformed), ("capital", capital),
+         ("read_first", read_first)]
 
 
 def find_targets(traj, rules=RULES):
@@ -72,7 +83,7 @@ def find_targets(traj, rules=RULES):
     for k, i in enumerate(assistant):
         reply = traj.turns[i + 1][1] if i + 1 < len(traj.turns) and traj.turns[i + 1][0] == "tool" else None
         for name, rule in rules:
-            hint = rule(traj.turns[i][1], reply)
+            hint = rule(traj.turns[i][1], reply, traj.turns[:i])
             if hint is not None and k < len(traj.spans) and traj.spans[k][1] < traj.spans[k][2]:  # not empty
                 targets.append((*traj.spans[k], hint, name))
                 break
@@ -345,7 +356,7 @@ if __name__ == "__main__":
     error = f"error: tool not found: {absent}. available tools: {', '.join(task.tools)}"
     traj = Trajectory([seg], turns=first + [("assistant", f"call {absent}(1,2)"), ("tool", error)],
                       spans=[(0, len(ctx), len(ctx) + len(bad))])
-    hint = tool_not_found(f"call {absent}(1,2)", error)
+    hint = tool_not_found(f"call {absent}(1,2)", error, first)
     offered = [n for n in TOOLS if n in task.tools]
 
     @torch.no_grad()

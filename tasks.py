@@ -3175,7 +3175,14 @@ class CodeEnv:
             first, last = (int(args[1]), int(args[2])) if len(args) == 3 else (1, None)
         except ValueError:
             return "error: read(FILE) or read(FILE,FIRST,LAST)"
-        return numbered("\n".join(lines).encode() + b"\n", max(1, first), last)
+        shown = numbered("\n".join(lines).encode() + b"\n", max(1, first), last).split("\n")
+        size, keep = 0, 0
+        while keep < len(shown) and size + len(shown[keep].encode()) + 1 <= self.reply_limit - 48:
+            size, keep = size + len(shown[keep].encode()) + 1, keep + 1
+        if keep == len(shown):
+            return "\n".join(shown)
+        nxt = max(1, first) + keep
+        return "\n".join(shown[:keep] + [f"... {len(shown) - keep} more lines: read({rel},{nxt},{nxt + 9})"])
 
     def do_grep(self, args, body):
         needle = ",".join(args)
@@ -3274,8 +3281,8 @@ class CodeEnv:
         return reply, self.done
 
     def reward(self) -> float:
+        (self.verifier or VERIFIER).start(self)
         if self.result is None:
-            (self.verifier or VERIFIER).start(self)
             self.result = self.pending.result()
         return float(self.result[0])
 

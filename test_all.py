@@ -8,6 +8,7 @@ import concurrent.futures
 import contextlib
 import copy
 import functools
+import hashlib
 import importlib.util
 import json
 import marshal
@@ -2587,7 +2588,7 @@ def test_feedback_rules_find_the_tool_not_found_turn():
     env = ToolEnv(make_tool_task(random.Random(0), 1))
     absent = next(name for name in TOOLS if name not in env.task.tools)
     reply, _ = env.step(f"call {absent}(1,2)")
-    assert tool_not_found("", reply) == "Reminder: Available tools: " + ", ".join(env.task.tools)
+    assert tool_not_found("", reply, []) == "Reminder: Available tools: " + ", ".join(env.task.tools)
     _, _, trajs = _feedback_rollout()
     targets = find_targets(trajs[0])
     assert len(targets) == 2 and all(name == "tool_not_found" for *_, name in targets)
@@ -2599,7 +2600,7 @@ def test_feedback_rules_find_the_tool_not_found_turn():
 def test_empty_hint_gives_zero_kl_and_gradient_and_only_the_target_moves():
     from feedback import Feedback, FeedbackConfig
     model, cfg, trajs = _feedback_rollout()
-    fb = Feedback(model, FeedbackConfig(), rules=[("empty", lambda message, reply: "")])
+    fb = Feedback(model, FeedbackConfig(), rules=[("empty", lambda message, reply, before: "")])
     loss, stats = fb.loss(model, trajs, norm=100.0)
     loss.backward()
     assert stats["feedback_kl"] == 0.0 and stats["feedback_targets"] == 4
@@ -4677,3 +4678,124 @@ def test_every_readme_command_runs(tmp_path):
                or why == "needs the package index" and " env " in line
                or why == "needs safetensors" and "--init-from" in line
                or why == "needs matplotlib" and "--plot" in line for line, why in skipped), skipped
+
+
+# -----------------------------------------------------------------------------
+# tasks.py, feature deletion: the coding environment
+
+
+def edit_calls(snap, work):
+    """The edit-tool calls that turn snap into work: each changed or new regular file rewritten whole (links
+    and special files have no such call)."""
+    calls = []
+    for d, _, names in os.walk(work):
+        for name in sorted(names):
+            new = Path(d, name)
+            rel = new.relative_to(work).as_posix()
+            old = Path(snap, rel)
+            if new.is_symlink() or not new.is_file() or rel.startswith(".git/"):
+                continue
+            text = new.read_bytes().decode("utf-8", errors="replace").rstrip("\n")
+            if old.is_file() and not old.is_symlink():
+                if old.read_bytes() == new.read_bytes():
+                    continue
+                n = len(old.read_text().splitlines())
+                calls.append(f"call replace({rel},1,{n})\n{text}" if n else f"call insert({rel},0)\n{text}")
+            else:
+                calls.append(f"call insert({rel},0)\n{text}")
+    return calls
+
+
+def episode(d, messages, **kw):
+    env = tasks.CodeEnv(d, **kw)
+    for m in messages:
+        if env.step(m)[1]:
+            break
+    return env
+
+
+def test_code_env_scripted_policies(made, tmp_path):
+    """A gold policy earns 1 through the tools, an untouched submit 0; a call to an absent tool and an edit of
+    a file never read fire their feedback rules; the file tools stay inside the episode's copy; every forgery
+    of the verifier's hack tests, done through the edit tools, earns 0, and the monitor flags those that
+    tamper at run time (the rest the static check or the oracle refuse)."""
+    from feedback import read_first, tool_not_found
+    d, t = task_dir(made, "mean")
+    stub = Path(d, "repo/calc/core.py").read_text().splitlines()
+    at = stub.index("    raise NotImplementedError") + 1
+    gold = textwrap.indent(HONEST["gold"], "    ")
+    env = episode(d, ["call ls()", "call read(calc/core.py)", f"call read(calc/core.py,{at - 2},{at + 1})",
+                      f"call replace(calc/core.py,{at},{at})\n{gold}", "call test()", "call submit()"])
+    replies = [text for role, text in env.turns if role == "tool"]
+    assert env.turns[0] == ("user", "fill in calc/core.py def mean(values): Arithmetic mean of a non-empty list.")
+    assert "calc/core.py" in replies[0] and "tests/test_calc.py" in replies[0] and ".git" not in replies[0]
+    assert replies[1].startswith('1|"""Core') and re.search(r"\n\.\.\. \d+ more lines: read\(calc/core.py,", replies[1])
+    assert f"{at}|    raise NotImplementedError" in replies[2] and replies[3] == "ok"
+    assert replies[4] == f"{len(t['fail_to_pass']) + len(t['pass_to_pass']) + 1} passed", replies  # + test_flaky
+    assert env.done and env.reward() == 1 and env.flags == [] and env.tests == 1
+    assert Path(d, "repo/calc/core.py").read_text().splitlines() == stub  # the snapshot never changes
+    env = episode(d, ["call submit()"])
+    assert env.reward() == 0 and "the oracle disagrees" in env.result[1]
+    # an absent tool, a blind edit, a malformed message: replies and rules
+    env = episode(d, ["call cat(calc/core.py)", f"call replace(calc/core.py,{at},{at})\n{gold}", "read it"])
+    (_, absent), (_, blind), (_, bad) = [(m, r) for (_, m), (_, r) in zip(env.turns[1::2], env.turns[2::2])]
+    assert absent == tasks.not_found("cat", tasks.CODE_TOOLS) and env.tool_errors == 1 and env.malformed == 1
+    assert tool_not_found(env.turns[1][1], absent, env.turns[:1]).startswith("Reminder: Available tools: ls,")
+    assert blind == "ok" and read_first(env.turns[3][1], blind, env.turns[:3]) == tasks.READ_FIRST
+    assert read_first(env.turns[3][1], blind, [("assistant", "call read(calc/core.py)")]) is None
+    assert bad == tasks.CODE_MALFORMED
+    # the copy's bounds: no path out, no link followed, tests and configuration read-only
+    os.symlink(d / "gold.patch", d / "repo/calc/_gold.py")
+    try:
+        env = episode(d, ["call read(../gold.patch)", "call read(calc/_gold.py)", "call read(/etc/hostname)",
+                          "call replace(tests/test_calc.py,1,1)\nx = 1", "call insert(pyproject.toml,0)\n[x]",
+                          "call grep(def mean)", "call test(--co)"])
+        replies = [text for role, text in env.turns if role == "tool"]
+    finally:
+        os.unlink(d / "repo/calc/_gold.py")
+    assert replies[:3] == ["error: ../gold.patch: name a file inside the repository",
+                           "error: no such file: calc/_gold.py",
+                           "error: /etc/hostname: name a file inside the repository"], replies
+    assert all("read-only" in r for r in replies[3:5]) and replies[5].startswith("calc/core.py:")
+    assert replies[6] == "error: --co: name a file inside the repository" or "no such" in replies[6], replies
+    assert env.reward() == 0 and {f["pattern"] for f in env.flags} >= {"task-files", "test-tamper"}
+    # the forgeries, through the tools
+    flagged = {}
+    for name, attack in ATTACKS.items():
+        w = tmp_path / name
+        shutil.copytree(d / "repo", w, symlinks=True)
+        attack(w)
+        calls = edit_calls(d / "repo", w)
+        env = episode(d, ["call read(calc/core.py)", "call read(calc/__init__.py)", *calls, "call submit()"])
+        assert env.reward() == 0, (name, env.result)
+        flagged[name] = {f["pattern"] for f in env.flags}
+    assert {n for n, f in flagged.items() if f} == set(ATTACKS) - {"triangle-eq", "planted-pyc"}, flagged
+    assert "test-tamper" in flagged["edit-test"] and "test-tamper" in flagged["conftest"]
+    assert "tamper-code" in flagged["report-fd"] and "tamper-code" in flagged["runtest-disguised"]
+
+
+def test_micro_repositories_make_tasks_and_their_gold_episodes_replay(tmp_path):
+    """Each level's task comes out of make; the gold episode a pretraining transcript shows (with a wrong
+    edit, its failing test run and the fix) gets, call for call, the replies the environment gives, and earns
+    1; submitting untouched earns 0. The task pool serves what its seed alone decides."""
+    pool = tasks.TaskPool(tmp_path / "pool", seed=3, ahead=1)  # starts making at once, beside the others
+    with concurrent.futures.ThreadPoolExecutor(3) as ex:  # each make mostly waits on its pytest runs
+        made = list(ex.map(lambda level: tasks.make_micro(tmp_path / f"level{level}", 7, level), (1, 2, 3)))
+    for level, (d,) in zip((1, 2, 3), made):
+        task = json.loads((d / "task.json").read_text())
+        assert tasks.task_level(task) == level and len(task["deleted"]) == (1 if level == 1 else 2)
+        files = tasks.micro_files(random.Random(7))
+        turns = tasks.micro_episode(files, [e["qualname"] for e in task["deleted"]], task["mode"],
+                                    random.Random(level), p_mistake=1.0)
+        env = tasks.CodeEnv(d)
+        assert env.turns == turns[:1]
+        for k, (role, text) in enumerate(turns):
+            if role == "assistant":
+                reply, done = env.step(text)
+                assert reply == (turns[k + 1][1] if k + 1 < len(turns) else None), (level, text)
+        assert env.turns == turns and " failed: " in tasks.render(turns)
+        assert env.reward() == 1, env.result
+        assert episode(d, ["call submit()"]).reward() == 0
+    # the pool's first level-1 task: made from the micro-repository its seed names, whenever it was made
+    first, seed = pool.take(1), int(hashlib.sha256(b"3/1/0").hexdigest()[:12], 16)
+    assert first.name.startswith(f"micro-{seed}-") and (first / "task.json").is_file() and pool.made >= 1
