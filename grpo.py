@@ -19,6 +19,7 @@ number of policy versions behind the trainer: asynchronous RL on rollout ranks (
 
     python grpo.py          # one group of rollouts on tool-use tasks with a fresh tiny model, its loss
 """
+import concurrent.futures
 import contextlib
 import pickle
 import time
@@ -50,6 +51,7 @@ class GRPOConfig:
 
 
 SUMMARY_REQUEST = "Context full. Summarize in one line."
+ENV_THREADS = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="env")  # environments' steps
 
 
 @dataclass
@@ -234,6 +236,7 @@ def rollout(policy, envs, cfg, gen, sharded=False):
             msgs = sample_messages(sampler, [t.segments[-1].tokens[n:] for t, n in zip(live, cached)], cfg,
                                    gen, [min(cfg.max_message_tokens, cfg.max_gen_tokens - t.written)
                                          for t in live], cache=cache)
+            stepping = []  # the trajectories whose message goes to their environment
             for row, (t, (ids, logps)) in enumerate(zip(live, msgs)):
                 start = len(t.segments[-1].tokens)
                 t.segments[-1].add(ids, True, logps)
@@ -250,7 +253,11 @@ def rollout(policy, envs, cfg, gen, sharded=False):
                     continue
                 t.turns.append(("assistant", text))
                 t.spans.append((len(t.segments) - 1, start, start + len(ids)))
-                reply, t.done = t.env.step(text)
+                stepping.append(t)
+            # the environments answer side by side (a coding episode's test run waits on a subprocess)
+            for t, (reply, done) in zip(stepping, ENV_THREADS.map(lambda t: t.env.step(t.turns[-1][1]),
+                                                                 stepping)):
+                t.done = done
                 if reply is not None:
                     t.turns.append(("tool", reply))
                     t.segments[-1].add(turn_tokens("tool", reply))
@@ -261,8 +268,8 @@ def rollout(policy, envs, cfg, gen, sharded=False):
                     t.summarizing = True
         if sharded:
             sampler.drain()
-    for t in trajs:
-        t.reward = float(t.env.reward())
+    for t, reward in zip(trajs, ENV_THREADS.map(lambda t: t.env.reward(), trajs)):  # verifies side by side
+        t.reward = float(reward)
     policy.train(was_training)
     return trajs
 

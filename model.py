@@ -101,7 +101,7 @@ class ModelConfig:
     # expert groups: a token picks topk_group groups first, then its experts in them (DeepSeek-V3)
     n_group: int = 1
     topk_group: int = 1
-    max_seq_len: int = 256
+    max_seq_len: int = 1024  # a bound only (rope is computed for the positions used); runs use --seq-len
     rope_theta: float = 10000.0
     # YaRN rope scaling (arXiv 2309.00071) as DeepSeek-V3 and Kimi K2 configure it; rope_factor 1 = plain rope
     rope_factor: float = 1.0

@@ -47,6 +47,7 @@ import collections
 import concurrent.futures
 import configparser
 import contextlib
+import copy
 import copyreg
 import functools
 import hashlib
@@ -341,12 +342,18 @@ def chain_transcript(task: ToolTask, rng: random.Random, budget: int, request: s
 
 
 def corpus(n: int, seed: int, p_mistake: float = 0.2, p_hint: float = 0.2, p_capital: float = 0.3,
-           long_share: float = 0.0, budget: int = 224, request: str = "") -> str:
-    """n gold transcripts of the tool-use family, long_share of them chains (each segment one document)."""
+           long_share: float = 0.0, budget: int = 224, request: str = "", code_share: float = 0.0,
+           code_budget: int = 384) -> str:
+    """n gold transcripts: long_share of them chains of the tool-use family, code_share coding episodes on
+    micro-repositories at levels 1-3 (code_transcript; each segment one document), the rest tool-use tasks."""
     rng = random.Random(seed)
     docs = []
     for _ in range(n):
-        if rng.random() < long_share:
+        if code_share and rng.random() < code_share:  # (no draw without: the tool-use corpus stays as it was)
+            docs += [render(seg) for seg in code_transcript(
+                rng, rng.randint(1, len(MICRO_LEVELS)), p_blind=p_mistake / 2, p_hint=p_hint,
+                p_absent=p_mistake / 2, p_mistake=p_mistake, budget=code_budget, request=request)]
+        elif rng.random() < long_share:
             task = make_chain_task(rng, rng.randint(1, MAX_DIFFICULTY))
             docs += [render(seg) for seg in chain_transcript(task, rng, budget, request)]
         else:
@@ -3281,10 +3288,7 @@ class CodeEnv:
         return reply, self.done
 
     def reward(self) -> float:
-        (self.verifier or VERIFIER).start(self)
-        if self.result is None:
-            self.result = self.pending.result()
-        return float(self.result[0])
+        return float((self.verifier or VERIFIER).result(self)[0])
 
 
 def materialize(snap, edits, dest):
@@ -3298,15 +3302,18 @@ def materialize(snap, edits, dest):
 
 
 class Verifier:
-    """Rewards at the pace of sampling: verifies run in a pool of threads (each waits on sandboxed processes),
-    started as each episode ends, while the others still sample. Episodes of one task that end with the same
-    edits share one verify, and the same holds for the visible test runs (verify is a function of the task and
-    the tree). A trajectory the monitor flags gets reward 0 without a verify. Counts what it spent."""
+    """Rewards at the pace of sampling: verifies run in a pool of `workers` threads (each waits on sandboxed
+    processes), started as each episode ends, while the others still sample (workers=0: each runs when its
+    episode ends, in the sampler's thread). Episodes of one task that end with the same edits share one
+    verify, and so do the visible test runs (verify is a function of the task and the tree). A trajectory the
+    monitor flags gets reward 0 without a verify. Counts the seconds verifying and those the sampler's thread
+    was held up by it."""
 
     def __init__(self, workers=2):
-        self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="verify")
+        self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="verify") if workers else None
         self.lock, self.cache, self.tests = threading.Lock(), {}, {}
-        self.seconds = self.runs = self.hits = 0
+        self.seconds = self.blocked = self.since = 0.0
+        self.runs = self.hits = self.waiters = 0
 
     def key(self, env):
         h = hashlib.sha256()
@@ -3325,9 +3332,38 @@ class Verifier:
         key = self.key(env)
         with self.lock:
             self.hits += key in self.cache
-            if key not in self.cache:
-                self.cache[key] = self.pool.submit(self.verify, env.dir, dict(env.edits), env.box)
-            env.pending = self.cache[key]
+            fut, new = self.cache.get(key), key not in self.cache
+            if new:
+                fut = self.cache[key] = concurrent.futures.Future() if self.pool is None else \
+                    self.pool.submit(self.verify, env.dir, dict(env.edits), env.box)
+        env.pending = fut
+        if self.pool is None and new:  # no pool: verify now, in this thread
+            with self.waiting():
+                fut.set_result(self.verify(env.dir, dict(env.edits), env.box))
+
+    def result(self, env):
+        """The episode's (reward, reason), once its verify is done."""
+        self.start(env)
+        if env.result is None:
+            with self.waiting():
+                env.result = env.pending.result()
+        return env.result
+
+    @contextlib.contextmanager
+    def waiting(self):
+        """Counts the wall time some thread of the sampler waits on a verify (threads waiting together count
+        once)."""
+        with self.lock:
+            self.waiters += 1
+            if self.waiters == 1:
+                self.since = time.perf_counter()
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.waiters -= 1
+                if not self.waiters:
+                    self.blocked += time.perf_counter() - self.since
 
     def verify(self, task_dir, edits, box):
         t0 = time.perf_counter()
@@ -3357,9 +3393,10 @@ class Verifier:
         return reply
 
     def stats(self):
-        """(seconds verifying, verifies run, verifies shared) so far."""
+        """{seconds verifying, seconds the sampler waited on it, verifies run, verifies shared} so far."""
         with self.lock:
-            return self.seconds, self.runs, self.hits
+            return {"verify_s": self.seconds, "verify_wait_s": self.blocked, "verifies": self.runs,
+                    "verifies_shared": self.hits}
 
 
 VERIFIER = Verifier()
@@ -3382,11 +3419,13 @@ MICRO_MODULES = ("core", "basic", "funcs", "util")
 MICRO_LEVELS = {1: ("stub", 1), 2: ("stub", 2), 3: ("remove", 2)}  # level -> (make's mode, group)
 
 
-def micro_files(rng, n=3):
-    """{relative path: text} of a micro-repository with n functions."""
+def micro_files(rng, n=3, held_out=False):
+    """{relative path: text} of a micro-repository with n functions. The sets of functions split in two, one
+    in eight held out: a held-out repository's set is never in the pretraining transcripts or RL's tasks."""
     pkg, mod = rng.choice(MICRO_PACKAGES), rng.choice(MICRO_MODULES)
     names = []
-    while len(names) < n:
+    while len(names) < n or is_held_out(names) != held_out:
+        names = [] if len(names) == n else names
         name = f"{rng.choice(list(MICRO_OPS))}{rng.randint(2, 9)}"
         names += [name] if name not in names else []
     body = lambda name: MICRO_OPS[name[:3]].format(k=name[3:])
@@ -3406,10 +3445,14 @@ def micro_files(rng, n=3):
             "pyproject.toml": '[tool.pytest.ini_options]\ntestpaths = ["tests"]\n'}
 
 
-def micro_repo(root, seed):
+def is_held_out(names):
+    return int(hashlib.sha256(",".join(sorted(names)).encode()).hexdigest(), 16) % 8 == 0
+
+
+def micro_repo(root, seed, held_out=False):
     """A micro-repository from seed, written to root as a git checkout (make records the commit)."""
     root = Path(root)
-    for rel, text in micro_files(random.Random(seed)).items():
+    for rel, text in micro_files(random.Random(seed), held_out=held_out).items():
         Path(root, rel).parent.mkdir(parents=True, exist_ok=True)
         Path(root, rel).write_text(text)
     env = {**os.environ, **{f"GIT_{w}_{k}": v for w in ("AUTHOR", "COMMITTER")
@@ -3421,26 +3464,30 @@ def micro_repo(root, seed):
     return root
 
 
-def make_micro(out, seed, level, box=None, n=1):
+def make_micro(out, seed, level, box=None, n=1, held_out=False):
     """Up to n tasks of a level from the micro-repository of seed, into out: their folders."""
     mode, group = MICRO_LEVELS[level]
     with scratch() as tmp:
-        repo = micro_repo(Path(tmp, f"micro-{seed}"), seed)
+        repo = micro_repo(Path(tmp, f"micro-{seed}"), seed, held_out)
         made = make(repo, out, n=n, seed=0, mode=mode, group=group, box=box, log=lambda s: None, reach=0.5,
                     min_lines=1)
     return [Path(out, t["id"]) for t in made if task_level(t) == level]
 
 
-def code_transcript(rng, level, p_blind=0.0, p_hint=0.0, p_absent=0.0, p_mistake=0.0):
-    """A gold episode on a fresh micro-repository as turns, with the replies CodeEnv gives: read the module,
-    write each function, run the tests, submit. Habits the reward cannot see, for RL and feedback to remove:
-    with p_blind the edits come without reading the module (with p_hint, given that, the read-before-edit hint
-    comes first and the module is read); with p_absent the first call reaches for an absent tool. With
-    p_mistake the last edit first writes another operation, and the test run shows it and the fix follows."""
+def code_transcript(rng, level, p_blind=0.0, p_hint=0.0, p_absent=0.0, p_mistake=0.0, budget=None, request=""):
+    """A gold episode on a fresh micro-repository, with the replies CodeEnv gives: read the module, write each
+    function, run the tests, submit. Habits the reward cannot see, for RL and feedback to remove: with p_blind
+    the edits come without reading the module (with p_hint, given that, the read-before-edit hint comes first
+    and the module is read); with p_absent the first call reaches for an absent tool. With p_mistake the last
+    edit first writes another operation, and the test run shows it and the fix follows. Cut into the segments a
+    rollout makes (as chain_transcript): past `budget` tokens after a reply, the user turn `request` asks for a
+    summary (the calls done so far), the next segment starts from the opening and that summary, and reads the
+    module again before its next edit. -> [segment: [turn]]"""
     files = micro_files(rng)
     mode, group = MICRO_LEVELS[level]
     funcs = [n.name for n in ast.parse(files[micro_module(files)]).body]
-    return micro_episode(files, rng.sample(funcs, group), mode, rng, p_blind, p_hint, p_absent, p_mistake)
+    return micro_episode(files, rng.sample(funcs, group), mode, rng, p_blind, p_hint, p_absent, p_mistake, budget,
+                         request)
 
 
 def micro_module(files):
@@ -3448,7 +3495,8 @@ def micro_module(files):
                 and not r.endswith("__init__.py"))
 
 
-def micro_episode(files, chosen, mode, rng, p_blind=0.0, p_hint=0.0, p_absent=0.0, p_mistake=0.0):
+def micro_episode(files, chosen, mode, rng, p_blind=0.0, p_hint=0.0, p_absent=0.0, p_mistake=0.0, budget=None,
+                  request=""):
     """code_transcript's episode on the micro-repository `files` with the functions `chosen` deleted."""
     rel = micro_module(files)
     src = files[rel].encode()
@@ -3458,30 +3506,46 @@ def micro_episode(files, chosen, mode, rng, p_blind=0.0, p_hint=0.0, p_absent=0.
     lines = apply_edits(src, [delete_edit(src, find_def(tree, q), mode) for q in chosen]).decode().split("\n")[:-1]
     task = {"mode": mode, "deleted": [{"file": rel, "qualname": q, "signature": f"def {q}(x)"} for q in chosen]}
     expr = lambda q, op=None: MICRO_OPS[op or q[:3]].format(k=q[3:])
-    turns = [("user", opening(task))]
-    if rng.random() < p_absent:
-        wrong = rng.choice(["cat", "open", "view", "edit", "show"])
-        turns += [("assistant", f"call {wrong}({rel})"), ("tool", not_found(wrong, CODE_TOOLS))]
-    blind = rng.random() < p_blind
-    if blind and rng.random() < p_hint:
-        turns += [("system", READ_FIRST)]
-        blind = False
-    if not blind:
-        turns += [("assistant", f"call read({rel})"), ("tool", numbered(("\n".join(lines) + "\n").encode()))]
-    n_tests = len(funcs) + 1
+    prompt = [("user", opening(task))]
+    segments, turns, done, seen = [], list(prompt), [], False
 
-    def write(q, op=None):  # the edit that writes q (with op's operation), and the module after it
-        nonlocal lines
+    def call(message, reply=None):  # one call and its reply; a summary when the segment is full
+        nonlocal turns, seen
+        turns += [("assistant", message)] + ([("tool", reply)] if reply is not None else [])
+        done.append(message.split("(")[0].split()[-1] + (f" ({reply.split(';')[0]})" if " failed" in (reply or "")
+                                                         else ""))
+        if budget and reply is not None and sum(map(turn_length, turns)) > budget:
+            summary = "done: " + ", ".join(done)
+            segments.append(turns + [("user", request), ("assistant", summary)])
+            turns, seen = prompt + [("assistant", summary)], False
+
+    def read():
+        nonlocal seen
+        call(f"call read({rel})", numbered(("\n".join(lines) + "\n").encode()))
+        seen = True
+
+    def write(q, op=None):  # the edit that writes q (with op's operation); the module changes with it
+        if not seen:
+            read()
         if mode == "stub" or f"def {q}(x):" in lines:
             at = lines.index(f"def {q}(x):") + 2
             lines[at - 1] = f"    return {expr(q, op)}"
-            return [("assistant", f"call replace({rel},{at},{at})\n    return {expr(q, op)}"), ("tool", "ok")]
-        lines += [f"def {q}(x):", f"    return {expr(q, op)}"]
-        return [("assistant", f"call insert({rel},{len(lines) - 2})\ndef {q}(x):\n    return {expr(q, op)}"),
-                ("tool", "ok")]
+            return call(f"call replace({rel},{at},{at})\n    return {expr(q, op)}", "ok")
+        lines.extend([f"def {q}(x):", f"    return {expr(q, op)}"])
+        call(f"call insert({rel},{len(lines) - 2})\ndef {q}(x):\n    return {expr(q, op)}", "ok")
 
+    if rng.random() < p_absent:
+        wrong = rng.choice(["cat", "open", "view", "edit", "show"])
+        call(f"call {wrong}({rel})", not_found(wrong, CODE_TOOLS))
+    if rng.random() < p_blind:
+        if rng.random() < p_hint:
+            turns.append(("system", READ_FIRST))
+        else:
+            seen = True  # edits by line numbers it has not seen
+    n_tests = len(funcs) + 1
     tests = files[next(r for r in files if r.startswith("tests/test_"))]
-    x_one, x_all = int(re.search(rf"\.{chosen[-1]}\((\d+)\) ==", tests)[1]), int(re.search(r"x = (\d+)", tests)[1])
+    x_one = int(re.search(rf"\.{chosen[-1]}\((\d+)\) ==", tests)[1])
+    x_all = int(re.search(r"x = (\d+)", tests)[1])
     value = lambda f, x, op=None: eval(expr(f, op), {"x": x})  # noqa: S307 (our own arithmetic)
 
     def chain(x, op):  # test_all's value with the last chosen function computing op
@@ -3491,83 +3555,98 @@ def micro_episode(files, chosen, mode, rng, p_blind=0.0, p_hint=0.0, p_absent=0.
     # a wrong operation for the mistake: one both of its tests see
     wrong = [op for op in MICRO_OPS if value(chosen[-1], x_one, op) != value(chosen[-1], x_one)
              and chain(x_all, op) != chain(x_all, None)]
+    if not seen:
+        read()
     for q in chosen:
         if q == chosen[-1] and wrong and rng.random() < p_mistake:  # seen in the test run, then fixed
-            turns += write(q, rng.choice(wrong))
-            turns += [("assistant", "call test()"), ("tool", test_reply(n_tests - 2, [f"test_{q}", "test_all"]))]
-        turns += write(q)
-    return turns + [("assistant", "call test()"), ("tool", test_reply(n_tests, [])),
-                    ("assistant", "call submit()")]
+            write(q, rng.choice(wrong))
+            call("call test()", test_reply(n_tests - 2, [f"test_{q}", "test_all"]))
+        write(q)
+    call("call test()", test_reply(n_tests, []))
+    call("call submit()")
+    return segments + [turns]
 
 
 READ_FIRST = "Read the file before you edit it."
 
 
 class TaskPool:
-    """RL's coding tasks by level, made while training runs. From micro-repositories (source None): the k-th
-    task of a level is the k-th that make produced from the micro-repositories seeded (seed, level, 0, 1, ...),
-    so what a run trains on depends on its seed alone, never on timing; a background thread keeps `ahead`
-    tasks made beyond those served at every level asked for so far. From a folder of tasks made by make
-    (source DIR): its served tasks by level, in turn. take(level) may wait for a make."""
+    """Coding tasks by level, made while training runs. From micro-repositories (source None): slot k of a
+    level is what make produces from the micro-repository seeded (seed, level, k), or nothing, so what a run
+    trains on depends on its seed alone, never on timing. A background thread makes the slots asked for, in
+    the order asked; take(level) serves the level's next task `uses` times, asking for `ahead` slots beyond it,
+    and waits for a make only when the pool has run dry. From a folder of tasks made by make (source DIR):
+    its tasks by level, in turn. held_out: the micro-repositories no transcript or training task draws from."""
 
-    def __init__(self, out, seed, box=None, ahead=2, source=None):
-        self.out, self.seed, self.box, self.ahead = Path(out), seed, box, ahead
-        self.ready = {level: [] for level in MICRO_LEVELS}  # made, in order
-        self.served = dict.fromkeys(MICRO_LEVELS, 0)
-        self.tried, self.wanted, self.made, self.error = dict.fromkeys(MICRO_LEVELS, 0), {1}, 0, None
-        self.cond = threading.Condition()
+    def __init__(self, out, seed, box=None, ahead=2, uses=1, source=None, held_out=False, workers=1):
+        self.out, self.seed, self.box, self.ahead, self.uses = Path(out), seed, box, ahead, uses
+        self.source, self.held_out = source, held_out
+        self.slots, self.queue, self.asked, self.served = {}, deque(), set(), dict.fromkeys(MICRO_LEVELS, 0)
+        self.made, self.error, self.cond = 0, None, threading.Condition()
+        self.listed = {level: [] for level in MICRO_LEVELS}
         if source is not None:
             for d in served(source, unrecorded=True):
-                self.ready[task_level(json.loads((d / "task.json").read_text()))].append(d)
-            if not any(self.ready.values()):
+                self.listed[task_level(json.loads((d / "task.json").read_text()))].append(d)
+            if not any(self.listed.values()):
                 raise TaskError(f"no task made by `tasks.py make` in {source}")
         else:
-            threading.Thread(target=self.work, daemon=True, name="task-maker").start()
-        self.source = source
+            for _ in range(workers):
+                threading.Thread(target=self.work, daemon=True, name="task-maker").start()
 
     def work(self):
         while True:
             with self.cond:
-                while (level := next((lv for lv in sorted(self.wanted)
-                                      if len(self.ready[lv]) - self.served[lv] < self.ahead), None)) is None:
+                while not self.queue:
                     self.cond.wait()
-                j, self.tried[level] = self.tried[level], self.tried[level] + 1
-            seed = int(hashlib.sha256(f"{self.seed}/{level}/{j}".encode()).hexdigest()[:12], 16)
+                level, k = self.queue.popleft()
+            seed = int(hashlib.sha256(f"{self.seed}/{level}/{k}".encode()).hexdigest()[:12], 16)
             try:
-                dirs = make_micro(self.out / f"level{level}", seed, level, self.box)
-            except TaskError:  # a micro-repository make found nothing to delete in: the next seed
-                dirs = []
-            except Exception as e:  # noqa: BLE001 (said by take, in the trainer's thread)
-                dirs, self.error = [], e
+                found = make_micro(self.out / f"level{level}", seed, level, self.box, held_out=self.held_out)
+            except TaskError:  # nothing make could delete in this one: the slot stays empty
+                found = []
+            except Exception as e:  # noqa: BLE001 (raised again by get, in the trainer's thread)
+                found, self.error = [], e
             with self.cond:
-                self.ready[level] += dirs
-                self.made += len(dirs)
+                self.slots[level, k] = found[0] if found else None
+                self.made += bool(found)
                 self.cond.notify_all()
 
-    def take(self, level):
-        """The next task folder of a level (from a folder of tasks: the nearest level it has)."""
+    def ask(self, level, ks):
         with self.cond:
-            if self.source is not None:
-                level = min((lv for lv in self.ready if self.ready[lv]), key=lambda lv: (abs(lv - level), lv))
-                d = self.ready[level][self.served[level] % len(self.ready[level])]
-            else:
-                self.wanted.add(level)
-                self.cond.notify_all()
-                while len(self.ready[level]) <= self.served[level] and self.error is None:
-                    self.cond.wait()
-                if self.error is not None:
-                    raise TaskError(f"making micro-repository tasks failed: {self.error}")
-                d = self.ready[level][self.served[level]]
+            for k in ks:
+                if (level, k) not in self.asked:
+                    self.asked.add((level, k))
+                    self.queue.append((level, k))
+            self.cond.notify_all()
+
+    def get(self, level, k):
+        """Slot k of a level (a task folder, or None), once made."""
+        self.ask(level, [k])
+        with self.cond:
+            while (level, k) not in self.slots and self.error is None:
+                self.cond.wait()
+            if self.error is not None:
+                raise TaskError(f"making micro-repository tasks failed: {self.error}")
+            return self.slots[level, k]
+
+    def take(self, level):
+        """The level's next task folder (from a folder of tasks: the nearest level it has)."""
+        if self.source is not None:
+            level = min((lv for lv in self.listed if self.listed[lv]), key=lambda lv: (abs(lv - level), lv))
             self.served[level] += 1
-            return d
+            return self.listed[level][(self.served[level] - 1) % len(self.listed[level])]
+        while True:
+            k, self.served[level] = self.served[level] // self.uses, self.served[level] + 1
+            self.ask(level, range(k, k + self.ahead + 1))
+            if (d := self.get(level, k)) is not None:
+                return d
+            self.served[level] = (k + 1) * self.uses  # an empty slot: on to the next
 
     def state_dict(self):
         return {"served": {str(k): v for k, v in self.served.items()}}
 
     def load_state_dict(self, state):
-        with self.cond:
-            self.served.update({int(k): v for k, v in state["served"].items()})
-            self.cond.notify_all()
+        self.served.update({int(k): v for k, v in state["served"].items()})
 
 
 # -----------------------------------------------------------------------------

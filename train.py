@@ -69,7 +69,7 @@ from torch.distributed.tensor import DTensor
 from mesh import (CommCounter, LayoutError, build_meshes, expert_shard_dim, init_distributed, make_layout,
                   parallelize)
 import tasks
-from feedback import RULES, Feedback, FeedbackConfig
+from feedback import RULES, Feedback, FeedbackConfig, read_first
 from grpo import (SUMMARY_REQUEST, Bridge, GRPOConfig, PeerLost, Weights, grpo_loss, logprobs, minibatches,
                   pack_policy, rollout, serve_rollouts)
 from model import (PRESETS, VOCAB_SIZE, CheckpointError, ContextParallel, ModelConfig, Transformer, encode,
@@ -131,8 +131,9 @@ g.add_argument("--reduce-every-micro-batch", action="store_true",
                help="with --grad-accum: reduce-scatter after every micro-batch instead, so no rank holds "
                     "unsharded gradients between them (N times the gradient traffic; what a model whose "
                     "whole gradient does not fit a rank needs)")
-g.add_argument("--seq-len", type=int, default=256,
-               help="tokens per sequence (at most the preset's max_seq_len)")
+g.add_argument("--seq-len", type=int, default=None,
+               help="tokens per sequence (at most the preset's max_seq_len); default 256, 640 with "
+                    "--rl-tasks code (an episode with its file reads is longer)")
 g.add_argument("--lr", type=float, default=8e-3,
                help="peak learning rate for both groups: Muon uses adjust_lr_fn='match_rms_adamw' so one "
                     "AdamW-style lr serves the matrices and the embeddings/head/router/norms alike")
@@ -212,9 +213,17 @@ g.add_argument("--init", default=None, choices=["scratch"],
 g.add_argument("--rl-steps", type=int, default=16,
                help="RL steps (each: sample, then --ppo-epochs x --ppo-minibatches updates)")
 g.add_argument("--group-size", type=int, default=8, help="rollouts per task (the GRPO group)")
-g.add_argument("--rl-tasks", default="short", choices=["short", "long"],
+g.add_argument("--rl-tasks", default="short", choices=["short", "long", "code"],
                help="short: nested expressions of 1-4 calls (a CPU learns them in minutes); long: chains of "
-                    "8 x level calls that run past the context (summaries; a slip costs the reward little)")
+                    "8 x level calls that run past the context (summaries; a slip costs the reward little); "
+                    "code: feature deletion, the policy a coding agent (tasks.CodeEnv) rewarded by verify, "
+                    "on micro-repositories made while it trains, or on --task-dir")
+g.add_argument("--verify-workers", type=int, default=2,
+               help="with --rl-tasks code: threads that verify finished episodes while the others sample "
+                    "(0: each verify holds up sampling)")
+g.add_argument("--task-dir", default=None, metavar="DIR",
+               help="with --rl-tasks code: RL on the tasks `python tasks.py make` wrote in DIR (each runs "
+                    "its tests with the --python it was made with) instead of micro-repositories")
 g.add_argument("--max-gen-tokens", type=int, default=None,
                help="tokens a rollout may write over all its turns (L_max, also the loss's constant "
                     "normaliser); default 512 for long tasks, 128 for short")
@@ -223,7 +232,7 @@ g.add_argument("--tasks-per-step", type=int, default=None,
                     "default: 8 rounded up to a multiple of the world size")
 g.add_argument("--rl-lr", type=float, default=5e-4, help="RL learning rate (both groups)")
 g.add_argument("--feedback-coef", type=float, default=0.1, help="lambda of the feedback KL (0: pure RL)")
-g.add_argument("--feedback-rules", default="tool_not_found,capital",
+g.add_argument("--feedback-rules", default=None,
                help=f"comma-separated hint rules of feedback.py: {', '.join(name for name, _ in RULES)}")
 g.add_argument("--feedback-estimator", default="full", choices=["full", "sampled"],
                help="full: exact KL over the vocabulary; sampled: the sampled-token estimator")
@@ -246,8 +255,9 @@ g.add_argument("--ppo-minibatches", type=int, default=1,
                help="optimizer steps a pass, each on whole groups of this rank's (split as evenly "
                     "as they allow)")
 g.add_argument("--rl-eval-every", type=int, default=8, help="RL steps between held-out evaluations")
-g.add_argument("--rl-eval-tasks", type=int, default=64,
-               help="held-out tasks a level (1 and 2) per evaluation; 0: none")
+g.add_argument("--rl-eval-tasks", type=int, default=None,
+               help="held-out tasks a level (1 and 2) per evaluation; 0: none (default 64; code: 24, "
+                    "from held-out micro-repositories)")
 g.add_argument("--sampler-bits", type=int, default=0, choices=[0, 8],
                help="8: sample with 8-bit block-quantised weights (MXFP8-like), corrected by truncated "
                     "importance weights")
@@ -465,7 +475,14 @@ if args.num_experts is not None:
         die(f"--num-experts {args.num_experts} is fewer than the {args.preset} preset's "
             f"top-{cfg.top_k} routing")
     cfg = ModelConfig(**{**asdict(cfg), "num_experts": args.num_experts})
-args.max_gen_tokens = args.max_gen_tokens or (512 if args.rl_tasks == "long" else 128)
+if args.task_dir is not None and args.rl_tasks != "code":
+    die("--task-dir holds feature-deletion tasks: pass --rl-tasks code with it")
+if args.task_dir is not None and not Path(args.task_dir).is_dir():
+    die(f"--task-dir {args.task_dir}: no such folder")
+CODE = args.rl_tasks == "code"
+args.seq_len = args.seq_len or (640 if CODE else 256)
+args.max_gen_tokens = args.max_gen_tokens or {"long": 512, "code": 256}.get(args.rl_tasks, 128)
+args.rl_eval_tasks = args.rl_eval_tasks if args.rl_eval_tasks is not None else 24 if CODE else 64
 for flag in ("steps", "batch_size", "grad_accum", "seq_len", "log_every", "eval_every", "eval_batches",
              "keep", "max_gen_tokens"):
     if getattr(args, flag) <= 0:
@@ -531,6 +548,7 @@ if args.stage != "pretrain":
         die(f"--ppo-minibatches {args.ppo_minibatches}: each is whole groups, and a rank has "
             f"{args.tasks_per_step // world_size} (--tasks-per-step {args.tasks_per_step} "
             f"over {world_size} ranks)")
+    args.feedback_rules = args.feedback_rules or ("tool_not_found,read_first" if CODE else "tool_not_found,capital")
     unknown = set(args.feedback_rules.split(",")) - {name for name, _ in RULES}
     if unknown:
         die(f"--feedback-rules: unknown rule(s) {', '.join(sorted(unknown))}; choose from "
@@ -603,14 +621,57 @@ if args.dry_run:  # everything above ran as it would under torchrun; nothing bel
           f"{checkpoint_bytes / 2**30:,.2f} GiB on disk")
     sys.exit(0)
 
-# RL's tasks and sampling, shared by the trainer ranks and, with --rollout-ranks, the rollout ranks
+# RL's tasks and sampling, shared by the trainer ranks and, with --rollout-ranks, the rollout ranks.
+# --rl-tasks code: an assistant message holds an edit of a few lines; a segment holds the opening, a file's
+# lines and the edits (past the budget, a summary); a reply is cut to what that context holds; a task made
+# serves CODE_USES groups (make takes about 2.5 s a micro-repository task on a 2-core CPU); the transcripts
+# mix has CODE_SHARE coding episodes.
+CODE_MESSAGE, CODE_BUDGET, CODE_REPLY, CODE_USES, CODE_SHARE = 64, 480, 200, 2, 0.9
 trainers = world_size  # the ranks that train (all but the rollout ranks)
 grpo_cfg = GRPOConfig(group_size=args.group_size, max_gen_tokens=args.max_gen_tokens, kl_coef=args.kl_coef,
                       kl_estimator=args.kl_estimator, sampler_bits=args.sampler_bits,
-                      temperature=args.temperature)
+                      temperature=args.temperature,
+                      # a coding episode: edits of a few lines, file reads, a context that holds them
+                      **(dict(max_message_tokens=CODE_MESSAGE, context_budget=CODE_BUDGET) if CODE else {}))
 make_task, make_env = ((tasks.make_chain_task, tasks.ChainEnv) if args.rl_tasks == "long" else
                        (tasks.make_tool_task, tasks.ToolEnv))
-difficulty = tasks.DifficultySampler()
+difficulty = tasks.DifficultySampler(max_level=len(tasks.MICRO_LEVELS) if CODE else tasks.MAX_DIFFICULTY)
+code_pools = {}  # --rl-tasks code: a task pool a data rank (micro-repositories, or --task-dir)
+
+
+def code_pool(data_rank):
+    """The tasks a data-parallel rank trains on. A rank (or the rollout rank that samples for it) makes its own,
+    in its own sandboxes, from micro-repositories seeded by (seed, rank); each serves CODE_USES groups."""
+    if data_rank not in code_pools:
+        code_pools[data_rank] = tasks.TaskPool(Path(args.out) / "tasks" / f"rank{data_rank}",
+                                               f"{args.seed}/{data_rank}", uses=CODE_USES,
+                                               source=args.task_dir)
+    return code_pools[data_rank]
+
+
+verifier = tasks.Verifier(args.verify_workers) if CODE else None
+
+
+def code_env(task_dir):
+    return tasks.CodeEnv(task_dir, reply_limit=CODE_REPLY, verifier=verifier)
+
+
+def held_out_code(wait=True):
+    """This rank's held-out coding tasks, [(level, folder)], made from micro-repositories no transcript or
+    training task draws from, the same whatever the world size (slots make found nothing in are left out);
+    with --task-dir, that folder's first tasks of levels 1 and 2 (it has no held-out split). wait=False: only
+    ask for them (they are made while pretraining runs)."""
+    mine = [(lvl, k) for lvl in (1, 2) for k in range(args.rl_eval_tasks)][rank::world_size]
+    if args.task_dir:
+        listed = code_pool(-1).listed
+        return [(lvl, listed[lvl][k]) for lvl, k in mine if k < len(listed[lvl])]
+    if "held-out" not in code_pools:
+        code_pools["held-out"] = tasks.TaskPool(Path(args.out) / "tasks" / "held-out", "held-out",
+                                                held_out=True)
+    pool = code_pools["held-out"]
+    for lvl in (1, 2):
+        pool.ask(lvl, [k for lv, k in mine if lv == lvl])
+    return [(lvl, d) for lvl, k in mine for d in [pool.get(lvl, k)] if d is not None] if wait else None
 
 
 def episodes(rl_step, data_rank):
@@ -622,6 +683,9 @@ def episodes(rl_step, data_rank):
     task_rng = random.Random(f"{args.seed}/{rl_step}/{data_rank}")
     gen = torch.Generator().manual_seed(task_rng.getrandbits(63))
     groups = args.tasks_per_step // trainers  # a rank's share of the step's tasks
+    if CODE:
+        return level, [code_env(d) for d in (code_pool(data_rank).take(level) for _ in range(groups))
+                       for _ in range(args.group_size)], gen
     return level, [make_env(task) for task in (make_task(task_rng, level) for _ in range(groups))
                    for _ in range(args.group_size)], gen
 
@@ -629,6 +693,11 @@ def episodes(rl_step, data_rank):
 rank, local_rank, world_size, device, bridge = init_distributed(
     None if args.device == "auto" else args.device, args.rollout_ranks)
 bridge = Bridge(bridge, trainers) if bridge is not None else None
+if CODE and args.stage != "pretrain" and not args.dry_run:  # tasks are made while pretraining runs
+    if launch_rank < trainers and args.rl_eval_tasks:
+        held_out_code(wait=False)
+    for r in [rank] if bridge is None else []:  # (a rollout rank asks when the trainers say where RL starts)
+        code_pool(r).ask(1, range(CODE_USES))
 
 
 def peer_lost(why):
@@ -867,11 +936,11 @@ def transcripts(n, seed):
     here = Path(__file__).resolve().parent
     key = hashlib.sha256(b"".join((here / f).read_bytes()
                                   for f in ("tasks.py", "model.py", "grpo.py"))).hexdigest()[:16]
-    path = CACHE / f"tools-{n}-{seed}-{key}.npy"
+    path = CACHE / f"{'code' if CODE else 'tools'}-{n}-{seed}-{key}.npy"
     with contextlib.suppress(OSError, ValueError, EOFError):
         return np.load(path)
     text = tasks.corpus(n, seed=seed, long_share=LONG_SHARE, budget=GRPOConfig.context_budget,
-                        request=SUMMARY_REQUEST)
+                        request=SUMMARY_REQUEST, code_share=CODE_SHARE if CODE else 0.0, code_budget=CODE_BUDGET)
     tokens = np.array(encode(text, specials=True), dtype=np.uint16)
     keep_in_cache(path, lambda f: np.save(f, tokens))
     return tokens
@@ -1541,10 +1610,44 @@ def episode_stats(envs, trajs):
                            sum(len(t.segments) - 1 for t in trajs), len(envs)])
 
 
+def code_stats(envs):
+    """Coding episodes, summed over the ranks: edits of a file not read first (feedback's read_first rule),
+    trajectories the monitor flagged, test runs, submits."""
+    blind = sum(read_first(text, turns[i + 1][1] if i + 1 < len(turns) and turns[i + 1][0] == "tool" else None,
+                           turns[:i]) is not None
+                for turns in (e.turns for e in envs) for i, (role, text) in enumerate(turns) if role == "assistant")
+    return sum_over_ranks([blind, sum(bool(e.flags) for e in envs), sum(e.tests for e in envs),
+                           sum(e.done and e.turns[-1][1].strip().endswith("submit()") for e in envs)])
+
+
+verified = {"verify_s": 0.0, "verify_wait_s": 0.0, "verifies": 0, "verifies_shared": 0}  # so far
+
+
+def code_record(envs, n_episodes, calls, rl_step):
+    """An RL step's coding figures: edits of unread files, flagged trajectories (each written with its steps
+    to flagged.jsonl), visible test runs and submits an episode; this rank's verification time (all of it,
+    and what the sampler waited), and the tasks its pool has made."""
+    blind, flagged, tests, submits = code_stats(envs)
+    for e in envs:
+        if e.flags:
+            print(f"rank {rank}: RL step {rl_step}, task {e.dir.name}: flagged {e.flags}", flush=True)
+            with open(Path(args.out) / f"flagged-rank{rank}.jsonl", "a") as f:
+                f.write(json.dumps({"rl_step": rl_step, "task": str(e.dir), "flags": e.flags,
+                                    "steps": e.steps}) + "\n")
+    now = verifier.stats()
+    spent = {k: now[k] - verified[k] for k in now}
+    verified.update(now)
+    return {"blind_edit_rate": blind / max(1, calls), "hack_flags": flagged, "tests": tests / n_episodes,
+            "submit_rate": submits / n_episodes, "verify_ms": 1000 * spent["verify_s"],
+            "verify_wait_ms": 1000 * spent["verify_wait_s"], "verifies": spent["verifies"],
+            "verifies_shared": spent["verifies_shared"], "tasks_made": code_pool(rank).made}
+
+
 # What the README promises of the default run, from the first held-out evaluation to the last: RL raises the
 # pass rate (mean of the levels) by PASS_GAIN or more, feedback cuts the "Call" rate by CALL_CUT times or
-# more, and the tool-not-found rate does not rise.
-PASS_GAIN, CALL_CUT = 0.1, 2.0
+# more, and the tool-not-found rate does not rise. Of --rl-tasks code: the pass rate rises by CODE_GAIN or
+# more, edits of unread files and absent tools do not rise, and the monitor flags nothing.
+PASS_GAIN, CALL_CUT, CODE_GAIN = 0.1, 2.0, 0.15
 evals = []  # this process's held-out evaluations
 
 
@@ -1553,14 +1656,23 @@ def verdict(first, last):
     pass0, pass1 = ((r["pass_level1"] + r["pass_level2"]) / 2 for r in (first, last))
     call0, call1 = first["capital_rate"], last["capital_rate"]
     tnf0, tnf1 = first["tool_error_rate"], last["tool_error_rate"]
-    checks = [(pass1 - pass0 >= PASS_GAIN, f"the pass rate rose less than {PASS_GAIN}",
-               f"held-out pass rate {pass0:.3f} -> {pass1:.3f} ({pass1 - pass0:+.3f}, README: +{PASS_GAIN} "
-               f"or more)"),
-              (call1 * CALL_CUT <= call0, f"'Call' fell less than {CALL_CUT:g}x",
-               f"'Call' rate {call0:.3f} -> {call1:.3f} ({call0 / max(call1, 1e-9):.1f}x fewer, README: "
-               f"{CALL_CUT:g}x or more)"),
-              (tnf1 <= tnf0, "tool-not-found rose",
-               f"tool-not-found rate {tnf0:.3f} -> {tnf1:.3f} (README: not higher)")]
+    gain = CODE_GAIN if CODE else PASS_GAIN
+    checks = [(pass1 - pass0 >= gain, f"the pass rate rose less than {gain}",
+               f"held-out pass rate {pass0:.3f} -> {pass1:.3f} ({pass1 - pass0:+.3f}, README: +{gain} "
+               f"or more)")]
+    if CODE:
+        blind0, blind1 = first["blind_edit_rate"], last["blind_edit_rate"]
+        flags = sum(r.get("hack_flags", 0) for r in evals)
+        checks += [(blind1 <= blind0, "edits of unread files rose",
+                    f"edits of unread files {blind0:.3f} -> {blind1:.3f} (README: not higher)"),
+                   (flags == 0, "the monitor flagged held-out episodes",
+                    f"{flags:g} held-out episodes flagged (README: 0)")]
+    else:
+        checks += [(call1 * CALL_CUT <= call0, f"'Call' fell less than {CALL_CUT:g}x",
+                    f"'Call' rate {call0:.3f} -> {call1:.3f} ({call0 / max(call1, 1e-9):.1f}x fewer, README: "
+                    f"{CALL_CUT:g}x or more)")]
+    checks += [(tnf1 <= tnf0, "tool-not-found rose",
+                f"tool-not-found rate {tnf0:.3f} -> {tnf1:.3f} (README: not higher)")]
     failed = [short for good, short, _ in checks if not good]
     return (f"verdict after {last['rl_step']} RL steps: " +
             ("NOT as the README expects: " + ", ".join(failed) if failed else
@@ -1577,21 +1689,35 @@ def rl_eval(rl_step, per_level=args.rl_eval_tasks):
         return
     print0(f"rl eval after {rl_step:3d} steps | sampling {2 * per_level} held-out episodes ...", end="\r")
     rng, gen_eval = random.Random(10**6), torch.Generator().manual_seed(10**6 + rank)
-    held_out = [(lvl, make_task(rng, lvl)) for lvl in (1, 2) for _ in range(per_level)]
-    mine = held_out[rank::world_size]
-    envs = [make_env(task) for _, task in mine]
+    if CODE:
+        mine = held_out_code()
+        envs = [code_env(d) for _, d in mine]
+    else:
+        held_out = [(lvl, make_task(rng, lvl)) for lvl in (1, 2) for _ in range(per_level)]
+        mine = held_out[rank::world_size]
+        envs = [make_env(task) for _, task in mine]
     trajs = sample(envs, gen_eval)
-    passed = sum_over_ranks([sum(t.reward for t, (lvl, _) in zip(trajs, mine) if lvl == lv) for lv in (1, 2)])
+    with open(Path(args.out) / f"samples-rank{rank}.jsonl", "a") as f:  # what the policy did, to read
+        for t, (lvl, _) in zip(trajs, mine):
+            f.write(json.dumps({"rl_step": rl_step, "level": lvl, "reward": t.reward, "turns": t.turns}) + "\n")
+    passed = sum_over_ranks([sum(t.reward for t, (lvl, _) in zip(trajs, mine) if lvl == lv) for lv in (1, 2)]
+                            + [sum(lvl == lv for lvl, _ in mine) for lv in (1, 2)])
     calls, errors, capital, _, summaries, episodes = episode_stats(envs, trajs)
     record = {"stage": "rl_eval", "step": steps_before_rl + rl_step, "rl_step": rl_step,
-              "pass_level1": passed[0] / per_level, "pass_level2": passed[1] / per_level,
+              "pass_level1": passed[0] / max(1, passed[2]), "pass_level2": passed[1] / max(1, passed[3]),
               "tool_error_rate": errors / max(1, calls), "capital_rate": capital / max(1, calls),
               "summaries": summaries / episodes}
+    if CODE:
+        blind, flagged, tests, submits = code_stats(envs)
+        record.update(blind_edit_rate=blind / max(1, calls), hack_flags=flagged, tests=tests / episodes,
+                      submit_rate=submits / episodes)
     log(record)
     evals.append(record)
     print0(f"rl eval after {rl_step:3d} steps | held-out pass rate level 1 {record['pass_level1']:.3f}, "
            f"level 2 {record['pass_level2']:.3f} | of calls: tool not found {record['tool_error_rate']:.3f}, "
-           f"'Call' {record['capital_rate']:.3f} | {record['summaries']:.1f} summaries an episode")
+           f"'Call' {record['capital_rate']:.3f} | {record['summaries']:.1f} summaries an episode"
+           + (f" | edits unread {record['blind_edit_rate']:.3f}, submitted {record['submit_rate']:.2f}, "
+              f"hack flags {record['hack_flags']}" if CODE else ""))
 
 
 if args.stage != "pretrain":
@@ -1614,6 +1740,8 @@ if args.stage != "pretrain":
         group["lr"] = args.rl_lr
     if rl_resumed:
         difficulty.load_state_dict(meta["difficulty"])
+        if "code_pool" in meta:
+            code_pool(rank).load_state_dict(meta["code_pool"])
     groups = args.tasks_per_step // world_size  # this rank's share of the step's tasks
     print0(f"RL: {args.rl_steps} steps x {args.tasks_per_step} tasks x {args.group_size} rollouts "
            f"({groups} a rank), lr {args.rl_lr}, feedback lambda {args.feedback_coef}, "
@@ -1722,16 +1850,21 @@ if args.stage != "pretrain":
                   "ms": 1000 * (time.perf_counter() - t0)}
         low, high = sum_over_ranks([-stats["tis_min"], stats["tis_max"]], op="max")
         record.update(tis_min=-low, tis_max=high)  # the spread of trainer / sampler over all ranks
+        if CODE:
+            record.update(code_record(envs, n_episodes, calls, rl_step))
         log(record)
         print0(f"rl step {rl_step:4d}/{args.rl_steps} | level {level} | reward {record['reward']:.3f} | "
                f"of calls: tool not found {record['tool_error_rate']:.3f}, "
-               f"'Call' {record['capital_rate']:.3f} | "
+               + (f"edits unread {record['blind_edit_rate']:.3f} | hack flags {record['hack_flags']} | "
+                  f"verify {record['verify_ms']:.0f} ms ({record['verify_wait_ms']:.0f} ms waited) | "
+                  if CODE else f"'Call' {record['capital_rate']:.3f} | ") +
                f"feedback KL {record['feedback_kl']:.4f} | {record['gen_tokens']:.0f} tokens | "
                f"{record['ms']:.0f} ms")
         saving = rl_step % args.rl_eval_every == 0 or rl_step == args.rl_steps
         if saving:
             rl_eval(rl_step)
-        rl_state = {"stage": "rl", "rl_step": rl_step, "difficulty": difficulty.state_dict()}
+        rl_state = {"stage": "rl", "rl_step": rl_step, "difficulty": difficulty.state_dict(),
+                    **({"code_pool": code_pool(rank).state_dict()} if CODE and bridge is None else {})}
         if saving:
             save_checkpoint(steps_before_rl + rl_step, **rl_state)
         if stopping:
