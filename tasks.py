@@ -527,7 +527,12 @@ def scratch():
     """A temporary folder named after this process (the next start removes it if this process dies first),
     readable by the sandbox's unprivileged user."""
     sweep()
-    d = tempfile.TemporaryDirectory(prefix=f"featdel-{os.getpid()}-")
+    # a SIGTERM between the folder's creation and its finalizer would leave it behind: it waits until then
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        d = tempfile.TemporaryDirectory(prefix=f"featdel-{os.getpid()}-")
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
     os.chmod(d.name, 0o755)
     return d
 
