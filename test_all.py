@@ -4615,8 +4615,8 @@ def run_readme_command(line, cwd, quick_start_out):
             run = (cwd / flags[at]).parent if named else out
             if at and not run.exists():
                 shutil.copytree(quick_start_out(), run)  # a resume needs a run before it: the quick start's
-            default_steps = re.search(r'"--steps", type=int, default=(\d+)',
-                                      (HERE / "train.py").read_text())[1]
+            default_steps = re.search(r'\("steps", (\d+), (\d+)\)',  # (flag, default, with --rl-tasks code)
+                                      (HERE / "train.py").read_text())[2 if "code" in flags else 1]
             # a pretraining checkpoint of the full-length run -> the shortened run's
             for k, a in enumerate(flags):
                 if re.fullmatch(r".*step-\d{8}", a) and not (cwd / a).exists():

@@ -120,9 +120,12 @@ g.add_argument("--init-from", default=None, metavar="DIR",
 g.add_argument("--num-experts", type=int, default=None,
                help="routed experts per MoE layer (default: the preset's)")
 g = parser.add_argument_group("run")
-g.add_argument("--steps", type=int, default=700,
-               help="optimizer steps in total (a resumed run stops here too)")
-g.add_argument("--batch-size", type=int, default=8, help="global batch in sequences, whatever the layout")
+g.add_argument("--steps", type=int, default=None,
+               help="optimizer steps in total (a resumed run stops here too); default 700, 800 with --rl-tasks "
+                    "code")
+g.add_argument("--batch-size", type=int, default=None,
+               help="global batch in sequences, whatever the layout; default 8, 4 with --rl-tasks code (its "
+                    "sequences are 2.5x as long)")
 g.add_argument("--grad-accum", type=int, default=1,
                help="micro-batches a step: a rank runs batch-size/(data-parallel ranks x N) sequences a "
                     "forward, gradients add up and FSDP reduce-scatters them once, after the last (with "
@@ -210,8 +213,9 @@ g.add_argument("--stage", default=None, choices=["pretrain", "rl", "both"],
                     "not your corpus)")
 g.add_argument("--init", default=None, choices=["scratch"],
                help="scratch: let --stage rl start from random weights (a smoke test: it earns no reward)")
-g.add_argument("--rl-steps", type=int, default=16,
-               help="RL steps (each: sample, then --ppo-epochs x --ppo-minibatches updates)")
+g.add_argument("--rl-steps", type=int, default=None,
+               help="RL steps (each: sample, then --ppo-epochs x --ppo-minibatches updates); default 16, 12 "
+                    "with --rl-tasks code")
 g.add_argument("--group-size", type=int, default=8, help="rollouts per task (the GRPO group)")
 g.add_argument("--rl-tasks", default="short", choices=["short", "long", "code"],
                help="short: nested expressions of 1-4 calls (a CPU learns them in minutes); long: chains of "
@@ -229,7 +233,7 @@ g.add_argument("--max-gen-tokens", type=int, default=None,
                     "normaliser); default 512 for long tasks, 128 for short")
 g.add_argument("--tasks-per-step", type=int, default=None,
                help="tasks (groups) per RL step, a multiple of the world size (each rank samples its own); "
-                    "default: 8 rounded up to a multiple of the world size")
+                    "default: 8 (--rl-tasks code: 4) rounded up to a multiple of the world size")
 g.add_argument("--rl-lr", type=float, default=5e-4, help="RL learning rate (both groups)")
 g.add_argument("--feedback-coef", type=float, default=0.1, help="lambda of the feedback KL (0: pure RL)")
 g.add_argument("--feedback-rules", default=None,
@@ -480,7 +484,9 @@ if args.task_dir is not None and args.rl_tasks != "code":
 if args.task_dir is not None and not Path(args.task_dir).is_dir():
     die(f"--task-dir {args.task_dir}: no such folder")
 CODE = args.rl_tasks == "code"
-args.seq_len = args.seq_len or (640 if CODE else 256)
+for flag, default, code in (("seq_len", 256, 640), ("steps", 700, 800), ("batch_size", 8, 4), ("rl_steps", 16, 12)):
+    if getattr(args, flag) is None:  # the code family's episodes are longer, and need fewer of them
+        setattr(args, flag, code if CODE else default)
 args.max_gen_tokens = args.max_gen_tokens or {"long": 512, "code": 256}.get(args.rl_tasks, 128)
 args.rl_eval_tasks = args.rl_eval_tasks if args.rl_eval_tasks is not None else 24 if CODE else 64
 for flag in ("steps", "batch_size", "grad_accum", "seq_len", "log_every", "eval_every", "eval_batches",
@@ -536,7 +542,7 @@ if args.stage == "rl" and not (args.resume or args.init_from) and args.init != "
     die("--stage rl needs a model to start from: run `python train.py --stage pretrain` first, then "
         "`python train.py --stage rl --resume` (or pass --init scratch to start RL from random weights)")
 if args.stage != "pretrain":
-    args.tasks_per_step = args.tasks_per_step or -(-8 // world_size) * world_size  # >= 8, one a rank at least
+    args.tasks_per_step = args.tasks_per_step or -(-(4 if CODE else 8) // world_size) * world_size
     if min(args.rl_steps, args.tasks_per_step, args.rl_lr, args.rl_eval_every) <= 0 or args.group_size < 2:
         die("the RL stage needs --rl-steps, --tasks-per-step, --rl-lr and --rl-eval-every > 0, "
             "--group-size >= 2")
