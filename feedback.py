@@ -44,7 +44,8 @@ class FeedbackConfig:
 
 # -----------------------------------------------------------------------------
 # Rules: (name, detector) pairs; a detector reads an assistant message, the environment's reply to it (None
-# when there was none) and the turns before it, and returns a hint for that message, or None. The reward sees none of this: a slip the
+# when there was none) and the turns before it, and returns a hint for that message, or None. The reward sees
+# none of this: a slip the
 # episode recovers from, or a style the environment accepts, costs the final answer nothing.
 
 

@@ -3054,11 +3054,11 @@ def read_trajectory(path):
 
 # -----------------------------------------------------------------------------
 # The coding environment: an episode on one task made by make, driven like the tool-use family (the Env
-# protocol, calls in the same syntax: `call read(calc/core.py)`). The opening says what to write and where; the
-# policy then lists, reads, greps, replaces or inserts lines, runs the visible tests, and submits. Its edits
-# live in the episode's own copy of the snapshot: the files it wrote, over the read-only snapshot (an episode
-# is a few bytes until it edits, and pickles whole to a trainer from a rollout rank). The file tools are text
-# operations of the host that never follow a link and never write a test or a configuration file; the
+# protocol, calls in the same syntax: `call read(calc/core.py)`). The opening says what to write and where;
+# the policy then lists, reads, greps, replaces or inserts lines, runs the visible tests, and submits. Its
+# edits live in the episode's own copy of the snapshot: the files it wrote, over the read-only snapshot (an
+# episode is a few bytes until it edits, and pickles whole to a trainer from a rollout rank). The file tools
+# are text operations of the host that never follow a link and never write a test or a configuration file; the
 # policy's code runs only in the Sandbox, on a copy, when it runs the tests. The reward is verify on the final
 # tree (the repository's tests and the hidden oracle), never the visible test run, and 0 when the monitor
 # flags the trajectory. Replies are cut to a budget a small model's context holds.
@@ -3315,7 +3315,8 @@ class Verifier:
     was held up by it."""
 
     def __init__(self, workers=2):
-        self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="verify") if workers else None
+        self.pool = (concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="verify") if workers
+                     else None)
         self.lock, self.cache, self.tests = threading.Lock(), {}, {}
         self.seconds = self.blocked = self.since = 0.0
         self.runs = self.hits = self.waiters = 0
@@ -3373,7 +3374,8 @@ class Verifier:
     def verify(self, task_dir, edits, box):
         t0 = time.perf_counter()
         with scratch() as tmp:
-            result = verify(task_dir, workdir=materialize(task_dir / "repo", edits, Path(tmp, "repo")), box=box)
+            work = materialize(task_dir / "repo", edits, Path(tmp, "repo"))
+            result = verify(task_dir, workdir=work, box=box)
         with self.lock:
             self.seconds, self.runs = self.seconds + time.perf_counter() - t0, self.runs + 1
         return result
@@ -3411,9 +3413,9 @@ VERIFIER = Verifier()
 # Micro-repositories: a feature-deletion family the tiny CPU model can learn. Each is a real package with a
 # real pytest suite: one module of one-line functions named for what they do (`mul4` returns x * 4, the
 # tool-use family's operations), a test a function and one test of all of them composed. make turns them into
-# tasks like any repository (baseline, trace, delete, scrub, scan, oracle, the gold's verify), at three levels:
-# one function stubbed, two related ones stubbed, two removed (signatures and all). Gold transcripts of the
-# episode (read, edit, test, submit; sometimes a wrong edit that the test run shows and a fix) join the
+# tasks like any repository (baseline, trace, delete, scrub, scan, oracle, the gold's verify), at three
+# levels: one function stubbed, two related ones stubbed, two removed (signatures and all). Gold transcripts
+# of the episode (read, edit, test, submit; sometimes a wrong edit that the test run shows and a fix) join the
 # pretraining mix; they are rendered with the functions CodeEnv replies with, so they show what an episode
 # shows.
 
@@ -3479,20 +3481,21 @@ def make_micro(out, seed, level, box=None, n=1, held_out=False):
     return [Path(out, t["id"]) for t in made if task_level(t) == level]
 
 
-def code_transcript(rng, level, p_blind=0.0, p_hint=0.0, p_absent=0.0, p_mistake=0.0, budget=None, request=""):
+def code_transcript(rng, level, p_blind=0.0, p_hint=0.0, p_absent=0.0, p_mistake=0.0, budget=None,
+                    request=""):
     """A gold episode on a fresh micro-repository, with the replies CodeEnv gives: read the module, write each
     function, run the tests, submit. Habits the reward cannot see, for RL and feedback to remove: with p_blind
     the edits come without reading the module (with p_hint, given that, the read-before-edit hint comes first
     and the module is read); with p_absent the first call reaches for an absent tool. With p_mistake the last
-    edit first writes another operation, and the test run shows it and the fix follows. Cut into the segments a
-    rollout makes (as chain_transcript): past `budget` tokens after a reply, the user turn `request` asks for a
-    summary (the calls done so far), the next segment starts from the opening and that summary, and reads the
-    module again before its next edit. -> [segment: [turn]]"""
+    edit first writes another operation, and the test run shows it and the fix follows. Cut into the segments
+    a rollout makes (as chain_transcript): past `budget` tokens after a reply, the user turn `request` asks
+    for a summary (the calls done so far), the next segment starts from the opening and that summary, and
+    reads the module again before its next edit. -> [segment: [turn]]"""
     files = micro_files(rng)
     mode, group = MICRO_LEVELS[level]
     funcs = [n.name for n in ast.parse(files[micro_module(files)]).body]
-    return micro_episode(files, rng.sample(funcs, group), mode, rng, p_blind, p_hint, p_absent, p_mistake, budget,
-                         request)
+    return micro_episode(files, rng.sample(funcs, group), mode, rng, p_blind, p_hint, p_absent, p_mistake,
+                         budget, request)
 
 
 def micro_module(files):
@@ -3508,8 +3511,10 @@ def micro_episode(files, chosen, mode, rng, p_blind=0.0, p_hint=0.0, p_absent=0.
     tree = ast.parse(src)
     funcs = [n.name for n in tree.body]
     chosen = sorted(chosen, key=funcs.index)
-    lines = apply_edits(src, [delete_edit(src, find_def(tree, q), mode) for q in chosen]).decode().split("\n")[:-1]
-    task = {"mode": mode, "deleted": [{"file": rel, "qualname": q, "signature": f"def {q}(x)"} for q in chosen]}
+    lines = apply_edits(src, [delete_edit(src, find_def(tree, q), mode) for q in chosen]).decode()
+    lines = lines.split("\n")[:-1]
+    task = {"mode": mode,
+            "deleted": [{"file": rel, "qualname": q, "signature": f"def {q}(x)"} for q in chosen]}
     expr = lambda q, op=None: MICRO_OPS[op or q[:3]].format(k=q[3:])
     prompt = [("user", opening(task))]
     segments, turns, done, seen = [], list(prompt), [], False
@@ -3517,8 +3522,8 @@ def micro_episode(files, chosen, mode, rng, p_blind=0.0, p_hint=0.0, p_absent=0.
     def call(message, reply=None):  # one call and its reply; a summary when the segment is full
         nonlocal turns, seen
         turns += [("assistant", message)] + ([("tool", reply)] if reply is not None else [])
-        done.append(message.split("(")[0].split()[-1] + (f" ({reply.split(';')[0]})" if " failed" in (reply or "")
-                                                         else ""))
+        failed = f" ({reply.split(';')[0]})" if " failed" in (reply or "") else ""
+        done.append(message.split("(")[0].split()[-1] + failed)
         if budget and reply is not None and sum(map(turn_length, turns)) > budget:
             summary = "done: " + ", ".join(done)
             segments.append(turns + [("user", request), ("assistant", summary)])
@@ -3579,9 +3584,10 @@ class TaskPool:
     """Coding tasks by level, made while training runs. From micro-repositories (source None): slot k of a
     level is what make produces from the micro-repository seeded (seed, level, k), or nothing, so what a run
     trains on depends on its seed alone, never on timing. A background thread makes the slots asked for, in
-    the order asked; take(level) serves the level's next task `uses` times, asking for `ahead` slots beyond it,
-    and waits for a make only when the pool has run dry. From a folder of tasks made by make (source DIR):
-    its tasks by level, in turn. held_out: the micro-repositories no transcript or training task draws from."""
+    the order asked; take(level) serves the level's next task `uses` times, asking for `ahead` slots beyond
+    it, and waits for a make only when the pool has run dry. From a folder of tasks made by make (source DIR):
+    its tasks by level, in turn. held_out: the micro-repositories no transcript or training task draws
+    from."""
 
     def __init__(self, out, seed, box=None, ahead=2, uses=1, source=None, held_out=False, workers=1):
         self.out, self.seed, self.box, self.ahead, self.uses = Path(out), seed, box, ahead, uses

@@ -4505,8 +4505,9 @@ def test_real_package_tinydb(tmp_path):
     verify the gold, and two RL steps of a (random) policy acting as a coding agent on the task, rewarded by
     verify, as `train.py --rl-tasks code --task-dir` runs them."""
     try:
-        dl = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q",
-                             "-d", str(tmp_path), "tinydb==4.9.0"], capture_output=True, text=True, timeout=180)
+        dl = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                             "-q", "-d", str(tmp_path), "tinydb==4.9.0"], capture_output=True, text=True,
+                            timeout=180)
     except subprocess.TimeoutExpired:
         pytest.skip("package index unreachable: pip download ran past 180 s")
     if dl.returncode:
@@ -4521,9 +4522,9 @@ def test_real_package_tinydb(tmp_path):
         assert tasks.verify(d, patch=d / "gold.patch")[0] == 1
     r = subprocess.run([sys.executable, str(HERE / "train.py"), "--rl-tasks", "code", "--task-dir",
                         str(tmp_path / "out"), "--stage", "rl", "--init", "scratch", "--rl-steps", "2",
-                        "--tasks-per-step", "1", "--group-size", "2", "--max-gen-tokens", "24", "--rl-eval-tasks",
-                        "0", "--ppo-epochs", "1", "--out", str(tmp_path / "run")], capture_output=True, text=True,
-                       timeout=300, env=os.environ | {"OMP_NUM_THREADS": "1"})
+                        "--tasks-per-step", "1", "--group-size", "2", "--max-gen-tokens", "24",
+                        "--rl-eval-tasks", "0", "--ppo-epochs", "1", "--out", str(tmp_path / "run")],
+                       capture_output=True, text=True, timeout=300, env=os.environ | {"OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
     steps = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     steps = [s for s in steps if s.get("stage") == "rl"]
@@ -4742,11 +4743,14 @@ def test_code_env_scripted_policies(made, tmp_path):
     env = episode(d, ["call ls()", "call read(calc/core.py)", f"call read(calc/core.py,{at - 2},{at + 1})",
                       f"call replace(calc/core.py,{at},{at})\n{gold}", "call test()", "call submit()"])
     replies = [text for role, text in env.turns if role == "tool"]
-    assert env.turns[0] == ("user", "fill in calc/core.py def mean(values): Arithmetic mean of a non-empty list.")
+    assert env.turns[0] == ("user", "fill in calc/core.py def mean(values): "
+                                    "Arithmetic mean of a non-empty list.")
     assert "calc/core.py" in replies[0] and "tests/test_calc.py" in replies[0] and ".git" not in replies[0]
-    assert replies[1].startswith('1|"""Core') and re.search(r"\n\.\.\. \d+ more lines: read\(calc/core.py,", replies[1])
+    assert replies[1].startswith('1|"""Core')
+    assert re.search(r"\n\.\.\. \d+ more lines: read\(calc/core.py,", replies[1])
     assert f"{at}|    raise NotImplementedError" in replies[2] and replies[3] == "ok"
-    assert replies[4] == f"{len(t['fail_to_pass']) + len(t['pass_to_pass']) + 1} passed", replies  # + test_flaky
+    need = len(t["fail_to_pass"]) + len(t["pass_to_pass"])
+    assert replies[4] == f"{need + 1} passed", replies  # and test_flaky
     assert env.done and env.reward() == 1 and env.flags == [] and env.tests == 1
     assert Path(d, "repo/calc/core.py").read_text().splitlines() == stub  # the snapshot never changes
     env = episode(d, ["call submit()"])

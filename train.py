@@ -121,8 +121,8 @@ g.add_argument("--num-experts", type=int, default=None,
                help="routed experts per MoE layer (default: the preset's)")
 g = parser.add_argument_group("run")
 g.add_argument("--steps", type=int, default=None,
-               help="optimizer steps in total (a resumed run stops here too); default 700, 800 with --rl-tasks "
-                    "code")
+               help="optimizer steps in total (a resumed run stops here too); default 700, 800 with "
+                    "--rl-tasks code")
 g.add_argument("--batch-size", type=int, default=None,
                help="global batch in sequences, whatever the layout; default 8, 4 with --rl-tasks code (its "
                     "sequences are 2.5x as long)")
@@ -484,7 +484,8 @@ if args.task_dir is not None and args.rl_tasks != "code":
 if args.task_dir is not None and not Path(args.task_dir).is_dir():
     die(f"--task-dir {args.task_dir}: no such folder")
 CODE = args.rl_tasks == "code"
-for flag, default, code in (("seq_len", 256, 640), ("steps", 700, 800), ("batch_size", 8, 4), ("rl_steps", 16, 12)):
+for flag, default, code in (("seq_len", 256, 640), ("steps", 700, 800), ("batch_size", 8, 4),
+                            ("rl_steps", 16, 12)):
     if getattr(args, flag) is None:  # the code family's episodes are longer, and need fewer of them
         setattr(args, flag, code if CODE else default)
 args.max_gen_tokens = args.max_gen_tokens or {"long": 512, "code": 256}.get(args.rl_tasks, 128)
@@ -554,7 +555,8 @@ if args.stage != "pretrain":
         die(f"--ppo-minibatches {args.ppo_minibatches}: each is whole groups, and a rank has "
             f"{args.tasks_per_step // world_size} (--tasks-per-step {args.tasks_per_step} "
             f"over {world_size} ranks)")
-    args.feedback_rules = args.feedback_rules or ("tool_not_found,read_first" if CODE else "tool_not_found,capital")
+    args.feedback_rules = args.feedback_rules or ("tool_not_found,read_first" if CODE
+                                                  else "tool_not_found,capital")
     unknown = set(args.feedback_rules.split(",")) - {name for name, _ in RULES}
     if unknown:
         die(f"--feedback-rules: unknown rule(s) {', '.join(sorted(unknown))}; choose from "
@@ -646,8 +648,9 @@ code_pools = {}  # --rl-tasks code: a task pool a data rank (micro-repositories,
 
 
 def code_pool(data_rank):
-    """The tasks a data-parallel rank trains on. A rank (or the rollout rank that samples for it) makes its own,
-    in its own sandboxes, from micro-repositories seeded by (seed, rank); each serves CODE_USES groups."""
+    """The tasks a data-parallel rank trains on. A rank (or the rollout rank that samples for it) makes its
+    own, in its own sandboxes, from micro-repositories seeded by (seed, rank); each serves CODE_USES
+    groups."""
     if data_rank not in code_pools:
         code_pools[data_rank] = tasks.TaskPool(Path(args.out) / "tasks" / f"rank{data_rank}",
                                                f"{args.seed}/{data_rank}", uses=CODE_USES,
@@ -946,7 +949,8 @@ def transcripts(n, seed):
     with contextlib.suppress(OSError, ValueError, EOFError):
         return np.load(path)
     text = tasks.corpus(n, seed=seed, long_share=LONG_SHARE, budget=GRPOConfig.context_budget,
-                        request=SUMMARY_REQUEST, code_share=CODE_SHARE if CODE else 0.0, code_budget=CODE_BUDGET)
+                        request=SUMMARY_REQUEST, code_share=CODE_SHARE if CODE else 0.0,
+                        code_budget=CODE_BUDGET)
     tokens = np.array(encode(text, specials=True), dtype=np.uint16)
     keep_in_cache(path, lambda f: np.save(f, tokens))
     return tokens
@@ -1619,9 +1623,10 @@ def episode_stats(envs, trajs):
 def code_stats(envs):
     """Coding episodes, summed over the ranks: edits of a file not read first (feedback's read_first rule),
     trajectories the monitor flagged, test runs, submits."""
-    blind = sum(read_first(text, turns[i + 1][1] if i + 1 < len(turns) and turns[i + 1][0] == "tool" else None,
-                           turns[:i]) is not None
-                for turns in (e.turns for e in envs) for i, (role, text) in enumerate(turns) if role == "assistant")
+    reply = lambda turns, i: turns[i + 1][1] if i + 1 < len(turns) and turns[i + 1][0] == "tool" else None
+    blind = sum(read_first(text, reply(turns, i), turns[:i]) is not None
+                for turns in (e.turns for e in envs) for i, (role, text) in enumerate(turns)
+                if role == "assistant")
     return sum_over_ranks([blind, sum(bool(e.flags) for e in envs), sum(e.tests for e in envs),
                            sum(e.done and e.turns[-1][1].strip().endswith("submit()") for e in envs)])
 
@@ -1705,7 +1710,8 @@ def rl_eval(rl_step, per_level=args.rl_eval_tasks):
     trajs = sample(envs, gen_eval)
     with open(Path(args.out) / f"samples-rank{rank}.jsonl", "a") as f:  # what the policy did, to read
         for t, (lvl, _) in zip(trajs, mine):
-            f.write(json.dumps({"rl_step": rl_step, "level": lvl, "reward": t.reward, "turns": t.turns}) + "\n")
+            f.write(json.dumps({"rl_step": rl_step, "level": lvl, "reward": t.reward,
+                                "turns": t.turns}) + "\n")
     passed = sum_over_ranks([sum(t.reward for t, (lvl, _) in zip(trajs, mine) if lvl == lv) for lv in (1, 2)]
                             + [sum(lvl == lv for lvl, _ in mine) for lv in (1, 2)])
     calls, errors, capital, _, summaries, episodes = episode_stats(envs, trajs)
