@@ -1770,6 +1770,7 @@ if args.stage != "pretrain":
         if bridge is None:
             level, envs, gen = episodes(rl_step, rank)
             trajs, lag = sample(envs, gen), {"staleness": 0}
+            lag["sample_ms"] = 1000 * (time.perf_counter() - t0)  # tasks, rollouts and their rewards
         else:  # sampled by a rollout rank, with the policy of step max(rl_start, rl_step - 1 - S)
             batch = receive(rl_step)
             level, trajs = batch["level"], batch["trajs"]
