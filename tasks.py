@@ -3223,6 +3223,8 @@ class CodeEnv:
         need = self.task["fail_to_pass"] + self.task["pass_to_pass"]
         if is_protected(rel) or rel in {t.split("::")[0] for t in need} or rel.split("/")[0] == ".git":
             return None, None, f"error: {rel} is read-only: tests and test configuration do not change"
+        if linked(self.snap, rel):
+            return None, None, f"error: {rel} is behind a link or not a file: only regular files change"
         if len(args) != n:
             return None, None, None
         lines, err = self.text_lines(rel)
@@ -3296,11 +3298,25 @@ class CodeEnv:
         return float((self.verifier or VERIFIER).result(self)[0])
 
 
+def linked(root, rel):
+    """Whether writing rel under root would go through a link or onto something that is not a regular file
+    (a repository may hold a link to anywhere)."""
+    p = Path(root)
+    for i, part in enumerate(rel.split("/")):
+        p = p / part
+        last = i == len(rel.split("/")) - 1
+        if p.is_symlink() or (p.exists() and not (p.is_file() if last else p.is_dir())):
+            return True
+    return False
+
+
 def materialize(snap, edits, dest):
-    """The episode's copy as a folder: the snapshot, then its edits written (their folders are real folders of
-    the snapshot or new ones: CodeEnv never writes through a link)."""
+    """The episode's copy as a folder: the snapshot, then its edits written, never through a link (CodeEnv
+    refuses such edits; this checks again)."""
     shutil.copytree(snap, dest, symlinks=True)
     for rel, data in edits.items():
+        if linked(dest, rel):
+            raise TaskError(f"refused to write {rel}: it is behind a link")
         Path(dest, rel).parent.mkdir(parents=True, exist_ok=True)
         Path(dest, rel).write_bytes(data)
     return dest

@@ -4763,20 +4763,28 @@ def test_code_env_scripted_policies(made, tmp_path):
     assert blind == "ok" and read_first(env.turns[3][1], blind, env.turns[:3]) == tasks.READ_FIRST
     assert read_first(env.turns[3][1], blind, [("assistant", "call read(calc/core.py)")]) is None
     assert bad == tasks.CODE_MALFORMED
-    # the copy's bounds: no path out, no link followed, tests and configuration read-only
+    # the copy's bounds: no path out, no link followed or written through, tests and configuration read-only
+    outside = tmp_path / "outside"
+    outside.mkdir()
     os.symlink(d / "gold.patch", d / "repo/calc/_gold.py")
+    os.symlink(outside, d / "repo/calc/_out")
     try:
         env = episode(d, ["call read(../gold.patch)", "call read(calc/_gold.py)", "call read(/etc/hostname)",
                           "call replace(tests/test_calc.py,1,1)\nx = 1", "call insert(pyproject.toml,0)\n[x]",
-                          "call grep(def mean)", "call test(--co)"])
+                          "call grep(def mean)", "call test(--co)", "call insert(calc/_out/x.py,0)\nX = 1",
+                          "call insert(calc/_gold.py,0)\nX = 1"])
         replies = [text for role, text in env.turns if role == "tool"]
+        with pytest.raises(tasks.TaskError, match="behind a link"):
+            tasks.materialize(d / "repo", {"calc/_out/x.py": b"X = 1\n"}, tmp_path / "copy")
     finally:
         os.unlink(d / "repo/calc/_gold.py")
+        os.unlink(d / "repo/calc/_out")
     assert replies[:3] == ["error: ../gold.patch: name a file inside the repository",
                            "error: no such file: calc/_gold.py",
                            "error: /etc/hostname: name a file inside the repository"], replies
     assert all("read-only" in r for r in replies[3:5]) and replies[5].startswith("calc/core.py:")
     assert replies[6] == "error: --co: name a file inside the repository" or "no such" in replies[6], replies
+    assert all("behind a link" in r for r in replies[7:9]) and not list(outside.iterdir()), replies
     assert env.reward() == 0 and {f["pattern"] for f in env.flags} >= {"task-files", "test-tamper"}
     # the forgeries, through the tools
     flagged = {}
