@@ -476,14 +476,15 @@ def unpack_policy(model, flat):
     return int(flat[0])
 
 
-def serve_rollouts(model, bridge, cfg, episodes, difficulty, staleness, me, rollout_ranks):
+def serve_rollouts(model, bridge, cfg, episodes, difficulty, staleness, me, rollout_ranks, report=None):
     """A rollout rank's whole run. Trainer rank 0 first sends where RL starts and ends and the difficulty
     sampler's state. Then, for each RL step: load the policy version the staleness bound allows (versions
     arrive in order from trainer rank 0), sample the groups of each trainer rank this rank serves (trainer t
     is served by rollout rank t % rollout_ranks; me is this one's index), send each trainer its batch, and
     move the difficulty sampler by every trainer rank's rewards in trainer order, as the trainers move theirs
     (gathered over the rollout ranks). episodes(step, t) -> (level, envs, gen): trainer rank t's episodes of
-    that step, drawn and seeded as the synchronous loop draws them."""
+    that step, drawn and seeded as the synchronous loop draws them. report(t) -> what else trainer t is sent
+    with its batch (figures only this rank has, such as the time its rewards took)."""
     hello = bridge.recv_object(0)
     start, steps = hello["start"], hello["steps"]
     difficulty.load_state_dict(hello["difficulty"])
@@ -500,7 +501,8 @@ def serve_rollouts(model, bridge, cfg, episodes, difficulty, staleness, me, roll
             trajs = rollout(model, envs, cfg, gen)
             rewards[t] = [tr.reward for tr in trajs]
             bridge.send_object({"step": step, "version": version, "level": level, "trajs": trajs,
-                                "wait_s": waited, "sample_s": time.perf_counter() - t1}, t)
+                                "wait_s": waited, "sample_s": time.perf_counter() - t1,
+                                **(report(t) if report else {})}, t)
         if rollout_ranks > 1:
             everyone = [None] * rollout_ranks
             dist.all_gather_object(everyone, rewards)

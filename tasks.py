@@ -3327,13 +3327,15 @@ class Verifier:
     processes), started as each episode ends, while the others still sample (workers=0: each runs when its
     episode ends, in the sampler's thread). Episodes of one task that end with the same edits share one
     verify, and so do the visible test runs (verify is a function of the task and the tree). A trajectory the
-    monitor flags gets reward 0 without a verify. Counts the seconds verifying and those the sampler's thread
-    was held up by it."""
+    monitor flags gets reward 0 without a verify, and so does a final tree whose own test run failed a test
+    verify needs: that run executed the solution's code, so it is no evidence of a pass, but its failure can
+    only cost the solution its own reward (the tests make keeps are stable). Counts the seconds verifying and
+    those the sampler's thread was held up by it."""
 
     def __init__(self, workers=2):
         self.pool = (concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="verify") if workers
                      else None)
-        self.lock, self.cache, self.tests = threading.Lock(), {}, {}
+        self.lock, self.cache, self.tests, self.failed = threading.Lock(), {}, {}, {}
         self.seconds = self.blocked = self.since = 0.0
         self.runs = self.hits = self.waiters = 0
 
@@ -3352,6 +3354,12 @@ class Verifier:
             env.result = (0, f"flagged by the monitor: step {f['step']}, {f['pattern']}: {f['evidence']}")
             return
         key = self.key(env)
+        need = {*env.task["fail_to_pass"], *env.task["pass_to_pass"]}
+        with self.lock:
+            failed = sorted(self.failed.get(key, set()) & need)
+        if failed:
+            env.result = (0, f"its own test run of this tree failed {failed[0]}")
+            return
         with self.lock:
             self.hits += key in self.cache
             fut, new = self.cache.get(key), key not in self.cache
@@ -3411,6 +3419,8 @@ class Verifier:
         else:
             failed = [t for t, o in r.outcomes.items() if not {"failed", "error"}.isdisjoint(o.values())]
             reply = test_reply(len(r.passed), failed)
+            with self.lock:
+                self.failed.setdefault(key[:2], set()).update(failed)
         with self.lock:
             self.tests[key] = reply
         return reply

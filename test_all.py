@@ -4503,7 +4503,7 @@ def test_env_installs_what_the_configuration_needs(tmp_path):
 def test_real_package_tinydb(tmp_path):
     """One real package end to end (the suite's time budget; README's table covers tinydb and toolz): make,
     verify the gold, and two RL steps of a (random) policy acting as a coding agent on the task, rewarded by
-    verify, as `train.py --rl-tasks code --task-dir` runs them."""
+    verify, as `train.py --rl-tasks code --task-dir --rollout-ranks 1` runs them."""
     try:
         dl = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                              "-q", "-d", str(tmp_path), "tinydb==4.9.0"], capture_output=True, text=True,
@@ -4520,14 +4520,13 @@ def test_real_package_tinydb(tmp_path):
         d = tmp_path / "out" / task["id"]
         assert task["fail_to_pass"] and task["pass_to_pass"] and task["scan"]["after_scrub"] == []
         assert tasks.verify(d, patch=d / "gold.patch")[0] == 1
-    r = subprocess.run([sys.executable, str(HERE / "train.py"), "--rl-tasks", "code", "--task-dir",
-                        str(tmp_path / "out"), "--stage", "rl", "--init", "scratch", "--rl-steps", "2",
-                        "--tasks-per-step", "1", "--group-size", "2", "--max-gen-tokens", "24",
-                        "--rl-eval-tasks", "0", "--ppo-epochs", "1", "--out", str(tmp_path / "run")],
-                       capture_output=True, text=True, timeout=300, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    # at two ranks, one training and one sampling: the rollout rank verifies, and its figures reach the log
+    r = run_train("--rl-tasks", "code", "--task-dir", str(tmp_path / "out"), "--stage", "rl", "--init",
+                  "scratch", "--rl-steps", "2", "--tasks-per-step", "1", "--group-size", "2",
+                  "--max-gen-tokens", "24", "--rl-eval-tasks", "0", "--ppo-epochs", "1",
+                  "--rollout-ranks", "1", "--out", str(tmp_path / "run"), world=2)
     assert r.returncode == 0, r.stderr[-2000:]
-    steps = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
-    steps = [s for s in steps if s.get("stage") == "rl"]
+    steps = [s for s in read_metrics(tmp_path / "run") if s.get("stage") == "rl"]
     assert [s["rl_step"] for s in steps] == [1, 2] and all(s["verifies"] + s["verifies_shared"] >= 1
                                                            for s in steps), steps
 
@@ -4755,6 +4754,10 @@ def test_code_env_scripted_policies(made, tmp_path):
     assert Path(d, "repo/calc/core.py").read_text().splitlines() == stub  # the snapshot never changes
     env = episode(d, ["call submit()"])
     assert env.reward() == 0 and "the oracle disagrees" in env.result[1]
+    runs = tasks.VERIFIER.stats()["verifies"]  # a tree whose own test run failed a needed test: 0, no verify
+    env = episode(d, ["call test()", "call submit()"])
+    assert env.reward() == 0 and env.result[1].startswith("its own test run of this tree failed tests/")
+    assert tasks.VERIFIER.stats()["verifies"] == runs
     # an absent tool, a blind edit, a malformed message: replies and rules
     env = episode(d, ["call cat(calc/core.py)", f"call replace(calc/core.py,{at},{at})\n{gold}", "read it"])
     (_, absent), (_, blind), (_, bad) = [(m, r) for (_, m), (_, r) in zip(env.turns[1::2], env.turns[2::2])]

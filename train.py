@@ -721,7 +721,9 @@ if bridge is not None and launch_rank >= trainers:  # a rollout rank: it samples
     torch.manual_seed(args.seed)
     policy = Transformer(cfg).to(device)  # whole; its values come from the trainers
     try:
-        serve_rollouts(policy, bridge, grpo_cfg, episodes, difficulty, args.max_staleness, rank, world_size)
+        serve_rollouts(policy, bridge, grpo_cfg, episodes, difficulty, args.max_staleness, rank, world_size,
+                       (lambda t: {"verified": verifier.stats(), "tasks_made": code_pool(t).made}) if CODE
+                       else None)
     except PeerLost as e:  # a trainer stopped
         peer_lost(e)
     dist.destroy_process_group()
@@ -907,7 +909,7 @@ def load_tokens(path):
         # The RL stage needs a model that knows the format and copies a call's arguments, which the tiny model
         # learns only after a few hundred steps of them. Nothing here reads a file, so an edit to a comment or
         # to the README never changes what a run trains on (a run reads fewer windows than there are).
-        return [transcripts(20000, seed=1)], [transcripts(1000, seed=2)], None
+        return [transcripts(6000 if CODE else 20000, seed=1)], [transcripts(1000, seed=2)], None
     p = Path(path)
     if not p.exists():
         die(f"--data {path}: no such file or folder")
@@ -1634,10 +1636,11 @@ def code_stats(envs):
 verified = {"verify_s": 0.0, "verify_wait_s": 0.0, "verifies": 0, "verifies_shared": 0}  # so far
 
 
-def code_record(envs, n_episodes, calls, rl_step):
+def code_record(envs, n_episodes, calls, rl_step, batch=None):
     """An RL step's coding figures: edits of unread files, flagged trajectories (each written with its steps
-    to flagged.jsonl), visible test runs and submits an episode; this rank's verification time (all of it,
-    and what the sampler waited), and the tasks its pool has made."""
+    to flagged.jsonl), visible test runs and submits an episode; the verification time of the rank that
+    sampled (all of it, and what the sampler waited; with --rollout-ranks, the batch brings the rollout
+    rank's), and the tasks its pool has made."""
     blind, flagged, tests, submits = code_stats(envs)
     for e in envs:
         if e.flags:
@@ -1645,13 +1648,14 @@ def code_record(envs, n_episodes, calls, rl_step):
             with open(Path(args.out) / f"flagged-rank{rank}.jsonl", "a") as f:
                 f.write(json.dumps({"rl_step": rl_step, "task": str(e.dir), "flags": e.flags,
                                     "steps": e.steps}) + "\n")
-    now = verifier.stats()
+    now = batch["verified"] if batch else verifier.stats()
     spent = {k: now[k] - verified[k] for k in now}
     verified.update(now)
     return {"blind_edit_rate": blind / max(1, calls), "hack_flags": flagged, "tests": tests / n_episodes,
             "submit_rate": submits / n_episodes, "verify_ms": 1000 * spent["verify_s"],
             "verify_wait_ms": 1000 * spent["verify_wait_s"], "verifies": spent["verifies"],
-            "verifies_shared": spent["verifies_shared"], "tasks_made": code_pool(rank).made}
+            "verifies_shared": spent["verifies_shared"],
+            "tasks_made": batch["tasks_made"] if batch else code_pool(rank).made}
 
 
 # What the README promises of the default run, from the first held-out evaluation to the last: RL raises the
@@ -1864,7 +1868,7 @@ if args.stage != "pretrain":
         low, high = sum_over_ranks([-stats["tis_min"], stats["tis_max"]], op="max")
         record.update(tis_min=-low, tis_max=high)  # the spread of trainer / sampler over all ranks
         if CODE:
-            record.update(code_record(envs, n_episodes, calls, rl_step))
+            record.update(code_record(envs, n_episodes, calls, rl_step, None if bridge is None else batch))
         log(record)
         print0(f"rl step {rl_step:4d}/{args.rl_steps} | level {level} | reward {record['reward']:.3f} | "
                f"of calls: tool not found {record['tool_error_rate']:.3f}, "
