@@ -909,7 +909,7 @@ def load_tokens(path):
         # The RL stage needs a model that knows the format and copies a call's arguments, which the tiny model
         # learns only after a few hundred steps of them. Nothing here reads a file, so an edit to a comment or
         # to the README never changes what a run trains on (a run reads fewer windows than there are).
-        return [transcripts(6000 if CODE else 20000, seed=1)], [transcripts(1000, seed=2)], None
+        return [transcripts(20000, seed=1)], [transcripts(1000, seed=2)], None
     p = Path(path)
     if not p.exists():
         die(f"--data {path}: no such file or folder")
