@@ -3441,9 +3441,9 @@ VERIFIER = Verifier()
 # tool-use family's operations), a test a function and one test of all of them composed. make turns them into
 # tasks like any repository (baseline, trace, delete, scrub, scan, oracle, the gold's verify), at three
 # levels: one function stubbed, two related ones stubbed, two removed (signatures and all). Gold transcripts
-# of the episode (grep, read, edit, test, submit; sometimes a wrong edit that the test run shows and a fix)
-# join the pretraining mix; they are rendered with the functions CodeEnv replies with, so they show what an
-# episode shows.
+# of the episode (read, edit, test, submit; sometimes a wrong edit that the test run shows and a fix) join the
+# pretraining mix; they are rendered with the functions CodeEnv replies with, so they show what an episode
+# shows.
 
 MICRO_OPS = {"add": "x + {k}", "sub": "x - {k}", "mul": "x * {k}", "max": "max(x, {k})", "min": "min(x, {k})",
              "mod": "x % {k}"}
@@ -3509,16 +3509,14 @@ def make_micro(out, seed, level, box=None, n=1, held_out=False):
 
 def code_transcript(rng, level, p_blind=0.0, p_hint=0.0, p_absent=0.0, p_mistake=0.0, budget=None,
                     request=""):
-    """A gold episode on a fresh micro-repository, with the replies CodeEnv gives: for each function, find it
-    (grep), read its lines, rewrite it whole (a removed one: read the module, add it at the end); run the
-    tests, submit. Each call copies what the reply before it shows, which a small model learns. Habits the
-    reward cannot see, for RL and feedback to remove: with p_blind the edits come without reading (with
-    p_hint, given that, the read-before-edit hint comes first and the lines are read); with p_absent the first
-    call reaches for an absent tool. With p_mistake the last
+    """A gold episode on a fresh micro-repository, with the replies CodeEnv gives: read the module, write each
+    function, run the tests, submit. Habits the reward cannot see, for RL and feedback to remove: with p_blind
+    the edits come without reading the module (with p_hint, given that, the read-before-edit hint comes first
+    and the module is read); with p_absent the first call reaches for an absent tool. With p_mistake the last
     edit first writes another operation, and the test run shows it and the fix follows. Cut into the segments
     a rollout makes (as chain_transcript): past `budget` tokens after a reply, the user turn `request` asks
     for a summary (the calls done so far), the next segment starts from the opening and that summary, and
-    finds and reads again what its next edit needs. -> [segment: [turn]]"""
+    reads the module again before its next edit. -> [segment: [turn]]"""
     files = micro_files(rng)
     mode, group = MICRO_LEVELS[level]
     funcs = [n.name for n in ast.parse(files[micro_module(files)]).body]
@@ -3545,47 +3543,41 @@ def micro_episode(files, chosen, mode, rng, p_blind=0.0, p_hint=0.0, p_absent=0.
             "deleted": [{"file": rel, "qualname": q, "signature": f"def {q}(x)"} for q in chosen]}
     expr = lambda q, op=None: MICRO_OPS[op or q[:3]].format(k=q[3:])
     prompt = [("user", opening(task))]
-    segments, turns, done, seen = [], list(prompt), [], set()  # seen: what this segment's replies show
+    segments, turns, done, seen = [], list(prompt), [], False
 
-    def call(message, reply=None, shows=None):  # one call and its reply; a summary when the segment is full
+    def call(message, reply=None):  # one call and its reply; a summary when the segment is full
         nonlocal turns, seen
         turns += [("assistant", message)] + ([("tool", reply)] if reply is not None else [])
-        seen.add(shows)
         failed = f" ({reply.split(';')[0]})" if " failed" in (reply or "") else ""
         done.append(message.split("(")[0].split()[-1] + failed)
         if budget and reply is not None and sum(map(turn_length, turns)) > budget:
             summary = "done: " + ", ".join(done)
             segments.append(turns + [("user", request), ("assistant", summary)])
-            turns, seen = prompt + [("assistant", summary)], set()
+            turns, seen = prompt + [("assistant", summary)], False
+
+    def read():
+        nonlocal seen
+        call(f"call read({rel})", numbered(("\n".join(lines) + "\n").encode()))
+        seen = True
 
     def write(q, op=None):  # the edit that writes q (with op's operation); the module changes with it
-        text = f"def {q}(x):\n    return {expr(q, op)}"
-        if mode == "stub":  # find the function, read its lines (unless blind), rewrite it whole
-            at = lines.index(f"def {q}(x):") + 1
-            while not {("grep", q), ("read", q)} - ({("read", q)} if blind else set()) <= seen:
-                if ("grep", q) not in seen:
-                    call(f"call grep(def {q})", f"{rel}:{at}:def {q}(x):", ("grep", q))
-                else:
-                    call(f"call read({rel},{at},{at + 1})", numbered(module(), at, at + 1), ("read", q))
-            lines[at - 1:at + 1] = text.split("\n")
-            return call(f"call replace({rel},{at},{at + 1})\n{text}", "ok")
-        while "module" not in seen:  # removed: read the module, add the function at its end
-            call(f"call read({rel})", numbered(module()), "module")
-        if f"def {q}(x):" in lines:  # the fix of a function it added
-            at = lines.index(f"def {q}(x):") + 1
-            lines[at - 1:at + 1] = text.split("\n")
-            return call(f"call replace({rel},{at},{at + 1})\n{text}", "ok")
-        lines.extend(text.split("\n"))
-        call(f"call insert({rel},{len(lines) - 2})\n{text}", "ok")
+        if not seen:
+            read()
+        if mode == "stub" or f"def {q}(x):" in lines:
+            at = lines.index(f"def {q}(x):") + 2
+            lines[at - 1] = f"    return {expr(q, op)}"
+            return call(f"call replace({rel},{at},{at})\n    return {expr(q, op)}", "ok")
+        lines.extend([f"def {q}(x):", f"    return {expr(q, op)}"])
+        call(f"call insert({rel},{len(lines) - 2})\ndef {q}(x):\n    return {expr(q, op)}", "ok")
 
-    module = lambda: ("\n".join(lines) + "\n").encode()
     if rng.random() < p_absent:
         wrong = rng.choice(["cat", "open", "view", "edit", "show"])
         call(f"call {wrong}({rel})", not_found(wrong, CODE_TOOLS))
-    blind = rng.random() < p_blind  # edits by line numbers it has not read
-    if blind and rng.random() < p_hint:  # ... unless the hint says to read first
-        turns.append(("system", READ_FIRST))
-        blind = False
+    if rng.random() < p_blind:
+        if rng.random() < p_hint:
+            turns.append(("system", READ_FIRST))
+        else:
+            seen = True  # edits by line numbers it has not seen
     n_tests = len(funcs) + 1
     tests = files[next(r for r in files if r.startswith("tests/test_"))]
     x_one = int(re.search(rf"\.{chosen[-1]}\((\d+)\) ==", tests)[1])
@@ -3599,6 +3591,8 @@ def micro_episode(files, chosen, mode, rng, p_blind=0.0, p_hint=0.0, p_absent=0.
     # a wrong operation for the mistake: one both of its tests see
     wrong = [op for op in MICRO_OPS if value(chosen[-1], x_one, op) != value(chosen[-1], x_one)
              and chain(x_all, op) != chain(x_all, None)]
+    if not seen:
+        read()
     for q in chosen:
         if q == chosen[-1] and wrong and rng.random() < p_mistake:  # seen in the test run, then fixed
             write(q, rng.choice(wrong))
