@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from grpo import Weights, device_of, rows as grpo_rows, turn_tokens
-from model import TOKEN
+from grpo import Weights, device_of, rows as grpo_rows
+from model import BYTES, TOKEN
 from tasks import FORMAT_REMINDER, READ_FIRST, STYLE_REMINDER, reminder
 
 
@@ -95,10 +95,10 @@ def find_targets(traj, rules=RULES):
 # The loss
 
 
-def pad(seqs, device=None):
+def pad(seqs, device=None, pad_id=BYTES.pad):
     """Token lists -> [len(seqs), longest] right-padded, on device."""
     longest = max(map(len, seqs))
-    return torch.tensor([s + [TOKEN["<|pad|>"]] * (longest - len(s)) for s in seqs], device=device)
+    return torch.tensor([s + [pad_id] * (longest - len(s)) for s in seqs], device=device)
 
 
 def message_kl(s_logits, t_logits, tokens, estimator="full"):
@@ -121,10 +121,10 @@ class Feedback:
     policy is held: shards under FSDP) loaded into the policy for the teacher's pass: the policy RL started
     from ("frozen") or an EMA of it ("ema")."""
 
-    def __init__(self, policy, cfg: FeedbackConfig, rules=RULES):
+    def __init__(self, policy, cfg: FeedbackConfig, rules=RULES, tokenizer=BYTES):
         if cfg.teacher not in ("current", "frozen", "ema"):
             raise ValueError(f"teacher must be current, frozen or ema, got {cfg.teacher!r}")
-        self.cfg, self.rules = cfg, rules
+        self.cfg, self.rules, self.tok = cfg, rules, tokenizer
         self.teacher = None if cfg.teacher == "current" else Weights(policy)
 
     def update(self, policy):
@@ -136,27 +136,29 @@ class Feedback:
     def targets(self, policy, trajs):
         """The flagged messages of a batch and the teacher's logits on them: the teacher's pass, run before
         the student's forward (the teacher's weights are swapped in and out around it). The hint goes in as a
-        system turn right before the message's role token, so the teacher's message tokens sit len(hint
-        tokens) later than the student's: positions are shifted to match. Every call runs exactly one forward
+        system turn (in the tokenizer's chat format) right before the tokens that open the message, so the
+        teacher's message tokens sit len(hint tokens) later than the student's: positions are shifted to
+        match. Every call runs exactly one forward
         (one padding token when nothing is flagged), so ranks of a sharded policy stay in step.
         -> (students [(row in grpo.batch, tokens)], spans [(start, end, hint length)], rule names, teacher
         logits, counts a rule)"""
         rows = {id(s): r for r, (_, s) in enumerate(grpo_rows(trajs))}
         students, teachers, spans, names = [], [], [], []
         counts = {name: 0 for name, _ in self.rules}
+        opening = len(self.tok.opens["assistant"])  # the tokens before a message's first: the template's
         for t in trajs:
             for seg, start, end, hint, name in find_targets(t, self.rules):
                 tokens = t.segments[seg].tokens
-                h = turn_tokens("system", hint) if hint else []
+                h = self.tok.turn("system", hint) if hint else []
                 students.append((rows[id(t.segments[seg])], tokens[:end]))
-                teachers.append(tokens[:start - 1] + h + tokens[start - 1:end])  # start - 1: <|assistant|>
+                teachers.append(tokens[:start - opening] + h + tokens[start - opening:end])
                 spans.append((start, end, len(h)))
                 names.append(name)
                 counts[name] += 1
         was_training = policy.training
         with self.teacher.loaded(policy) if self.teacher else contextlib.nullcontext():
             # in eval mode: the teacher's pass must not count toward the router's expert loads
-            t_logits, _ = policy.eval()(pad(teachers or [[TOKEN["<|pad|>"]]], device_of(policy)))
+            t_logits, _ = policy.eval()(pad(teachers or [[self.tok.pad]], device_of(policy), self.tok.pad))
         policy.train(was_training)
         return students, spans, names, t_logits, counts
 
@@ -176,7 +178,7 @@ class Feedback:
             zero = logits.sum() * 0 if logits is not None else sum(p.sum() * 0 for p in policy.parameters())
             return zero, {"feedback_kl": 0.0, "feedback_targets": 0, **counts, **self.probes({})}
         if logits is None:
-            s_logits, _ = policy(pad([s for _, s in students], device_of(policy)))
+            s_logits, _ = policy(pad([s for _, s in students], device_of(policy), self.tok.pad))
         else:
             s_logits = logits[torch.tensor([r for r, _ in students], device=logits.device)]
         losses, kls, probes = [], [], {}
@@ -349,7 +351,7 @@ if __name__ == "__main__":
     task = make_tool_task(random.Random(a.seed + 1), 1)
     absent = next(n for n in TOOLS if n not in task.tools)
     first = [("user", task.question)]
-    ctx = [tok for role, text in first for tok in turn_tokens(role, text)] + [TOKEN["<|assistant|>"]]
+    ctx = [tok for role, text in first for tok in BYTES.turn(role, text)] + [TOKEN["<|assistant|>"]]
     bad = encode(f"call {absent}(1,2)") + [TOKEN["<|end|>"]]
     seg = Segment()
     seg.add(ctx)
@@ -377,7 +379,7 @@ if __name__ == "__main__":
         return sum(v for n, v in p.items() if n not in offered), sum(v for n, v in p.items() if n in offered)
 
     student = split(p_tools(model, ctx))
-    teacher = split(p_tools(model, ctx[:-1] + turn_tokens("system", hint) + ctx[-1:]))
+    teacher = split(p_tools(model, ctx[:-1] + BYTES.turn("system", hint) + ctx[-1:]))
     print(f"question: {task.question!r} | the policy wrote 'call {absent} ...' -> {error!r}")
     print(f"hint: {hint!r}")
     print(f"P(next call names an absent tool):  student {student[0]:.3f}  teacher {teacher[0]:.3f}")

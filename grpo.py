@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from model import TOKEN, KVCache, Transformer, decode, encode, local
+from model import BYTES, KVCache, Transformer, local
 
 
 @dataclass
@@ -48,6 +48,8 @@ class GRPOConfig:
     kl_estimator: str = "k1"  # "k1": folded into the reward; "k2", "k3": added to the loss (see kl_estimates)
     sampler_bits: int = 0  # 0: sample with the policy itself; 8: with 8-bit block-quantised weights
     tis_cap: float = 2.0  # truncated importance sampling: weights min(pi_train / pi_sampler, cap)
+    # how turns become tokens: model.BYTES (this project's), or a released model's model.HFTokenizer
+    tokenizer: object = BYTES
 
 
 SUMMARY_REQUEST = "Context full. Summarize in one line."
@@ -81,8 +83,6 @@ class Trajectory:
     spans: list = field(default_factory=list)  # (segment, start, end) of each assistant turn's policy tokens
 
 
-def turn_tokens(role, text):
-    return [TOKEN[f"<|{role}|>"]] + encode(text) + [TOKEN["<|end|>"]]
 
 
 # -----------------------------------------------------------------------------
@@ -179,7 +179,7 @@ def sample_messages(model, contexts, cfg, gen, limits=None, cache=None):
     limits: the most tokens each message may take (default cfg.max_message_tokens). cache: a KVCache that
     already holds the start of each row's context (contexts are then the rest); it ends holding every token
     but each message's last. -> [(token ids incl. the closing <|end|>, log-probs)]"""
-    B, pad, device = len(contexts), TOKEN["<|pad|>"], device_of(model)
+    B, pad, device = len(contexts), cfg.tokenizer.pad, device_of(model)
     out = [([], []) for _ in contexts]
     limits = torch.tensor(limits or [cfg.max_message_tokens] * B, device=device)
     live = limits > 0  # [B]
@@ -195,7 +195,7 @@ def sample_messages(model, contexts, cfg, gen, limits=None, cache=None):
         for i in live.nonzero().flatten().tolist():
             out[i][0].append(tok[i].item())
             out[i][1].append(logp[i, tok[i]].item())
-        live &= (tok != TOKEN["<|end|>"]) & (limits > n)
+        live &= (tok != cfg.tokenizer.end) & (limits > n)
         if not live.any():
             break
         logits, _ = model(torch.where(live, tok, pad)[:, None], pos=cache.advance(live.long(), 1),
@@ -209,7 +209,7 @@ def rollout(policy, envs, cfg, gen, sharded=False):
     """Run one episode per env, all batched, until each ends or writes max_gen_tokens. -> [Trajectory]
     With cfg.sampler_bits the policy samples with its fake-quantised Weights loaded. sharded: the policy is
     sharded over a process group (FSDP, EP), so every rank calls this together (Lockstep)."""
-    quantized = Weights(policy, cfg.sampler_bits) if cfg.sampler_bits else None
+    quantized, tok = Weights(policy, cfg.sampler_bits) if cfg.sampler_bits else None, cfg.tokenizer
     sampler = Lockstep(policy) if sharded else policy
     was_training = policy.training
     policy.eval()
@@ -217,8 +217,9 @@ def rollout(policy, envs, cfg, gen, sharded=False):
         trajs = []
         for env in envs:
             t = Trajectory([Segment()], turns=list(env.first_turns()), env=env)
+            t.segments[0].add(tok.start)
             for role, text in t.turns:
-                t.segments[0].add(turn_tokens(role, text))
+                t.segments[0].add(tok.turn(role, text))
             t.prompt = list(t.segments[0].tokens)
             trajs.append(t)
         # one cache row a live trajectory, kept across its messages: each message prefills only what came
@@ -230,8 +231,8 @@ def rollout(policy, envs, cfg, gen, sharded=False):
                 break
             cache.keep([i for i, t in enumerate(rows) if not t.done])
             rows = live
-            for t in live:  # the role token opening the message is the template's, not the policy's
-                t.segments[-1].add([TOKEN["<|assistant|>"]])
+            for t in live:  # the tokens opening the message are the template's, not the policy's
+                t.segments[-1].add(tok.opens["assistant"])
             cached = cache.next_pos.tolist()  # [B] tokens of each row's segment in the cache
             msgs = sample_messages(sampler, [t.segments[-1].tokens[n:] for t, n in zip(live, cached)], cfg,
                                    gen, [min(cfg.max_message_tokens, cfg.max_gen_tokens - t.written)
@@ -240,14 +241,15 @@ def rollout(policy, envs, cfg, gen, sharded=False):
             for row, (t, (ids, logps)) in enumerate(zip(live, msgs)):
                 start = len(t.segments[-1].tokens)
                 t.segments[-1].add(ids, True, logps)
-                if not ids or ids[-1] != TOKEN["<|end|>"]:  # cut at its limit: close it (not a policy token)
-                    t.segments[-1].add([TOKEN["<|end|>"]])
+                if not ids or ids[-1] != tok.end:  # cut at its limit: close it (not a policy token)
+                    t.segments[-1].add([tok.end])
+                t.segments[-1].add(tok.closes["assistant"][1:])  # what the template puts after the end
                 t.written += len(ids)
-                text = decode([i for i in ids if i < 256])
+                text = tok.decode(ids[:-1] if ids and ids[-1] == tok.end else ids)
                 if t.summarizing:  # the summary ends the segment; the next one starts from prompt + summary
                     t.summarizing = False
                     t.segments.append(Segment())
-                    t.segments[-1].add(t.prompt + turn_tokens("assistant", text))
+                    t.segments[-1].add(t.prompt + tok.turn("assistant", text))
                     cache.reset(row)
                     t.done = t.written >= cfg.max_gen_tokens
                     continue
@@ -260,11 +262,11 @@ def rollout(policy, envs, cfg, gen, sharded=False):
                 t.done = done
                 if reply is not None:
                     t.turns.append(("tool", reply))
-                    t.segments[-1].add(turn_tokens("tool", reply))
+                    t.segments[-1].add(tok.turn("tool", reply))
                 t.done = t.done or t.written >= cfg.max_gen_tokens
                 if not t.done and len(t.segments[-1].tokens) > cfg.context_budget:
                     # environment text: never trained
-                    t.segments[-1].add(turn_tokens("user", SUMMARY_REQUEST))
+                    t.segments[-1].add(tok.turn("user", SUMMARY_REQUEST))
                     t.summarizing = True
         if sharded:
             sampler.drain()
@@ -319,14 +321,14 @@ def rows(trajs):
     return [(i, s) for i, t in enumerate(trajs) for s in t.segments if any(s.policy)]
 
 
-def batch(trajs, device=None):
+def batch(trajs, device=None, pad_id=BYTES.pad):
     """Segments as padded tensors on device: tokens [S, T], mask / sampler_logp [S, T-1] aligned with
     next-token log-probs, and the trajectory index of each segment (a trajectory's segments share its
     reward)."""
     segs = rows(trajs)
     T = max(len(s.tokens) for _, s in segs)
     pad = lambda xs, v: xs + [v] * (T - len(xs))
-    tokens = torch.tensor([pad(s.tokens, TOKEN["<|pad|>"]) for _, s in segs], device=device)
+    tokens = torch.tensor([pad(s.tokens, pad_id) for _, s in segs], device=device)
     mask = torch.tensor([pad(s.policy, False) for _, s in segs], device=device)[:, 1:]
     sampler_logp = torch.tensor([pad(s.sampler_logp, 0.0) for _, s in segs], device=device)[:, 1:]
     return tokens, mask, sampler_logp, torch.tensor([i for i, _ in segs], device=device)
@@ -345,7 +347,7 @@ def logprobs(policy, trajs, cfg):
     """A policy's log-probs [S, T-1] of a minibatch's tokens, at the sampler's temperature, in eval mode (so
     the router counts nothing): grpo_loss's old_logp (the trainer's, before any PPO step on the minibatch) and
     ref_logp (with the reference's Weights loaded), both taken before the training forward."""
-    tokens = batch(trajs, device_of(policy))[0]
+    tokens = batch(trajs, device_of(policy), cfg.tokenizer.pad)[0]
     was_training = policy.training
     logits, _ = policy.eval()(tokens[:, :-1])
     policy.train(was_training)
@@ -359,7 +361,7 @@ def grpo_loss(policy, trajs, cfg, ref_logp=None, old_logp=None):
     the logits serve the feedback term's student without a forward.
     Log-probs are taken at the sampler's temperature; the returned logits are raw (T = 1), and the feedback
     KL compares student and teacher on those."""
-    tokens, mask, sampler_logp, owner = batch(trajs, device_of(policy))
+    tokens, mask, sampler_logp, owner = batch(trajs, device_of(policy), cfg.tokenizer.pad)
     logits, _ = policy(tokens[:, :-1])
     logp = token_logprobs(logits / cfg.temperature, tokens)
     if old_logp is None:

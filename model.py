@@ -7,6 +7,8 @@ shared expert. Sources: DeepSeek-V3 technical report (arXiv 2412.19437) and its 
 Kimi K2 technical report (arXiv 2507.20534) and config.json. Simplification: no multi-token prediction head.
 Released checkpoints in the Hugging Face layout (DeepSeek-V3, Kimi K2, Kimi K2.5's text model, Moonlight) load
 into it and are written back (section "Released checkpoints"); transformers' DeepseekV3 gives the same logits.
+RL writes and reads turns through a tokenizer: this project's bytes, or a released model's own (HFTokenizer:
+its tokenizer.json and chat template).
 
 Two layout choices serve the optimizer (muon.py) and the sharding (mesh.py):
 - expert weights are stacked, one tensor per projection, [num_experts, out, in];
@@ -70,6 +72,135 @@ def decode(ids) -> str:
         out.append(SPECIALS[i - 256] if i - 256 < len(SPECIALS) else f"<|{i}|>")
     out.append(buf.decode("utf-8", errors="replace"))
     return "".join(out)
+
+
+# A tokenizer as RL uses it: text <-> ids, and the tokens that open and close a turn of each role of
+# tasks.render (system, user, assistant, tool). An assistant turn ends with `end`, the token sampling stops
+# on; whatever else closes it (a newline after it, say) follows as context, never as the policy's tokens.
+ROLES = ("system", "user", "assistant", "tool")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                   "special_tokens_map.json")
+
+
+class ByteTokenizer:
+    """This project's: UTF-8 bytes, and SPECIALS for the roles (<|user|> ... <|end|>). start: what a
+    conversation opens with before its first turn (a released model's template may put a BOS there)."""
+    vocab_size, pad, end, start = VOCAB_SIZE, TOKEN["<|pad|>"], TOKEN["<|end|>"], []
+    opens = {r: [TOKEN[f"<|{r}|>"]] for r in ROLES}
+    closes = {r: [TOKEN["<|end|>"]] for r in ROLES}
+
+    def encode(self, text):
+        return encode(text)
+
+    def decode(self, ids):  # the text of a message: its role and end tokens are not text
+        return decode([i for i in ids if i < 256])
+
+    def turn(self, role, text):
+        return self.opens[role] + self.encode(text) + self.closes[role]
+
+
+BYTES = ByteTokenizer()
+
+
+class TokenizerError(ValueError):
+    """A checkpoint folder's tokenizer or chat template that RL cannot use: one line."""
+
+
+class HFTokenizer(ByteTokenizer):
+    """A released model's tokenizer, read from its checkpoint folder: tokenizer.json (through the
+    `tokenizers` package) and the chat template of tokenizer_config.json (or chat_template.jinja). The
+    template is rendered (jinja2, sandboxed, as transformers renders it) around marker texts to learn what
+    opens and closes each role's turn; those strings are encoded with the tokenizer, so the template's special
+    tokens become the model's own ids, never their spelling in plain text. A template without a system or tool
+    role renders those turns as user turns; one without an assistant turn is refused."""
+
+    def __init__(self, folder, vocab_size=None):
+        folder = Path(folder)
+        if not (folder / "tokenizer.json").is_file():
+            raise TokenizerError(f"{folder}: no tokenizer.json (RL on a released model writes and reads its "
+                                 "tokens with the model's own tokenizer)")
+        try:
+            from tokenizers import Tokenizer as Fast
+        except ImportError:
+            raise TokenizerError("the tokenizers package is missing: pip install tokenizers") from None
+        try:
+            self.fast = Fast.from_file(str(folder / "tokenizer.json"))
+        except Exception as e:  # noqa: BLE001 (the library raises its own exception types)
+            raise TokenizerError(f"{folder}/tokenizer.json: not a tokenizer ({e})") from None
+        config = json.loads((folder / "tokenizer_config.json").read_text()) \
+            if (folder / "tokenizer_config.json").is_file() else {}
+        template = config.get("chat_template")
+        if (folder / "chat_template.jinja").is_file():
+            template = (folder / "chat_template.jinja").read_text()
+        if isinstance(template, list):  # [{"name": ..., "template": ...}]: the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if not template:
+            raise TokenizerError(f"{folder}: no chat template (tokenizer_config.json's chat_template)")
+        self.vocab_size = self.fast.get_vocab_size(with_added_tokens=True)
+        if vocab_size is not None and self.vocab_size > vocab_size:
+            raise TokenizerError(f"{folder}/tokenizer.json has {self.vocab_size} tokens but config.json's "
+                                 f"vocab_size is {vocab_size}: the tokenizer is not this model's")
+        token = lambda k: (config.get(k) or {}).get("content") if isinstance(config.get(k), dict) \
+            else config.get(k)
+        self.start, self.opens, self.closes = chat_roles(
+            template, {k: token(k) for k in ("bos_token", "eos_token")}, self.encode, folder)
+        self.end = self.closes["assistant"][0]
+        specials = {t.content for t in self.fast.get_added_tokens_decoder().values() if t.special}
+        if self.fast.id_to_token(self.end) not in specials:
+            raise TokenizerError(f"{folder}: the chat template ends an assistant turn with "
+                                 f"{self.fast.id_to_token(self.end)!r}, not a special token to stop on")
+        pad = token("pad_token") or token("eos_token")
+        self.pad = self.fast.token_to_id(pad) if pad and self.fast.token_to_id(pad) is not None else self.end
+
+    def encode(self, text):
+        return self.fast.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids):
+        return self.fast.decode(list(ids), skip_special_tokens=True)
+
+
+def chat_roles(template, tokens, encode, where):
+    """The ids before the first turn, and those that open and close a turn of each role: each message
+    rendered after a user turn, split around a marker text. -> (ids, {role: ids}, {role: ids})"""
+    try:
+        import jinja2.sandbox
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = lambda m: (_ for _ in ()).throw(TokenizerError(m))
+        compiled = env.from_string(template)
+    except ImportError:
+        raise TokenizerError("jinja2 is missing (it renders the chat template): pip install jinja2") from None
+    except jinja2.TemplateError as e:
+        raise TokenizerError(f"{where}: the chat template does not parse ({e})") from None
+
+    def render(messages, prompt=False):
+        try:
+            return compiled.render(messages=messages, add_generation_prompt=prompt, **tokens)
+        except (jinja2.TemplateError, TokenizerError, TypeError, KeyError, IndexError):
+            return None
+
+    # each role's message after a user turn, or after a user and an assistant turn (templates that insist on
+    # alternation); what it adds to the rendering, split around its marker, is its opening and closing
+    first, reply = {"role": "user", "content": "\x01U\x01"}, {"role": "assistant", "content": "\x01A\x01"}
+    texts = {}
+    for role in ("assistant", "user", "system", "tool"):
+        marker = f"\x01{role.upper()}\x01"
+        for base in ([first], [first, reply]):
+            before, text = render(base), render(base + [{"role": role, "content": marker}])
+            if before is not None and text is not None and text.startswith(before) and marker in text:
+                texts[role] = text[len(before):].split(marker)
+                break
+    if "assistant" not in texts:
+        raise TokenizerError(f"{where}: the chat template renders no assistant turn after a user turn")
+    for role in ("user", "system", "tool"):  # a role the template lacks speaks as the user
+        texts.setdefault(role, texts.get("user", ["", ""]))
+    before, prompt = render([first]), render([first], prompt=True)
+    if prompt and prompt.startswith(before) and prompt[len(before):]:
+        texts["assistant"][0] = prompt[len(before):]  # the generation prompt: what opens a reply
+    if not texts["assistant"][1]:
+        raise TokenizerError(f"{where}: the chat template closes an assistant turn with nothing (no end "
+                             "token)")
+    start = before.split(first["content"])[0].removesuffix(texts["user"][0])  # a BOS, a default system turn
+    return (encode(start), {r: encode(texts[r][0]) for r in ROLES}, {r: encode(texts[r][1]) for r in ROLES})
 
 
 # -----------------------------------------------------------------------------
@@ -1051,13 +1182,13 @@ def hf_config_dict(cfg: ModelConfig, dtype, base=None):
 
 
 @torch.no_grad()
-def save_hf(model, path, dtype=torch.bfloat16, base_config=None, shard_bytes=5 * 2**30):
+def save_hf(model, path, dtype=torch.bfloat16, base_config=None, shard_bytes=5 * 2**30, extra_files=()):
     """Write the model as a Hugging Face DeepSeek-V3 checkpoint folder: config.json,
     model-0000k-of-0000n.safetensors (about shard_bytes each) and model.safetensors.index.json, with the rope
-    rows interleaved as DeepSeek's reference lays them out. Every rank must call it: a sharded tensor is
-    gathered whole, one at a time; rank 0 writes into path.tmp and renames it to path when complete. The
-    router and its bias stay in float32. A file that cannot be written raises CheckpointError on every rank,
-    after every rank has done its gathers."""
+    rows interleaved as DeepSeek's reference lays them out, and copies of extra_files (the tokenizer's).
+    Every rank must call it: a sharded tensor is gathered whole, one at a time; rank 0 writes into path.tmp
+    and renames it to path when complete. The router and its bias stay in float32. A file that cannot be
+    written raises CheckpointError on every rank, after every rank has done its gathers."""
     save_file = safetensors_torch().save_file
     writer = not dist.is_initialized() or dist.get_rank() == 0
     path = Path(path)
@@ -1089,6 +1220,8 @@ def save_hf(model, path, dtype=torch.bfloat16, base_config=None, shard_bytes=5 *
         index = {"metadata": {}, "weight_map": weight_map}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         (tmp / "config.json").write_text(json.dumps(hf_config_dict(model.cfg, dtype, base_config), indent=2))
+        for f in extra_files:
+            shutil.copyfile(f, tmp / Path(f).name)
         if path.exists():
             path.rename(old)
         tmp.rename(path)

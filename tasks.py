@@ -564,7 +564,7 @@ def remove_cgroup(cg):
 def pids_cgroup():
     """A cgroup folder this process may make children in, with a pids controller; None if there is none."""
     for base in ("/sys/fs/cgroup/pids", "/sys/fs/cgroup"):
-        probe = Path(base, f"featdel-probe-{os.getpid()}")
+        probe = Path(base, f"featdel-probe-{os.getpid()}-{secrets.token_hex(4)}")  # pids are reused
         try:
             probe.mkdir()
             ok = Path(probe, "pids.max").exists()

@@ -1520,9 +1520,9 @@ def test_continued_pretraining_from_a_released_checkpoint(tmp_path):
 
 def test_bad_checkpoints_are_one_line_naming_the_file(tmp_path):
     """--init-from with a folder without config.json, an architecture we do not model, a missing shard, a
-    tensor of the wrong shape, sizes that disagree with --preset, data from another tokenizer, the byte-level
-    RL stage, and no data: one line each, exit 2 (on both ranks for the two found while loading: the missing
-    shard and the wrong shape)."""
+    tensor of the wrong shape, sizes that disagree with --preset, data from another tokenizer, RL without the
+    checkpoint's tokenizer, and no data: one line each, exit 2 (on both ranks for the two found while
+    loading: the missing shard and the wrong shape)."""
     needs_safetensors()
     good = tmp_path / "good"
     M.save_hf(tiny_model(seed=1, vocab_size=300), good, torch.float32, shard_bytes=200_000)  # several files
@@ -1551,8 +1551,8 @@ def test_bad_checkpoints_are_one_line_naming_the_file(tmp_path):
         "its tokens need a vocabulary of 400 (the shard header, or the largest id + 1), "
         "the checkpoint has 300":
             [good, "--data", tmp_path / "wide"],
-        "the RL stage speaks to the tasks through this project's byte tokenizer":
-            [good, "--stage", "both", *data],
+        f"error: --init-from {good}: no tokenizer.json (RL on a released model writes and reads its tokens "
+        "with the model's own tokenizer)": [good, "--stage", "both", *data],
         "--init-from needs --data: token shards made with the checkpoint's own tokenizer": [good],
     }
     procs = [start_train("--init-from", *map(str, flags), "--out", str(tmp_path / f"out{i}"),
@@ -1577,6 +1577,129 @@ def test_checkpoints_without_safetensors_are_one_line(tmp_path, monkeypatch):
         with pytest.raises(M.CheckpointError, match="need the safetensors package: pip install safetensors$"):
             step()
     assert not (tmp_path / "export").exists()
+
+
+CHATML = ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def released_tokenizer(folder, template=CHATML, vocab=300):
+    """A byte-level BPE tokenizer trained here (the tokenizers package), with ChatML's role markers as
+    special tokens and a chat template, written into a checkpoint folder as a released model ships them."""
+    tk = pytest.importorskip("tokenizers", reason="a released model's tokenizer is optional: pip install "
+                                                  "tokenizers (CI installs it with transformers)")
+    tok = tk.Tokenizer(tk.models.BPE())
+    tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tk.decoders.ByteLevel()
+    text = [render(ToolEnv(make_tool_task(random.Random(i), 1)).first_turns()) for i in range(50)]
+    tok.train_from_iterator(text + ["call add(3,4)", "answer 7", "error: tool not found"] * 20,
+                            tk.trainers.BpeTrainer(vocab_size=vocab, special_tokens=[
+                                "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"],
+                                initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "chat_template": template,
+        "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return tok.get_vocab_size()
+
+
+def test_rl_on_a_released_model_speaks_its_tokenizer(tmp_path):
+    """A tiny DeepseekV3 written by transformers, with a BPE tokenizer and a chat template: the turns a
+    rollout writes are the template's rendering, token for token; the sampled tokens' recorded log-probs equal
+    transformers' forward over them; the feedback teacher's hint is the system turn the template renders
+    there; one RL step of train.py at one rank and at two (one trains, one samples) has the same loss, and its
+    export loads in transformers with our logits and keeps the tokenizer."""
+    from feedback import Feedback, FeedbackConfig, find_targets
+    from grpo import GRPOConfig, rollout
+    tf = pytest.importorskip("transformers", reason="pip install transformers")
+    needs_safetensors()
+    hf = tmp_path / "hf"
+    ref = hf_reference(hf, "deepseek-v3")
+    assert released_tokenizer(hf) <= 300
+    tok, chat = M.HFTokenizer(hf, 300), tf.PreTrainedTokenizerFast.from_pretrained(hf)
+    render_ids = lambda msgs, prompt: chat(chat.apply_chat_template(msgs, tokenize=False,
+                                                                     add_generation_prompt=prompt),
+                                           add_special_tokens=False)["input_ids"]
+    turns = [("user", "add 2 and 3 using tools: add"), ("assistant", "call add(2,3)"), ("tool", "5"),
+             ("system", "Reminder: Available tools: add")]
+    msgs = [{"role": r, "content": c} for r, c in turns]
+    assert tok.start + sum((tok.turn(r, c) for r, c in turns), []) + tok.opens["assistant"] == \
+        render_ids(msgs, True)
+    assert tok.end == chat.convert_tokens_to_ids("<|im_end|>") and tok.decode(tok.encode("call add(2,3)")) \
+        == "call add(2,3)"
+    # a rollout with our model of the checkpoint: every message a feedback target (an absent tool each time)
+    ours = load_ours(hf)
+    cfg = GRPOConfig(group_size=2, max_message_tokens=6, tokenizer=tok)
+    trajs = rollout(ours, [_ToolNotFoundEnv(1.0, 2), _ToolNotFoundEnv(0.0, 2)], cfg,
+                    torch.Generator().manual_seed(0))
+    worst, n = 0.0, 0
+    for t in trajs:
+        for seg in t.segments:
+            with torch.no_grad():
+                logp = ref(input_ids=torch.tensor([seg.tokens])).logits[0].float().log_softmax(-1)
+            for i in (i for i, p in enumerate(seg.policy) if p):
+                worst, n = max(worst, abs(logp[i - 1, seg.tokens[i]].item() - seg.sampler_logp[i])), n + 1
+        assert t.segments[0].tokens[:len(tok.start) + 1] == tok.start + tok.opens["user"][:1]
+    assert n >= 12 and worst <= 1e-4, (n, worst)
+    # the teacher's context of each trajectory's first target: opening, the hint's system turn, the reply's
+    # opening, as the template renders them
+    students, spans, names, t_logits, counts = Feedback(ours, FeedbackConfig(), tokenizer=tok).targets(
+        ours, trajs)
+    assert counts["tool_not_found"] == 4 and t_logits.size(-1) == 300
+    for row, t in zip((0, 2), trajs):  # two targets a trajectory
+        seg, start, end, hint, name = find_targets(t)[0]
+        want = render_ids([{"role": "user", "content": t.turns[0][1]}, {"role": "system", "content": hint}],
+                          True) + t.segments[seg].tokens[start:end]
+        with torch.no_grad():
+            torch.testing.assert_close(t_logits[row, :len(want)], ours(torch.tensor([want]))[0][0])
+        assert name == "tool_not_found" and spans[row] == (start, end, len(tok.turn("system", hint)))
+        # between two messages: the rest of the first's closing, the tool's turn, the next one's opening
+        (_, _, end1, _, _), (_, start2, _, _, _) = find_targets(t)
+        end1 -= t.segments[seg].tokens[end1 - 1] == tok.end  # sampled, or added when the message was cut
+        between = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "X"},
+                   {"role": "tool", "content": t.turns[2][1]}]
+        text = chat.apply_chat_template(between, tokenize=False, add_generation_prompt=True).split("X", 1)[1]
+        assert t.segments[seg].tokens[end1:start2] == chat(text, add_special_tokens=False)["input_ids"]
+    # train.py: one RL step at one rank, and at two (--rollout-ranks 1); the export reads back in transformers
+    run = ["--init-from", str(hf), "--stage", "rl", "--rl-steps", "1", "--group-size", "2",
+           "--tasks-per-step", "1", "--max-gen-tokens", "24", "--rl-eval-tasks", "0", "--ppo-epochs", "1",
+           "--precision", "fp32", "--save-hf-dtype", "fp32", "--feedback-rules", "malformed"]  # a loss not 0
+    runs = [start_train(*run, "--out", str(tmp_path / "w1"), "--save-hf", str(tmp_path / "export"), world=1),
+            start_train(*run, "--rollout-ranks", "1", "--out", str(tmp_path / "w2"), world=2)]
+    for r in map(finish, runs):
+        assert r.returncode == 0, r.stderr[-3000:]
+    (one,), (two,) = ([r for r in read_metrics(tmp_path / w) if r.get("stage") == "rl"] for w in ("w1", "w2"))
+    assert one["loss"] == pytest.approx(two["loss"], rel=1e-6) and one["loss"] != 0, (one, two)
+    assert one["gen_tokens"] == two["gen_tokens"] > 0
+    exported = tf.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "export").eval()
+    trained, idx = load_ours(tmp_path / "export"), torch.tensor([render_ids(msgs, True)])
+    with torch.no_grad():
+        assert (exported(input_ids=idx).logits.float() - trained(idx)[0]).abs().max() <= 1e-4
+        assert (exported(input_ids=idx).logits - ref(input_ids=idx).logits).abs().max() > 0  # RL moved it
+    assert (tmp_path / "export" / "tokenizer.json").read_bytes() == (hf / "tokenizer.json").read_bytes()
+
+
+def test_a_released_model_without_a_usable_tokenizer_is_one_line(tmp_path):
+    """RL on a checkpoint whose tokenizer has more tokens than config.json's vocabulary, or whose chat
+    template renders no assistant turn: one line each, exit 2 (a folder without tokenizer.json: the bad
+    checkpoints test)."""
+    needs_safetensors()
+    good = tmp_path / "good"
+    M.save_hf(tiny_model(seed=1, vocab_size=300), good, torch.float32)
+    cases = {}
+    for name, template, vocab in (("wide", CHATML, 320), ("no-assistant", CHATML.replace(
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}", "").replace(
+            "{% for m in messages %}", "{% for m in messages if m.role != 'assistant' %}"), 300)):
+        shutil.copytree(good, tmp_path / name)
+        size = released_tokenizer(tmp_path / name, template, vocab)
+        cases[name] = (f"tokenizer.json has {size} tokens but config.json's vocab_size is 300"
+                       if name == "wide" else "the chat template renders no assistant turn after a user turn")
+    for name, expected in cases.items():
+        r = run_train("--init-from", str(tmp_path / name), "--stage", "rl", "--out",
+                      str(tmp_path / f"o-{name}"))
+        err = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(err) == 1 and expected in err[0] and err[0].startswith(
+            f"error: --init-from {tmp_path / name}"), (name, r.stderr[-2000:])
 
 
 def test_an_exported_byte_level_model_continues_into_rl(tmp_path, par_data):
@@ -2676,13 +2799,13 @@ def test_feedback_loss_with_a_hint_equals_message_kl_on_hand_aligned_logits():
     student over tokens[:end], the teacher over tokens[:start-1] + hint turn + tokens[start-1:end], the
     message's L tokens read as the last L of each sequence."""
     from feedback import Feedback, FeedbackConfig, find_targets, message_kl
-    from grpo import turn_tokens
+    from model import BYTES
     model, _, trajs = _feedback_rollout()
     loss, stats = Feedback(model, FeedbackConfig()).loss(model, trajs, norm=100.0)
     total, n, probes = 0.0, 0, {}
     for t in trajs:
         for seg, start, end, hint, name in find_targets(t):
-            tokens, h, L = t.segments[seg].tokens, turn_tokens("system", hint), end - start
+            tokens, h, L = t.segments[seg].tokens, BYTES.turn("system", hint), end - start
             assert len(h) > 10
             s_logits = model(torch.tensor([tokens[:end]]))[0][0]
             with torch.no_grad():
@@ -4591,6 +4714,8 @@ def run_readme_command(line, cwd, quick_start_out):
         return "needs the package index"
     if "--init-from" in flags and not importlib.util.find_spec("safetensors"):
         return "needs safetensors"
+    if "--init-from" in flags and "rl" in flags and not importlib.util.find_spec("tokenizers"):
+        return "needs tokenizers"
     if "--plot" in flags and not importlib.util.find_spec("matplotlib"):
         return "needs matplotlib"
     for spec in flags[flags.index("--plot") + 1:] if "--plot" in flags else []:  # the runs it draws: copies
@@ -4601,6 +4726,8 @@ def run_readme_command(line, cwd, quick_start_out):
                 shutil.copytree(quick_start_out(), cwd / run)
     if "MODEL" in flags and not (cwd / "MODEL").exists():  # a released checkpoint and shards of its tokenizer
         M.save_hf(tiny_model(vocab_size=300, max_seq_len=4096), cwd / "MODEL", torch.float32)
+        if importlib.util.find_spec("tokenizers"):  # what RL on it speaks
+            released_tokenizer(cwd / "MODEL")
         (cwd / "SHARDS").mkdir()
         for split in ("train", "val"):
             write_shard(cwd / "SHARDS" / f"corpus_{split}_000000.bin", np.arange(20000) * 7 % 300, vocab=300)
@@ -4663,7 +4790,7 @@ def test_every_readme_command_runs(tmp_path):
     torchrun's ranks with its environment). Many-node commands are planned with --dry-run at their world size;
     MODEL and SHARDS are a tiny checkpoint in the Hugging Face layout and token shards. CUDA commands are
     skipped on a machine without CUDA, `tasks.py env` where the package index cannot be reached, --init-from
-    without the safetensors package, and nothing else."""
+    without the safetensors package (RL from it: without the tokenizers package), and nothing else."""
     forkserver()  # started before the threads below
     groups = readme_commands()
     assert groups[0] == ["python train.py"]  # the quick start: the run the resume examples continue

@@ -72,8 +72,9 @@ import tasks
 from feedback import RULES, Feedback, FeedbackConfig, read_first
 from grpo import (SUMMARY_REQUEST, Bridge, GRPOConfig, PeerLost, Weights, grpo_loss, logprobs, minibatches,
                   pack_policy, rollout, serve_rollouts)
-from model import (PRESETS, VOCAB_SIZE, CheckpointError, ContextParallel, ModelConfig, Transformer, encode,
-                   flops_per_token, hf_config, load_hf, memory_plan, param_counts, save_hf)
+from model import (BYTES, PRESETS, VOCAB_SIZE, CheckpointError, ContextParallel, HFTokenizer, ModelConfig,
+                   TOKENIZER_FILES, TokenizerError, Transformer, encode, flops_per_token, hf_config, load_hf,
+                   memory_plan, param_counts, save_hf)
 from muon import Muon, param_groups
 
 # -----------------------------------------------------------------------------
@@ -115,8 +116,9 @@ g.add_argument("--preset", default=None, help=f"model size, one of {list(PRESETS
 g.add_argument("--init-from", default=None, metavar="DIR",
                help="start from a released checkpoint: a Hugging Face folder (config.json, *.safetensors) of "
                     "a DeepSeek-V3-architecture model (DeepSeek-V3, Kimi K2, Kimi K2.5, Moonlight); its "
-                    "config.json is the model. Needs the safetensors package and --data shards made "
-                    "with its tokenizer")
+                    "config.json is the model. Needs the safetensors package; pretraining needs --data "
+                    "shards made with its tokenizer, RL its tokenizer.json and chat template (the "
+                    "tokenizers package)")
 g.add_argument("--num-experts", type=int, default=None,
                help="routed experts per MoE layer (default: the preset's)")
 g = parser.add_argument_group("run")
@@ -463,7 +465,7 @@ if args.init_from:
     if args.num_experts not in (None, cfg.num_experts):
         die(f"--num-experts {args.num_experts}: the checkpoint has {cfg.num_experts} experts a layer; "
             "drop the flag")
-    if args.data is None and cfg.vocab_size != VOCAB_SIZE and not args.dry_run:
+    if args.data is None and cfg.vocab_size != VOCAB_SIZE and not args.dry_run and args.stage != "rl":
         die("--init-from needs --data: token shards made with the checkpoint's own tokenizer (vocab "
             f"{cfg.vocab_size}); the built-in corpus is this project's bytes "
             "(README: Start from a released model)")
@@ -535,10 +537,15 @@ if args.batch_size // layout.dp % args.grad_accum:
         f"gets (--batch-size {args.batch_size} over {layout.dp} data-parallel ranks)")
 # RL: the tool tasks, not --data
 args.stage = args.stage or ("pretrain" if args.data or args.init_from else "both")
-if args.init_from and args.stage != "pretrain" and cfg.vocab_size != VOCAB_SIZE:
-    die("--init-from: the RL stage speaks to the tasks through this project's byte tokenizer "
-        f"(model.encode/decode and model.TOKEN), not the checkpoint's (vocab {cfg.vocab_size}); plug the "
-        "model's tokenizer in there first, or run --stage pretrain")
+# RL writes and reads turns through a tokenizer: this project's bytes, or a released model's own (its
+# tokenizer.json and chat template; a checkpoint of this project's byte vocabulary needs none)
+tokenizer = BYTES
+if args.init_from and args.stage != "pretrain" and not args.dry_run and (
+        cfg.vocab_size != VOCAB_SIZE or Path(args.init_from, "tokenizer.json").exists()):
+    try:
+        tokenizer = HFTokenizer(args.init_from, cfg.vocab_size)
+    except TokenizerError as e:
+        die(f"--init-from {e}")
 if args.stage == "rl" and not (args.resume or args.init_from) and args.init != "scratch":
     die("--stage rl needs a model to start from: run `python train.py --stage pretrain` first, then "
         "`python train.py --stage rl --resume` (or pass --init scratch to start RL from random weights)")
@@ -638,7 +645,7 @@ CODE_MESSAGE, CODE_BUDGET, CODE_REPLY, CODE_USES, CODE_SHARE = 64, 480, 200, 2, 
 trainers = world_size  # the ranks that train (all but the rollout ranks)
 grpo_cfg = GRPOConfig(group_size=args.group_size, max_gen_tokens=args.max_gen_tokens, kl_coef=args.kl_coef,
                       kl_estimator=args.kl_estimator, sampler_bits=args.sampler_bits,
-                      temperature=args.temperature,
+                      temperature=args.temperature, tokenizer=tokenizer,
                       # a coding episode: edits of a few lines, file reads, a context that holds them
                       **(dict(max_message_tokens=CODE_MESSAGE, context_budget=CODE_BUDGET) if CODE else {}))
 make_task, make_env = ((tasks.make_chain_task, tasks.ChainEnv) if args.rl_tasks == "long" else
@@ -1744,7 +1751,8 @@ if args.stage != "pretrain":
     feedback = Feedback(model, FeedbackConfig(coef=args.feedback_coef, estimator=args.feedback_estimator,
                                               teacher=args.feedback_teacher,
                                               ema_decay=args.feedback_ema_decay),
-                        rules=[rule for rule in RULES if rule[0] in args.feedback_rules.split(",")])
+                        rules=[rule for rule in RULES if rule[0] in args.feedback_rules.split(",")],
+                        tokenizer=grpo_cfg.tokenizer)
     for name in wanted_copies - set(copies):  # the policy RL starts from (a resumed run loaded them above)
         copies[name] = Weights(model)
     feedback.teacher = copies.get("teacher")  # None: the current policy
@@ -1809,6 +1817,7 @@ if args.stage != "pretrain":
                         fb_loss, fb_stats = feedback.loss(trainer, part, len(part) * grpo_cfg.max_gen_tokens,
                                                           logits=logits, targets=targets[k])
                         loss = loss + args.feedback_coef * fb_loss
+                stats = {**stats, "loss": loss.item()}
                 loss.backward()
                 grad_norms.append(clip_grad_norm(args.grad_clip))
                 optimizer.step()
@@ -1819,6 +1828,7 @@ if args.stage != "pretrain":
         first = [(st, fs) for epoch, st, fs in updates if epoch == 0]  # each policy token once
         stats = {"gen_tokens": sum(st["gen_tokens"] * len(p)
                                    for (st, _), p in zip(first, parts)) / len(train),
+                 "loss": sum(st["loss"] for st, _ in first),  # the first epoch's, over the minibatches
                  "clip_frac": sum(st["clip_frac"] for _, st, _ in updates) / len(updates),
                  "tis_min": min(st["tis_min"] for st, _ in first),
                  "tis_max": max(st["tis_max"] for st, _ in first)}
@@ -1863,7 +1873,8 @@ if args.stage != "pretrain":
                   "summaries": summaries / n_episodes, "gen_tokens": tokens / n_episodes,
                   "feedback_targets": fb_counts[0], "feedback_kl": fb_means["feedback_kl"] or 0.0,
                   **({k: v for k, v in fb_means.items() if k.startswith("p_")} if args.feedback_coef else {}),
-                  "clip_frac": mean_over_ranks(stats["clip_frac"]), **signal_stats, **lag,
+                  "loss": mean_over_ranks(stats["loss"]), "clip_frac": mean_over_ranks(stats["clip_frac"]),
+                  **signal_stats, **lag,
                   "ms": 1000 * (time.perf_counter() - t0)}
         low, high = sum_over_ranks([-stats["tis_min"], stats["tis_max"]], op="max")
         record.update(tis_min=-low, tis_max=high)  # the spread of trainer / sampler over all ranks
@@ -1889,7 +1900,8 @@ if args.stage != "pretrain":
 if args.save_hf:  # every rank: each sharded tensor is gathered whole, rank 0 writes
     try:
         save_hf(model, args.save_hf, torch.bfloat16 if args.save_hf_dtype == "bf16" else torch.float32,
-                hf_base)
+                hf_base, extra_files=[Path(args.init_from, f) for f in TOKENIZER_FILES
+                                      if args.init_from and Path(args.init_from, f).is_file()])
     except CheckpointError as e:
         die(f"--save-hf: {e} (the run's own checkpoint {checkpoints()[-1]} is complete)")
     print0(f"wrote {args.save_hf}: a Hugging Face DeepSeek-V3 checkpoint ({args.save_hf_dtype})")
