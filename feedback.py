@@ -316,7 +316,7 @@ if __name__ == "__main__":
     g.add_argument("--jobs", type=int, default=2, help="runs at once (threads split between them)")
     g.add_argument("--start", default=None, help="a pretraining checkpoint to start from (default: pretrain "
                    "into OUT/pretrain once)")
-    g.add_argument("--out", default="ablation", help="folder for the runs")
+    g.add_argument("--out", default="out-ablation", help="folder for the runs")
     a, extra = ap.parse_known_args()
     if a.ablation:  # any other flag goes to every train.py run (the pretraining's too)
         if a.seeds < 1 or a.rl_steps < 1 or a.jobs < 1:
