@@ -40,6 +40,7 @@ class FeedbackConfig:
     estimator: str = "full"  # "full": exact KL over the vocabulary; "sampled": the sampled-token estimator
     teacher: str = "current"  # "current" policy (the seed's choice), "frozen" copy, or "ema" of the policy
     ema_decay: float = 0.99
+    temperature: float = 1.0  # the one the messages were sampled at ("sampled" reweights them to T = 1)
 
 
 # -----------------------------------------------------------------------------
@@ -101,17 +102,23 @@ def pad(seqs, device=None, pad_id=BYTES.pad):
     return torch.tensor([s + [pad_id] * (longest - len(s)) for s in seqs], device=device)
 
 
-def message_kl(s_logits, t_logits, tokens, estimator="full"):
+def message_kl(s_logits, t_logits, tokens, estimator="full", temperature=1.0):
     """KL(student || teacher) on one message's L tokens. s_logits (with grad), t_logits: [L, V], each row
     predicting tokens [L]. "full": sum_v p_s (log p_s - log p_t) per token, exact. "sampled": the student
     sampled `tokens`, so (log p_s(x) - log p_t(x)) estimates the KL and, as a score-function weight on
-    log p_s(x), its gradient. -> (loss to backprop [L], KL value [L])"""
+    log p_s(x), its gradient. Sampled at another temperature, x came from q = softmax(s_logits / T), not
+    p_s: each is reweighted by p_s(x) / q(x), which makes both expectations p_s's again.
+    -> (loss to backprop [L], KL value [L])"""
     s, t = F.log_softmax(s_logits.float(), -1), F.log_softmax(t_logits.float(), -1).detach()
     if estimator == "full":
         kl = (s.exp() * (s - t)).sum(-1)
         return kl, kl.detach()
     s_x, t_x = s.gather(-1, tokens[:, None]).squeeze(-1), t.gather(-1, tokens[:, None]).squeeze(-1)
-    return (s_x - t_x).detach() * s_x, (s_x - t_x).detach()
+    w = 1.0
+    if temperature != 1.0:
+        q = F.log_softmax(s_logits.float().detach() / temperature, -1)
+        w = (s_x.detach() - q.gather(-1, tokens[:, None]).squeeze(-1)).exp()
+    return w * (s_x - t_x).detach() * s_x, w * (s_x - t_x).detach()
 
 
 class Feedback:
@@ -128,7 +135,8 @@ class Feedback:
         self.teacher = None if cfg.teacher == "current" else Weights(policy)
 
     def update(self, policy):
-        """After each optimizer step: the EMA teacher follows the policy (frozen and current need nothing)."""
+        """Once an RL step, after its optimizer steps (all PPO epochs and minibatches): the EMA teacher
+        follows the policy (frozen and current need nothing)."""
         if self.cfg.teacher == "ema":
             self.teacher.lerp_(policy, 1 - self.cfg.ema_decay)
 
@@ -185,7 +193,7 @@ class Feedback:
         for i, (start, end, h) in enumerate(spans):  # logits at position p predict token p + 1
             tokens = torch.tensor(students[i][1][start:end], device=s_logits.device)
             s_i, t_i = s_logits[i, start - 1:end - 1], t_logits[i, start - 1 + h:end - 1 + h]
-            loss, kl = message_kl(s_i, t_i, tokens, self.cfg.estimator)
+            loss, kl = message_kl(s_i, t_i, tokens, self.cfg.estimator, self.cfg.temperature)
             losses.append(loss.sum())
             kls.append(kl)
             with torch.no_grad():  # the token the hint argues against most: a slip's tool name, "Call"'s "C"

@@ -295,9 +295,11 @@ def token_logprobs(logits, tokens):
 def kl_estimates(logp, ref_logp):
     """Per-token estimators of KL(pi || ref) from samples of pi (Schulman, "Approximating KL divergence").
     As values, k1 and k3 are unbiased, k2 is biased (little while pi is near ref). As losses, differentiated
-    through log pi with the samples held fixed, they differ: E_pi[grad k2] = grad KL(pi || ref), but
-    E_pi[grad k3] = grad KL(ref || pi), the other direction, and E_pi[grad k1] = 0 (so k1 goes in the
-    reward)."""
+    through log pi with the samples held fixed, they differ, per token at the states the samples visited:
+    there E_pi[grad k2] = grad KL(pi || ref) and E_pi[grad k3] = grad KL(ref || pi), the other direction, and
+    E_pi[grad k1] = 0 (so k1 goes in the reward). None of them is the gradient of the sequence-level KL (that
+    would also move which states are visited), and the loss gives them no importance weight, so under a stale
+    or 8-bit sampler the samples are not pi's and the expectations hold only approximately."""
     d = ref_logp - logp
     return {"k1": -d, "k2": 0.5 * d ** 2, "k3": d.exp() - d - 1}
 
@@ -305,7 +307,9 @@ def kl_estimates(logp, ref_logp):
 def policy_loss(logp, old_logp, sampler_logp, adv, mask, cfg, norm):
     """The Dr. GRPO token loss, summed and divided by the constant `norm`. logp (with grad), old_logp (the
     trainer's log-probs when the batch was sampled), sampler_logp, mask: [N, T]; adv: [N].
-    Returns the loss and the fraction of policy tokens whose ratio was clipped."""
+    Returns the loss and the fraction of policy tokens whose ratio is outside [1 - eps_low, 1 + eps_high],
+    whether or not min() took the clipped term there (it does only where the advantage's sign makes the
+    clipped term the smaller)."""
     ratio = (logp - old_logp).exp()
     tis = (old_logp - sampler_logp).exp().clamp(max=cfg.tis_cap)  # ~1 where sampler and trainer agree
     a = adv[:, None]
@@ -393,7 +397,9 @@ def grpo_loss(policy, trajs, cfg, ref_logp=None, old_logp=None):
 # the policy. A rollout rank samples step i's groups with policy version max(start, i - 1 - S), so it runs up
 # to S steps ahead while the trainers train, and sends every batch, tagged with its version, to the trainer
 # rank whose groups they are. The version is fixed by (i, S), not by timing: an asynchronous run is
-# reproducible, and S = 0 is synchronous RL exactly. The trainer corrects the lag with the truncated
+# reproducible, and S = 0 is synchronous RL exactly where synchronous sampling is fp32 too (CPU, --precision
+# fp32); with bf16 FSDP on a GPU the trainers sample in bf16, while the rollout ranks sample from their fp32
+# copy, so the two differ by that rounding. The trainer corrects the lag with the truncated
 # importance weights it applies anyway (pi_trainer / pi_sampler on each policy token, capped), as Composer 2's
 # asynchronous RL corrects its samplers.
 #

@@ -412,7 +412,7 @@ class MLA(nn.Module):
 
     @torch.no_grad()
     def clip_heads(self, gamma):
-        """QK-Clip for MLA (Kimi K2 report, sec. 2.3): scale head h's logits by gamma[h] [H] through its own
+        """QK-Clip for MLA (Kimi K2 report, sec. 2.1): scale head h's logits by gamma[h] [H] through its own
         weights: the head-specific query and key components (q_nope, k_nope) by sqrt(gamma), the query's rope
         part by gamma, the rope key shared by all heads untouched. On a sharded weight each rank scales its
         own block (heads and rows by their global index)."""

@@ -241,7 +241,8 @@ g.add_argument("--feedback-coef", type=float, default=0.1, help="lambda of the f
 g.add_argument("--feedback-rules", default=None,
                help=f"comma-separated hint rules of feedback.py: {', '.join(name for name, _ in RULES)}")
 g.add_argument("--feedback-estimator", default="full", choices=["full", "sampled"],
-               help="full: exact KL over the vocabulary; sampled: the sampled-token estimator")
+               help="full: exact KL over the vocabulary; sampled: the sampled-token estimator (reweighted to "
+                    "T = 1 when --temperature is not 1)")
 g.add_argument("--feedback-teacher", default="frozen", choices=["frozen", "current", "ema"],
                help="the hinted teacher: the policy RL started from, the current policy, or an EMA of the "
                     "policy (a current teacher drifts with the student: on the default run the pass rate "
@@ -250,8 +251,8 @@ g.add_argument("--feedback-ema-decay", type=float, default=0.99, help="the EMA t
 g.add_argument("--kl-coef", type=float, default=0.0,
                help="KL to the starting policy (0: none, no reference kept)")
 g.add_argument("--kl-estimator", default="k1", choices=["k1", "k2", "k3"],
-               help="k1: folded into the reward; k2: in the loss, the gradient of KL(pi||ref); k3: in the "
-                    "loss, the gradient of KL(ref||pi)")
+               help="k1: folded into the reward; k2: in the loss, per token the gradient of KL(pi||ref) at "
+                    "the visited states; k3: in the loss, per token that of KL(ref||pi)")
 g.add_argument("--temperature", type=float, default=1.0,
                help="sampling temperature (the trainer's log-probs use it too)")
 g.add_argument("--ppo-epochs", type=int, default=2,
@@ -278,7 +279,8 @@ g.add_argument("--rollout-ranks", type=int, default=0, metavar="K",
                     "samples, then trains)")
 g.add_argument("--max-staleness", type=int, default=0, metavar="S",
                help="with --rollout-ranks: step i is sampled with the policy of step max(0, i - 1 - S), so "
-                    "the rollout ranks run up to S steps ahead of the trainers (0: exactly synchronous RL)")
+                    "the rollout ranks run up to S steps ahead of the trainers (0: synchronous RL; exactly, "
+                    "when sampling is fp32)")
 g.add_argument("--count-comm", action="store_true",
                help="count the calls and bytes of every collective in the second step and print them")
 args = parser.parse_args()
@@ -1750,7 +1752,8 @@ if args.stage != "pretrain":
 
     feedback = Feedback(model, FeedbackConfig(coef=args.feedback_coef, estimator=args.feedback_estimator,
                                               teacher=args.feedback_teacher,
-                                              ema_decay=args.feedback_ema_decay),
+                                              ema_decay=args.feedback_ema_decay,
+                                              temperature=args.temperature),
                         rules=[rule for rule in RULES if rule[0] in args.feedback_rules.split(",")],
                         tokenizer=grpo_cfg.tokenizer)
     for name in wanted_copies - set(copies):  # the policy RL starts from (a resumed run loaded them above)
