@@ -276,14 +276,14 @@ QK_CFG = M.ModelConfig(dim=64, n_layer=2, n_head=2, q_lora_rank=32, kv_lora_rank
                        moe_hidden=32)
 
 
-def _qk_clip_run(tau, steps=12, lr=0.2):
+def _qk_clip_run(tau, steps=12, lr=0.2, cfg=QK_CFG):
     """A small model trained at a learning rate that makes attention logits grow, QK-Clip after every step
     (tau None: tracked, never clipped). -> (losses, the largest logit each step's forward saw, and per step
     and layer: (the heads' largest logits in that forward [H], and on the same inputs with the stepped weights
     before and after the clip [H], [H]))"""
     import muon
     torch.manual_seed(0)
-    model = M.Transformer(QK_CFG).train()
+    model = M.Transformer(cfg).train()
     inputs = {}
     for i, block in enumerate(model.layers):
         block.attn.track_max_logit = True
@@ -317,16 +317,18 @@ def _qk_clip_run(tau, steps=12, lr=0.2):
     return losses, seen, heads
 
 
-def test_qk_clip_scales_each_head_over_tau_and_bounds_the_logits():
+@pytest.mark.parametrize("q_lora_rank, lr", [(QK_CFG.q_lora_rank, 0.2), (0, 0.25)])  # 0: Moonlight's queries
+def test_qk_clip_scales_each_head_over_tau_and_bounds_the_logits(q_lora_rank, lr):
     """MuonClip's QK-Clip on MLA, as the Kimi K2 report's algorithm: a head whose largest logit in the step's
     forward, S, exceeded tau has every logit scaled by exactly tau / S (its query/key weights: sqrt(gamma) on
     the head-specific parts, gamma on the query's rope part); the other heads are untouched. At a learning
     rate where the largest logit runs past 40 unclipped, the clipped run keeps it under 2 tau (the step after
     a clip can push it past tau again, as the report's algorithm allows); a tau nothing reaches changes
-    nothing, bit for bit."""
-    losses, seen, _ = _qk_clip_run(None)
+    nothing, bit for bit. With and without query compression (wq_b or wq holds the query's heads)."""
+    cfg = replace(QK_CFG, q_lora_rank=q_lora_rank)
+    losses, seen, _ = _qk_clip_run(None, lr=lr, cfg=cfg)
     tau = seen[-1] / 3
-    clipped_losses, clipped_seen, heads = _qk_clip_run(tau)
+    clipped_losses, clipped_seen, heads = _qk_clip_run(tau, lr=lr, cfg=cfg)
     assert seen[-1] > 40 and max(clipped_seen) < 2 * tau
     assert clipped_losses[:3] == losses[:3] and clipped_losses != losses  # the same until logits reach tau
     n_clipped = 0
@@ -335,7 +337,7 @@ def test_qk_clip_scales_each_head_over_tau_and_bounds_the_logits():
         torch.testing.assert_close(after, before * gamma, rtol=1e-4, atol=1e-6)
         n_clipped += int((s > tau).sum())
     assert n_clipped >= 4
-    assert _qk_clip_run(1e9)[0] == losses
+    assert _qk_clip_run(1e9, lr=lr, cfg=cfg)[0] == losses
 
 
 def test_router_bias_selects_but_does_not_weigh():
@@ -406,6 +408,9 @@ HF_VARIANTS = {  # each config's distinctive fields: DeepSeek-V3 (expert groups)
     "kimi-k2": dict(n_group=1, topk_group=1, routed_scaling_factor=2.827, rope_parameters={
         **YARN, "rope_theta": 50000.0, "factor": 32.0, "original_max_position_embeddings": 16, "beta_fast": 1,
         "beta_slow": 1}),
+    # YaRN whose rope mscale differs from the softmax's mscale_all_dim: cos/sin scale by their ratio
+    "yarn-mscale": dict(n_group=1, topk_group=1, rope_parameters={**YARN, "rope_theta": 10000.0,
+                                                                  "mscale": 0.707, "mscale_all_dim": 1.0}),
 }
 
 
@@ -453,9 +458,9 @@ def load_ours(path, mutate=None):
 
 
 def test_released_checkpoints_give_the_logits_of_transformers(tmp_path, monkeypatch):
-    """DeepSeek-V3-, Moonlight-, Kimi-K2- and Kimi-K2.5-shaped checkpoints written by transformers: our logits
-    equal its DeepseekV3's within 1e-4 in fp32 over 96 tokens (past YaRN's original context), also through the
-    KV cache; each departure from plain rope and routing is needed for that (without the rope permutation, the
+    """DeepSeek-V3-, Moonlight-, Kimi-K2- and Kimi-K2.5-shaped checkpoints written by transformers, and one
+    whose YaRN mscale differs from its mscale_all_dim: our logits equal its DeepseekV3's within 1e-4 in fp32
+    over 96 tokens (past YaRN's original context), also through the KV cache; each departure from plain rope and routing is needed for that (without the rope permutation, the
     expert groups or YaRN the logits move by more than 0.1); --save-hf then --init-from gives identical
     tensors, and transformers reads our export to the same logits."""
     tf = pytest.importorskip("transformers", reason="pip install transformers")
