@@ -460,9 +460,10 @@ def load_ours(path, mutate=None):
 def test_released_checkpoints_give_the_logits_of_transformers(tmp_path, monkeypatch):
     """DeepSeek-V3-, Moonlight-, Kimi-K2- and Kimi-K2.5-shaped checkpoints written by transformers, and one
     whose YaRN mscale differs from its mscale_all_dim: our logits equal its DeepseekV3's within 1e-4 in fp32
-    over 96 tokens (past YaRN's original context), also through the KV cache; each departure from plain rope and routing is needed for that (without the rope permutation, the
-    expert groups or YaRN the logits move by more than 0.1); --save-hf then --init-from gives identical
-    tensors, and transformers reads our export to the same logits."""
+    over 96 tokens (past YaRN's original context), also through the KV cache; each departure from plain rope
+    and routing is needed for that (without the rope permutation, the expert groups or YaRN the logits move
+    by more than 0.1); --save-hf then --init-from gives identical tensors, and transformers reads our export
+    to the same logits."""
     tf = pytest.importorskip("transformers", reason="pip install transformers")
     idx = torch.randint(0, 300, (2, 96), generator=torch.Generator().manual_seed(0))
     for variant in [*HF_VARIANTS, "kimi-k2.5"]:
