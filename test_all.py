@@ -2070,6 +2070,26 @@ def test_resume_from_every_checkpoint_equals_the_uninterrupted_run(chain):
     assert meta["stage"] == "pretrain" and len(meta["files"]) >= 2
 
 
+def test_train_py_wires_the_kl_reference_and_the_ppo_old_logprobs(chain, par_data, tmp_path):
+    """train.py's own wiring, from one pretrained checkpoint (the feedback term, at lambda 1 on every malformed
+    message, moves the policy though every reward is 0). --kl-coef: the reference's log-probs come from the
+    policy RL started from, so the KL is 0 in step 1 and positive in step 2 (taken from the current policy it
+    would stay 0). --ppo-epochs 2 --ppo-minibatches 2: the old log-probs are taken before the step's first
+    update, so the second minibatch and epoch see ratios away from 1 and the clip fires (taken inside the
+    loop, every ratio would be 1)."""
+    root, _ = chain
+    flags = [*RL_RUN, "--data", str(par_data), "--stage", "rl", "--rl-steps", "2", "--rl-eval-tasks", "0",
+             "--resume", str(root / "whole" / "step-00000004"), "--feedback-rules", "malformed",
+             "--feedback-coef", "1", "--rl-lr", "0.05"]
+    runs = [start_train(*flags, "--kl-coef", "0.1", "--kl-estimator", "k2", "--out", str(tmp_path / "kl")),
+            start_train(*flags, "--ppo-epochs", "2", "--ppo-minibatches", "2", "--out", str(tmp_path / "ppo"))]
+    for r in map(finish, runs):
+        assert r.returncode == 0, r.stderr[-3000:]
+    kl, ppo = ([r for r in read_metrics(tmp_path / w) if r.get("stage") == "rl"] for w in ("kl", "ppo"))
+    assert kl[0]["kl"] < 1e-9 < 1e-6 < kl[1]["kl"], kl
+    assert all(r["clip_frac"] > 0 for r in ppo), ppo
+
+
 def test_async_rl_with_staleness_zero_is_synchronous_rl(chain, par_data, tmp_path):
     """--rollout-ranks 1 at two ranks (one trains, one samples with a whole copy of the policy it is sent
     after each step), from the same pretrained checkpoint: with --max-staleness 0 every record and the final
@@ -2476,8 +2496,9 @@ def test_grpo_loss_gradient_per_token_is_the_weighted_advantage_over_a_constant(
 
 def test_k2_loss_has_the_gradient_of_kl_pi_ref_and_k3_that_of_kl_ref_pi():
     """The expected gradient over on-policy samples (each outcome weighted by p, the samples held fixed) of
-    each estimator used as a loss, against the exact KLs on a small categorical. Then k2, k3 in grpo_loss."""
-    from grpo import grpo_loss, kl_estimates, logprobs
+    each estimator used as a loss, against the exact KLs on a small categorical. Then k2, k3 in grpo_loss,
+    and k1 folded into the reward."""
+    from grpo import batch, group_advantages, grpo_loss, kl_estimates, logprobs
     z = torch.tensor([1.0, 0.2, -0.5, -1.5], requires_grad=True)  # the policy's logits
     ref = torch.tensor([0.1, 0.2, 0.3, 0.4]).log()
     logp = z.log_softmax(-1)
@@ -2507,6 +2528,15 @@ def test_k2_loss_has_the_gradient_of_kl_pi_ref_and_k3_that_of_kl_ref_pi():
         assert stats["kl"] > 0 and math.isclose(loss.item(), 0.5 * stats["kl"] * n / norm, rel_tol=1e-5)
         losses[k] = loss.item()
     assert losses["k2"] != losses["k3"]
+    # k1 goes in the reward: each trajectory's reward less 0.5 x its summed k1, then the group's advantages
+    cfg.kl_estimator = "k1"
+    ref_logp = logprobs(ref_model, trajs, cfg)
+    loss, stats, old, _ = grpo_loss(model, trajs, cfg, ref_logp=ref_logp)
+    _, mask, _, owner = batch(trajs)
+    k1 = torch.zeros(len(trajs)).index_add_(0, owner, ((old - ref_logp) * mask).sum(-1))
+    adv = group_advantages(1.0 - 0.5 * k1, cfg.group_size)
+    want = -(adv[owner] * mask.sum(-1)).sum() / (len(trajs) * cfg.max_gen_tokens)  # ratio 1, weights 1
+    assert abs(want) > 1e-3 and math.isclose(loss.item(), want.item(), rel_tol=1e-4)
 
 
 def test_ppo_epochs_on_minibatches_clip_and_clipped_tokens_get_no_gradient(monkeypatch):

@@ -1832,6 +1832,7 @@ if args.stage != "pretrain":
         stats = {"gen_tokens": sum(st["gen_tokens"] * len(p)
                                    for (st, _), p in zip(first, parts)) / len(train),
                  "loss": sum(st["loss"] for st, _ in first),  # the first epoch's, over the minibatches
+                 "kl": sum(st["kl"] for st, _ in first) / len(first),  # to the reference, a policy token
                  "clip_frac": sum(st["clip_frac"] for _, st, _ in updates) / len(updates),
                  "tis_min": min(st["tis_min"] for st, _ in first),
                  "tis_max": max(st["tis_max"] for st, _ in first)}
@@ -1877,6 +1878,7 @@ if args.stage != "pretrain":
                   "feedback_targets": fb_counts[0], "feedback_kl": fb_means["feedback_kl"] or 0.0,
                   **({k: v for k, v in fb_means.items() if k.startswith("p_")} if args.feedback_coef else {}),
                   "loss": mean_over_ranks(stats["loss"]), "clip_frac": mean_over_ranks(stats["clip_frac"]),
+                  **({"kl": mean_over_ranks(stats["kl"])} if args.kl_coef else {}),
                   **signal_stats, **lag,
                   "ms": 1000 * (time.perf_counter() - t0)}
         low, high = sum_over_ranks([-stats["tis_min"], stats["tis_max"]], op="max")
