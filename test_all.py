@@ -2071,23 +2071,44 @@ def test_resume_from_every_checkpoint_equals_the_uninterrupted_run(chain):
 
 
 def test_train_py_wires_the_kl_reference_and_the_ppo_old_logprobs(chain, par_data, tmp_path):
-    """train.py's own wiring, from one pretrained checkpoint (the feedback term, at lambda 1 on every malformed
-    message, moves the policy though every reward is 0). --kl-coef: the reference's log-probs come from the
-    policy RL started from, so the KL is 0 in step 1 and positive in step 2 (taken from the current policy it
-    would stay 0). --ppo-epochs 2 --ppo-minibatches 2: the old log-probs are taken before the step's first
-    update, so the second minibatch and epoch see ratios away from 1 and the clip fires (taken inside the
-    loop, every ratio would be 1)."""
+    """train.py's own wiring, from one pretrained checkpoint (the feedback term, at lambda 1 on every
+    malformed message, moves the policy though every reward is 0). --kl-coef: the reference's log-probs come
+    from the policy RL started from, so the KL is 0 in step 1 and positive in step 2 (taken from the current
+    policy it would stay 0). --ppo-epochs 2 --ppo-minibatches 2: the old log-probs are taken before the
+    step's first update, so the second minibatch and epoch see ratios away from 1 and the clip fires (taken
+    inside the loop, every ratio would be 1)."""
     root, _ = chain
     flags = [*RL_RUN, "--data", str(par_data), "--stage", "rl", "--rl-steps", "2", "--rl-eval-tasks", "0",
              "--resume", str(root / "whole" / "step-00000004"), "--feedback-rules", "malformed",
              "--feedback-coef", "1", "--rl-lr", "0.05"]
     runs = [start_train(*flags, "--kl-coef", "0.1", "--kl-estimator", "k2", "--out", str(tmp_path / "kl")),
-            start_train(*flags, "--ppo-epochs", "2", "--ppo-minibatches", "2", "--out", str(tmp_path / "ppo"))]
+            start_train(*flags, "--ppo-epochs", "2", "--ppo-minibatches", "2",
+                        "--out", str(tmp_path / "ppo"))]
     for r in map(finish, runs):
         assert r.returncode == 0, r.stderr[-3000:]
     kl, ppo = ([r for r in read_metrics(tmp_path / w) if r.get("stage") == "rl"] for w in ("kl", "ppo"))
     assert kl[0]["kl"] < 1e-9 < 1e-6 < kl[1]["kl"], kl
     assert all(r["clip_frac"] > 0 for r in ppo), ppo
+
+
+def test_train_py_samples_at_its_temperature_and_sampler_bits(chain, par_data, tmp_path):
+    """--temperature and --sampler-bits reach the sampler and the trainer: at --temperature 0.5 the episodes
+    differ from the default run's while trainer and sampler still agree on every token's probability (the
+    truncated importance weights stay 1); with --sampler-bits 8 the weights move off 1."""
+    root, _ = chain
+    flags = [*RL_RUN, "--data", str(par_data), "--stage", "rl", "--rl-steps", "1", "--rl-eval-tasks", "0",
+             "--resume", str(root / "whole" / "step-00000004"), "--feedback-rules", "malformed",
+             "--feedback-coef", "1"]  # a loss that depends on the episodes though every reward is 0
+    extras = {"base": [], "t05": ["--temperature", "0.5"], "bits": ["--sampler-bits", "8"]}
+    runs = {name: start_train(*flags, *x, "--out", str(tmp_path / name)) for name, x in extras.items()}
+    for r in map(finish, runs.values()):
+        assert r.returncode == 0, r.stderr[-3000:]
+    (base,), (t05,), (bits,) = ([r for r in read_metrics(tmp_path / w) if r.get("stage") == "rl"]
+                                for w in runs)
+    for r in (base, t05):
+        assert 1 - 1e-5 < r["tis_min"] <= r["tis_max"] < 1 + 1e-5, r
+    assert (t05["gen_tokens"], t05["loss"]) != (base["gen_tokens"], base["loss"])
+    assert bits["tis_min"] < 1 - 1e-4 or bits["tis_max"] > 1 + 1e-4, bits
 
 
 def test_async_rl_with_staleness_zero_is_synchronous_rl(chain, par_data, tmp_path):
