@@ -2111,6 +2111,39 @@ def test_train_py_samples_at_its_temperature_and_sampler_bits(chain, par_data, t
     assert bits["tis_min"] < 1 - 1e-4 or bits["tis_max"] > 1 + 1e-4, bits
 
 
+def test_train_py_keeps_a_frozen_teacher_and_moves_the_ema_one_rl_step_at_a_time(chain, par_data, tmp_path):
+    """--feedback-teacher frozen keeps the policy RL started from; ema moves once an RL step, after all of
+    its optimizer steps (two PPO epochs here): teacher <- teacher + (1 - decay) (policy - teacher), read from
+    the checkpoints of RL steps 1 and 2."""
+    import torch.distributed.checkpoint as dcp
+    root, _ = chain
+    start = root / "whole" / "step-00000004"
+    flags = [*RL_RUN, "--data", str(par_data), "--stage", "rl", "--rl-steps", "2", "--rl-eval-tasks", "0",
+             "--resume", str(start), "--feedback-rules", "malformed", "--feedback-coef", "1",
+             "--rl-lr", "0.05", "--ppo-epochs", "2", "--rl-eval-every", "1", "--keep", "3"]
+    runs = {t: start_train(*flags, "--feedback-teacher", t, "--feedback-ema-decay", "0.5", "--out",
+                           str(tmp_path / t)) for t in ("frozen", "ema")}
+    for r in map(finish, runs.values()):
+        assert r.returncode == 0, r.stderr[-3000:]
+
+    def load(ckpt, key):  # a set of parameter values in a checkpoint: the model's, or a copy's
+        model = M.Transformer(M.ModelConfig())
+        state = {key: model.state_dict() if key == "model" else
+                 {n: p.detach().clone() for n, p in model.named_parameters()}}
+        dcp.load(state, checkpoint_id=ckpt, no_dist=True)
+        return state[key]
+    p0 = load(start, "model")
+    for t in runs:
+        p1, p2 = (load(tmp_path / t / f"step-0000000{s}", "model") for s in (5, 6))
+        t1, t2 = (load(tmp_path / t / f"step-0000000{s}", "teacher") for s in (5, 6))
+        for n in t1:
+            want1 = p0[n] if t == "frozen" else p0[n] + 0.5 * (p1[n] - p0[n])
+            want2 = p0[n] if t == "frozen" else want1 + 0.5 * (p2[n] - want1)
+            torch.testing.assert_close(t1[n], want1, rtol=0, atol=1e-6, msg=lambda m: f"{t} {n} step 1: {m}")
+            torch.testing.assert_close(t2[n], want2, rtol=0, atol=1e-6, msg=lambda m: f"{t} {n} step 2: {m}")
+        assert any((p2[n] - p0[n]).abs().max() > 1e-3 for n in t1)  # the policy moved
+
+
 def test_async_rl_with_staleness_zero_is_synchronous_rl(chain, par_data, tmp_path):
     """--rollout-ranks 1 at two ranks (one trains, one samples with a whole copy of the policy it is sent
     after each step), from the same pretrained checkpoint: with --max-staleness 0 every record and the final
