@@ -1137,7 +1137,8 @@ def run_workers(fn, world, *args, results=1):
 
 class Launched:
     """A script started on `world` ranks, used like subprocess.Popen (pid, poll, wait, communicate,
-    send_signal, kill; stdout and stderr are the ranks' in rank order, each rank's in .outputs).
+    send_signal, kill; stdout and stderr are the ranks' in rank order, each rank's in .outputs). rank_flags:
+    {rank: flags that rank alone gets after the others}, a rank started from another command line.
 
     Importing torch costs 2-3 CPU-seconds, more than most runs here compute, and the suite starts about a
     hundred of them. So every process forks from one server that imported torch and the project's modules once
@@ -1145,7 +1146,7 @@ class Launched:
     the ranks get torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT)
     and, as torchrun does, the others are stopped once one fails. A real `python` runs the README's quick
     start, a real `torchrun` the SIGTERM-under-torchrun test."""
-    def __init__(self, script, *flags, world=1, cwd=None, address_space=None):
+    def __init__(self, script, *flags, world=1, cwd=None, address_space=None, rank_flags=None):
         self.args, self.dir = [str(HERE / script), *flags], Path(tempfile.mkdtemp(prefix="run-"))
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         if world > 1:
@@ -1158,7 +1159,8 @@ class Launched:
         for rank in range(world):
             rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)} if world > 1 else env
             self.procs.append(forkserver().Process(target=_become_script, args=(
-                self.args[0], self.args[1:], rank_env, str(cwd or os.getcwd()), self.dir / f"out{rank}",
+                self.args[0], self.args[1:] + (rank_flags or {}).get(rank, []), rank_env,
+                str(cwd or os.getcwd()), self.dir / f"out{rank}",
                 self.dir / f"err{rank}", address_space)))
             self.procs[-1].start()
         self.pid, self.returncode, self.failed = self.procs[0].pid, None, None
@@ -2167,6 +2169,24 @@ def test_async_rl_with_staleness_zero_is_synchronous_rl(chain, par_data, tmp_pat
     assert all(r["sample_ms"] > 0 and r["trainer_wait_ms"] >= 0 and r["tis_min"] <= 1 <= r["tis_max"]
                for r in rl)
     assert [("publish_ms" in r) for r in rl] == [True, True, False, False]  # steps 3, 4 use versions 2 and 3
+
+
+def test_a_batch_past_the_staleness_bound_is_refused_in_one_line(chain, par_data, tmp_path):
+    """A rollout rank started with another bound (--max-staleness 1 against the trainer's 0) sends RL step 2's
+    batch sampled with the policy of step 0: the trainer refuses it with one line naming both steps and exits
+    1, and the rollout rank, its trainer gone, exits by itself with one line too."""
+    root, _ = chain
+    p = Launched("train.py", *RL_RUN, "--data", str(par_data), "--stage", "rl", "--rl-steps", "3",
+                 "--tasks-per-step", "1", "--rl-eval-tasks", "0", "--rollout-ranks", "1",
+                 "--resume", str(root / "whole" / "step-00000004"), "--out", str(tmp_path / "out"), world=2,
+                 rank_flags={1: ["--max-staleness", "1"]})
+    finish(p)
+    (_, trainer), (_, rollout) = p.outputs
+    assert [q.exitcode for q in p.procs] == [1, 1], p.outputs
+    refused = ("error: trainer rank 0: refused the batch of RL step 2 sampled with the policy of step 0: "
+               "step 2 may use steps 1 and after")
+    assert trainer.strip().splitlines() == [refused], trainer
+    assert len(rollout.strip().splitlines()) == 1 and rollout.startswith("error: rollout rank 0: "), rollout
 
 
 @pytest.mark.parametrize("victim", ["rollout", "trainer"])
