@@ -219,6 +219,8 @@ class Feedback:
 
 
 # -----------------------------------------------------------------------------
+# Appendix: running and measuring it
+#
 # The ablation: pretrain once, then RL with lambda > 0 and lambda = 0 from that checkpoint, several seeds an
 # arm, evaluated on the same held-out episodes. It drives train.py as a program (one process a run), never
 # imports it.

@@ -1,21 +1,26 @@
 """Dr. GRPO on multi-turn rollouts, with self-summarization and a low-precision sampler: the RL objective
 Composer 2 and 2.5 inherit.
 
-A group of G rollouts of the same task is sampled, the whole batch in lockstep with MLA's KV cache
-(model.KVCache: a row a trajectory, kept across its turns, so each message prefills only the tokens since the
-last, then decodes one token a row); each trajectory's advantage is its reward minus the group's mean reward,
-with no division by the group's std (Dr. GRPO, "Understanding R1-Zero-Like Training", arXiv 2503.20783). Every
-token the policy wrote gets the PPO clipped-ratio loss with separate low/high epsilons (DAPO's clip-higher,
-arXiv 2503.14476), for one or more epochs over minibatches of whole groups; token losses are summed and
-divided by a constant (trajectories x the max generation length), not by each sequence's length. Only the
-policy's own tokens are trained: prompt, tool output and inserted requests are attended to but masked by a
-boolean mask built while sampling, never inferred from token ids. When a context passes its budget the model
+The objective. A group of G rollouts of the same task is sampled; each trajectory's advantage is its reward
+minus the group's mean reward, with no division by the group's std (Dr. GRPO, "Understanding R1-Zero-Like
+Training", arXiv 2503.20783). Every token the policy wrote gets the PPO clipped-ratio loss with separate
+low/high epsilons (DAPO's clip-higher, arXiv 2503.14476), for one or more epochs over minibatches of whole
+groups; token losses are summed and divided by a constant (trajectories x the max generation length), not by
+each sequence's length. Only the policy's own tokens are trained: prompt, tool output and inserted requests
+are attended to but masked by a boolean mask built while sampling, never inferred from token ids. A truncated
+importance ratio between the trainer's log-probs and those the sampler recorded corrects any mismatch between
+the two (an 8-bit sampler, a bf16 trainer, a sampler some policy versions behind; Yao et al. 2025, "truncated
+importance sampling"). An optional KL to the starting policy goes in the reward (k1) or the loss (k2, k3).
+
+Sampling. The whole batch is sampled in lockstep with MLA's KV cache (model.KVCache: a row a trajectory, kept
+across its turns, so each message prefills only the tokens since the last, then decodes one token a row),
+through a tokenizer (this project's bytes, or a released model's). When a context passes its budget the model
 is asked to summarize, and the rollout continues from prompt + summary; every segment is trained with the
 trajectory's reward (Composer 2 report). Sampling may use a fake-quantised copy of the policy (8-bit blocks,
-like MXFP8); a truncated importance ratio between the trainer's log-probs and those the sampler (whichever
-weights sampled the rollout) recorded corrects that mismatch and any other (an fp32 sampler, a bf16 trainer;
-Yao et al. 2025, "truncated importance sampling"). The same weights correct a sampler that runs a bounded
-number of policy versions behind the trainer: asynchronous RL on rollout ranks (section at the end).
+like MXFP8).
+
+Asynchronous RL. Rollout ranks sample a bounded number of policy versions behind the trainer ranks and send
+them their batches (section at the end).
 
     python grpo.py          # one group of rollouts on tool-use tasks with a fresh tiny model, its loss
 """
@@ -85,6 +90,123 @@ class Trajectory:
 
 
 
+
+def device_of(module):
+    """Where a module's parameters live (a sharded one's local shards): what its inputs are built on."""
+    return next(module.parameters()).device
+
+# -----------------------------------------------------------------------------
+# The objective
+
+
+def group_advantages(rewards, group_size):
+    """Dr. GRPO: reward minus the group mean, no std division. rewards [N] in groups of consecutive G."""
+    r = rewards.view(-1, group_size)
+    return (r - r.mean(-1, keepdim=True)).view(-1)
+
+
+def token_logprobs(logits, tokens):
+    """logits [N, T-1, V] of a forward over tokens [N, T] minus its last -> log-prob of each next token [N,
+    T-1]."""
+    return torch.gather(F.log_softmax(logits, -1), -1, tokens[:, 1:, None]).squeeze(-1)
+
+
+def kl_estimates(logp, ref_logp):
+    """Per-token estimators of KL(pi || ref) from samples of pi (Schulman, "Approximating KL divergence").
+    As values, k1 and k3 are unbiased, k2 is biased (little while pi is near ref). As losses, differentiated
+    through log pi with the samples held fixed, they differ, per token at the states the samples visited:
+    there E_pi[grad k2] = grad KL(pi || ref) and E_pi[grad k3] = grad KL(ref || pi), the other direction, and
+    E_pi[grad k1] = 0 (so k1 goes in the reward). None of them is the gradient of the sequence-level KL (that
+    would also move which states are visited), and the loss gives them no importance weight, so under a stale
+    or 8-bit sampler the samples are not pi's and the expectations hold only approximately."""
+    d = ref_logp - logp
+    return {"k1": -d, "k2": 0.5 * d ** 2, "k3": d.exp() - d - 1}
+
+
+def policy_loss(logp, old_logp, sampler_logp, adv, mask, cfg, norm):
+    """The Dr. GRPO token loss, summed and divided by the constant `norm`. logp (with grad), old_logp (the
+    trainer's log-probs when the batch was sampled), sampler_logp, mask: [N, T]; adv: [N].
+    Returns the loss and the fraction of policy tokens whose ratio is outside [1 - eps_low, 1 + eps_high],
+    whether or not min() took the clipped term there (it does only where the advantage's sign makes the
+    clipped term the smaller)."""
+    ratio = (logp - old_logp).exp()
+    tis = (old_logp - sampler_logp).exp().clamp(max=cfg.tis_cap)  # ~1 where sampler and trainer agree
+    a = adv[:, None]
+    per_token = -torch.minimum(ratio * a, ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * a) * tis
+    loss = (per_token * mask).sum() / norm
+    clipped = ((ratio < 1 - cfg.eps_low) | (ratio > 1 + cfg.eps_high)) & (mask > 0)
+    return loss, clipped.sum().item() / max(1, mask.sum().item())
+
+
+def rows(trajs):
+    """The training sequences of a batch, in order: (trajectory index, segment) for each segment the policy
+    wrote in."""
+    return [(i, s) for i, t in enumerate(trajs) for s in t.segments if any(s.policy)]
+
+
+def batch(trajs, device=None, pad_id=BYTES.pad):
+    """Segments as padded tensors on device: tokens [S, T], mask / sampler_logp [S, T-1] aligned with
+    next-token log-probs, and the trajectory index of each segment (a trajectory's segments share its
+    reward)."""
+    segs = rows(trajs)
+    T = max(len(s.tokens) for _, s in segs)
+    pad = lambda xs, v: xs + [v] * (T - len(xs))
+    tokens = torch.tensor([pad(s.tokens, pad_id) for _, s in segs], device=device)
+    mask = torch.tensor([pad(s.policy, False) for _, s in segs], device=device)[:, 1:]
+    sampler_logp = torch.tensor([pad(s.sampler_logp, 0.0) for _, s in segs], device=device)[:, 1:]
+    return tokens, mask, sampler_logp, torch.tensor([i for i, _ in segs], device=device)
+
+
+def minibatches(trajs, n, group_size):
+    """A batch split into n minibatches of whole groups, in order (sizes differ by one group at most)."""
+    groups = [trajs[i:i + group_size] for i in range(0, len(trajs), group_size)]
+    if len(trajs) % group_size or not 1 <= n <= len(groups):
+        raise ValueError(f"{len(trajs)} trajectories in groups of {group_size}: no {n} minibatches")
+    return [[t for g in groups[k * len(groups) // n:(k + 1) * len(groups) // n] for t in g] for k in range(n)]
+
+
+@torch.no_grad()
+def logprobs(policy, trajs, cfg):
+    """A policy's log-probs [S, T-1] of a minibatch's tokens, at the sampler's temperature, in eval mode (so
+    the router counts nothing): grpo_loss's old_logp (the trainer's, before any PPO step on the minibatch) and
+    ref_logp (with the reference's Weights loaded), both taken before the training forward."""
+    tokens = batch(trajs, device_of(policy), cfg.tokenizer.pad)[0]
+    was_training = policy.training
+    logits, _ = policy.eval()(tokens[:, :-1])
+    policy.train(was_training)
+    return token_logprobs(logits / cfg.temperature, tokens)
+
+
+def grpo_loss(policy, trajs, cfg, ref_logp=None, old_logp=None):
+    """L_RL for a list of trajectories (groups of cfg.group_size consecutive ones), one forward of the policy.
+    -> (loss, stats, old_logp, logits [S, T-1, V]); pass old_logp back in for further PPO epochs on the same
+    batch (or take it from logprobs); ref_logp: the reference policy's logprobs (needed when cfg.kl_coef > 0);
+    the logits serve the feedback term's student without a forward.
+    Log-probs are taken at the sampler's temperature; the returned logits are raw (T = 1), and the feedback
+    KL compares student and teacher on those."""
+    tokens, mask, sampler_logp, owner = batch(trajs, device_of(policy), cfg.tokenizer.pad)
+    logits, _ = policy(tokens[:, :-1])
+    logp = token_logprobs(logits / cfg.temperature, tokens)
+    if old_logp is None:
+        old_logp = logp.detach()
+    rewards = torch.tensor([t.reward for t in trajs], device=logp.device)
+    kl = torch.zeros_like(logp)
+    if cfg.kl_coef > 0:
+        kl = kl_estimates(logp, ref_logp)[cfg.kl_estimator] * mask
+        if cfg.kl_estimator == "k1":  # folded into the reward at the sampled policy: the same in every epoch
+            k1 = kl_estimates(old_logp, ref_logp)["k1"] * mask
+            rewards = rewards - cfg.kl_coef * rewards.new_zeros(len(trajs)).index_add_(0, owner, k1.sum(-1))
+    adv = group_advantages(rewards, cfg.group_size)[owner]
+    norm = len(trajs) * cfg.max_gen_tokens
+    loss, clip_frac = policy_loss(logp, old_logp, sampler_logp, adv, mask.float(), cfg, norm)
+    if cfg.kl_coef > 0 and cfg.kl_estimator != "k1":
+        loss = loss + cfg.kl_coef * kl.sum() / norm
+    tis = (old_logp - sampler_logp).exp()[mask]  # trainer / sampler on policy tokens, before the cap
+    stats = {"reward": rewards.mean().item(), "clip_frac": clip_frac, "kl": (kl.sum() / mask.sum()).item(),
+             "gen_tokens": mask.sum().item() / len(trajs), "tis_min": tis.min().item(),
+             "tis_max": tis.max().item(), "tis_capped": (tis > cfg.tis_cap).float().mean().item()}
+    return loss, stats, old_logp, logits
+
 # -----------------------------------------------------------------------------
 # Sampling
 
@@ -140,11 +262,6 @@ class Weights:
             with torch.no_grad():
                 for p, t in zip(own, saved):
                     p.copy_(t)
-
-
-def device_of(module):
-    """Where a module's parameters live (a sharded one's local shards): what its inputs are built on."""
-    return next(module.parameters()).device
 
 
 class Lockstep(nn.Module):
@@ -274,120 +391,6 @@ def rollout(policy, envs, cfg, gen, sharded=False):
         t.reward = float(reward)
     policy.train(was_training)
     return trajs
-
-
-# -----------------------------------------------------------------------------
-# The objective
-
-
-def group_advantages(rewards, group_size):
-    """Dr. GRPO: reward minus the group mean, no std division. rewards [N] in groups of consecutive G."""
-    r = rewards.view(-1, group_size)
-    return (r - r.mean(-1, keepdim=True)).view(-1)
-
-
-def token_logprobs(logits, tokens):
-    """logits [N, T-1, V] of a forward over tokens [N, T] minus its last -> log-prob of each next token [N,
-    T-1]."""
-    return torch.gather(F.log_softmax(logits, -1), -1, tokens[:, 1:, None]).squeeze(-1)
-
-
-def kl_estimates(logp, ref_logp):
-    """Per-token estimators of KL(pi || ref) from samples of pi (Schulman, "Approximating KL divergence").
-    As values, k1 and k3 are unbiased, k2 is biased (little while pi is near ref). As losses, differentiated
-    through log pi with the samples held fixed, they differ, per token at the states the samples visited:
-    there E_pi[grad k2] = grad KL(pi || ref) and E_pi[grad k3] = grad KL(ref || pi), the other direction, and
-    E_pi[grad k1] = 0 (so k1 goes in the reward). None of them is the gradient of the sequence-level KL (that
-    would also move which states are visited), and the loss gives them no importance weight, so under a stale
-    or 8-bit sampler the samples are not pi's and the expectations hold only approximately."""
-    d = ref_logp - logp
-    return {"k1": -d, "k2": 0.5 * d ** 2, "k3": d.exp() - d - 1}
-
-
-def policy_loss(logp, old_logp, sampler_logp, adv, mask, cfg, norm):
-    """The Dr. GRPO token loss, summed and divided by the constant `norm`. logp (with grad), old_logp (the
-    trainer's log-probs when the batch was sampled), sampler_logp, mask: [N, T]; adv: [N].
-    Returns the loss and the fraction of policy tokens whose ratio is outside [1 - eps_low, 1 + eps_high],
-    whether or not min() took the clipped term there (it does only where the advantage's sign makes the
-    clipped term the smaller)."""
-    ratio = (logp - old_logp).exp()
-    tis = (old_logp - sampler_logp).exp().clamp(max=cfg.tis_cap)  # ~1 where sampler and trainer agree
-    a = adv[:, None]
-    per_token = -torch.minimum(ratio * a, ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * a) * tis
-    loss = (per_token * mask).sum() / norm
-    clipped = ((ratio < 1 - cfg.eps_low) | (ratio > 1 + cfg.eps_high)) & (mask > 0)
-    return loss, clipped.sum().item() / max(1, mask.sum().item())
-
-
-def rows(trajs):
-    """The training sequences of a batch, in order: (trajectory index, segment) for each segment the policy
-    wrote in."""
-    return [(i, s) for i, t in enumerate(trajs) for s in t.segments if any(s.policy)]
-
-
-def batch(trajs, device=None, pad_id=BYTES.pad):
-    """Segments as padded tensors on device: tokens [S, T], mask / sampler_logp [S, T-1] aligned with
-    next-token log-probs, and the trajectory index of each segment (a trajectory's segments share its
-    reward)."""
-    segs = rows(trajs)
-    T = max(len(s.tokens) for _, s in segs)
-    pad = lambda xs, v: xs + [v] * (T - len(xs))
-    tokens = torch.tensor([pad(s.tokens, pad_id) for _, s in segs], device=device)
-    mask = torch.tensor([pad(s.policy, False) for _, s in segs], device=device)[:, 1:]
-    sampler_logp = torch.tensor([pad(s.sampler_logp, 0.0) for _, s in segs], device=device)[:, 1:]
-    return tokens, mask, sampler_logp, torch.tensor([i for i, _ in segs], device=device)
-
-
-def minibatches(trajs, n, group_size):
-    """A batch split into n minibatches of whole groups, in order (sizes differ by one group at most)."""
-    groups = [trajs[i:i + group_size] for i in range(0, len(trajs), group_size)]
-    if len(trajs) % group_size or not 1 <= n <= len(groups):
-        raise ValueError(f"{len(trajs)} trajectories in groups of {group_size}: no {n} minibatches")
-    return [[t for g in groups[k * len(groups) // n:(k + 1) * len(groups) // n] for t in g] for k in range(n)]
-
-
-@torch.no_grad()
-def logprobs(policy, trajs, cfg):
-    """A policy's log-probs [S, T-1] of a minibatch's tokens, at the sampler's temperature, in eval mode (so
-    the router counts nothing): grpo_loss's old_logp (the trainer's, before any PPO step on the minibatch) and
-    ref_logp (with the reference's Weights loaded), both taken before the training forward."""
-    tokens = batch(trajs, device_of(policy), cfg.tokenizer.pad)[0]
-    was_training = policy.training
-    logits, _ = policy.eval()(tokens[:, :-1])
-    policy.train(was_training)
-    return token_logprobs(logits / cfg.temperature, tokens)
-
-
-def grpo_loss(policy, trajs, cfg, ref_logp=None, old_logp=None):
-    """L_RL for a list of trajectories (groups of cfg.group_size consecutive ones), one forward of the policy.
-    -> (loss, stats, old_logp, logits [S, T-1, V]); pass old_logp back in for further PPO epochs on the same
-    batch (or take it from logprobs); ref_logp: the reference policy's logprobs (needed when cfg.kl_coef > 0);
-    the logits serve the feedback term's student without a forward.
-    Log-probs are taken at the sampler's temperature; the returned logits are raw (T = 1), and the feedback
-    KL compares student and teacher on those."""
-    tokens, mask, sampler_logp, owner = batch(trajs, device_of(policy), cfg.tokenizer.pad)
-    logits, _ = policy(tokens[:, :-1])
-    logp = token_logprobs(logits / cfg.temperature, tokens)
-    if old_logp is None:
-        old_logp = logp.detach()
-    rewards = torch.tensor([t.reward for t in trajs], device=logp.device)
-    kl = torch.zeros_like(logp)
-    if cfg.kl_coef > 0:
-        kl = kl_estimates(logp, ref_logp)[cfg.kl_estimator] * mask
-        if cfg.kl_estimator == "k1":  # folded into the reward at the sampled policy: the same in every epoch
-            k1 = kl_estimates(old_logp, ref_logp)["k1"] * mask
-            rewards = rewards - cfg.kl_coef * rewards.new_zeros(len(trajs)).index_add_(0, owner, k1.sum(-1))
-    adv = group_advantages(rewards, cfg.group_size)[owner]
-    norm = len(trajs) * cfg.max_gen_tokens
-    loss, clip_frac = policy_loss(logp, old_logp, sampler_logp, adv, mask.float(), cfg, norm)
-    if cfg.kl_coef > 0 and cfg.kl_estimator != "k1":
-        loss = loss + cfg.kl_coef * kl.sum() / norm
-    tis = (old_logp - sampler_logp).exp()[mask]  # trainer / sampler on policy tokens, before the cap
-    stats = {"reward": rewards.mean().item(), "clip_frac": clip_frac, "kl": (kl.sum() / mask.sum()).item(),
-             "gen_tokens": mask.sum().item() / len(trajs), "tis_min": tis.min().item(),
-             "tis_max": tis.max().item(), "tis_capped": (tis > cfg.tis_cap).float().mean().item()}
-    return loss, stats, old_logp, logits
-
 
 # -----------------------------------------------------------------------------
 # Asynchronous RL: rollout ranks apart from the trainer ranks (train.py --rollout-ranks K --max-staleness S)
@@ -520,6 +523,9 @@ def serve_rollouts(model, bridge, cfg, episodes, difficulty, staleness, me, roll
                 difficulty.update(level, r)
     bridge.flush()
 
+
+# -----------------------------------------------------------------------------
+# Appendix: running and measuring it
 
 if __name__ == "__main__":
     import random

@@ -257,6 +257,9 @@ def describe(layout: Layout, ranks=None):
     return lines
 
 
+# -----------------------------------------------------------------------------
+# Appendix: running and measuring it
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser(
         description="Print the dense and expert meshes of a layout (no processes launched).")

@@ -1344,6 +1344,10 @@ def memory_plan(model, layout, muon_params, bf16=False, accum=1, reduce_each=Fal
     return plan, checkpoint
 
 
+# -----------------------------------------------------------------------------
+# Appendix: running and measuring it (python model.py: parameter counts, a forward, the benchmarks)
+
+
 def bench_experts(device):
     """Forward and backward of the routed experts, torch._grouped_mm against a matmul per expert, on expert
     shapes of the small preset and of a slice of Kimi K2's layer (8 of its 384 experts, 7168 -> 2048), with

@@ -501,7 +501,7 @@ class SplitBucket:
 
 
 # -----------------------------------------------------------------------------
-# Benchmark: python muon.py
+# Appendix: running and measuring it: the benchmark (python muon.py)
 
 
 def _median_time(fn, repeats, warmup=1):

@@ -3687,7 +3687,7 @@ class TaskPool:
 
 
 # -----------------------------------------------------------------------------
-# CLI
+# Appendix: running and measuring it: the command line (python tasks.py make|verify|...) and a demo
 
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, no usage block, no traceback
@@ -3809,10 +3809,6 @@ def cli(argv=None) -> int:
     except (TaskError, OSError, json.JSONDecodeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-
-
-# -----------------------------------------------------------------------------
-# Demo
 
 
 def main():
