@@ -1,5 +1,40 @@
-"""Verifiable RL tasks: an episode is an environment with a text-in/text-out step and a checked reward. Two
-families.
+"""Verifiable RL tasks, with the reward a check the policy's code cannot forge.
+
+Feature deletion on real codebases (Composer 2.5's synthetic tasks): cut a tested feature out of a Python
+repository (stub: Commit0-style NotImplementedError; remove: the whole definition); the agent re-implements
+it, and the repository's own tests (fail-to-pass and pass-to-pass sets) plus a hidden oracle are the reward.
+The oracle is the gold code's results on the inputs the tests gave the feature and on held-out mutations of
+them (EvalPlus), kept where no sandboxed process can read them and compared on the host with what a fresh
+sandboxed child that imports only the solution returns: evidence the solution's code cannot forge, unlike
+anything the test process reports. A solution may change only Python source inside the packages, read by a
+host that never follows the work tree. A task is served only when a leak scan finds none of the deleted code
+left in bytecode, type-checker caches, git history, archives or build output, and a trajectory monitor flags
+agent steps that read such leaks or prepare tampering (the post's reward hacks: a mypy cache read back for a
+deleted signature, Java bytecode decompiled to rebuild an API). CodeEnv makes a task an RL environment: the
+policy reads, searches, edits and tests through tool calls, and verify on its final tree is the reward;
+micro-repositories are a family of such tasks a CPU model can learn. Sources: SWE-smith and R2E-Gym for tasks
+made from real repositories with their tests as the verifier; EvalPlus (Liu et al. 2023) for held-out inputs.
+
+The map, in file order:
+
+    Tool use       the arithmetic tool-use family (below), its transcripts and the DifficultySampler
+    Sandbox        every untrusted run (tests, solutions) in bubblewrap as nobody, on bounded tmpfs, with a
+                   timeout; Reporter, the pytest plugin whose descriptor is the only source of outcomes
+    Layout         which files are source, which are tests and configuration (never editable)
+    Environment    make_env: a venv per repository with the test requirements it declares
+    Tracing        trace_tests: each test's calls into the package -> the test -> feature map
+    Splicing       delete_edit: byte ranges that delete a feature (stub or remove), the rest byte-identical
+    Scan           fingerprints of the deleted code; scan: leak sources and what each holds; scrub
+    Oracle         Recorder, Copier: the feature's inputs copied while the gold runs its tests; canon,
+                   mutants: held-out inputs and canonical results in a child without tests
+    Edits          solution_files: source inside the packages only, read by lstat; static_findings
+    Verify         verify: the oracle on the solution's packages, then the task's tests and canaries
+    Make           make: baseline, map, pick, delete, validate, scrub, scan, record the oracle, write a task
+    Survey         survey: make and verify on packages drawn from the package index
+    Monitor        monitor: trajectory steps that read leak sources or the task's files, or prepare tampering
+    CodeEnv        the coding environment, Verifier (verifies in a pool, at the pace of sampling)
+    Micro          micro-repositories, their gold episodes, TaskPool (tasks made while training runs)
+    Appendix       the command line (cli) and the demo
 
 Tool use over small integers: the question is a nested expression such as `mul(add(3,4),2)`, the episode
 offers only some of six tiny tools, the model calls them one at a time, innermost first (`call add(3,4)` ->
@@ -8,22 +43,8 @@ the reward is 1 when the answer is right. Difficulty is the number of calls (1..
 serves the level at the model's frontier. Long episodes are chains of 8 x difficulty calls handed out one at a
 time (`5. next: add 7`), longer than the context, so the policy summarizes; a slip or a capitalised `Call`
 costs the final answer nothing, which is where targeted feedback, not the reward, has to teach. Sources:
-Cursor's Composer 2.5 post (synthetic tasks, dynamic difficulty, the "Tool not found" -> "Reminder: Available
-tools" feedback example); Toolformer (Schick et al. 2023) for text tool calls.
-
-Feature deletion on real codebases: cut a tested feature out of a Python repository (stub: Commit0-style
-NotImplementedError; remove: the whole definition); the agent re-implements it, and the repository's own tests
-(fail-to-pass and pass-to-pass sets) plus a hidden oracle are the verifiable reward. The oracle is the gold
-code's results on the inputs the tests gave the feature and on held-out mutations of them (EvalPlus), kept
-where no sandboxed process can read them and compared on the host with what a fresh sandboxed child that
-imports only the solution returns: evidence the solution's code cannot forge, unlike anything the test process
-reports. A solution may change only Python source inside the packages, read by a host that never follows the
-work tree. A task is served only when a leak scan finds none of the deleted code left in bytecode,
-type-checker caches, git history, archives or build output, and a trajectory monitor flags agent steps that
-read such leaks or prepare tampering. Sources: Cursor's Composer 2.5 post (the reward hacks seen at scale: a
-mypy cache read back for a deleted signature, Java bytecode decompiled to rebuild an API); SWE-smith and
-R2E-Gym for tasks made from real repositories with their tests as the verifier; EvalPlus (Liu et al. 2023)
-for held-out inputs by type-aware mutation.
+Cursor's Composer 2.5 post (dynamic difficulty, the "Tool not found" -> "Reminder: Available tools" feedback
+example); Toolformer (Schick et al. 2023) for text tool calls.
 
 Standard library only: no torch, nothing of the project; untrusted code (tests, solutions) runs in a
 subprocess with a timeout and a scrubbed environment, inside bubblewrap (an unprivileged user, no network,
@@ -37,6 +58,7 @@ records the commit) and runs its tests with the interpreter from `env`.
     python tasks.py verify TASK_DIR (--workdir DIR | --patch FILE) [--python PY] [--no-sandbox]
     python tasks.py scan DIR [--task TASK.json] [--site-packages]
     python tasks.py monitor TRAJECTORY.jsonl
+    python tasks.py survey --draw 30 --out DIR  # make and verify on packages nobody here chose
 """
 
 import argparse
@@ -413,25 +435,8 @@ class DifficultySampler:
 # -----------------------------------------------------------------------------
 # Feature deletion on real codebases: make cuts a tested feature out of a repo and records its oracle, verify
 # scores the agent's re-implementation with the oracle and the repo's own tests, scan and scrub keep the
-# deleted code from leaking, monitor flags trajectories that look for it. Everything below up to the Demo is
-# this family; its CLI is cli(). The map:
-#
-#   Sandbox        Sandbox: every untrusted run (tests, solutions) in bubblewrap as nobody, on bounded tmpfs,
-#                  with a timeout; Reporter, the pytest plugin whose descriptor is the only source of outcomes
-#   Layout         which files are source, which are tests and configuration (never editable)
-#   Environment    make_env: a venv per repository with the test requirements it declares
-#   Tracing        trace_tests: Tracer profiles each test's calls into the package -> test -> feature map
-#   Splicing       delete_edit: byte ranges that delete a feature (stub or remove), the rest byte-identical
-#   Fingerprints   what the deleted code looks like, for the scanner
-#   Scan           scan: leak sources (bytecode, caches, git history, archives, builds) and what each holds
-#   Oracle         Recorder, Copier: the feature's inputs copied while the gold runs its tests; canon,
-#                  mutants, ORACLE_CHILD: held-out inputs and canonical results in a child without tests
-#   Edits          solution_files: Python source inside the packages only, read by lstat, never followed;
-#                  static_findings: the AST check for the tools of in-process tampering
-#   Verify         verify: the oracle on the solution's packages, then the task's tests and canaries
-#   Make           make: baseline, map, pick, delete, validate, scrub, scan, record the oracle, write a task
-#   Monitor        monitor: trajectory steps that read leak sources or the task's files, or prepare tampering
-#   CLI            cli: python tasks.py env|make|verify|scan|monitor
+# deleted code from leaking, monitor flags trajectories that look for it, CodeEnv makes a task an RL episode.
+# Everything below up to the appendix is this family; the map is in the docstring.
 
 
 class TaskError(Exception):
