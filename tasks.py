@@ -18,22 +18,23 @@ made from real repositories with their tests as the verifier; EvalPlus (Liu et a
 The map, in file order:
 
     Tool use       the arithmetic tool-use family (below), its transcripts and the DifficultySampler
-    Sandbox        every untrusted run (tests, solutions) in bubblewrap as nobody, on bounded tmpfs, with a
-                   timeout; Reporter, the pytest plugin whose descriptor is the only source of outcomes
     Layout         which files are source, which are tests and configuration (never editable)
-    Environment    make_env: a venv per repository with the test requirements it declares
-    Tracing        trace_tests: each test's calls into the package -> the test -> feature map
+    Make           make: baseline, map, pick, delete, validate, scrub, scan, record the oracle, write a task
     Splicing       delete_edit: byte ranges that delete a feature (stub or remove), the rest byte-identical
-    Scan           fingerprints of the deleted code; scan: leak sources and what each holds; scrub
+    Verify         verify: the oracle on the solution's packages, then the task's tests and canaries
+    Edits          solution_files: source inside the packages only, read by lstat; static_findings
     Oracle         Recorder, Copier: the feature's inputs copied while the gold runs its tests; canon,
                    mutants: held-out inputs and canonical results in a child without tests
-    Edits          solution_files: source inside the packages only, read by lstat; static_findings
-    Verify         verify: the oracle on the solution's packages, then the task's tests and canaries
-    Make           make: baseline, map, pick, delete, validate, scrub, scan, record the oracle, write a task
-    Survey         survey: make and verify on packages drawn from the package index
+    Scan           fingerprints of the deleted code; scan: leak sources and what each holds; scrub
     Monitor        monitor: trajectory steps that read leak sources or the task's files, or prepare tampering
     CodeEnv        the coding environment, Verifier (verifies in a pool, at the pace of sampling)
     Micro          micro-repositories, their gold episodes, TaskPool (tasks made while training runs)
+    Survey         survey: make and verify on packages drawn from the package index
+    Sandbox        the infrastructure: every untrusted run (tests, solutions) in bubblewrap as nobody, on
+                   bounded tmpfs, with a timeout; Reporter, the pytest plugin whose descriptor is the only
+                   source of outcomes
+    Environment    make_env: a venv per repository with the test requirements it declares
+    Tracing        trace_tests: each test's calls into the package -> the test -> feature map
     Appendix       the command line (cli) and the demo
 
 Tool use over small integers: the question is a nested expression such as `mul(add(3,4),2)`, the episode
@@ -111,10 +112,9 @@ from pathlib import Path
 from typing import NamedTuple, Optional, Protocol
 
 # -----------------------------------------------------------------------------
-# The interface a trainer drives. The tool-use family implements it; feature deletion (further down) has no
-# Env yet: its verify() is the reward, and an agent's shell would be the step. A trainer only needs: the
-# opening turns, a step that maps the model's text to the environment's reply, and a verified reward once the
-# episode is done.
+# The interface a trainer drives: the opening turns, a step that maps the model's text to the environment's
+# reply, and a verified reward once the episode is done. The tool-use family implements it, and so does
+# feature deletion's CodeEnv (further down), whose reward is verify.
 
 Turn = tuple[str, str]  # (role, text), role in {"user", "assistant", "tool", "system"}
 
@@ -444,409 +444,6 @@ class TaskError(Exception):
 
 
 # -----------------------------------------------------------------------------
-# Sandbox: every run of a repository's tests or an agent's solution goes through here. Inside bubblewrap
-# (github.com/containers/bubblewrap, the sandbox Flatpak is built on) a run is an unprivileged user (nobody,
-# when the host runs as root) that sees the system folders, the few files of /etc an interpreter needs and its
-# interpreter read-only, and nothing else of the host: no network, not the task's files, not the source
-# repository, not the other tasks. Its work folder is a tmpfs of bounded size that a trusted launcher fills
-# from a read-only view of the host's copy before the run starts (the tests and their configuration stay
-# read-only mounts); /tmp and /dev/shm are bounded tmpfs too, and the rest of the file system is read-only,
-# so nothing it writes reaches the host's disk but the descriptors it is handed, whose files RLIMIT_FSIZE
-# bounds. A pids cgroup (RLIMIT_NPROC when not root) caps its processes, RLIMIT_AS its memory, and a timeout
-# kills all of it. Temporary folders and cgroups are named after the process that made them, and the next
-# start removes those whose process is gone (a verify killed with SIGKILL cleans up nothing itself). Without
-# bubblewrap (--no-sandbox) a run gets only a scrubbed environment, its own folder and the same limits on
-# time and memory.
-
-# no .pytest_cache (it names tests); a test file that fails to collect costs its own tests, not the run's
-PYTEST = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--continue-on-collection-errors"]
-TESTS_AT_MOST = 0.2  # a feature may be reached by at most this fraction of the suite
-TRACE_SLOWER = 3  # the traced run's timeout, in plain runs' timeouts
-REACH_STEPS = (TESTS_AT_MOST, 0.35, 0.5)  # ... or, while there are too few such features, this much
-# what a sandboxed run sees of the host; with the network (installs), all of /etc
-SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64")
-ETC = ("passwd", "group", "hosts", "nsswitch.conf", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime",
-       "mime.types", "alternatives", "ssl", "ca-certificates")
-NOBODY = 65534  # the uid and gid a run has when the host is root
-READ_AT_MOST = 64 << 20  # bytes the host reads of what a run wrote to a descriptor it was handed
-# sys.pycache_prefix: a folder that is not there, on a read-only mount
-NO_BYTECODE = "/usr/.featdel-no-bytecode"
-PLUGIN_OPTIONS = {"--cov": "pytest-cov", "-n": "pytest-xdist", "--numprocesses": "pytest-xdist",
-                  "--dist": "pytest-xdist", "--timeout": "pytest-timeout", "--asyncio-mode": "pytest-asyncio",
-                  "--benchmark": "pytest-benchmark", "--reruns": "pytest-rerunfailures",
-                  "--doctest-plus": "pytest-doctestplus", "--mypy": "pytest-mypy",
-                  "--hypothesis": "hypothesis", "--randomly": "pytest-randomly", "--flake8": "pytest-flake8"}
-# Before the sandbox: join the run's pids cgroup, cap the address space, file size and processes, then become
-# the command (bubblewrap, or the interpreter unisolated). Arguments: cgroup or "", bytes, bytes, count or 0.
-LIMITS = """import os, resource, sys
-cg, memory, disk, nproc = sys.argv[1:5]
-if cg:
-    with open(os.path.join(cg, "cgroup.procs"), "w") as f:
-        f.write(str(os.getpid()))
-resource.setrlimit(resource.RLIMIT_AS, (int(memory), int(memory)))
-resource.setrlimit(resource.RLIMIT_FSIZE, (int(disk), int(disk)))
-if int(nproc):
-    resource.setrlimit(resource.RLIMIT_NPROC, (int(nproc), int(nproc)))
-os.execvp(sys.argv[5], sys.argv[5:])
-"""
-# The launcher, run with -I -S before anything of the repository: fills the tmpfs work folder from the
-# read-only view (skipping the read-only mounts already in place), then becomes the real command.
-FILL = f"""import os, shutil, sys
-src, dst = sys.argv[1:3]
-for d, dirs, files in os.walk(src):
-    to = os.path.normpath(os.path.join(dst, os.path.relpath(d, src)))
-    if d != src and os.path.ismount(to):
-        dirs[:] = []
-        continue
-    os.makedirs(to, exist_ok=True)
-    for f in files + [x for x in dirs if os.path.islink(os.path.join(d, x))]:
-        if not os.path.lexists(os.path.join(to, f)):
-            shutil.copy2(os.path.join(d, f), os.path.join(to, f), follow_symlinks=False)
-if os.getuid() == 0:  # the host is root: hand the work folder to nobody, then become nobody for good
-    for d, dirs, files in os.walk(dst):
-        dirs[:] = [x for x in dirs if not os.path.ismount(os.path.join(d, x))]
-        for x in [d, *(os.path.join(d, f) for f in files)]:
-            try:
-                os.chown(x, {NOBODY}, {NOBODY}, follow_symlinks=False)
-            except OSError:  # a read-only mount
-                pass
-    os.setgroups([])
-    os.setgid({NOBODY})
-    os.setuid({NOBODY})
-os.execv(sys.argv[3], sys.argv[3:])
-"""
-
-
-def clean_env(root, home, extra=()):
-    # Nothing inherited but PATH: no PYTHON* variables, no user site, HOME in a throwaway folder. With the
-    # current interpreter the host's pytest plugins stay out (the verifier, not the environment, decides what
-    # runs); a venv made by `tasks.py env` holds only the repository's own, and they load.
-    paths = os.pathsep.join([str(root), *([str(Path(root, "src"))] if Path(root, "src").is_dir() else []),
-                             *extra])
-    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "PYTHONPATH": paths,
-            "PYTHONDONTWRITEBYTECODE": "1", "PYTHONNOUSERSITE": "1", "PYTHONHASHSEED": "0", "LANG": "C.UTF-8",
-            "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
-
-
-def scratch():
-    """A temporary folder named after this process (the next start removes it if this process dies first),
-    readable by the sandbox's unprivileged user."""
-    sweep()
-    # a SIGTERM between the folder's creation and its finalizer would leave it behind: it waits until then
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    try:
-        d = tempfile.TemporaryDirectory(prefix=f"featdel-{os.getpid()}-")
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-    os.chmod(d.name, 0o755)
-    return d
-
-
-@functools.cache
-def sweep():
-    """Remove the temporary folders and cgroups of earlier runs whose process is gone."""
-    def gone(name):
-        pid = name.split("-")[1]
-        return pid.isdigit() and int(pid) != os.getpid() and not Path("/proc", pid).exists()
-    for p in Path(tempfile.gettempdir()).glob("featdel-*-*"):
-        if gone(p.name):
-            shutil.rmtree(p, ignore_errors=True)
-    for cg in Path(pids_cgroup() or "/nonexistent").glob("featdel-*-*"):
-        if gone(cg.name):
-            remove_cgroup(cg)
-
-
-def remove_cgroup(cg):
-    while cg.exists():  # whatever is left of it (a fork bomb's children) goes too
-        for pid in Path(cg, "cgroup.procs").read_text().split():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
-        with contextlib.suppress(OSError):
-            cg.rmdir()
-
-
-@functools.cache
-def pids_cgroup():
-    """A cgroup folder this process may make children in, with a pids controller; None if there is none."""
-    for base in ("/sys/fs/cgroup/pids", "/sys/fs/cgroup"):
-        probe = Path(base, f"featdel-probe-{os.getpid()}-{secrets.token_hex(4)}")  # pids are reused
-        try:
-            probe.mkdir()
-            ok = Path(probe, "pids.max").exists()
-            probe.rmdir()
-            if ok:
-                return base
-        except OSError:
-            pass
-    return None
-
-
-@functools.cache
-def sandbox_problem():
-    """None when runs can be isolated here, else why not."""
-    if not shutil.which("bwrap"):
-        return "bubblewrap is not installed (apt-get install bubblewrap)"
-    ns = (["--unshare-pid", "--unshare-net", "--cap-add", "CAP_SETUID"] if os.getuid() == 0
-          else ["--unshare-all"])
-    p = subprocess.run(["bwrap", *ns, "--ro-bind", "/", "/", "true"], capture_output=True, text=True)
-    if p.returncode:
-        return ("bubblewrap cannot run here: "
-                f"{(p.stderr.strip().splitlines() or ['exit ' + str(p.returncode)])[-1]}")
-    if os.getuid() == 0 and not pids_cgroup():
-        return "running as root with no writable pids cgroup, so the number of processes cannot be limited"
-    return None
-
-
-@functools.cache
-def prefixes(python):
-    """(sys.prefix, sys.base_prefix) of an interpreter: a venv's folder and the Python it was made from."""
-    probe = "import sys, json; print(json.dumps([sys.prefix, sys.base_prefix]))"
-    try:
-        p = subprocess.run([python, "-I", "-c", probe], capture_output=True, text=True, timeout=60)
-        return tuple(json.loads(p.stdout))
-    except (OSError, ValueError, subprocess.TimeoutExpired):
-        raise TaskError(f"--python {python} is not a Python interpreter")
-
-
-@dataclass
-class Sandbox:
-    """How untrusted code runs: which interpreter, isolated or not, for how long, with how much."""
-    # runs the repository's tests: a venv from `tasks.py env`, or this interpreter
-    python: str = sys.executable
-    isolate: bool = True  # bubblewrap; False is --no-sandbox
-    timeout: int = 300  # seconds per run
-    processes: int = 512  # processes and threads at once
-    memory: int = 8 << 30  # bytes of address space per process
-    disk: int = 512 << 20  # bytes in each of the work folder, /tmp and /dev/shm, and in any one file written
-    executed: int = 0  # tests run so far, setup to teardown: what make's cost is counted in
-
-    def __post_init__(self):
-        # a relative path means the caller's folder, and runs start elsewhere (a venv's link stays a link)
-        self.python = os.path.abspath(self.python) if os.sep in self.python else self.python
-        self.prefix, self.base = prefixes(self.python)
-        if self.isolate and sandbox_problem():
-            raise TaskError(f"cannot sandbox the tests: {sandbox_problem()}; "
-                            "pass --no-sandbox to run them unisolated")
-
-    def bwrap(self, root, home, path, writable, readonly, network):
-        """The bubblewrap command that runs the launcher. As root it runs without a user namespace and the
-        launcher becomes nobody itself: inside a namespace, nobody could not reach an interpreter under
-        /root."""
-        if os.getuid() == 0:
-            args = ["bwrap", "--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try",
-                    *([] if network else ["--unshare-net"]),
-                    *(a for cap in ("CAP_SETUID", "CAP_SETGID", "CAP_CHOWN") for a in ("--cap-add", cap))]
-        else:
-            args = ["bwrap", "--unshare-all", *(["--share-net"] if network else [])]
-        size, made, binds = ["--size", str(self.disk)], {Path("/proc"), Path("/dev"), Path("/tmp")}, []
-        args += ["--die-with-parent", "--new-session", "--proc", "/proc", "--dev", "/dev",
-                 "--perms", "1777", *size, "--tmpfs", "/dev/shm", "--perms", "1777", *size, "--tmpfs", "/tmp",
-                 "--perms", "1777", "--dir", str(home)]
-
-        def mount(op, src, dst, *extra):  # its missing parents made traversable, whatever their host modes
-            nonlocal args
-            for d in reversed(Path(dst).parents[:-1]):
-                if d not in made and not any(b == d or b in d.parents for b in binds):
-                    args += ["--perms", "0755", "--dir", str(d)]
-                    made.add(d)
-            args += [*extra, op, *([src] if src else []), str(dst)]
-            made.add(Path(dst))
-            binds.extend([Path(dst)] if "bind" in op else [])
-
-        for d in [*SYSTEM, "/etc"] if network else [*SYSTEM, *(f"/etc/{x}" for x in ETC)]:
-            if os.path.islink(d) and d in SYSTEM:
-                mount("--symlink", os.readlink(d), d)
-            elif os.path.exists(d):
-                mount("--ro-bind", d, d)
-        exe = os.path.dirname(os.path.realpath(self.python))
-        for d in sorted({self.prefix, self.base, os.path.realpath(self.base), exe, *map(str, path)}):
-            mount("--ro-bind", d, d)
-        if self.prefix != self.base:  # a venv: the base interpreter's own packages stay hidden
-            args += ["--tmpfs", str(next(Path(self.base).glob("lib/python3*/site-packages"), "/nonexistent"))]
-        mount("--ro-bind", str(root), f"{root}.view")
-        mount("--tmpfs", None, root, *size)
-        for r in readonly:
-            mount("--ro-bind", str(r), r)
-        for w in writable:
-            mount("--bind", str(w), w)
-        return [*args, "--remount-ro", "/", "--chdir", str(root), "--", os.path.realpath(self.python), "-I",
-                "-S", "-c", FILL, f"{root}.view", str(root)]
-
-    def run(self, args, root, path=(), writable=(), readonly=(), extra_env=None, pass_fds=(), network=False,
-            timeout=None):
-        """(exit code, the last MiB of its output) of `python *args` run in a copy of root; 124 on timeout,
-        all of its processes killed. path: folders put on PYTHONPATH (read-only); writable: host folders it
-        may change (an install's venv: handed to the sandbox's user for the run); readonly: paths inside root
-        it may read but not change; pass_fds: descriptors it may write results to."""
-        root, timeout = Path(root).resolve(), timeout or self.timeout
-        cg = (Path(pids_cgroup(), f"featdel-{os.getpid()}-{secrets.token_hex(4)}")
-              if self.isolate and pids_cgroup() else None)
-        nproc = None if self.isolate and cg or os.getuid() == 0 else self.processes + len(os.listdir("/proc"))
-
-        with scratch() as home, tempfile.TemporaryFile() as log:  # a file: output beyond RAM stays bounded
-            env = clean_env(root, home, [str(v) for v in path]) | (extra_env or {})
-            if self.prefix != self.base:
-                del env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"]
-            cmd = [self.python, *args]
-            if self.isolate:
-                cmd = self.bwrap(root, home, path, writable, readonly, network) + cmd
-                os.chmod(root, os.stat(root).st_mode | 0o555)  # the sandbox's user reads its view of root
-                owner(writable, NOBODY) if os.getuid() == 0 else None
-            if cg:
-                cg.mkdir()
-                Path(cg, "pids.max").write_text(str(self.processes))
-            # the limits are set by a launcher of their own, not a preexec_fn: Python code between fork and
-            # exec is not safe beside threads (make --jobs, survey), as subprocess's documentation warns
-            cmd = [sys.executable, "-I", "-S", "-c", LIMITS, str(cg or ""), str(self.memory), str(self.disk),
-                   str(nproc or 0), *cmd]
-            try:
-                with RUNS:
-                    if STOPPING.is_set():
-                        raise TaskError("stopped by a signal")
-                    p = subprocess.Popen(cmd, cwd=root, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True, pass_fds=pass_fds)
-                    LIVE.add(p)
-                try:
-                    rc = p.wait(timeout=timeout)
-                except subprocess.TimeoutExpired:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
-                    rc = 124
-                finally:
-                    LIVE.discard(p)
-            finally:
-                if cg:
-                    remove_cgroup(cg)
-                if self.isolate and os.getuid() == 0:
-                    owner(writable, 0)
-            out = tail(log, 1 << 20)
-        return rc, out
-
-    def pytest(self, root, args=(), path=(), extra_env=None, pass_fds=(), select=None, **kw):
-        """Run pytest with the reporter plugin below; select: run only these node ids (their files are
-        collected, the rest of each file deselected: far faster than naming thousands of ids). Outcomes come
-        from the plugin's descriptor, never from what the tests print (their code can print anything)."""
-        with scratch() as plugin, tempfile.TemporaryFile() as fd:
-            Path(plugin, "_featdel_report.py").write_text(REPORTER)
-            env = {"FEATDEL_REPORT_FD": str(fd.fileno())}
-            if select is not None:
-                Path(plugin, "select.json").write_text(json.dumps(sorted(select)))
-                env["FEATDEL_SELECT"] = str(Path(plugin, "select.json"))
-                args = [*args, *sorted({t.split("::")[0] for t in select})]
-            rc, out = self.run([*PYTEST, "-p", "_featdel_report", *args], root, path=[plugin, *path],
-                               pass_fds=[fd.fileno(), *pass_fds], extra_env=env | (extra_env or {}), **kw)
-            lines = tail(fd, READ_AT_MOST).splitlines()
-        try:
-            records = [json.loads(line) for line in lines]
-            end = records[-1][2] if records and records[-1][0] == "<end>" else None
-            outcomes = {}  # node id -> the outcomes of its setup, call and teardown
-            for nodeid, when, outcome in records[:-1] if end is not None else records:
-                outcomes.setdefault(nodeid, {})[when] = outcome
-        except (ValueError, TypeError, IndexError):
-            return Report(rc, out, None, None)
-        with RUNS:
-            self.executed += len(outcomes)
-        return Report(rc, out, outcomes, end)
-
-
-RUNS = threading.RLock()  # make's tries run side by side (--jobs) and count into one Sandbox
-LIVE, STOPPING = set(), threading.Event()  # the runs under way, and whether a signal asked to stop them
-
-
-def stop(signum, frame):
-    """SIGTERM: kill every run under way and start no other, so threads waiting on runs (make --jobs, survey)
-    end at once and the process exits, its temporary folders and cgroups removed on the way out."""
-    with RUNS:
-        STOPPING.set()
-        for p in LIVE:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-    # whatever the unwinding waits on, the process is gone in 20 s (the next start sweeps what it left)
-    threading.Thread(target=lambda: (time.sleep(20), os._exit(143)), daemon=True).start()
-    sys.exit(143)
-
-
-@contextlib.contextmanager
-def stoppable(jobs):
-    """A thread pool whose queued work is dropped when the block is left by an exception (SIGTERM's exit):
-    only the work under way, whose runs stop() killed, is waited for."""
-    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-        try:
-            yield pool
-        except BaseException:
-            pool.shutdown(cancel_futures=True)
-            raise
-
-
-def tail(f, limit):
-    """The last limit bytes written to an open file, as text: what a run wrote can be any size."""
-    f.seek(max(0, f.seek(0, os.SEEK_END) - limit))
-    data = f.read()
-    return data.decode("utf-8", "replace") if isinstance(data, bytes) else data
-
-
-def owner(folders, uid):
-    """Hand folders (an install's venv) to uid, every file in them."""
-    for top in folders:
-        for d, dirs, files in os.walk(top):
-            for x in [d, *(os.path.join(d, f) for f in dirs + files)]:
-                os.chown(x, uid, uid, follow_symlinks=False)
-
-
-class Report(NamedTuple):
-    rc: int  # pytest's exit code
-    out: str  # what it printed: for error messages only
-    # {node id: {"setup"|"call"|"teardown": outcome}}; None: not what the plugin writes
-    outcomes: Optional[dict]
-    end: Optional[int]  # the exit status the session finished with; None: it never finished
-
-    @property
-    def passed(self):
-        return {t for t, o in (self.outcomes or {}).items()
-                if o.get("call") == "passed" and set(o.values()) == {"passed"}}
-
-
-# A test's outcome is written by the reporter plugin, loaded with -p before collection imports any code of the
-# repository, to a descriptor the caller opened; a closing record follows. The plugin also turns bytecode off
-# for everything imported after it, so a planted .pyc is never loaded (pytest and the standard library, loaded
-# before it from read-only folders, keep theirs: the whole run under PYTHONPYCACHEPREFIX took 1.3x as long).
-# In verify, code that forges what pytest prints or patches the runner is caught by the canaries (further
-# down), not by this report alone.
-class Reporter:
-    """The reporting plugin. It runs inside the repository's pytest, not here: Sandbox.pytest writes REPORTER,
-    this class's source after a line that turns bytecode off, into the module it loads with -p. fd: the
-    descriptor the outcomes go to (None in pytest-xdist's workers, whose controller reports); select: a JSON
-    file of the node ids to run (make's runs; verify runs whole files)."""
-
-    def __init__(self, fd, select):
-        self.out = os.fdopen(int(fd), "w", buffering=1) if fd else None
-        self.select = set(json.loads(open(select).read())) if select else None
-
-    def pytest_collection_modifyitems(self, config, items):
-        if self.select is not None:
-            items[:] = [item for item in items if item.nodeid in self.select]
-
-    def pytest_runtest_logreport(self, report):
-        if self.out:
-            self.out.write(json.dumps([report.nodeid, report.when, report.outcome]) + "\n")
-
-    def pytest_sessionfinish(self, session, exitstatus):
-        if self.out:
-            self.out.write(json.dumps(["<end>", "", int(exitstatus)]) + "\n")
-
-
-REPORTER = f"""import json, os, sys
-sys.pycache_prefix = {NO_BYTECODE!r}  # from here on (conftests, tests, the solution) no bytecode is used
-{inspect.getsource(Reporter)}
-# popped: the tests never see which descriptor
-_reporter = Reporter(os.environ.pop("FEATDEL_REPORT_FD", None), os.environ.pop("FEATDEL_SELECT", None))
-pytest_collection_modifyitems = _reporter.pytest_collection_modifyitems
-pytest_runtest_logreport = _reporter.pytest_runtest_logreport
-pytest_sessionfinish = _reporter.pytest_sessionfinish
-"""
-
-
-# -----------------------------------------------------------------------------
 # Repository layout: which files are source, which are tests and test configuration (never editable).
 
 SKIP_DIRS = {".git", "__pycache__", ".tox", ".nox", ".venv", "venv", "node_modules"}
@@ -926,338 +523,322 @@ def source_files(root):
 
 
 # -----------------------------------------------------------------------------
-# Environment: a virtual environment per repository, holding its dependencies and the test requirements it
-# declares, so its pytest configuration runs as its authors meant (plugins, coverage options, doctests). The
-# repository's own code is removed from the venv after install (its metadata stays): the tests import the work
-# folder's copy, and an installed copy of deleted code would be a leak.
+# Make: baseline, map, pick, delete, validate, scrub, scan, write.
 
-TEST_EXTRAS = ("test", "tests", "testing", "dev")
-# ini keys of a pytest configuration that only a plugin understands
-INI_PLUGINS = {"asyncio_mode": "pytest-asyncio", "asyncio_default_fixture_loop_scope": "pytest-asyncio",
-               "timeout": "pytest-timeout", "env": "pytest-env", "mock_use_standalone_module": "pytest-mock",
-               "doctest_plus": "pytest-doctestplus", "xdist_auto_num_workers": "pytest-xdist"}
-# a test's import -> the distribution that provides it, where the two names differ
-DISTRIBUTIONS = {"yaml": "pyyaml", "dateutil": "python-dateutil", "PIL": "pillow", "attr": "attrs",
-                 "bs4": "beautifulsoup4", "jwt": "pyjwt", "pytest_mock": "pytest-mock", "dns": "dnspython",
-                 "pytest_asyncio": "pytest-asyncio", "pytest_benchmark": "pytest-benchmark", "Crypto":
-                 "pycryptodome", "OpenSSL": "pyopenssl", "google": "protobuf", "pkg_resources": "setuptools",
-                 "typing_extensions": "typing-extensions", "sklearn": "scikit-learn", "serial": "pyserial",
-                 "magic": "python-magic", "docutils": "docutils", "markdown": "markdown"}
-SELF_REQUIREMENT = re.compile(r"\s*(-e\s+|--editable[=\s]\s*)?\.(/)?(\[[^\]]*\])?\s*(#.*)?")  # ., -e .[dev]
-COMPILED = "featdel-compiled"  # in a venv from `env`: the package's compiled modules, kept for its tests
+TESTS_AT_MOST = 0.2  # a feature may be reached by at most this fraction of the suite
+TRACE_SLOWER = 3  # the traced run's timeout, in plain runs' timeouts
+REACH_STEPS = (TESTS_AT_MOST, 0.35, 0.5)  # ... or, while there are too few such features, this much
 
-
-def plugin_for(option):
-    """The pytest plugin that provides a command-line option (--cov-report=x -> pytest-cov), or None."""
-    name = option.split("=")[0]
-    return next((v for k, v in PLUGIN_OPTIONS.items() if name == k or name.startswith(k + "-")
-                 or k == "-n" and re.fullmatch(r"-n\d+|-nauto", name)), None)
-
-
-def pytest_config(repo):
-    """{ini key: value} of the pytest configuration pytest itself would pick (pytest.ini, pyproject.toml,
-    tox.ini, setup.cfg, in that order)."""
-    repo = Path(repo)
-    for name, section in (("pytest.ini", "pytest"), ("pyproject.toml", None), ("tox.ini", "pytest"),
-                          ("setup.cfg", "tool:pytest")):
-        f = repo / name
-        if not f.is_file():
-            continue
-        if section is None:
-            with contextlib.suppress(tomllib.TOMLDecodeError, UnicodeDecodeError):
-                opts = tomllib.loads(f.read_text()).get("tool", {}).get("pytest", {}).get("ini_options")
-                if opts is not None:
-                    return opts
-            continue
-        cfg = configparser.ConfigParser(interpolation=None)
-        with contextlib.suppress(configparser.Error, UnicodeDecodeError):
-            cfg.read(f)
-            if cfg.has_section(section):
-                return dict(cfg[section])
-    return {}
+def candidates(root, passed, calls, at_import, reach=TESTS_AT_MOST, min_lines=2):
+    """{(file, qualname): tests reaching it} for top-level functions and methods that at least min_lines of
+    code, 1 to a share `reach` of the passing tests, and nothing at import reach."""
+    limit = max(1, int(reach * len(passed)))
+    reach = {}
+    for t, keys in calls.items():
+        if t in passed:
+            for k in keys:
+                reach.setdefault(k, set()).add(t)
+    out = {}
+    for rel in source_files(root):
+        tree = ast.parse(Path(root, rel).read_bytes())
+        defs = [(n.name, n) for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        defs += [(f"{c.name}.{n.name}", n) for c in tree.body if isinstance(c, ast.ClassDef)
+                 for n in c.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        for q, n in defs:
+            body = code_body(n)
+            tests = reach.get((rel, q), set())
+            if body and body[-1].end_lineno - body[0].lineno + 1 >= min_lines and 1 <= len(tests) <= limit \
+                    and (rel, q) not in at_import:
+                out[(rel, q)] = tests
+    return out
 
 
-def config_plugins(repo):
-    """The plugins a repository's pytest configuration cannot run without: those its addopts' options
-    belong to, its ini keys need, and its required_plugins."""
-    cfg = pytest_config(repo)
-
-    def words(v):
-        with contextlib.suppress(ValueError):
-            return v if isinstance(v, list) else shlex.split(str(v))
-        return str(v).split()
-    need = [plugin_for(w) for w in words(cfg.get("addopts", ""))] + [INI_PLUGINS.get(k) for k in cfg]
-    need += words(cfg.get("required_plugins", ""))
-    return list(dict.fromkeys(x for x in need if x))
+def related(seed, cands, k):
+    """The seed plus up to k-1 features in the same file that share its tests: harder, coupled deletions."""
+    near = sorted((f for f in cands if f != seed and f[0] == seed[0] and cands[f] & cands[seed]),
+                  key=lambda f: (-len(cands[f] & cands[seed]), f[1]))
+    return [seed] + near[:k - 1]
 
 
-def poetry_requirement(name, spec):
-    """A Poetry dependency table entry as a pip requirement (its version constraint dropped: Poetry's ^ and ~
-    are not PEP 440; the resolver picks a version the package's own metadata admits)."""
-    extras = spec.get("extras", []) if isinstance(spec, dict) else []
-    return name + (f"[{','.join(extras)}]" if extras else "")
+def delete_features(snap, feats, mode):
+    """Splice the features out of snap in place; returns (fingerprints, entities, originals,
+    lines removed)."""
+    by_file, originals, fps, ents, removed = {}, {}, [], [], 0
+    for rel, q in feats:
+        by_file.setdefault(rel, []).append(q)
+    for rel, qs in by_file.items():
+        src = originals[rel] = Path(snap, rel).read_bytes()
+        tree = ast.parse(src)
+        edits = [(n, delete_edit(src, n, mode)) for q in qs for n in [find_def(tree, q)]]
+        new = apply_edits(src, [e for _, e in edits])
+        Path(snap, rel).write_bytes(new)
+        for q, (n, (a, b, _)) in zip(qs, edits):
+            ents.append({"file": rel, "qualname": q, "kind": "method" if "." in q else "function",
+                         "signature": signature(n), "docstring": ast.get_docstring(n),
+                         "lines": src[a:b].count(b"\n") + 1})
+            removed += ents[-1]["lines"]
+    gone = {q for _, q in feats if "." not in q}
+    for rel in source_files(snap) if mode == "remove" and gone else []:
+        # mend what would break import: __all__ entries and `from .mod import name` re-exports
+        src = Path(snap, rel).read_bytes()
+        edits = mend_edits(src, gone)
+        if edits:
+            originals.setdefault(rel, src)
+            Path(snap, rel).write_bytes(apply_edits(src, edits))
+    # a deleted line is evidence only if no Python file left behind (tests, other modules) has it too;
+    # caches and build output do not count: they are what the scan is for
+    kept = b"\n".join(Path(snap, r).read_bytes() for r in walk(snap)
+                      if r.endswith(".py") and Path(r).parts[0] not in ROOT_DIRS
+                      and not set(Path(r).parts) & set(ARTIFACT_DIRS)
+                      and not Path(r).parts[0].endswith(".egg-info"))
+    for e in ents:
+        src = originals[e["file"]]
+        n = find_def(ast.parse(src), e["qualname"])
+        a, b, _ = delete_edit(src, n, mode)
+        fps.append(fingerprint(e["file"], e["qualname"], n, src[a:b], kept))
+    return fps, ents, originals, removed
 
 
-def test_requirements(repo):
-    """(extras, pip arguments) for the test requirements a repository declares: extras and dependency groups
-    named test/tests/testing/dev, Poetry groups and dev-dependencies, PDM dev-dependencies, hatch test
-    environments, setup.py's tests_require, requirements files, tox deps, and the plugins its pytest
-    configuration needs."""
-    repo, extras, args = Path(repo), [], []
-    pp = repo / "pyproject.toml"
+def prompt_for(ents, f2p):
+    parts = ["This repository is missing a feature: the definitions below were deleted (stubbed to raise "
+             "NotImplementedError, or removed entirely). Re-implement them so the failing tests pass and "
+             "every other test keeps passing. Do not edit tests or test configuration.\n"]
+    for e in ents:
+        parts.append(f"- {e['file']}: {e['kind']} `{e['qualname']}`\n    {e['signature']}")
+        if e["docstring"]:
+            parts.append("    docstring: " + e["docstring"].strip().replace("\n", "\n    "))
+    parts.append("\nTests that must pass:\n" + "\n".join(f"  {t}" for t in f2p[:20])
+                 + (f"\n  ... and {len(f2p) - 20} more" if len(f2p) > 20 else ""))
+    return "\n".join(parts)
+
+
+def make_task(work, out, tid, feats, mode, stable, reach, box, source):
+    """(task, "ok") with out/tid written, or (None, why) with nothing left behind."""
+    tdir = Path(out, tid)
+    shutil.rmtree(tdir, ignore_errors=True)
     try:
-        data = tomllib.loads(pp.read_text()) if pp.is_file() else {}
-    except tomllib.TOMLDecodeError as e:
-        raise TaskError(f"{pp} is not valid TOML: {e}")
-    extras += [k for k in data.get("project", {}).get("optional-dependencies", {})
-               if k.lower() in TEST_EXTRAS]
-    groups = data.get("dependency-groups", {})
-
-    def group(name, seen=()):  # PEP 735, with {include-group = ...}
-        for item in groups.get(name, []):
-            if isinstance(item, str):
-                yield item
-            elif isinstance(item, dict) and item.get("include-group") in groups and name not in seen:
-                yield from group(item["include-group"], (*seen, name))
-    args += [r for g in groups if g.lower() in TEST_EXTRAS for r in group(g)]
-    tool = data.get("tool", {})
-    poetry = tool.get("poetry", {})
-    tables = [poetry.get("dev-dependencies", {})] + [g.get("dependencies", {}) for k, g in poetry.get(
-        "group", {}).items() if k.lower() in TEST_EXTRAS]
-    args += [poetry_requirement(k, v) for t in tables for k, v in t.items() if k.lower() != "python"]
-    args += [r for k, v in tool.get("pdm", {}).get("dev-dependencies", {}).items() if k.lower() in TEST_EXTRAS
-             for r in v if isinstance(r, str) and not r.startswith("-")]
-    hatch = tool.get("hatch", {}).get("envs", {})
-    args += [r for e in ("default", "test", "tests") for r in hatch.get(e, {}).get("dependencies", [])
-             if "{" not in r]
-    cfg = configparser.ConfigParser(interpolation=None)
-    with contextlib.suppress(configparser.Error, UnicodeDecodeError):
-        cfg.read([repo / "setup.cfg", repo / "tox.ini"])
-    if cfg.has_section("options.extras_require"):
-        extras += [k for k in cfg["options.extras_require"] if k.lower() in TEST_EXTRAS]
-    args += [x.strip() for x in cfg.get("options", "tests_require", fallback="").splitlines() if x.strip()]
-    if (repo / "setup.py").is_file():
-        with contextlib.suppress(SyntaxError, ValueError, UnicodeDecodeError):
-            # tests_require=[...] and extras_require={"test": [...]} as literals in setup.py
-            for n in ast.walk(ast.parse((repo / "setup.py").read_bytes())):
-                for kw in n.keywords if isinstance(n, ast.Call) else []:
-                    with contextlib.suppress(ValueError):
-                        v = ast.literal_eval(kw.value)
-                        if kw.arg == "tests_require" and isinstance(v, (list, tuple)):
-                            args += [x for x in v if isinstance(x, str)]
-                        elif kw.arg == "extras_require" and isinstance(v, dict):
-                            extras += [k for k in v if isinstance(k, str) and k.lower() in TEST_EXTRAS]
-        if not extras:  # setup.py declares extras in code; pip ignores the ones it lacks
-            extras += ["test", "tests", "testing"]
-    for dep in cfg.get("testenv", "deps", fallback="").splitlines():
-        dep = dep.strip()
-        if dep.startswith("-r"):
-            args.append(f"--requirement={dep[2:].strip()}")
-        elif dep and not dep.startswith(("#", "-", ".")) and "{" not in dep \
-                and not re.match(r"[\w,!{}.-]+:\s", dep):  # `docs: sphinx`: another tox env's
-            args.append(dep.split(" #")[0].strip())
-    for pattern in ("requirements*test*.txt", "requirements-dev.txt", "requirements_dev.txt",
-                    "test*requirements.txt", "dev-requirements.txt", "requirements/test*.txt",
-                    "requirements/dev*.txt", "test*/requirements*.txt"):
-        for f in sorted(repo.glob(pattern)):
-            args.append(f"--requirement={f.relative_to(repo)}")
-    args += config_plugins(repo)
-    return sorted(set(extras)), list(dict.fromkeys(a for a in args if a.split("[")[0].lower() != "pytest"))
+        task, why = build_task(work, tdir, tid, feats, mode, stable, reach, box, source)
+    except (SyntaxError, AttributeError, TypeError, ValueError) as e:
+        task, why = None, f"splice failed: {e!r}"
+    if task is None:
+        shutil.rmtree(tdir, ignore_errors=True)
+    return task, why
 
 
-def test_imports(repo):
-    """Top-level modules the test modules and conftests import unconditionally (at module level, outside
-    try); not what other scripts among the tests import (a test may run one only where it can)."""
-    names = imports(repo, lambda rel: re.fullmatch(r"test_.*\.py|.*_test\.py|conftest\.py", Path(rel).name),
-                    lambda tree: tree.body)
-    local = {part for rel in walk(repo) for part in Path(rel).with_suffix("").parts}  # helpers, conftest
-    return names - local - set(sys.stdlib_module_names) - {"__future__"}
-
-
-def pip_failure(out):
-    """The line of pip's output that says why it failed: its `ERROR: ...` line, or, after `ERROR: Exception:`
-    (pip itself crashed), the last line of the traceback."""
-    lines = [x.strip() for x in out.strip().splitlines() if x.strip()] or ["no output"]
-    if "The conflict is caused by:" in lines:  # the resolver: what conflicts with what
-        cause = itertools.takewhile(lambda x: not x.startswith(("To fix", "Additionally", "ERROR")),
-                                    lines[lines.index("The conflict is caused by:") + 1:])
-        return "conflicting requirements: " + "; ".join(itertools.islice(cause, 4))
-    err = next((x for x in reversed(lines) if x.startswith("ERROR") and x != "ERROR: Exception:"), None)
-    return err or lines[-1]
-
-
-def make_env(repo, venv, isolate=True, log=print):
-    """Create venv with this interpreter's venv module, upgrade its pip, install repo[test extras], the test
-    requirements it declares and pytest into it (network allowed, nothing writable but the venv and a copy of
-    the repo), then what its tests import and is still missing (best effort). The repository's own packages
-    are taken out again; compiled modules of theirs that have no Python twin are kept in venv/COMPILED, for
-    make to put beside the sources. Returns the venv's interpreter."""
-    repo, venv = Path(repo).resolve(), Path(venv).resolve()
-    if not repo.is_dir() or not packages(repo):
-        raise TaskError(f"--repo {repo} is not a directory with a Python package (a folder with __init__.py) "
-                        f"or a single module the tests import")
-    if venv.exists() and any(venv.iterdir()):
-        raise TaskError(f"--venv {venv} exists and is not empty")
-    t0, (extras, reqs) = time.time(), test_requirements(repo)
-    p = subprocess.run([sys.executable, "-m", "venv", str(venv)], capture_output=True, text=True)
-    if p.returncode:
-        raise TaskError(f"python -m venv {venv} failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}")
-    python = str(venv / "bin" / "python")
-    box = Sandbox(python=python, isolate=isolate, timeout=1800)
-    keep = {k: v for k, v in os.environ.items() if k.startswith("PIP_") or k.lower().endswith("_proxy")}
-    pip = ["-m", "pip", "install", "--no-input", "--disable-pip-version-check"]
-    with scratch() as tmp:
-        # the build writes into its source folder: a copy, so the repository is untouched; an sdist's copy
-        # without the git history it was given, whose missing tags would make setuptools-scm call it 0.1.dev1
-        src = Path(tmp, repo.name)
-        sdist = (repo / "PKG-INFO").is_file()
-        shutil.copytree(repo, src, symlinks=True, ignore=shutil.ignore_patterns(".git") if sdist else None)
-        for arg in reqs:  # a requirements file that installs the project itself (-e .[dev]): it is installed
-            f = src / arg.partition("=")[2] if arg.startswith("--requirement=") else None
-            if f and f.is_file() and not f.is_symlink():
-                lines = f.read_text(errors="replace").splitlines()
-                f.write_text("\n".join(x for x in lines if not SELF_REQUIREMENT.fullmatch(x)) + "\n")
-        # a fresh venv's pip can be too old to read today's package metadata
-        rc, out = box.run([*pip, "--upgrade", "pip"], src, writable=[venv], network=True, extra_env=keep)
-        target = f"{src}[{','.join(extras)}]" if extras else str(src)
-        log(f"installing {repo.name}{'[' + ','.join(extras) + ']' if extras else ''} {' '.join(reqs)} pytest")
-        rc, out = (rc, out) if rc else box.run([*pip, target, *reqs, "pytest"], src, writable=[venv],
-                                                network=True, extra_env=keep)
+def build_task(work, tdir, tid, feats, mode, stable, reach, box, source):
+    """Delete feats from a copy of work and validate it: the tests that reach them (reach: node ids, from the
+    trace) run with the feature deleted and again on the gold code; every other stable test's
+    outcome is known from the baseline, as the trace says it never calls the feature. In remove mode the whole
+    suite runs with the feature deleted (an import of the removed name breaks tests the trace cannot see). The
+    whole required suite runs once at the end, in the gold's verify."""
+    snap = tdir / "repo"
+    shutil.copytree(work, snap, symlinks=True)
+    fps, ents, originals, removed = delete_features(snap, feats, mode)
+    for rel in originals:
+        ast.parse(Path(snap, rel).read_bytes())
+    # SHA-1 and SHA-256 (type-checker caches key on these) and the git blob id of each original file
+    hashes = {rel: [hashlib.sha1(s).hexdigest(), hashlib.sha256(s).hexdigest(),
+                    hashlib.sha1(b"blob %d\0" % len(s) + s).hexdigest()] for rel, s in originals.items()}
+    task = {"id": tid, "source": source, "mode": mode, "fingerprints": fps, "original_hashes": hashes,
+            # what the static check finds in the original files, a re-implementation may do as well
+            "static_allowed": {rel: sorted(what for what, _ in static_findings(src))
+                               for rel, src in originals.items()}}
+    before = scan(snap, task)
+    scrub(snap, before)
+    # Validate on the scrubbed snapshot: imports, collects, breaks some tests, keeps others.
+    for pkg in packages(snap):
+        rc, log = box.run(["-c", f"import {package_name(pkg)}"], snap)
         if rc:
-            raise TaskError(f"pip install failed in {venv}: {pip_failure(out)}")
-        site_dir = next(venv.glob("lib/python3*/site-packages"))
-        names = {package_name(pkg) for pkg in packages(repo)}
-        missing = sorted(m for m in test_imports(repo) - names
-                         if not (site_dir / m).exists() and not list(site_dir.glob(m + ".*")))
-        if missing:
-            dists = [DISTRIBUTIONS.get(m, m.replace("_", "-")) for m in missing]
-            log(f"the tests import {', '.join(missing)}, which nothing declares: installing "
-                + " ".join(dists))
-            for d in dists:  # one at a time: a name that is no distribution must not stop the others
-                rc, out = box.run([*pip, d], src, writable=[venv], network=True, extra_env=keep)
-                if rc:
-                    log(f"  {d}: {pip_failure(out)}")
-    kept = 0
-    for pkg in packages(repo):
-        name = package_name(pkg)
-        installed = site_dir / name
-        for f in sorted(installed.rglob("*")) if installed.is_dir() else []:
-            suffix = next((x for x in importlib.machinery.EXTENSION_SUFFIXES if f.name.endswith(x)), None)
-            if suffix and not f.with_name(f.name[:-len(suffix)] + ".py").exists():  # no mypyc twin
-                to = venv / COMPILED / name / f.relative_to(installed)
-                to.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(f, to)
-                kept += 1
-        shutil.rmtree(installed, ignore_errors=True)
-        (site_dir / (name + ".py")).unlink(missing_ok=True)
-    log(f"environment for {repo.name} ready in {time.time() - t0:.0f} s"
-        + (f", {kept} compiled modules kept for the tests" if kept else "")
-        + f"; run its tests with --python {python}")
-    return python
+            return None, f"package no longer imports: {log.strip().splitlines()[-1:]}"
+    unrun = stable - reach  # their outcome is the baseline's
+    with scratch() as tmp:  # tests may write files: run them on a throwaway copy
+        shutil.copytree(snap, Path(tmp, "s"), symlinks=True)
+        r = box.pytest(Path(tmp, "s"), select=reach if mode == "stub" else None)
+        rc, broken, log = r.rc, r.passed | (unrun if mode == "stub" else set()), r.out
+    if rc == 124:  # a deletion can make the suite far slower (packaging: past 300 s, where it passes in 80 s)
+        return None, f"with the feature deleted the tests ran past the timeout of {box.timeout} s"
+    if rc not in (0, 1) or "during collection" in log:
+        return None, f"test collection broke (pytest exit {rc}): {first_error(log)}"
+    after = scan(snap, task)
+    if after:
+        return None, f"scan not clean after scrub: {after[0]}"
+    # The gold patch: originals written into a throwaway copy, diffed by git, kept outside the snapshot.
+    # The copy's own run keeps only tests the original passes here (scrubbing egg-info can break one).
+    with scratch() as tmp:
+        g = Path(tmp, "g")
+        shutil.copytree(snap, g, symlinks=True)
+        for rel, src in originals.items():
+            Path(g, rel).write_bytes(src)
+        (tdir / "gold.patch").write_bytes(git(g, "diff", "--binary"))
+        r, records = record_calls(g, feats, box, reach)
+        oracle, task["oracle"] = make_oracle(g, feats, records, box)
+    pkgs = packages(snap)
+    # a doctest in a file the solution may edit is never a required test: rewriting it would pass it
+    kept = {t for t in stable & (r.passed | unrun) if not editable(t.split("::")[0], pkgs)}
+    for attempt in (1, 2):
+        f2p, p2p = sorted(kept - broken), sorted(kept & broken)
+        if not f2p or not p2p:
+            return None, f"needs fail-to-pass and pass-to-pass tests, got {len(f2p)} and {len(p2p)}"
+        task.update({"prompt": prompt_for(ents, f2p), "deleted": ents, "fail_to_pass": f2p,
+                     "pass_to_pass": p2p, "python": box.python,
+                     "test_command": ["python", *PYTEST, "<fail_to_pass + pass_to_pass ids>"],
+                     "scan": {"before_scrub": before, "after_scrub": after},
+                     "difficulty": {"entities": len(ents), "tests_failed": len(f2p),
+                                    "lines_removed": removed}})
+        (tdir / "task.json").write_text(json.dumps(task, indent=1))
+        (tdir / "oracle.json").write_text(json.dumps(oracle))
+        missing = []
+        reward, why = verify(tdir, patch=tdir / "gold.patch", box=box, missing=missing)
+        if reward == 1:
+            return task, "ok"
+        # a test that passes in make's runs but not in verify's (flaky, or it needs what verify keeps
+        # read-only) cannot judge a solution: dropped, and the gold verified once more
+        if not missing or attempt == 2:
+            break
+        kept -= set(missing)
+    return None, f"gold patch scores 0: {why}"  # restoring the original must make every required test pass
 
 
-# -----------------------------------------------------------------------------
-# Test -> feature map: a pytest plugin (loaded with -p) profiles every Python call into the package and
-# files it under the running test's node id; calls made before the first test are the import bucket.
+def git_source(repo):
+    """Where the tasks come from, recorded in each task: the repository and its commit. Only refs are read (no
+    status: a hostile .git/config can run commands from it), also in a checkout another user owns."""
+    def rev_parse(*args):
+        return subprocess.run(["git", "-c", "safe.directory=*", "-C", str(repo), "rev-parse", *args],
+                              capture_output=True, text=True)
+    top = rev_parse("--show-toplevel")
+    if top.returncode:
+        raise TaskError(f"{repo} is not a git repository (tasks record the commit they come from; for an "
+                        f"unpacked sdist: git init && git add -A && git commit -m source)")
+    return {"repo": Path(top.stdout.strip()).name,
+            "commit": rev_parse("--verify", "-q", "HEAD").stdout.strip() or None}
 
 
-class Tracer:
-    """The tracing plugin. It runs inside the repository's pytest, not here: trace_tests writes this class's
-    source into the plugin module it loads with -p, which makes one Tracer at import (before collection
-    imports any of the package) and hands pytest its hooks. roots: the package folders; out: where the calls
-    go."""
-
-    def __init__(self, roots, out):
-        self.out, self.current, self.calls = out, "<import>", {"<import>": set()}
-        keys = {}  # code object -> (file, qualname) inside the package, or None
-
-        def profile(frame, event, arg):  # a closure, not a method: it runs on every call the tests make
-            if event != "call":
-                return
-            code = frame.f_code
-            key = keys.get(code, 0)
-            if key == 0:  # first sight of this code object: inside the package or not
-                path = os.path.realpath(code.co_filename)
-                key = keys[code] = (path, code.co_qualname) if path.startswith(roots) else None
-            if key is not None:
-                self.calls.setdefault(self.current, set()).add(key)
-
-        sys.setprofile(profile)
-        threading.setprofile(profile)
-
-    def pytest_runtest_logstart(self, nodeid, location):
-        # setup, call and teardown all count: a fixture that needs the feature breaks it
-        self.current = nodeid
-
-    def pytest_runtest_logfinish(self, nodeid, location):
-        self.current = "<between>"
-
-    def pytest_sessionfinish(self, session):
-        sys.setprofile(None)
-        with os.fdopen(int(self.out), "w") as f:
-            json.dump({k: sorted(v) for k, v in self.calls.items()}, f)
+# what earlier test runs leave in a checkout: never part of a task
+DEBRIS = (".benchmarks", ".hypothesis", ".pytest_cache", ".tox", ".nox", "htmlcov", ".coverage",
+          ".coverage.*")
 
 
-TRACER_MODULE = f"""import json, os, sys, threading
-{inspect.getsource(Tracer)}
-_tracer = Tracer(tuple(os.environ.pop("FEATDEL_ROOTS").split(os.pathsep)), os.environ.pop("FEATDEL_OUT"))
-pytest_runtest_logstart = _tracer.pytest_runtest_logstart
-pytest_runtest_logfinish = _tracer.pytest_runtest_logfinish
-pytest_sessionfinish = _tracer.pytest_sessionfinish
-"""
+def baseline(work, box, repo, log):
+    """The suite run twice, once traced, past test files that fail to collect: (the tests that pass both
+    times, {test: functions it calls}, the functions called at import). A suite that mostly fails is refused
+    with pytest's first error: a broken environment (a compiled extension missing) is no baseline."""
+    r1, calls, at_import = trace_tests(work, box)
+    r2 = box.pytest(work)
+    stable = r1.passed & r2.passed
+    bad = [t for t, o in (r2.outcomes or {}).items() if {"failed", "error"} & set(o.values())]
+    log(f"baseline: {len(stable)} stable passing tests, {len(r1.passed ^ r2.passed)} flaky dropped"
+        + (f", {len(bad)} failing ({first_error(r2.out)})" if bad else ""))
+    if len(bad) > len(r2.passed):
+        fix = "; make its environment with `python tasks.py env --repo DIR --venv DIR`, pass --python"
+        raise TaskError(f"the baseline is broken: {len(bad)} of {len(r2.outcomes)} tests fail and "
+                        f"{len(r2.passed)} pass in {repo} ({first_error(r2.out)})"
+                        + (fix if box.prefix == box.base else ""))
+    if not stable:
+        raise TaskError(f"no test passes twice in {repo} ({len(r1.passed)} passed in the first run, "
+                        f"{len(r2.passed)} in the second): {first_error(r2.out)}")
+    return stable, calls, at_import
 
 
-def trace_tests(root, box):
-    """One traced pytest run: (report, {node id: {(file, qualname)}}, the import-time set)."""
-    root = Path(root).resolve()
-    # a profiler on every call: the traced run may take TRACE_SLOWER times a plain run's timeout
-    r, raw = plugin_run(box, root, "_featdel_tracer", TRACER_MODULE, {"FEATDEL_ROOTS": package_roots(root)},
-                        timeout=TRACE_SLOWER * box.timeout)
-    rc, log = r.rc, r.out
-    if rc == 124:
-        raise TaskError(f"the traced test suite ran past {TRACE_SLOWER} x the timeout of {box.timeout} s "
-                        f"(make --timeout)")
-    if rc == 5:
-        raise TaskError("pytest collected no tests")
-    if raw is None:
-        lines = log.strip().splitlines() or ["no output"]
-        why = next((line.strip() for line in lines if "error:" in line), lines[-1].strip())
-        # e.g. addopts = --cov=pkg, no pytest-cov
-        opt = re.search(r"unrecognized arguments: (-[-\w]+)", why)
-        if opt:
-            plugin = plugin_for(opt[1]) or "a pytest plugin"
-            why += (f" (the repository's pytest configuration needs {plugin}, not installed for "
-                    f"{box.python}: make its environment with "
-                    f"`python tasks.py env --repo DIR --venv DIR` and pass --python)")
-        raise TaskError(f"the test suite did not run (pytest exit {rc}): {why}")
-    raw = json.loads(raw)
-    calls = {k: {(os.path.relpath(f, root), q) for f, q in v} for k, v in raw.items()}
-    return r, calls, calls.pop("<import>", set()) | calls.pop("<between>", set())
+def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reach=None, jobs=1,
+         stats=None, min_lines=2):
+    """Up to n validated, scan-clean tasks from repo into out/; returns the task dicts. box: how the
+    repository's tests run (default: this interpreter, in bubblewrap, 300 s a run); reach: the largest share
+    of the suite a feature may be reached by (default: REACH_STEPS); jobs: tries run side by side; stats: a
+    dict that gets the suite's size, the candidates, the tries and the test executions."""
+    stats = {} if stats is None else stats
+    repo, out, box = Path(repo), Path(out), box or Sandbox()
+    if not repo.is_dir():
+        raise TaskError(f"--repo is not a directory: {repo}")
+    if not packages(repo):
+        raise TaskError(f"no Python package (a folder with __init__.py) or single module imported by the "
+                        f"tests at the top of {repo} or {repo}/src")
+    if n < 1 or group < 1 or jobs < 1 or reach is not None and not 0 < reach <= 1:
+        raise TaskError("--n, --group and --jobs must be >= 1, --reach in (0, 1]")
+    source = git_source(repo)
+    for rel in source_files(repo):  # every module must parse: candidates and splices read them all
+        try:
+            ast.parse(Path(repo, rel).read_bytes())
+        except (SyntaxError, ValueError) as e:
+            why = e.msg if isinstance(e, SyntaxError) else e
+            raise TaskError(f"{repo / rel} is not Python source this interpreter can parse ({why})") from None
+    t0, executed = time.time(), box.executed
+    with scratch() as tmp:
+        work = Path(tmp, "repo")
+        # leaks and all (the scan before scrubbing reports them), test-run debris aside
+        shutil.copytree(repo, work, symlinks=True, ignore=shutil.ignore_patterns(*DEBRIS))
+        compiled = Path(box.prefix, COMPILED)  # from `env`: the package's compiled modules, put beside it
+        for pkg in packages(work) if compiled.is_dir() else []:
+            if (compiled / package_name(pkg)).is_dir() and not pkg.endswith(".py"):
+                shutil.copytree(compiled / package_name(pkg), work / pkg, dirs_exist_ok=True)
+        stable, calls, at_import = baseline(work, box, repo, log)
+        stats["tests"] = len(stable)
+        # by default a fifth of the suite, more while there are fewer than 2n candidates (a small library
+        # whose every function most tests use); a given --reach is kept as given
+        for r in [reach] if reach else REACH_STEPS:
+            cands = candidates(work, stable, calls, at_import, r, min_lines)
+            if len(cands) >= 2 * n:
+                break
+        reach, limit = r, max(1, int(r * len(stable)))
+        stats.update(limit=limit, candidates=len(cands))
+        log(f"{len(cands)} candidate features (reached by 1..{limit} tests, not run at import): "
+            + ", ".join(sorted(q for _, q in cands)))
+        if not cands:
+            raise TaskError(f"no candidate feature in {repo}: each function is reached by no passing test, "
+                            f"by more than {limit} (--reach {reach} of {len(stable)}), or runs at import")
+        order = sorted(cands)
+        random.Random(seed).shuffle(order)
+        groups, taken = [], set()  # disjoint groups of features, tried in this order
+        for f in order:
+            feats = related(f, cands, group)
+            if not taken & set(feats):
+                groups.append(feats)
+                taken |= set(feats)
+        groups = groups[:3 * n]  # a repository that keeps failing is not worth hours
+
+        def attempt(i, feats):
+            tid = f"{repo.resolve().name}-{i:03d}-" + hashlib.sha1(repr(feats).encode()).hexdigest()[:8]
+            reaching = set().union(*(cands[f] for f in feats))
+            return tid, make_task(work, out, tid, feats, mode, stable, reaching, box, source)
+        tasks, tried, reasons = [], 0, []
+        with stoppable(jobs) as pool:
+            todo = iter(enumerate(groups))
+            running = collections.deque((feats, pool.submit(attempt, i, feats))
+                                        for i, feats in itertools.islice(todo, jobs))
+            while running:  # results are taken in order: the tasks do not depend on --jobs
+                feats, fut = running.popleft()
+                tid, (task, why) = fut.result()
+                if len(tasks) >= n:  # a try started beside the last one needed
+                    shutil.rmtree(out / tid, ignore_errors=True)
+                    continue
+                tried += 1
+                o = task["oracle"] if task else {}
+                log(f"  {tid}: {', '.join(q for _, q in feats)} -> {why}"
+                    + (f" (fail-to-pass {len(task['fail_to_pass'])}, leaks scrubbed "
+                       f"{len(task['scan']['before_scrub'])}, "
+                       + (f"oracle {o['traced']} traced + {o['held_out']} held-out calls)" if o["covered"]
+                          else f"no oracle, not served by default: {'; '.join(o['why'])})") if task else ""))
+                tasks += [task] if task else []
+                reasons += [] if task else [why]
+                while len(running) < jobs and len(tasks) < n:
+                    i, f = next(todo, (None, None))
+                    if f is None:
+                        break
+                    running.append((f, pool.submit(attempt, i, f)))
+    executed = stats["executed"] = box.executed - executed
+    stats.update(tried=tried, reasons=reasons)
+    log(f"made {len(tasks)} tasks of {tried} tried in {time.time() - t0:.1f}s, "
+        f"{sum(t['oracle']['covered'] for t in tasks)} with an oracle; {executed} test executions"
+        + (f", {executed / len(tasks):.0f} per task" if tasks else "")
+        + ("" if len(tasks) >= n or not reasons else f"; the most common failure: "
+           f"{collections.Counter(reasons).most_common(1)[0][0]}"))
+    return tasks
 
 
-def first_error(out):
-    """What a pytest run printed about its first failure, in one line: the file that failed to collect and its
-    exception, or the first FAILED/ERROR line of the short summary."""
-    lines = out.splitlines()
-    for i, line in enumerate(lines):
-        m = re.match(r"_+ ERROR collecting (\S+) _+$", line)
-        if m:
-            e = next((x[1:].strip() for x in lines[i + 1:] if x.startswith("E ")), None)
-            return f"{m[1]} does not collect: " + (e or next((x.strip() for x in lines[i + 1:] if x.strip()),
-                                                             "no reason printed"))
-    summary = next((x.split(" - ")[0].strip() for x in lines if re.match(r"(FAILED|ERROR) ", x)), None)
-    e = next((x[1:].strip() for x in lines if x.startswith("E ") and x[1:].strip()), None)
-    return f"{summary}: {e}" if summary and e else summary or (lines[-1].strip() if lines else "no output")
-
-
-def plugin_run(box, root, name, source, env, select=None, timeout=None):
-    """One pytest run of root (select: node ids, as Sandbox.pytest) with one more plugin (source, loaded with
-    -p name), which writes its result to the descriptor in FEATDEL_OUT: (report, what it wrote or None)."""
-    with scratch() as tmp, tempfile.TemporaryFile() as fd:
-        Path(tmp, f"{name}.py").write_text(source)
-        r = box.pytest(root, ["-p", name], path=[tmp], pass_fds=[fd.fileno()], select=select, timeout=timeout,
-                       extra_env={**env, "FEATDEL_OUT": str(fd.fileno())})
-        return r, tail(fd, box.disk) or None  # whole: a large trace is over 64 MiB; bounded by RLIMIT_FSIZE
+def served(out, unrecorded=False):
+    """The task folders in out that RL is served: those whose oracle covers every deleted feature (with
+    unrecorded=True, also those judged by their tests alone)."""
+    return [d for d in sorted(Path(out).iterdir()) if (d / "task.json").is_file()
+            and (unrecorded or json.loads((d / "task.json").read_text()).get("oracle", {}).get("covered"))]
 
 
 # -----------------------------------------------------------------------------
@@ -1331,282 +912,380 @@ def mend_edits(src, names):
 
 
 # -----------------------------------------------------------------------------
-# Fingerprints of the deleted code: what the scanner looks for in every leak source.
+# Verify: the oracle on the solution's packages, then the task's tests, each in its own sandbox.
+#
+# The tests run the solution's code inside pytest's process, so that process can forge anything it prints or
+# reports; its outcomes are read from the verifier's own plugin (Reporter), and two canary tests, named from
+# the words of the file's own tests, are appended to a fresh copy of one test file: one must fail, one must
+# pass. Code that patches the runner blindly (Function.runtest, TestReport, CallInfo) makes the must-fail
+# canary pass or loses the closing record. Code that knows this verifier can still forge the test run: the
+# oracle is the evidence it cannot forge.
 
-def ast_hash(node):
-    node = ast.parse(ast.unparse(node)).body[0]  # normalises formatting and comments away
-    if code_body(node) is not node.body:
-        node.body = node.body[1:]  # ...and the docstring, which stub mode keeps anyway
-    return hashlib.sha1(ast.dump(node, include_attributes=False).encode()).hexdigest()
-
-
-def fingerprint(rel, qualname, node, deleted, kept):
-    """Names, parameters, unusual literals, the AST hash, and deleted lines that appear nowhere else."""
-    params = [a.arg for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs
-              if a.arg not in ("self", "cls")]
-    lits = {repr(n.value) for s in code_body(node) for n in ast.walk(s) if isinstance(n, ast.Constant)
-            and (isinstance(n.value, str) and len(n.value) >= 5
-                 or type(n.value) in (int, float) and abs(n.value) > 100)}
-    lines = {s.strip() for s in deleted.decode("utf-8", "replace").splitlines()}
-    lines = sorted(s for s in lines if len(s) >= 16 and not s.startswith("#") and s.encode() not in kept)
-    return {"file": rel, "qualname": qualname, "name": node.name, "params": params, "literals": sorted(lits),
-            "ast_hash": ast_hash(node), "lines": lines}
-
-
-def signature(node):
-    ret = f" -> {ast.unparse(node.returns)}" if node.returns else ""
-    return (f"{'async ' if isinstance(node, ast.AsyncFunctionDef) else ''}"
-            f"def {node.name}({ast.unparse(node.args)}){ret}")
-
-
-# -----------------------------------------------------------------------------
-# Leak scan. Artifact kinds are never legitimate in a served snapshot and are reported whenever present;
-# with a task, evidence says which deleted names, hashes or lines each one holds.
-
-ARTIFACT_DIRS = {".mypy_cache": "mypy-cache", ".pytype": "pytype-cache", ".pyre": "pyre-cache",
-                 "htmlcov": "coverage", ".pytest_cache": "pytest-cache", "_modules": "sphinx-modules",
-                 ".eggs": "egg", ".hypothesis": "cache"}
-ROOT_DIRS = {"build": "build", "dist": "dist"}  # only at the top: a package may well have a `build` module
-ARCHIVES = (".zip", ".whl", ".jar", ".egg", ".tar.gz", ".tgz")
-
-
-def needles(task):
-    """(bytes to look for, what each means) from task.json's fingerprints and original hashes."""
-    out = {}
-    for fp in (task or {}).get("fingerprints", []):
-        for n in {fp["qualname"], fp["name"], *[p for p in fp["params"] if len(p) >= 4], *fp["literals"]}:
-            out[n.strip("'\"").encode()] = f"name {n}"
-        for s in fp["lines"]:
-            out[s.encode()] = f"deleted line {s[:60]!r}"
-    for rel, hashes in (task or {}).get("original_hashes", {}).items():
-        for h in hashes:
-            out[h.encode()] = f"hash of original {rel}"
-    return {k: v for k, v in out.items() if len(k) >= 3}
-
-
-def grep(data, needle_map):
-    return sorted({v for k, v in needle_map.items() if k in data})
-
-
-def pyc_names(data):
-    """Names a .pyc holds, read off its bytes: marshal keeps names and string constants as plain bytes, and
-    unmarshalling is never done here (marshal is not safe against data it did not write: another Python's
-    bytecode, which pyhocon's sdist ships, corrupted the host's heap)."""
-    return [m.decode() for m in re.findall(rb"[A-Za-z_][A-Za-z0-9_]{2,}", data[16:])]
-
-
-def class_strings(data):
-    """Utf8 entries of a Java .class constant pool: method names and descriptors live there."""
-    if data[:4] != b"\xca\xfe\xba\xbe":
-        return []
-    n, i, out, k = int.from_bytes(data[8:10], "big"), 10, [], 1
-    sizes = {3: 4, 4: 4, 5: 8, 6: 8, 7: 2, 8: 2, 9: 4, 10: 4, 11: 4, 12: 4, 15: 3, 16: 2, 17: 4, 18: 4,
-             19: 2, 20: 2}
-    while k < n and i < len(data):
-        tag = data[i]
-        if tag == 1:
-            size = int.from_bytes(data[i + 1:i + 3], "big")
-            out.append(data[i + 3:i + 3 + size].decode("utf-8", "replace"))
-            i += 3 + size
-        elif tag in sizes:
-            i += 1 + sizes[tag]
-            k += tag in (5, 6)  # longs and doubles take two pool slots
-        else:
-            break
-        k += 1
+def protected_paths(root, need=()):
+    """The files of the tests (all of a test folder's), the configuration files and the files of required
+    tests (documentation with doctests) in root: a run may read them, not change them. The folders stay
+    writable, since many suites write output beside their tests (xlwt's tests/output/); a tree with more
+    than BINDS_AT_MOST such files gets its outermost test folders read-only instead."""
+    tested = {t.split("::")[0] for t in need}
+    files = [Path(root, rel) for rel in walk(root) if is_protected(rel) or rel in tested]
+    if len(files) <= BINDS_AT_MOST:
+        return files
+    out = []
+    for rel in walk(root):
+        parts = Path(rel).parts
+        cut = next((i for i, x in enumerate(parts[:-1]) if x in ("tests", "test", "testing")), None)
+        path = (Path(root, *parts[:cut + 1]) if cut is not None
+                else Path(root, rel) if is_protected(rel) or rel in tested else None)
+        if path and path.exists() and path not in out:
+            out.append(path)
     return out
 
 
-def blob_evidence(name, data, nmap):
-    """Evidence from one file's bytes, decoding the formats that hide names: class, sqlite, zip (a pyc keeps
-    its names as plain bytes)."""
-    if name.endswith(".class"):
-        data += "\n".join(class_strings(data)).encode()
-    elif data[:16] == b"SQLite format 3\x00":
-        with tempfile.NamedTemporaryFile(suffix=".db") as f:  # sqlite3 wants a path; read a copy, read-only
-            f.write(data), f.flush()
-            con = sqlite3.connect(f"file:{f.name}?mode=ro", uri=True)
-            try:  # rows may be JSON or fixed-format blobs (mypy cache.db, .coverage): look inside each value
-                for (table,) in con.execute("select name from sqlite_master where type='table'").fetchall():
-                    for row in con.execute(f'select * from "{table}"'):
-                        data += b"\n".join(v if isinstance(v, bytes) else str(v).encode() for v in row)
-            except sqlite3.Error:
-                pass  # damaged: the raw bytes are still searched
-            finally:
-                con.close()
-    elif name.endswith(ARCHIVES):
-        return archive_evidence(data, nmap)
-    return grep(data, nmap)
+BINDS_AT_MOST = 5000  # read-only binds of single files a run gets; past that, whole folders
 
 
-def archive_evidence(data, nmap):
-    members = []
-    try:
-        if data[:2] == b"PK":
-            with zipfile.ZipFile(io.BytesIO(data)) as z:
-                members = [(m, z.read(m)) for m in z.namelist() if not m.endswith("/")]
-        else:
-            with tarfile.open(fileobj=io.BytesIO(data)) as t:
-                members = [(m.name, t.extractfile(m).read()) for m in t.getmembers() if m.isfile()]
-    except Exception:
-        return ["unreadable archive"]
-    code = [m for m, _ in members if m.endswith((".py", ".pyc", ".class", ".pyi"))]
-    ev = sorted({e for m, d in members for e in blob_evidence(m, d, nmap)})
-    return ev + ([f"holds code: {', '.join(code[:3])}"] if code else [])
+def add_canaries(work, need):
+    """Append a must-pass and a must-fail test to one of the required tests' files in work, named from the
+    words of that file's tests after the solution is fixed: (must-pass id, must-fail id)."""
+    rng = random.Random(secrets.randbits(64))
+    files = sorted({t.split("::")[0] for t in need if "::" in t and t.split("::")[0].endswith(".py")})
+    home = rng.choice(files) if files else f"test_{secrets.token_hex(3)}.py"
+    text = Path(work, home).read_text() if files else ""
+    words = sorted({w for name in re.findall(r"^\s*def test_(\w+)", text, re.M)
+                    for w in name.split("_") if w})
+    taken, names = set(re.findall(r"\b(test_\w+)", text)), []
+    while len(names) < 2:
+        name = ("test_" + "_".join(rng.sample(words or ["case"], min(2, len(words) or 1)))
+                + str(rng.randrange(2, 99)))
+        if name not in taken | set(names):
+            names.append(name)
+    a = rng.randrange(10**6)
+    Path(work, home).write_text(text.rstrip("\n") + f"\n\n\ndef {names[0]}():\n    pass\n\n\n"
+                                f"def {names[1]}():\n    assert {a} == {a + 1}\n")
+    return f"{home}::{names[0]}", f"{home}::{names[1]}"
 
 
-def file_kind(name):
-    if name.endswith((".pyc", ".pyo")):
-        return "pyc"
-    if name.endswith(".class"):
-        return "java-class"
-    if name == ".coverage" or name.startswith(".coverage."):
-        return "coverage"
-    # mypy's fixed-format and (sharded) SQLite caches
-    if name.endswith(".ff") or re.fullmatch(r"cache(\.\d+)?\.db", name):
-        return "mypy-cache"
-    return "archive" if name.endswith(ARCHIVES) else None
-
-
-def git(root, *args, env=None):
-    return subprocess.run(["git", *args], cwd=root, capture_output=True, env=env).stdout
-
-
-def scan_git(root, nmap, task):
-    """A served snapshot holds one commit and nothing else: history, stashes, tags, dangling objects leak."""
-    if not (Path(root) / ".git").exists() or not shutil.which("git"):
-        return []
-    ev = []
-    commits = git(root, "rev-list", "--all").split()
-    if len(commits) > 1:
-        ev.append(f"{len(commits)} commits")
-    reflog_only = set(git(root, "rev-list", "--all", "--reflog").split()) - set(commits)
-    if reflog_only:
-        ev.append(f"reflog holds {len(reflog_only)} commits no branch has")
-    for what, args in [("stash", ["stash", "list"]), ("tags", ["tag"]),
-                       ("dangling", ["fsck", "--unreachable", "--no-reflogs"])]:
-        lines = git(root, *args).splitlines()
-        if lines:
-            ev.append(f"{what}: {len(lines)}")
-    for rel, hashes in (task or {}).get("original_hashes", {}).items():
-        if subprocess.run(["git", "cat-file", "-e", hashes[2]], cwd=root,
-                          capture_output=True).returncode == 0:
-            ev.append(f"object {hashes[2][:10]} is the original {rel}")
-    blobs = git(root, "cat-file", "--batch-all-objects", "--batch")
-    ev += [f"object holds {e}" for e in grep(blobs, deleted_lines(nmap))]
-    return [{"path": ".git", "kind": "git", "evidence": "; ".join(ev)}] if ev else []
-
-
-def scan(root, task=None, site_dirs=()):
-    """Findings [{path, kind, evidence}] for root; empty means clean. Artifact folders are reported whole and
-    not entered; then each file, the git store, and copies of the packages installed in site_dirs."""
-    root, nmap, findings = Path(root), needles(task), []
-
-    def add(rel, kind, ev):
-        findings.append({"path": str(rel), "kind": kind, "evidence": "; ".join(ev) if ev else "present"})
-
-    for d, dirs, files in os.walk(root):
-        rel_d = Path(d).relative_to(root)
-        for x in sorted(dirs):
-            kind = folder_kind(x, top=d == str(root))
-            if kind:  # report the whole folder once, with evidence from every file in it
-                ev = set()
-                for f in walk(Path(d, x), skip=()):
-                    ev.update(blob_evidence(f, Path(d, x, f).read_bytes()[:20_000_000], nmap))
-                add(rel_d / x, kind, sorted(ev))
-        reported = {f["path"] for f in findings}
-        dirs[:] = sorted(x for x in dirs if x != ".git" and (rel_d / x).as_posix() not in reported)
-        for f in sorted(files):
-            path = Path(d, f)
-            found = None if path.is_symlink() or not path.is_file() else file_finding(path, task, nmap)
-            if found:
-                add(rel_d / f, *found)
-    findings += scan_git(root, nmap, task)
-    for p in installed_copies(root, site_dirs):
-        add(p, "site-packages", ["installed copy"])
-    return findings
-
-
-def folder_kind(name, top):
-    """What an artifact folder is, or None: caches anywhere, build output at the top (a package may well have
-    a `build` module), package metadata, and a .git below the top."""
-    return (ARTIFACT_DIRS.get(name) or (ROOT_DIRS.get(name) if top else None)
-            or ("egg-info" if name.endswith((".egg-info", ".dist-info")) else None)
-            or ("git" if name == ".git" and not top else None))
-
-
-def file_finding(path, task, nmap):
-    """(kind, evidence) for one file, or None. Compiled, cached and packed files are reported by kind; text
-    only when it holds a deleted line, a copy of a deleted function under any name, or (a .pyi stub) a
-    deleted name."""
-    kind = file_kind(path.name)
-    if kind:
-        data = path.read_bytes()
-        ev = blob_evidence(path.name, data, nmap)
-        if kind == "pyc" and not ev:
-            ev = [f"names {', '.join(list(dict.fromkeys(pyc_names(data)))[:4])}"]
-        # test-data archives are fine; ones holding code or deleted names are not
-        return (kind, ev) if kind != "archive" or ev else None
-    if not task or path.stat().st_size >= 2_000_000:
-        return None
-    data, fps = path.read_bytes(), task.get("fingerprints", [])
-    names = {fp["name"] for fp in fps}
-    if path.name.endswith(".pyi") and any(re.search(rb"\b%s\b" % re.escape(n.encode()), data) for n in names):
-        return "pyi", [f"stub mentions {', '.join(sorted(names))}"]
-    ev = grep(data, deleted_lines(nmap))
-    if path.name.endswith(".py"):
-        hashes = {fp["ast_hash"]: fp["qualname"] for fp in fps}
+def verify(task_dir, workdir=None, patch=None, box=None, missing=None):
+    """(reward, reason). Reward 1 only when the solution changes nothing but Python source inside the
+    packages, the oracle agrees with the gold on every recorded call, and the verifier's own report says every
+    required test passed, both canaries behaved and pytest's exit code is 1 (the must-fail canary's failure,
+    nothing else). box: how code runs (default: the task's interpreter, in bubblewrap); its timeout bounds the
+    whole verify. missing: a list that gets the required tests that did not pass (make drops those that fail
+    on the gold)."""
+    task_dir = Path(task_dir)
+    if not task_dir.is_dir():
+        raise TaskError(f"no such task folder: {task_dir}")
+    if not (task_dir / "task.json").is_file():
+        raise TaskError(f"no task.json in {task_dir}")
+    task, snap = json.loads((task_dir / "task.json").read_text()), task_dir / "repo"
+    box = box or Sandbox(python=task.get("python", sys.executable), timeout=600)
+    deadline = time.time() + box.timeout
+    oracle = json.loads((task_dir / "oracle.json").read_text()) if (task_dir / "oracle.json").is_file() \
+        else {"calls": []}
+    if oracle["calls"] and oracle.get("encoding") != ENCODING:
+        raise TaskError(f"{task_dir / 'oracle.json'} was written by another version of tasks.py (its "
+                        f"encoding {oracle.get('encoding')}, this one {ENCODING}): make the task again")
+    with scratch() as tmp:
+        if patch is not None:  # a patch is applied to its own copy of the snapshot, then read like a work dir
+            workdir = Path(tmp, "agent")
+            shutil.copytree(snap, workdir, symlinks=True)
+            p = subprocess.run(["git", "apply", "--whitespace=nowarn", str(Path(patch).resolve())],
+                               cwd=workdir, capture_output=True, text=True, timeout=60)
+            if p.returncode:
+                return 0, f"patch does not apply: {p.stderr.strip()[:200]}"
+        if not Path(workdir).is_dir():
+            raise TaskError(f"no such work dir: {workdir}")
         try:
-            defs = [n for n in ast.walk(ast.parse(data))
-                    if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-            ev += [f"copy of {hashes[h]}" for n in defs for h in [ast_hash(n)] if h in hashes]
-        except (SyntaxError, ValueError):
-            pass
-    return ("text", ev) if ev else None
+            files, deleted = solution_files(snap, workdir, deadline, task.get("static_allowed"))
+        except Refused as e:
+            return 0, f"rejected: {e}"
+        work = Path(tmp, "repo")
+        shutil.copytree(snap, work, symlinks=True)
+        for rel in deleted:
+            Path(work, rel).unlink()
+        for rel, data in files.items():
+            Path(work, rel).parent.mkdir(parents=True, exist_ok=True)
+            Path(work, rel).write_bytes(data)
+        if oracle["calls"]:  # before the tests: their run may rewrite the solution's own files
+            got = oracle_run(box, work, oracle["features"], [c[:2] for c in oracle["calls"]],
+                             timeout=max(1, deadline - time.time()))
+            wrong = [k for k, c in enumerate(oracle["calls"]) if not agrees(c[2], got.get(k, "no result"))]
+            if wrong:
+                held = sum(oracle["calls"][k][3] == "held-out" for k in wrong)
+                first = got.get(wrong[0], "gave no result")  # what it returned, never what was expected
+                first = (" ".join(first.split()[:2]) if first.startswith("raises ")
+                         else first.split(";")[0][:120])
+                return 0, (f"the oracle disagrees on {len(wrong)} of {len(oracle['calls'])} calls ({held} of "
+                           f"them held-out), e.g. the solution {first}")
+        need = task["fail_to_pass"] + task["pass_to_pass"]
+        must_pass, must_fail = add_canaries(work, need)
+        files = sorted({t.split("::")[0] for t in [*need, must_pass]})  # whole files: far faster than ids
+        r = box.pytest(work, files, readonly=protected_paths(work, need),
+                       timeout=max(1, deadline - time.time()))
+    rc, outcomes, passed = r.rc, r.outcomes, r.passed
+    if outcomes is None:
+        return 0, f"runner tampered: the verifier's report is not what its plugin writes; pytest exit {rc}"
+    if r.end is None:
+        return 0, f"runner tampered or crashed: pytest's session never finished; pytest exit {rc}"
+    failed = [t for t in need if t not in passed]
+    (missing if missing is not None else []).extend(failed)
+    if failed:
+        return 0, f"{len(failed)} of {len(need)} required tests did not pass (skipped counts as failed), " \
+                  f"e.g. {failed[0]}; pytest exit {rc}"
+    if must_fail in passed or outcomes.get(must_fail, {}).get("call") != "failed" or must_pass not in passed:
+        return 0, f"runner tampered: a canary did not behave ({outcomes.get(must_fail)}, " \
+                  f"{outcomes.get(must_pass)}); pytest exit {rc}"
+    if rc != 1 or r.end != 1:
+        return 0, f"all {len(need)} required tests passed but pytest exited {rc} " \
+                  f"(1 expected: the must-fail canary alone fails)"
+    return 1, (f"all {len(task['fail_to_pass'])} fail-to-pass and {len(task['pass_to_pass'])} pass-to-pass "
+               f"tests passed, canaries intact; "
+               + (f"the oracle agrees on {len(oracle['calls'])} calls" if oracle["calls"] else "no oracle"))
 
 
-def deleted_lines(nmap):
-    return {k: v for k, v in nmap.items() if v.startswith("deleted line")}
+# -----------------------------------------------------------------------------
+# Edits: what a solution may change, read without trusting the work tree. Only Python source inside the
+# packages may change; tests, their configuration, documentation, data files and everything at the top of the
+# repository stay as made (so nothing can shadow pytest, conftest or sitecustomize either). The host walks the
+# work tree with lstat and opens a file only after lstat says it is regular, with O_NOFOLLOW and O_NONBLOCK,
+# reading at most EDIT_AT_MOST bytes: a link, a FIFO or a device is refused by its kind before anything opens
+# it, and a walk stops at TREE_AT_MOST entries or the verify deadline. Nothing is copied from the work tree:
+# the verifier's tree is the snapshot plus the accepted files' bytes.
+
+EDIT_AT_MOST = 1 << 20  # bytes a changed source file may have
+TREE_AT_MOST = 50_000  # entries a work tree may have
+# never read, never copied: version control, virtual environments, bytecode, caches and what installing or
+# measuring the package leaves (egg-info, build and dist at the top, coverage data)
+IGNORED = SKIP_DIRS | {".pytest_cache", ".hypothesis", ".mypy_cache", ".ruff_cache", "htmlcov"}
+IGNORED_FILES = re.compile(r"(.*/)?[^/]*\.py[co]|\.coverage(\..*)?|(.*/)?[^/]*\.egg-info/.*|(build|dist)/.*")
+CODING = re.compile(rb"^[ \t\f]*#.*?coding[:=][ \t]*([-\w.]+)")  # PEP 263
 
 
-def installed_copies(root, site_dirs):
-    """The repository's packages as installed in the environment: a copy of the deleted code, whole."""
-    for sp in site_dirs:
-        for pkg in packages(root):
-            name = package_name(pkg)
-            for p in sorted(Path(sp).glob(f"{name}*")) if Path(sp).is_dir() else []:
-                if p.name == name or re.match(rf"{re.escape(name)}-[^/]*\.(dist|egg)-info$"
-                                              rf"|{re.escape(name)}\.py$", p.name):
-                    yield p
+class Refused(Exception):
+    """A solution refused before anything of it runs; verify scores it 0 with this one line."""
 
 
-def scrub(root, findings):
-    """Delete every artifact the scan found (and all bytecode), then re-create git as one fresh commit."""
-    root, pkgs = Path(root), packages(root)
-    for f in findings:
-        p = root / f["path"]
-        if (f["kind"] == "site-packages"
-                or f["kind"] == "text" and (is_protected(f["path"]) or inside(f["path"], pkgs))):
-            continue  # never touch the environment, tests or the package; such a task is simply not served
-        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-    for d, dirs, _ in os.walk(root, topdown=False):
-        for x in dirs:
-            if x in (".git", "__pycache__"):
-                shutil.rmtree(Path(d, x))
-    fresh_git(root)
+def lstat_tree(root, deadline):
+    """{rel: os.stat_result} of everything under root but what IGNORED and IGNORED_FILES name, links not
+    followed."""
+    out, todo = {}, [""]
+    while todo:
+        d = todo.pop()
+        with os.scandir(Path(root, d)) as entries:
+            for e in entries:
+                rel = os.path.join(d, e.name)
+                if len(out) >= TREE_AT_MOST or time.time() > deadline:
+                    raise Refused(f"the work tree has over {TREE_AT_MOST} entries or took too long to list")
+                st = e.stat(follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode):
+                    todo += [] if e.name in IGNORED else [rel]
+                elif not IGNORED_FILES.fullmatch(rel):
+                    out[rel] = st
+    return out
 
 
-def fresh_git(root):
-    # fixed author, committer and dates: the same tree gives the same commit
-    when = "2000-01-01T00:00:00+0000"
-    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(root), "GIT_CONFIG_NOSYSTEM": "1",
-           "GIT_CONFIG_GLOBAL": os.devnull,
-           "GIT_AUTHOR_NAME": "task", "GIT_AUTHOR_EMAIL": "task@example.com", "GIT_AUTHOR_DATE": when,
-           "GIT_COMMITTER_NAME": "task", "GIT_COMMITTER_EMAIL": "task@example.com",
-           "GIT_COMMITTER_DATE": when}
-    for args in (["init", "-q", "-b", "main"], ["add", "-A"],
-                 ["commit", "-q", "--no-gpg-sign", "-m", "snapshot"]):
-        subprocess.run(["git", *args], cwd=root, env=env, check=True, capture_output=True)
+def read_regular(path, limit):
+    """The bytes of a regular file, never following a link or waiting on a FIFO; None past limit bytes."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        chunks, size = [], 0
+        while chunk := os.read(fd, 1 << 16):
+            chunks, size = chunks + [chunk], size + len(chunk)
+            if size > limit:
+                return None
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def editable(rel, pkgs):
+    return rel.endswith(".py") and inside(rel, pkgs) and not is_protected(rel)
+
+
+def solution_files(snap, workdir, deadline, allowed=None):
+    """({rel: new bytes}, [deleted rel]) of the solution in workdir against the snapshot, or Refused.
+    allowed: {rel: static findings the original file had}, which a re-implementation may have too."""
+    pkgs, old, new = packages(snap), lstat_tree(snap, deadline), lstat_tree(workdir, deadline)
+    files, deleted = {}, []
+    for rel in sorted(old.keys() | new.keys()):
+        a, b = old.get(rel), new.get(rel)
+        kind = None if b is None else ("a symlink" if stat.S_ISLNK(b.st_mode)
+                                       else "a special file" if not stat.S_ISREG(b.st_mode) else "file")
+        if a is not None and b is not None and stat.S_ISLNK(a.st_mode) and kind == "a symlink" \
+                and os.readlink(Path(snap, rel)) == os.readlink(Path(workdir, rel)):
+            continue  # a link the repository itself has
+        # an unchanged file may be as large as the snapshot's own (a data file over the limit: an image)
+        was = a is not None and stat.S_ISREG(a.st_mode)
+        data = read_regular(Path(workdir, rel), max(EDIT_AT_MOST, a.st_size if was else 0)) \
+            if kind == "file" else None
+        if was and kind == "file" and data == Path(snap, rel).read_bytes():
+            continue
+        if not editable(rel, pkgs):
+            raise Refused(f"{rel}: only Python source inside the packages ({', '.join(pkgs)}) may change")
+        if kind is None:
+            deleted.append(rel)
+        elif kind != "file":
+            raise Refused(f"{rel} is {kind}")
+        elif data is None or len(data) > EDIT_AT_MOST:
+            raise Refused(f"{rel} is over {EDIT_AT_MOST} bytes")
+        else:
+            files[rel] = source_check(rel, data, Path(snap, rel).read_bytes() if a else b"",
+                                      (allowed or {}).get(rel, ()))
+    return files, deleted
+
+
+def declared(data):
+    """The encoding Python source declares (PEP 263), by its codec's name: "utf-8" when none."""
+    coding = next((m[1].decode() for line in data.splitlines()[:2] for m in [CODING.match(line)] if m),
+                  "utf-8")
+    try:
+        return codecs.lookup(coding).name
+    except LookupError:
+        return coding
+
+
+def source_check(rel, data, old, allowed=()):
+    """data, if it is UTF-8 Python source with no static finding that old (or the allowed list) lacks; else
+    Refused."""
+    coding, original = declared(data), declared(old)
+    # UTF-8, or the encoding the original file declares (xlwt's windows-1252) unless it can hide text from
+    # the check (UTF-7's +...- runs, UTF-16)
+    if coding != "utf-8" and (coding != original or coding.startswith(("utf-7", "utf-16", "utf-32"))):
+        raise Refused(f"{rel} declares the encoding {coding}: source must be UTF-8"
+                      + (f" or {original}, as the original" if original != "utf-8" else ""))
+    try:
+        tree = ast.parse(data.decode(coding))
+    except (UnicodeDecodeError, SyntaxError, ValueError) as e:
+        raise Refused(f"{rel} is not {coding} Python source ({type(e).__name__})")
+    before = Counter(what for what, _ in static_findings(old)) | Counter(allowed)
+    for what, line in static_findings(data, tree):
+        before[what] -= 1
+        if before[what] < 0:
+            raise Refused(f"{rel} line {line}: {what}")
+    return data
+
+
+# The static check, on the AST: the tools of in-process tampering that the code of a library feature does not
+# need. Frames, gc, tracers, exits, signals, raw descriptors, /proc, native code, exec, the test runner's own
+# modules, names built from string pieces for getattr/__import__, an __eq__ that ignores what it is compared
+# with. Only findings the snapshot's copy of the file lacks count. Defence in depth: a disguise through data
+# flow gets past any static check; the oracle is what it cannot pass.
+STATIC_CALLS = {"sys._getframe", "sys._current_frames", "inspect.currentframe", "inspect.stack",
+                "inspect.getouterframes", "inspect.getinnerframes", "inspect.trace",
+                "traceback.extract_stack", "traceback.walk_stack", "gc.get_objects", "gc.get_referrers",
+                "gc.get_referents", "sys.exit", "os._exit", "os.abort", "os.kill", "os.killpg", "os.fork",
+                "os.forkpty", "sys.settrace", "sys.setprofile", "threading.settrace", "threading.setprofile",
+                "sys.addaudithook", "os.write", "os.writev", "os.pwrite", "os.dup", "os.dup2", "os.fdopen",
+                "os.open", "os.sendfile", "os.mkfifo", "os.symlink", "os.link", "marshal.loads",
+                "importlib.util.spec_from_file_location", "importlib.machinery.SourceFileLoader", "exec",
+                "eval", "compile", "breakpoint"}
+STATIC_MODULES = {"pytest", "_pytest", "pluggy", "unittest", "doctest", "ctypes", "cffi", "signal", "atexit",
+                  "gc", "builtins", "marshal", "pty", "resource"}
+STATIC_ATTRS = {"f_back", "f_globals", "f_locals", "f_builtins", "f_code", "f_trace", "tb_frame", "gi_frame",
+                "cr_frame", "ag_frame", "__globals__", "__closure__", "__code__", "__builtins__",
+                "__subclasses__", "sys.meta_path", "sys.path_hooks", "sys.modules", "sys.monitoring"}
+NAME_TAKERS = {"getattr", "setattr", "delattr", "hasattr", "__import__", "import_module", "globals", "vars"}
+
+
+def static_findings(data, tree=None):
+    """[(what, line)] for one file's source (bytes); [] when it does not parse."""
+    try:
+        tree = tree or ast.parse(data.decode("utf-8", "replace"))
+    except (SyntaxError, ValueError):
+        return []
+    out = []
+    modules = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    # an `if __name__ == "__main__":` block never runs on import, unless the file can change __name__
+    mains = [n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test).replace("'", '"')
+             in ('__name__ == "__main__"', '"__main__" == __name__')]
+    if not any(isinstance(n, ast.Name) and n.id == "__name__" and not isinstance(n.ctx, ast.Load)
+               or isinstance(n, ast.Constant) and n.value == "__name__" for n in ast.walk(tree)):
+        skip = {id(x) for m in mains for x in ast.walk(m)}
+        tree = ast.Module([n for n in tree.body if id(n) not in skip], [])
+    for n in ast.walk(tree):
+        line = getattr(n, "lineno", 0)
+        if isinstance(n, (ast.Assign, ast.AugAssign)):
+            for t in n.targets if isinstance(n, ast.Assign) else [n.target]:
+                if isinstance(t, ast.Attribute) and dotted(t.value) in modules:
+                    out.append((f"patches {dotted(t)}", line))
+        if isinstance(n, (ast.Import, ast.ImportFrom)):
+            mods = [a.name for a in n.names] if isinstance(n, ast.Import) else [n.module or ""]
+            out += [(f"imports {m}", line) for m in mods if m.partition(".")[0] in STATIC_MODULES]
+        elif isinstance(n, ast.Call):
+            name = dotted(n.func)
+            if name in STATIC_CALLS or name.rpartition(".")[2] in STATIC_CALLS - {"exec", "eval", "compile"} \
+                    and name.partition(".")[0] in ("sys", "os", "inspect", "gc", "traceback", "threading"):
+                out.append((f"calls {name}", line))
+            if name.rpartition(".")[2] in NAME_TAKERS:
+                for arg in n.args[:2]:
+                    s = folded(arg)
+                    if s is not None and not isinstance(arg, ast.Constant):
+                        out.append((f"builds the name {s!r} from pieces", line))
+        elif isinstance(n, ast.Attribute) and (n.attr in STATIC_ATTRS or dotted(n) in STATIC_ATTRS):
+            out.append((f"uses .{n.attr}", line))
+        elif isinstance(n, ast.Name) and n.id in ("__builtins__", "__import__"):
+            out.append((f"uses {n.id}", line))
+        elif isinstance(n, ast.Constant) and isinstance(n.value, str) \
+                and re.search(r"^/proc\b|^/dev/(fd|shm)\b|(^|/)tests?/|test_[\w*]*\.py|conftest|__eq__",
+                              n.value):
+            out.append((f"names {n.value[:40]!r}", line))
+        elif isinstance(n, (ast.FunctionDef, ast.Lambda)) and getattr(n, "name", "") in ("__eq__", "__ne__"):
+            other = [a.arg for a in n.args.posonlyargs + n.args.args][1:2]
+            used = {x.id for x in ast.walk(n) if isinstance(x, ast.Name)}
+            if not other or other[0] not in used:
+                out.append((f"defines an {n.name} that ignores what it is compared with", line))
+        elif isinstance(n, (ast.BinOp, ast.JoinedStr)) and folded(n) in ("__eq__", "__ne__", "_exit", "exit"):
+            out.append((f"builds the name {folded(n)!r} from pieces", line))
+    return out
+
+
+def dotted(node):
+    """'a.b.c' for a Name/Attribute chain, else ''."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = dotted(node.value)
+        return f"{base}.{node.attr}" if base else node.attr
+    return ""
+
+
+def folded(node):
+    """The string a node builds out of constants alone ('ex' + 'it', '%s' % 'x', ''.join([...]),
+    f'{"_"}exit', 'tixe'[::-1], chr(95)), else None."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mod)):
+        a = folded(node.left)
+        b = (tuple(folded(e) for e in node.right.elts) if isinstance(node.right, ast.Tuple)
+             else folded(node.right))
+        if a is None or b is None or None in (b if isinstance(b, tuple) else ()):
+            return None
+        with contextlib.suppress(TypeError, ValueError):
+            return a + b if isinstance(node.op, ast.Add) else a % b
+        return None
+    if isinstance(node, ast.JoinedStr):
+        parts = [folded(v.value if isinstance(v, ast.FormattedValue) else v) for v in node.values]
+        return "".join(parts) if None not in parts else None
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Slice):
+        s = folded(node.value)
+        bounds = [x.value if isinstance(x, ast.Constant) else None if x is None else ...
+                  for x in (node.slice.lower, node.slice.upper, node.slice.step)]
+        return s[slice(*bounds)] if s is not None and ... not in bounds else None
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "chr" \
+            and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, int):
+        return chr(node.args[0].value)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        s = folded(node.func.value)
+        if s is not None and node.func.attr == "join" and node.args and isinstance(node.args[0],
+                                                                                   (ast.List, ast.Tuple)):
+            parts = [folded(e) for e in node.args[0].elts]
+            return s.join(parts) if None not in parts else None
+        if s is not None and node.func.attr in ("lower", "upper", "strip", "lstrip", "rstrip", "title") \
+                and not node.args:
+            return getattr(s, node.func.attr)()
+    return None
 
 
 # -----------------------------------------------------------------------------
@@ -2084,857 +1763,282 @@ def record_calls(root, feats, box, select=None):
 
 
 # -----------------------------------------------------------------------------
-# Edits: what a solution may change, read without trusting the work tree. Only Python source inside the
-# packages may change; tests, their configuration, documentation, data files and everything at the top of the
-# repository stay as made (so nothing can shadow pytest, conftest or sitecustomize either). The host walks the
-# work tree with lstat and opens a file only after lstat says it is regular, with O_NOFOLLOW and O_NONBLOCK,
-# reading at most EDIT_AT_MOST bytes: a link, a FIFO or a device is refused by its kind before anything opens
-# it, and a walk stops at TREE_AT_MOST entries or the verify deadline. Nothing is copied from the work tree:
-# the verifier's tree is the snapshot plus the accepted files' bytes.
+# Fingerprints of the deleted code: what the scanner looks for in every leak source.
 
-EDIT_AT_MOST = 1 << 20  # bytes a changed source file may have
-TREE_AT_MOST = 50_000  # entries a work tree may have
-# never read, never copied: version control, virtual environments, bytecode, caches and what installing or
-# measuring the package leaves (egg-info, build and dist at the top, coverage data)
-IGNORED = SKIP_DIRS | {".pytest_cache", ".hypothesis", ".mypy_cache", ".ruff_cache", "htmlcov"}
-IGNORED_FILES = re.compile(r"(.*/)?[^/]*\.py[co]|\.coverage(\..*)?|(.*/)?[^/]*\.egg-info/.*|(build|dist)/.*")
-CODING = re.compile(rb"^[ \t\f]*#.*?coding[:=][ \t]*([-\w.]+)")  # PEP 263
+def ast_hash(node):
+    node = ast.parse(ast.unparse(node)).body[0]  # normalises formatting and comments away
+    if code_body(node) is not node.body:
+        node.body = node.body[1:]  # ...and the docstring, which stub mode keeps anyway
+    return hashlib.sha1(ast.dump(node, include_attributes=False).encode()).hexdigest()
 
 
-class Refused(Exception):
-    """A solution refused before anything of it runs; verify scores it 0 with this one line."""
+def fingerprint(rel, qualname, node, deleted, kept):
+    """Names, parameters, unusual literals, the AST hash, and deleted lines that appear nowhere else."""
+    params = [a.arg for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+              if a.arg not in ("self", "cls")]
+    lits = {repr(n.value) for s in code_body(node) for n in ast.walk(s) if isinstance(n, ast.Constant)
+            and (isinstance(n.value, str) and len(n.value) >= 5
+                 or type(n.value) in (int, float) and abs(n.value) > 100)}
+    lines = {s.strip() for s in deleted.decode("utf-8", "replace").splitlines()}
+    lines = sorted(s for s in lines if len(s) >= 16 and not s.startswith("#") and s.encode() not in kept)
+    return {"file": rel, "qualname": qualname, "name": node.name, "params": params, "literals": sorted(lits),
+            "ast_hash": ast_hash(node), "lines": lines}
 
 
-def lstat_tree(root, deadline):
-    """{rel: os.stat_result} of everything under root but what IGNORED and IGNORED_FILES name, links not
-    followed."""
-    out, todo = {}, [""]
-    while todo:
-        d = todo.pop()
-        with os.scandir(Path(root, d)) as entries:
-            for e in entries:
-                rel = os.path.join(d, e.name)
-                if len(out) >= TREE_AT_MOST or time.time() > deadline:
-                    raise Refused(f"the work tree has over {TREE_AT_MOST} entries or took too long to list")
-                st = e.stat(follow_symlinks=False)
-                if stat.S_ISDIR(st.st_mode):
-                    todo += [] if e.name in IGNORED else [rel]
-                elif not IGNORED_FILES.fullmatch(rel):
-                    out[rel] = st
-    return out
-
-
-def read_regular(path, limit):
-    """The bytes of a regular file, never following a link or waiting on a FIFO; None past limit bytes."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        chunks, size = [], 0
-        while chunk := os.read(fd, 1 << 16):
-            chunks, size = chunks + [chunk], size + len(chunk)
-            if size > limit:
-                return None
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
-
-
-def editable(rel, pkgs):
-    return rel.endswith(".py") and inside(rel, pkgs) and not is_protected(rel)
-
-
-def solution_files(snap, workdir, deadline, allowed=None):
-    """({rel: new bytes}, [deleted rel]) of the solution in workdir against the snapshot, or Refused.
-    allowed: {rel: static findings the original file had}, which a re-implementation may have too."""
-    pkgs, old, new = packages(snap), lstat_tree(snap, deadline), lstat_tree(workdir, deadline)
-    files, deleted = {}, []
-    for rel in sorted(old.keys() | new.keys()):
-        a, b = old.get(rel), new.get(rel)
-        kind = None if b is None else ("a symlink" if stat.S_ISLNK(b.st_mode)
-                                       else "a special file" if not stat.S_ISREG(b.st_mode) else "file")
-        if a is not None and b is not None and stat.S_ISLNK(a.st_mode) and kind == "a symlink" \
-                and os.readlink(Path(snap, rel)) == os.readlink(Path(workdir, rel)):
-            continue  # a link the repository itself has
-        # an unchanged file may be as large as the snapshot's own (a data file over the limit: an image)
-        was = a is not None and stat.S_ISREG(a.st_mode)
-        data = read_regular(Path(workdir, rel), max(EDIT_AT_MOST, a.st_size if was else 0)) \
-            if kind == "file" else None
-        if was and kind == "file" and data == Path(snap, rel).read_bytes():
-            continue
-        if not editable(rel, pkgs):
-            raise Refused(f"{rel}: only Python source inside the packages ({', '.join(pkgs)}) may change")
-        if kind is None:
-            deleted.append(rel)
-        elif kind != "file":
-            raise Refused(f"{rel} is {kind}")
-        elif data is None or len(data) > EDIT_AT_MOST:
-            raise Refused(f"{rel} is over {EDIT_AT_MOST} bytes")
-        else:
-            files[rel] = source_check(rel, data, Path(snap, rel).read_bytes() if a else b"",
-                                      (allowed or {}).get(rel, ()))
-    return files, deleted
-
-
-def declared(data):
-    """The encoding Python source declares (PEP 263), by its codec's name: "utf-8" when none."""
-    coding = next((m[1].decode() for line in data.splitlines()[:2] for m in [CODING.match(line)] if m),
-                  "utf-8")
-    try:
-        return codecs.lookup(coding).name
-    except LookupError:
-        return coding
-
-
-def source_check(rel, data, old, allowed=()):
-    """data, if it is UTF-8 Python source with no static finding that old (or the allowed list) lacks; else
-    Refused."""
-    coding, original = declared(data), declared(old)
-    # UTF-8, or the encoding the original file declares (xlwt's windows-1252) unless it can hide text from
-    # the check (UTF-7's +...- runs, UTF-16)
-    if coding != "utf-8" and (coding != original or coding.startswith(("utf-7", "utf-16", "utf-32"))):
-        raise Refused(f"{rel} declares the encoding {coding}: source must be UTF-8"
-                      + (f" or {original}, as the original" if original != "utf-8" else ""))
-    try:
-        tree = ast.parse(data.decode(coding))
-    except (UnicodeDecodeError, SyntaxError, ValueError) as e:
-        raise Refused(f"{rel} is not {coding} Python source ({type(e).__name__})")
-    before = Counter(what for what, _ in static_findings(old)) | Counter(allowed)
-    for what, line in static_findings(data, tree):
-        before[what] -= 1
-        if before[what] < 0:
-            raise Refused(f"{rel} line {line}: {what}")
-    return data
-
-
-# The static check, on the AST: the tools of in-process tampering that the code of a library feature does not
-# need. Frames, gc, tracers, exits, signals, raw descriptors, /proc, native code, exec, the test runner's own
-# modules, names built from string pieces for getattr/__import__, an __eq__ that ignores what it is compared
-# with. Only findings the snapshot's copy of the file lacks count. Defence in depth: a disguise through data
-# flow gets past any static check; the oracle is what it cannot pass.
-STATIC_CALLS = {"sys._getframe", "sys._current_frames", "inspect.currentframe", "inspect.stack",
-                "inspect.getouterframes", "inspect.getinnerframes", "inspect.trace",
-                "traceback.extract_stack", "traceback.walk_stack", "gc.get_objects", "gc.get_referrers",
-                "gc.get_referents", "sys.exit", "os._exit", "os.abort", "os.kill", "os.killpg", "os.fork",
-                "os.forkpty", "sys.settrace", "sys.setprofile", "threading.settrace", "threading.setprofile",
-                "sys.addaudithook", "os.write", "os.writev", "os.pwrite", "os.dup", "os.dup2", "os.fdopen",
-                "os.open", "os.sendfile", "os.mkfifo", "os.symlink", "os.link", "marshal.loads",
-                "importlib.util.spec_from_file_location", "importlib.machinery.SourceFileLoader", "exec",
-                "eval", "compile", "breakpoint"}
-STATIC_MODULES = {"pytest", "_pytest", "pluggy", "unittest", "doctest", "ctypes", "cffi", "signal", "atexit",
-                  "gc", "builtins", "marshal", "pty", "resource"}
-STATIC_ATTRS = {"f_back", "f_globals", "f_locals", "f_builtins", "f_code", "f_trace", "tb_frame", "gi_frame",
-                "cr_frame", "ag_frame", "__globals__", "__closure__", "__code__", "__builtins__",
-                "__subclasses__", "sys.meta_path", "sys.path_hooks", "sys.modules", "sys.monitoring"}
-NAME_TAKERS = {"getattr", "setattr", "delattr", "hasattr", "__import__", "import_module", "globals", "vars"}
-
-
-def static_findings(data, tree=None):
-    """[(what, line)] for one file's source (bytes); [] when it does not parse."""
-    try:
-        tree = tree or ast.parse(data.decode("utf-8", "replace"))
-    except (SyntaxError, ValueError):
-        return []
-    out = []
-    modules = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    # an `if __name__ == "__main__":` block never runs on import, unless the file can change __name__
-    mains = [n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test).replace("'", '"')
-             in ('__name__ == "__main__"', '"__main__" == __name__')]
-    if not any(isinstance(n, ast.Name) and n.id == "__name__" and not isinstance(n.ctx, ast.Load)
-               or isinstance(n, ast.Constant) and n.value == "__name__" for n in ast.walk(tree)):
-        skip = {id(x) for m in mains for x in ast.walk(m)}
-        tree = ast.Module([n for n in tree.body if id(n) not in skip], [])
-    for n in ast.walk(tree):
-        line = getattr(n, "lineno", 0)
-        if isinstance(n, (ast.Assign, ast.AugAssign)):
-            for t in n.targets if isinstance(n, ast.Assign) else [n.target]:
-                if isinstance(t, ast.Attribute) and dotted(t.value) in modules:
-                    out.append((f"patches {dotted(t)}", line))
-        if isinstance(n, (ast.Import, ast.ImportFrom)):
-            mods = [a.name for a in n.names] if isinstance(n, ast.Import) else [n.module or ""]
-            out += [(f"imports {m}", line) for m in mods if m.partition(".")[0] in STATIC_MODULES]
-        elif isinstance(n, ast.Call):
-            name = dotted(n.func)
-            if name in STATIC_CALLS or name.rpartition(".")[2] in STATIC_CALLS - {"exec", "eval", "compile"} \
-                    and name.partition(".")[0] in ("sys", "os", "inspect", "gc", "traceback", "threading"):
-                out.append((f"calls {name}", line))
-            if name.rpartition(".")[2] in NAME_TAKERS:
-                for arg in n.args[:2]:
-                    s = folded(arg)
-                    if s is not None and not isinstance(arg, ast.Constant):
-                        out.append((f"builds the name {s!r} from pieces", line))
-        elif isinstance(n, ast.Attribute) and (n.attr in STATIC_ATTRS or dotted(n) in STATIC_ATTRS):
-            out.append((f"uses .{n.attr}", line))
-        elif isinstance(n, ast.Name) and n.id in ("__builtins__", "__import__"):
-            out.append((f"uses {n.id}", line))
-        elif isinstance(n, ast.Constant) and isinstance(n.value, str) \
-                and re.search(r"^/proc\b|^/dev/(fd|shm)\b|(^|/)tests?/|test_[\w*]*\.py|conftest|__eq__",
-                              n.value):
-            out.append((f"names {n.value[:40]!r}", line))
-        elif isinstance(n, (ast.FunctionDef, ast.Lambda)) and getattr(n, "name", "") in ("__eq__", "__ne__"):
-            other = [a.arg for a in n.args.posonlyargs + n.args.args][1:2]
-            used = {x.id for x in ast.walk(n) if isinstance(x, ast.Name)}
-            if not other or other[0] not in used:
-                out.append((f"defines an {n.name} that ignores what it is compared with", line))
-        elif isinstance(n, (ast.BinOp, ast.JoinedStr)) and folded(n) in ("__eq__", "__ne__", "_exit", "exit"):
-            out.append((f"builds the name {folded(n)!r} from pieces", line))
-    return out
-
-
-def dotted(node):
-    """'a.b.c' for a Name/Attribute chain, else ''."""
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        base = dotted(node.value)
-        return f"{base}.{node.attr}" if base else node.attr
-    return ""
-
-
-def folded(node):
-    """The string a node builds out of constants alone ('ex' + 'it', '%s' % 'x', ''.join([...]),
-    f'{"_"}exit', 'tixe'[::-1], chr(95)), else None."""
-    if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        return node.value
-    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mod)):
-        a = folded(node.left)
-        b = (tuple(folded(e) for e in node.right.elts) if isinstance(node.right, ast.Tuple)
-             else folded(node.right))
-        if a is None or b is None or None in (b if isinstance(b, tuple) else ()):
-            return None
-        with contextlib.suppress(TypeError, ValueError):
-            return a + b if isinstance(node.op, ast.Add) else a % b
-        return None
-    if isinstance(node, ast.JoinedStr):
-        parts = [folded(v.value if isinstance(v, ast.FormattedValue) else v) for v in node.values]
-        return "".join(parts) if None not in parts else None
-    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Slice):
-        s = folded(node.value)
-        bounds = [x.value if isinstance(x, ast.Constant) else None if x is None else ...
-                  for x in (node.slice.lower, node.slice.upper, node.slice.step)]
-        return s[slice(*bounds)] if s is not None and ... not in bounds else None
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "chr" \
-            and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, int):
-        return chr(node.args[0].value)
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-        s = folded(node.func.value)
-        if s is not None and node.func.attr == "join" and node.args and isinstance(node.args[0],
-                                                                                   (ast.List, ast.Tuple)):
-            parts = [folded(e) for e in node.args[0].elts]
-            return s.join(parts) if None not in parts else None
-        if s is not None and node.func.attr in ("lower", "upper", "strip", "lstrip", "rstrip", "title") \
-                and not node.args:
-            return getattr(s, node.func.attr)()
-    return None
+def signature(node):
+    ret = f" -> {ast.unparse(node.returns)}" if node.returns else ""
+    return (f"{'async ' if isinstance(node, ast.AsyncFunctionDef) else ''}"
+            f"def {node.name}({ast.unparse(node.args)}){ret}")
 
 
 # -----------------------------------------------------------------------------
-# Verify: the oracle on the solution's packages, then the task's tests, each in its own sandbox.
-#
-# The tests run the solution's code inside pytest's process, so that process can forge anything it prints or
-# reports; its outcomes are read from the verifier's own plugin (Reporter), and two canary tests, named from
-# the words of the file's own tests, are appended to a fresh copy of one test file: one must fail, one must
-# pass. Code that patches the runner blindly (Function.runtest, TestReport, CallInfo) makes the must-fail
-# canary pass or loses the closing record. Code that knows this verifier can still forge the test run: the
-# oracle is the evidence it cannot forge.
+# Leak scan. Artifact kinds are never legitimate in a served snapshot and are reported whenever present;
+# with a task, evidence says which deleted names, hashes or lines each one holds.
 
-def protected_paths(root, need=()):
-    """The files of the tests (all of a test folder's), the configuration files and the files of required
-    tests (documentation with doctests) in root: a run may read them, not change them. The folders stay
-    writable, since many suites write output beside their tests (xlwt's tests/output/); a tree with more
-    than BINDS_AT_MOST such files gets its outermost test folders read-only instead."""
-    tested = {t.split("::")[0] for t in need}
-    files = [Path(root, rel) for rel in walk(root) if is_protected(rel) or rel in tested]
-    if len(files) <= BINDS_AT_MOST:
-        return files
-    out = []
-    for rel in walk(root):
-        parts = Path(rel).parts
-        cut = next((i for i, x in enumerate(parts[:-1]) if x in ("tests", "test", "testing")), None)
-        path = (Path(root, *parts[:cut + 1]) if cut is not None
-                else Path(root, rel) if is_protected(rel) or rel in tested else None)
-        if path and path.exists() and path not in out:
-            out.append(path)
-    return out
+ARTIFACT_DIRS = {".mypy_cache": "mypy-cache", ".pytype": "pytype-cache", ".pyre": "pyre-cache",
+                 "htmlcov": "coverage", ".pytest_cache": "pytest-cache", "_modules": "sphinx-modules",
+                 ".eggs": "egg", ".hypothesis": "cache"}
+ROOT_DIRS = {"build": "build", "dist": "dist"}  # only at the top: a package may well have a `build` module
+ARCHIVES = (".zip", ".whl", ".jar", ".egg", ".tar.gz", ".tgz")
 
 
-BINDS_AT_MOST = 5000  # read-only binds of single files a run gets; past that, whole folders
-
-
-def add_canaries(work, need):
-    """Append a must-pass and a must-fail test to one of the required tests' files in work, named from the
-    words of that file's tests after the solution is fixed: (must-pass id, must-fail id)."""
-    rng = random.Random(secrets.randbits(64))
-    files = sorted({t.split("::")[0] for t in need if "::" in t and t.split("::")[0].endswith(".py")})
-    home = rng.choice(files) if files else f"test_{secrets.token_hex(3)}.py"
-    text = Path(work, home).read_text() if files else ""
-    words = sorted({w for name in re.findall(r"^\s*def test_(\w+)", text, re.M)
-                    for w in name.split("_") if w})
-    taken, names = set(re.findall(r"\b(test_\w+)", text)), []
-    while len(names) < 2:
-        name = ("test_" + "_".join(rng.sample(words or ["case"], min(2, len(words) or 1)))
-                + str(rng.randrange(2, 99)))
-        if name not in taken | set(names):
-            names.append(name)
-    a = rng.randrange(10**6)
-    Path(work, home).write_text(text.rstrip("\n") + f"\n\n\ndef {names[0]}():\n    pass\n\n\n"
-                                f"def {names[1]}():\n    assert {a} == {a + 1}\n")
-    return f"{home}::{names[0]}", f"{home}::{names[1]}"
-
-
-def verify(task_dir, workdir=None, patch=None, box=None, missing=None):
-    """(reward, reason). Reward 1 only when the solution changes nothing but Python source inside the
-    packages, the oracle agrees with the gold on every recorded call, and the verifier's own report says every
-    required test passed, both canaries behaved and pytest's exit code is 1 (the must-fail canary's failure,
-    nothing else). box: how code runs (default: the task's interpreter, in bubblewrap); its timeout bounds the
-    whole verify. missing: a list that gets the required tests that did not pass (make drops those that fail
-    on the gold)."""
-    task_dir = Path(task_dir)
-    if not task_dir.is_dir():
-        raise TaskError(f"no such task folder: {task_dir}")
-    if not (task_dir / "task.json").is_file():
-        raise TaskError(f"no task.json in {task_dir}")
-    task, snap = json.loads((task_dir / "task.json").read_text()), task_dir / "repo"
-    box = box or Sandbox(python=task.get("python", sys.executable), timeout=600)
-    deadline = time.time() + box.timeout
-    oracle = json.loads((task_dir / "oracle.json").read_text()) if (task_dir / "oracle.json").is_file() \
-        else {"calls": []}
-    if oracle["calls"] and oracle.get("encoding") != ENCODING:
-        raise TaskError(f"{task_dir / 'oracle.json'} was written by another version of tasks.py (its "
-                        f"encoding {oracle.get('encoding')}, this one {ENCODING}): make the task again")
-    with scratch() as tmp:
-        if patch is not None:  # a patch is applied to its own copy of the snapshot, then read like a work dir
-            workdir = Path(tmp, "agent")
-            shutil.copytree(snap, workdir, symlinks=True)
-            p = subprocess.run(["git", "apply", "--whitespace=nowarn", str(Path(patch).resolve())],
-                               cwd=workdir, capture_output=True, text=True, timeout=60)
-            if p.returncode:
-                return 0, f"patch does not apply: {p.stderr.strip()[:200]}"
-        if not Path(workdir).is_dir():
-            raise TaskError(f"no such work dir: {workdir}")
-        try:
-            files, deleted = solution_files(snap, workdir, deadline, task.get("static_allowed"))
-        except Refused as e:
-            return 0, f"rejected: {e}"
-        work = Path(tmp, "repo")
-        shutil.copytree(snap, work, symlinks=True)
-        for rel in deleted:
-            Path(work, rel).unlink()
-        for rel, data in files.items():
-            Path(work, rel).parent.mkdir(parents=True, exist_ok=True)
-            Path(work, rel).write_bytes(data)
-        if oracle["calls"]:  # before the tests: their run may rewrite the solution's own files
-            got = oracle_run(box, work, oracle["features"], [c[:2] for c in oracle["calls"]],
-                             timeout=max(1, deadline - time.time()))
-            wrong = [k for k, c in enumerate(oracle["calls"]) if not agrees(c[2], got.get(k, "no result"))]
-            if wrong:
-                held = sum(oracle["calls"][k][3] == "held-out" for k in wrong)
-                first = got.get(wrong[0], "gave no result")  # what it returned, never what was expected
-                first = (" ".join(first.split()[:2]) if first.startswith("raises ")
-                         else first.split(";")[0][:120])
-                return 0, (f"the oracle disagrees on {len(wrong)} of {len(oracle['calls'])} calls ({held} of "
-                           f"them held-out), e.g. the solution {first}")
-        need = task["fail_to_pass"] + task["pass_to_pass"]
-        must_pass, must_fail = add_canaries(work, need)
-        files = sorted({t.split("::")[0] for t in [*need, must_pass]})  # whole files: far faster than ids
-        r = box.pytest(work, files, readonly=protected_paths(work, need),
-                       timeout=max(1, deadline - time.time()))
-    rc, outcomes, passed = r.rc, r.outcomes, r.passed
-    if outcomes is None:
-        return 0, f"runner tampered: the verifier's report is not what its plugin writes; pytest exit {rc}"
-    if r.end is None:
-        return 0, f"runner tampered or crashed: pytest's session never finished; pytest exit {rc}"
-    failed = [t for t in need if t not in passed]
-    (missing if missing is not None else []).extend(failed)
-    if failed:
-        return 0, f"{len(failed)} of {len(need)} required tests did not pass (skipped counts as failed), " \
-                  f"e.g. {failed[0]}; pytest exit {rc}"
-    if must_fail in passed or outcomes.get(must_fail, {}).get("call") != "failed" or must_pass not in passed:
-        return 0, f"runner tampered: a canary did not behave ({outcomes.get(must_fail)}, " \
-                  f"{outcomes.get(must_pass)}); pytest exit {rc}"
-    if rc != 1 or r.end != 1:
-        return 0, f"all {len(need)} required tests passed but pytest exited {rc} " \
-                  f"(1 expected: the must-fail canary alone fails)"
-    return 1, (f"all {len(task['fail_to_pass'])} fail-to-pass and {len(task['pass_to_pass'])} pass-to-pass "
-               f"tests passed, canaries intact; "
-               + (f"the oracle agrees on {len(oracle['calls'])} calls" if oracle["calls"] else "no oracle"))
-
-
-# -----------------------------------------------------------------------------
-# Make: baseline, map, pick, delete, validate, scrub, scan, write.
-
-def candidates(root, passed, calls, at_import, reach=TESTS_AT_MOST, min_lines=2):
-    """{(file, qualname): tests reaching it} for top-level functions and methods that at least min_lines of
-    code, 1 to a share `reach` of the passing tests, and nothing at import reach."""
-    limit = max(1, int(reach * len(passed)))
-    reach = {}
-    for t, keys in calls.items():
-        if t in passed:
-            for k in keys:
-                reach.setdefault(k, set()).add(t)
+def needles(task):
+    """(bytes to look for, what each means) from task.json's fingerprints and original hashes."""
     out = {}
-    for rel in source_files(root):
-        tree = ast.parse(Path(root, rel).read_bytes())
-        defs = [(n.name, n) for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-        defs += [(f"{c.name}.{n.name}", n) for c in tree.body if isinstance(c, ast.ClassDef)
-                 for n in c.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-        for q, n in defs:
-            body = code_body(n)
-            tests = reach.get((rel, q), set())
-            if body and body[-1].end_lineno - body[0].lineno + 1 >= min_lines and 1 <= len(tests) <= limit \
-                    and (rel, q) not in at_import:
-                out[(rel, q)] = tests
+    for fp in (task or {}).get("fingerprints", []):
+        for n in {fp["qualname"], fp["name"], *[p for p in fp["params"] if len(p) >= 4], *fp["literals"]}:
+            out[n.strip("'\"").encode()] = f"name {n}"
+        for s in fp["lines"]:
+            out[s.encode()] = f"deleted line {s[:60]!r}"
+    for rel, hashes in (task or {}).get("original_hashes", {}).items():
+        for h in hashes:
+            out[h.encode()] = f"hash of original {rel}"
+    return {k: v for k, v in out.items() if len(k) >= 3}
+
+
+def grep(data, needle_map):
+    return sorted({v for k, v in needle_map.items() if k in data})
+
+
+def pyc_names(data):
+    """Names a .pyc holds, read off its bytes: marshal keeps names and string constants as plain bytes, and
+    unmarshalling is never done here (marshal is not safe against data it did not write: another Python's
+    bytecode, which pyhocon's sdist ships, corrupted the host's heap)."""
+    return [m.decode() for m in re.findall(rb"[A-Za-z_][A-Za-z0-9_]{2,}", data[16:])]
+
+
+def class_strings(data):
+    """Utf8 entries of a Java .class constant pool: method names and descriptors live there."""
+    if data[:4] != b"\xca\xfe\xba\xbe":
+        return []
+    n, i, out, k = int.from_bytes(data[8:10], "big"), 10, [], 1
+    sizes = {3: 4, 4: 4, 5: 8, 6: 8, 7: 2, 8: 2, 9: 4, 10: 4, 11: 4, 12: 4, 15: 3, 16: 2, 17: 4, 18: 4,
+             19: 2, 20: 2}
+    while k < n and i < len(data):
+        tag = data[i]
+        if tag == 1:
+            size = int.from_bytes(data[i + 1:i + 3], "big")
+            out.append(data[i + 3:i + 3 + size].decode("utf-8", "replace"))
+            i += 3 + size
+        elif tag in sizes:
+            i += 1 + sizes[tag]
+            k += tag in (5, 6)  # longs and doubles take two pool slots
+        else:
+            break
+        k += 1
     return out
 
 
-def related(seed, cands, k):
-    """The seed plus up to k-1 features in the same file that share its tests: harder, coupled deletions."""
-    near = sorted((f for f in cands if f != seed and f[0] == seed[0] and cands[f] & cands[seed]),
-                  key=lambda f: (-len(cands[f] & cands[seed]), f[1]))
-    return [seed] + near[:k - 1]
+def blob_evidence(name, data, nmap):
+    """Evidence from one file's bytes, decoding the formats that hide names: class, sqlite, zip (a pyc keeps
+    its names as plain bytes)."""
+    if name.endswith(".class"):
+        data += "\n".join(class_strings(data)).encode()
+    elif data[:16] == b"SQLite format 3\x00":
+        with tempfile.NamedTemporaryFile(suffix=".db") as f:  # sqlite3 wants a path; read a copy, read-only
+            f.write(data), f.flush()
+            con = sqlite3.connect(f"file:{f.name}?mode=ro", uri=True)
+            try:  # rows may be JSON or fixed-format blobs (mypy cache.db, .coverage): look inside each value
+                for (table,) in con.execute("select name from sqlite_master where type='table'").fetchall():
+                    for row in con.execute(f'select * from "{table}"'):
+                        data += b"\n".join(v if isinstance(v, bytes) else str(v).encode() for v in row)
+            except sqlite3.Error:
+                pass  # damaged: the raw bytes are still searched
+            finally:
+                con.close()
+    elif name.endswith(ARCHIVES):
+        return archive_evidence(data, nmap)
+    return grep(data, nmap)
 
 
-def delete_features(snap, feats, mode):
-    """Splice the features out of snap in place; returns (fingerprints, entities, originals,
-    lines removed)."""
-    by_file, originals, fps, ents, removed = {}, {}, [], [], 0
-    for rel, q in feats:
-        by_file.setdefault(rel, []).append(q)
-    for rel, qs in by_file.items():
-        src = originals[rel] = Path(snap, rel).read_bytes()
-        tree = ast.parse(src)
-        edits = [(n, delete_edit(src, n, mode)) for q in qs for n in [find_def(tree, q)]]
-        new = apply_edits(src, [e for _, e in edits])
-        Path(snap, rel).write_bytes(new)
-        for q, (n, (a, b, _)) in zip(qs, edits):
-            ents.append({"file": rel, "qualname": q, "kind": "method" if "." in q else "function",
-                         "signature": signature(n), "docstring": ast.get_docstring(n),
-                         "lines": src[a:b].count(b"\n") + 1})
-            removed += ents[-1]["lines"]
-    gone = {q for _, q in feats if "." not in q}
-    for rel in source_files(snap) if mode == "remove" and gone else []:
-        # mend what would break import: __all__ entries and `from .mod import name` re-exports
-        src = Path(snap, rel).read_bytes()
-        edits = mend_edits(src, gone)
-        if edits:
-            originals.setdefault(rel, src)
-            Path(snap, rel).write_bytes(apply_edits(src, edits))
-    # a deleted line is evidence only if no Python file left behind (tests, other modules) has it too;
-    # caches and build output do not count: they are what the scan is for
-    kept = b"\n".join(Path(snap, r).read_bytes() for r in walk(snap)
-                      if r.endswith(".py") and Path(r).parts[0] not in ROOT_DIRS
-                      and not set(Path(r).parts) & set(ARTIFACT_DIRS)
-                      and not Path(r).parts[0].endswith(".egg-info"))
-    for e in ents:
-        src = originals[e["file"]]
-        n = find_def(ast.parse(src), e["qualname"])
-        a, b, _ = delete_edit(src, n, mode)
-        fps.append(fingerprint(e["file"], e["qualname"], n, src[a:b], kept))
-    return fps, ents, originals, removed
-
-
-def prompt_for(ents, f2p):
-    parts = ["This repository is missing a feature: the definitions below were deleted (stubbed to raise "
-             "NotImplementedError, or removed entirely). Re-implement them so the failing tests pass and "
-             "every other test keeps passing. Do not edit tests or test configuration.\n"]
-    for e in ents:
-        parts.append(f"- {e['file']}: {e['kind']} `{e['qualname']}`\n    {e['signature']}")
-        if e["docstring"]:
-            parts.append("    docstring: " + e["docstring"].strip().replace("\n", "\n    "))
-    parts.append("\nTests that must pass:\n" + "\n".join(f"  {t}" for t in f2p[:20])
-                 + (f"\n  ... and {len(f2p) - 20} more" if len(f2p) > 20 else ""))
-    return "\n".join(parts)
-
-
-def make_task(work, out, tid, feats, mode, stable, reach, box, source):
-    """(task, "ok") with out/tid written, or (None, why) with nothing left behind."""
-    tdir = Path(out, tid)
-    shutil.rmtree(tdir, ignore_errors=True)
+def archive_evidence(data, nmap):
+    members = []
     try:
-        task, why = build_task(work, tdir, tid, feats, mode, stable, reach, box, source)
-    except (SyntaxError, AttributeError, TypeError, ValueError) as e:
-        task, why = None, f"splice failed: {e!r}"
-    if task is None:
-        shutil.rmtree(tdir, ignore_errors=True)
-    return task, why
+        if data[:2] == b"PK":
+            with zipfile.ZipFile(io.BytesIO(data)) as z:
+                members = [(m, z.read(m)) for m in z.namelist() if not m.endswith("/")]
+        else:
+            with tarfile.open(fileobj=io.BytesIO(data)) as t:
+                members = [(m.name, t.extractfile(m).read()) for m in t.getmembers() if m.isfile()]
+    except Exception:
+        return ["unreadable archive"]
+    code = [m for m, _ in members if m.endswith((".py", ".pyc", ".class", ".pyi"))]
+    ev = sorted({e for m, d in members for e in blob_evidence(m, d, nmap)})
+    return ev + ([f"holds code: {', '.join(code[:3])}"] if code else [])
 
 
-def build_task(work, tdir, tid, feats, mode, stable, reach, box, source):
-    """Delete feats from a copy of work and validate it: the tests that reach them (reach: node ids, from the
-    trace) run with the feature deleted and again on the gold code; every other stable test's
-    outcome is known from the baseline, as the trace says it never calls the feature. In remove mode the whole
-    suite runs with the feature deleted (an import of the removed name breaks tests the trace cannot see). The
-    whole required suite runs once at the end, in the gold's verify."""
-    snap = tdir / "repo"
-    shutil.copytree(work, snap, symlinks=True)
-    fps, ents, originals, removed = delete_features(snap, feats, mode)
-    for rel in originals:
-        ast.parse(Path(snap, rel).read_bytes())
-    # SHA-1 and SHA-256 (type-checker caches key on these) and the git blob id of each original file
-    hashes = {rel: [hashlib.sha1(s).hexdigest(), hashlib.sha256(s).hexdigest(),
-                    hashlib.sha1(b"blob %d\0" % len(s) + s).hexdigest()] for rel, s in originals.items()}
-    task = {"id": tid, "source": source, "mode": mode, "fingerprints": fps, "original_hashes": hashes,
-            # what the static check finds in the original files, a re-implementation may do as well
-            "static_allowed": {rel: sorted(what for what, _ in static_findings(src))
-                               for rel, src in originals.items()}}
-    before = scan(snap, task)
-    scrub(snap, before)
-    # Validate on the scrubbed snapshot: imports, collects, breaks some tests, keeps others.
-    for pkg in packages(snap):
-        rc, log = box.run(["-c", f"import {package_name(pkg)}"], snap)
-        if rc:
-            return None, f"package no longer imports: {log.strip().splitlines()[-1:]}"
-    unrun = stable - reach  # their outcome is the baseline's
-    with scratch() as tmp:  # tests may write files: run them on a throwaway copy
-        shutil.copytree(snap, Path(tmp, "s"), symlinks=True)
-        r = box.pytest(Path(tmp, "s"), select=reach if mode == "stub" else None)
-        rc, broken, log = r.rc, r.passed | (unrun if mode == "stub" else set()), r.out
-    if rc == 124:  # a deletion can make the suite far slower (packaging: past 300 s, where it passes in 80 s)
-        return None, f"with the feature deleted the tests ran past the timeout of {box.timeout} s"
-    if rc not in (0, 1) or "during collection" in log:
-        return None, f"test collection broke (pytest exit {rc}): {first_error(log)}"
-    after = scan(snap, task)
-    if after:
-        return None, f"scan not clean after scrub: {after[0]}"
-    # The gold patch: originals written into a throwaway copy, diffed by git, kept outside the snapshot.
-    # The copy's own run keeps only tests the original passes here (scrubbing egg-info can break one).
-    with scratch() as tmp:
-        g = Path(tmp, "g")
-        shutil.copytree(snap, g, symlinks=True)
-        for rel, src in originals.items():
-            Path(g, rel).write_bytes(src)
-        (tdir / "gold.patch").write_bytes(git(g, "diff", "--binary"))
-        r, records = record_calls(g, feats, box, reach)
-        oracle, task["oracle"] = make_oracle(g, feats, records, box)
-    pkgs = packages(snap)
-    # a doctest in a file the solution may edit is never a required test: rewriting it would pass it
-    kept = {t for t in stable & (r.passed | unrun) if not editable(t.split("::")[0], pkgs)}
-    for attempt in (1, 2):
-        f2p, p2p = sorted(kept - broken), sorted(kept & broken)
-        if not f2p or not p2p:
-            return None, f"needs fail-to-pass and pass-to-pass tests, got {len(f2p)} and {len(p2p)}"
-        task.update({"prompt": prompt_for(ents, f2p), "deleted": ents, "fail_to_pass": f2p,
-                     "pass_to_pass": p2p, "python": box.python,
-                     "test_command": ["python", *PYTEST, "<fail_to_pass + pass_to_pass ids>"],
-                     "scan": {"before_scrub": before, "after_scrub": after},
-                     "difficulty": {"entities": len(ents), "tests_failed": len(f2p),
-                                    "lines_removed": removed}})
-        (tdir / "task.json").write_text(json.dumps(task, indent=1))
-        (tdir / "oracle.json").write_text(json.dumps(oracle))
-        missing = []
-        reward, why = verify(tdir, patch=tdir / "gold.patch", box=box, missing=missing)
-        if reward == 1:
-            return task, "ok"
-        # a test that passes in make's runs but not in verify's (flaky, or it needs what verify keeps
-        # read-only) cannot judge a solution: dropped, and the gold verified once more
-        if not missing or attempt == 2:
-            break
-        kept -= set(missing)
-    return None, f"gold patch scores 0: {why}"  # restoring the original must make every required test pass
+def file_kind(name):
+    if name.endswith((".pyc", ".pyo")):
+        return "pyc"
+    if name.endswith(".class"):
+        return "java-class"
+    if name == ".coverage" or name.startswith(".coverage."):
+        return "coverage"
+    # mypy's fixed-format and (sharded) SQLite caches
+    if name.endswith(".ff") or re.fullmatch(r"cache(\.\d+)?\.db", name):
+        return "mypy-cache"
+    return "archive" if name.endswith(ARCHIVES) else None
 
 
-def git_source(repo):
-    """Where the tasks come from, recorded in each task: the repository and its commit. Only refs are read (no
-    status: a hostile .git/config can run commands from it), also in a checkout another user owns."""
-    def rev_parse(*args):
-        return subprocess.run(["git", "-c", "safe.directory=*", "-C", str(repo), "rev-parse", *args],
-                              capture_output=True, text=True)
-    top = rev_parse("--show-toplevel")
-    if top.returncode:
-        raise TaskError(f"{repo} is not a git repository (tasks record the commit they come from; for an "
-                        f"unpacked sdist: git init && git add -A && git commit -m source)")
-    return {"repo": Path(top.stdout.strip()).name,
-            "commit": rev_parse("--verify", "-q", "HEAD").stdout.strip() or None}
+def git(root, *args, env=None):
+    return subprocess.run(["git", *args], cwd=root, capture_output=True, env=env).stdout
 
 
-# what earlier test runs leave in a checkout: never part of a task
-DEBRIS = (".benchmarks", ".hypothesis", ".pytest_cache", ".tox", ".nox", "htmlcov", ".coverage",
-          ".coverage.*")
+def scan_git(root, nmap, task):
+    """A served snapshot holds one commit and nothing else: history, stashes, tags, dangling objects leak."""
+    if not (Path(root) / ".git").exists() or not shutil.which("git"):
+        return []
+    ev = []
+    commits = git(root, "rev-list", "--all").split()
+    if len(commits) > 1:
+        ev.append(f"{len(commits)} commits")
+    reflog_only = set(git(root, "rev-list", "--all", "--reflog").split()) - set(commits)
+    if reflog_only:
+        ev.append(f"reflog holds {len(reflog_only)} commits no branch has")
+    for what, args in [("stash", ["stash", "list"]), ("tags", ["tag"]),
+                       ("dangling", ["fsck", "--unreachable", "--no-reflogs"])]:
+        lines = git(root, *args).splitlines()
+        if lines:
+            ev.append(f"{what}: {len(lines)}")
+    for rel, hashes in (task or {}).get("original_hashes", {}).items():
+        if subprocess.run(["git", "cat-file", "-e", hashes[2]], cwd=root,
+                          capture_output=True).returncode == 0:
+            ev.append(f"object {hashes[2][:10]} is the original {rel}")
+    blobs = git(root, "cat-file", "--batch-all-objects", "--batch")
+    ev += [f"object holds {e}" for e in grep(blobs, deleted_lines(nmap))]
+    return [{"path": ".git", "kind": "git", "evidence": "; ".join(ev)}] if ev else []
 
 
-def baseline(work, box, repo, log):
-    """The suite run twice, once traced, past test files that fail to collect: (the tests that pass both
-    times, {test: functions it calls}, the functions called at import). A suite that mostly fails is refused
-    with pytest's first error: a broken environment (a compiled extension missing) is no baseline."""
-    r1, calls, at_import = trace_tests(work, box)
-    r2 = box.pytest(work)
-    stable = r1.passed & r2.passed
-    bad = [t for t, o in (r2.outcomes or {}).items() if {"failed", "error"} & set(o.values())]
-    log(f"baseline: {len(stable)} stable passing tests, {len(r1.passed ^ r2.passed)} flaky dropped"
-        + (f", {len(bad)} failing ({first_error(r2.out)})" if bad else ""))
-    if len(bad) > len(r2.passed):
-        fix = "; make its environment with `python tasks.py env --repo DIR --venv DIR`, pass --python"
-        raise TaskError(f"the baseline is broken: {len(bad)} of {len(r2.outcomes)} tests fail and "
-                        f"{len(r2.passed)} pass in {repo} ({first_error(r2.out)})"
-                        + (fix if box.prefix == box.base else ""))
-    if not stable:
-        raise TaskError(f"no test passes twice in {repo} ({len(r1.passed)} passed in the first run, "
-                        f"{len(r2.passed)} in the second): {first_error(r2.out)}")
-    return stable, calls, at_import
+def scan(root, task=None, site_dirs=()):
+    """Findings [{path, kind, evidence}] for root; empty means clean. Artifact folders are reported whole and
+    not entered; then each file, the git store, and copies of the packages installed in site_dirs."""
+    root, nmap, findings = Path(root), needles(task), []
+
+    def add(rel, kind, ev):
+        findings.append({"path": str(rel), "kind": kind, "evidence": "; ".join(ev) if ev else "present"})
+
+    for d, dirs, files in os.walk(root):
+        rel_d = Path(d).relative_to(root)
+        for x in sorted(dirs):
+            kind = folder_kind(x, top=d == str(root))
+            if kind:  # report the whole folder once, with evidence from every file in it
+                ev = set()
+                for f in walk(Path(d, x), skip=()):
+                    ev.update(blob_evidence(f, Path(d, x, f).read_bytes()[:20_000_000], nmap))
+                add(rel_d / x, kind, sorted(ev))
+        reported = {f["path"] for f in findings}
+        dirs[:] = sorted(x for x in dirs if x != ".git" and (rel_d / x).as_posix() not in reported)
+        for f in sorted(files):
+            path = Path(d, f)
+            found = None if path.is_symlink() or not path.is_file() else file_finding(path, task, nmap)
+            if found:
+                add(rel_d / f, *found)
+    findings += scan_git(root, nmap, task)
+    for p in installed_copies(root, site_dirs):
+        add(p, "site-packages", ["installed copy"])
+    return findings
 
 
-def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reach=None, jobs=1,
-         stats=None, min_lines=2):
-    """Up to n validated, scan-clean tasks from repo into out/; returns the task dicts. box: how the
-    repository's tests run (default: this interpreter, in bubblewrap, 300 s a run); reach: the largest share
-    of the suite a feature may be reached by (default: REACH_STEPS); jobs: tries run side by side; stats: a
-    dict that gets the suite's size, the candidates, the tries and the test executions."""
-    stats = {} if stats is None else stats
-    repo, out, box = Path(repo), Path(out), box or Sandbox()
-    if not repo.is_dir():
-        raise TaskError(f"--repo is not a directory: {repo}")
-    if not packages(repo):
-        raise TaskError(f"no Python package (a folder with __init__.py) or single module imported by the "
-                        f"tests at the top of {repo} or {repo}/src")
-    if n < 1 or group < 1 or jobs < 1 or reach is not None and not 0 < reach <= 1:
-        raise TaskError("--n, --group and --jobs must be >= 1, --reach in (0, 1]")
-    source = git_source(repo)
-    for rel in source_files(repo):  # every module must parse: candidates and splices read them all
+def folder_kind(name, top):
+    """What an artifact folder is, or None: caches anywhere, build output at the top (a package may well have
+    a `build` module), package metadata, and a .git below the top."""
+    return (ARTIFACT_DIRS.get(name) or (ROOT_DIRS.get(name) if top else None)
+            or ("egg-info" if name.endswith((".egg-info", ".dist-info")) else None)
+            or ("git" if name == ".git" and not top else None))
+
+
+def file_finding(path, task, nmap):
+    """(kind, evidence) for one file, or None. Compiled, cached and packed files are reported by kind; text
+    only when it holds a deleted line, a copy of a deleted function under any name, or (a .pyi stub) a
+    deleted name."""
+    kind = file_kind(path.name)
+    if kind:
+        data = path.read_bytes()
+        ev = blob_evidence(path.name, data, nmap)
+        if kind == "pyc" and not ev:
+            ev = [f"names {', '.join(list(dict.fromkeys(pyc_names(data)))[:4])}"]
+        # test-data archives are fine; ones holding code or deleted names are not
+        return (kind, ev) if kind != "archive" or ev else None
+    if not task or path.stat().st_size >= 2_000_000:
+        return None
+    data, fps = path.read_bytes(), task.get("fingerprints", [])
+    names = {fp["name"] for fp in fps}
+    if path.name.endswith(".pyi") and any(re.search(rb"\b%s\b" % re.escape(n.encode()), data) for n in names):
+        return "pyi", [f"stub mentions {', '.join(sorted(names))}"]
+    ev = grep(data, deleted_lines(nmap))
+    if path.name.endswith(".py"):
+        hashes = {fp["ast_hash"]: fp["qualname"] for fp in fps}
         try:
-            ast.parse(Path(repo, rel).read_bytes())
-        except (SyntaxError, ValueError) as e:
-            why = e.msg if isinstance(e, SyntaxError) else e
-            raise TaskError(f"{repo / rel} is not Python source this interpreter can parse ({why})") from None
-    t0, executed = time.time(), box.executed
-    with scratch() as tmp:
-        work = Path(tmp, "repo")
-        # leaks and all (the scan before scrubbing reports them), test-run debris aside
-        shutil.copytree(repo, work, symlinks=True, ignore=shutil.ignore_patterns(*DEBRIS))
-        compiled = Path(box.prefix, COMPILED)  # from `env`: the package's compiled modules, put beside it
-        for pkg in packages(work) if compiled.is_dir() else []:
-            if (compiled / package_name(pkg)).is_dir() and not pkg.endswith(".py"):
-                shutil.copytree(compiled / package_name(pkg), work / pkg, dirs_exist_ok=True)
-        stable, calls, at_import = baseline(work, box, repo, log)
-        stats["tests"] = len(stable)
-        # by default a fifth of the suite, more while there are fewer than 2n candidates (a small library
-        # whose every function most tests use); a given --reach is kept as given
-        for r in [reach] if reach else REACH_STEPS:
-            cands = candidates(work, stable, calls, at_import, r, min_lines)
-            if len(cands) >= 2 * n:
-                break
-        reach, limit = r, max(1, int(r * len(stable)))
-        stats.update(limit=limit, candidates=len(cands))
-        log(f"{len(cands)} candidate features (reached by 1..{limit} tests, not run at import): "
-            + ", ".join(sorted(q for _, q in cands)))
-        if not cands:
-            raise TaskError(f"no candidate feature in {repo}: each function is reached by no passing test, "
-                            f"by more than {limit} (--reach {reach} of {len(stable)}), or runs at import")
-        order = sorted(cands)
-        random.Random(seed).shuffle(order)
-        groups, taken = [], set()  # disjoint groups of features, tried in this order
-        for f in order:
-            feats = related(f, cands, group)
-            if not taken & set(feats):
-                groups.append(feats)
-                taken |= set(feats)
-        groups = groups[:3 * n]  # a repository that keeps failing is not worth hours
-
-        def attempt(i, feats):
-            tid = f"{repo.resolve().name}-{i:03d}-" + hashlib.sha1(repr(feats).encode()).hexdigest()[:8]
-            reaching = set().union(*(cands[f] for f in feats))
-            return tid, make_task(work, out, tid, feats, mode, stable, reaching, box, source)
-        tasks, tried, reasons = [], 0, []
-        with stoppable(jobs) as pool:
-            todo = iter(enumerate(groups))
-            running = collections.deque((feats, pool.submit(attempt, i, feats))
-                                        for i, feats in itertools.islice(todo, jobs))
-            while running:  # results are taken in order: the tasks do not depend on --jobs
-                feats, fut = running.popleft()
-                tid, (task, why) = fut.result()
-                if len(tasks) >= n:  # a try started beside the last one needed
-                    shutil.rmtree(out / tid, ignore_errors=True)
-                    continue
-                tried += 1
-                o = task["oracle"] if task else {}
-                log(f"  {tid}: {', '.join(q for _, q in feats)} -> {why}"
-                    + (f" (fail-to-pass {len(task['fail_to_pass'])}, leaks scrubbed "
-                       f"{len(task['scan']['before_scrub'])}, "
-                       + (f"oracle {o['traced']} traced + {o['held_out']} held-out calls)" if o["covered"]
-                          else f"no oracle, not served by default: {'; '.join(o['why'])})") if task else ""))
-                tasks += [task] if task else []
-                reasons += [] if task else [why]
-                while len(running) < jobs and len(tasks) < n:
-                    i, f = next(todo, (None, None))
-                    if f is None:
-                        break
-                    running.append((f, pool.submit(attempt, i, f)))
-    executed = stats["executed"] = box.executed - executed
-    stats.update(tried=tried, reasons=reasons)
-    log(f"made {len(tasks)} tasks of {tried} tried in {time.time() - t0:.1f}s, "
-        f"{sum(t['oracle']['covered'] for t in tasks)} with an oracle; {executed} test executions"
-        + (f", {executed / len(tasks):.0f} per task" if tasks else "")
-        + ("" if len(tasks) >= n or not reasons else f"; the most common failure: "
-           f"{collections.Counter(reasons).most_common(1)[0][0]}"))
-    return tasks
+            defs = [n for n in ast.walk(ast.parse(data))
+                    if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            ev += [f"copy of {hashes[h]}" for n in defs for h in [ast_hash(n)] if h in hashes]
+        except (SyntaxError, ValueError):
+            pass
+    return ("text", ev) if ev else None
 
 
-def served(out, unrecorded=False):
-    """The task folders in out that RL is served: those whose oracle covers every deleted feature (with
-    unrecorded=True, also those judged by their tests alone)."""
-    return [d for d in sorted(Path(out).iterdir()) if (d / "task.json").is_file()
-            and (unrecorded or json.loads((d / "task.json").read_text()).get("oracle", {}).get("covered"))]
+def deleted_lines(nmap):
+    return {k: v for k, v in nmap.items() if v.startswith("deleted line")}
 
 
-# -----------------------------------------------------------------------------
-# Survey: make tasks from packages nobody here chose, as a user would. For each package spec: its sdist from
-# the package index, unpacked into a git repository, `env`, `make --n N`, then verify of each task's gold
-# patch (1 expected) and of its untouched snapshot (0 expected); one row per package, with the one-line reason
-# of whatever failed. SURVEY_PACKAGES is the list `survey --draw K --seed S` draws from.
-
-# 248 popular pure-Python projects (in the index's top 10,000 by downloads) whose newest sdist ships a tests/
-# or test/ folder of at least 5 test files, needs no compiler and admits Python 3.11, each at that release;
-# projects whose tests need the network, a database server or a heavy stack (numpy, Django) left out
-SURVEY_PACKAGES = tuple("""
-aiofiles==25.1.0 aiostream==0.8.1 aniso8601==10.0.1 anyio==4.16.0 anytree==2.13.0 argh==0.31.3
-Arpeggio==2.0.3 arrow==1.4.0 asgiref==3.13.0 astral==3.2 astroid==4.3.4 asttokens==3.0.2
-async-lru==2.4.0 attrs==26.1.0 babel==2.19.0 bandit==1.9.4 beautifulsoup4==4.15.0
-better-exceptions==0.3.3 bibtexparser==2.1.0 bigtree==1.5.3 bitmath==2.1.1 bleach==6.4.0 blessed==1.52.0
-boltons==26.2.0 bottle==0.13.4 cachetools==8.0.2 cattrs==26.2.1 Chameleon==4.6.0 cheroot==11.1.2
-click==8.5.1 click-repl==0.4.1 clize==5.0.2 cloup==4.0.0 cmd2==4.3.1 colorama==0.4.6 colorlog==6.12.0
-commentjson==0.9.0 confuse==2.3.0 construct==2.10.70 convertdate==2.5.1 cron-descriptor==2.2.1
-croniter==7.0.0 cssutils==2.15.0 DataProperty==1.1.1 dateparser==1.5.0 deepmerge==4.0.0 dill==0.4.1
-dirty-equals==0.11 docstring-parser==0.18.0 docstring-to-markdown==0.17 docutils==0.23 doit==0.37.0
-dominate==2.9.1 dpath==2.2.0 elementpath==5.1.4 emoji==2.16.0 exceptiongroup==1.3.2 factory-boy==3.3.3
-Faker==40.63.0 fasteners==0.20 fastjsonschema==2.22.3 feedgen==1.0.0 filelock==4.3.1 fixtures==4.3.2
-Flask==3.1.3 flask-cors==6.0.5 Flask-WTF==1.3.0 freezegun==1.5.5 ftfy==6.3.1 funcy==2.1 gast==0.7.0
-geojson==3.3.0 glom==25.12.0 graphviz==0.21 gunicorn==27.0.1 h11==0.16.0 h2==4.4.1 haversine==2.9.0
-hjson==3.1.0 hpack==4.2.0 html5lib==1.1 httpcore==1.0.9 humanize==4.17.0 Hypercorn==0.18.0
-hyperlink==21.0.0 icalendar==7.3.2 idna==3.20 importlib-metadata==10.2.0 importlib-resources==7.1.0
-inflect==7.6.0 iniparse==0.5.3 inline-snapshot==0.36.1 installer==1.1.0 intervaltree==3.2.1
-isodate==0.7.2 itsdangerous==2.2.0 jedi==0.20.1 Jinja2==3.1.6 jmespath==1.1.0 jsonpath-ng==1.16.0
-jsonpath-python==1.1.6 jsonpickle==4.1.4 jsonschema==4.26.0 jupyter-core==5.9.1 langcodes==3.5.1
-lark==1.3.1 Mako==1.4.3 mando==0.8.2 Markdown==3.11.3 markdown-it-py==4.3.0 marko==2.2.4
-marshmallow==4.4.0 memory-profiler==0.61.0 mimesis==22.2.0 mistletoe==1.6.0 mistune==3.4.0 mpmath==1.4.1
-multipart==2.0.1 mutagen==1.48.1 nameparser==2.6.0 natsort==8.4.0 nbformat==5.11.1 netaddr==1.3.0
-nose2==0.16.0 num2words==0.5.14 oauthlib==4.0.1 overrides==7.7.0 packaging==26.4 parse==1.22.4
-parse-type==0.6.6 parsel==1.12.1 parso==0.8.7 passlib==1.7.4 Paste==3.10.1 PasteDeploy==3.1.0
-pathspec==1.1.1 pathvalidate==3.3.1 petl==1.7.30 pexpect==4.9.0 pkginfo==2.0 platformdirs==4.14.9
-plumbum==2.0.2 portion==2.6.3 prettytable==3.18.0 progressbar2==4.6.0 prompt_toolkit==3.0.53
-ptyprocess==0.7.0 pyasn1==0.6.5 pyasn1-modules==0.4.2 pycodestyle==2.15.0 pycparser==3.12 pydash==8.1.0
-pydot==4.0.1 pyelftools==0.33 pyexcel-io==0.6.8 pyfakefs==6.3.2 pyflakes==4.1.0 pygal==3.1.3
-Pygments==2.21.0 PyHamcrest==2.1.0 pyhocon==0.3.63 PyJWT==2.15.1 pykakasi==2.3.0
-pymdown-extensions==13.1.2 PyMeeus==0.5.12 Pympler==1.1 pyparsing==3.3.3 pyperf==2.11.0 pypinyin==0.55.0
-pyramid==2.1 pyrepl==0.11.5 pyserial==3.5 PySnooper==1.2.3 pystache==0.6.8 pytablewriter==1.2.1
-pyte==0.8.2 pytest-asyncio==1.5.0 pytest-benchmark==5.3.1 pytest_httpserver==1.2.1
-python-barcode==0.16.1 python-crontab==3.4.0 python-daemon==3.1.2 python-dateutil==4.0.0
-python-dotenv==1.2.4 python-slugify==9.2.0 python-statemachine==3.2.2 python-stdnum==2.2 pyxdg==0.28
-qrcode==8.2 radon==6.0.1 rarfile==4.5 referencing==0.37.0 requests-mock==1.12.1 responses==0.26.3
-rfc3986==2.0.0 rich-click==1.9.9 Routes==2.5.1 segno==1.6.6 semantic-version==2.10.0 semver==3.1.2
-Send2Trash==2.2.0 simple-parsing==0.1.9 simpleeval==1.0.8 soupsieve==4.1.3 sqids==0.5.2
-sqlitedict==2.1.0 sqlparse==0.6.1 structlog==26.1.0 svgwrite==1.1.9 syrupy==7.0.2 tabulate==0.10.0
-tblib==3.2.2 tenacity==9.2.1 testfixtures==12.4.0 testtools==2.9.1 tinydb==4.9.0 tomlkit==0.15.2
-toolz==1.2.0 towncrier==26.9.0 traitlets==5.16.1 transitions==0.9.3 Twiggy==0.5.1
-typed-argument-parser==1.12.0 typeguard==4.6.1 typepy==2.0.0 typer==0.29.2 uncertainties==3.2.3
-url-normalize==3.1.0 validators==0.36.0 varname==1.0.0 vulture==2.16 w3lib==2.5.0 waitress==3.0.2
-wcmatch==12.0.3 WebOb==1.8.11 websocket-client==1.9.2 WebTest==3.0.7 webvtt-py==0.6.0 Werkzeug==3.1.9
-wheel==0.48.0 Whoosh==2.7.4 workalendar==17.0.0 wsproto==1.3.2 WTForms==3.3.2 xlwt==1.3.0
-xmlschema==4.3.2 yamllint==1.38.0 yaspin==3.5.1
-""".split())
-INDEX = "https://pypi.org/pypi"
+def installed_copies(root, site_dirs):
+    """The repository's packages as installed in the environment: a copy of the deleted code, whole."""
+    for sp in site_dirs:
+        for pkg in packages(root):
+            name = package_name(pkg)
+            for p in sorted(Path(sp).glob(f"{name}*")) if Path(sp).is_dir() else []:
+                if p.name == name or re.match(rf"{re.escape(name)}-[^/]*\.(dist|egg)-info$"
+                                              rf"|{re.escape(name)}\.py$", p.name):
+                    yield p
 
 
-def fetch_sdist(spec, dest):
-    """Download name==version's sdist from the package index into dest, checked against its SHA-256, and
-    unpack it (nothing outside dest, no links out, no special files): the unpacked folder."""
-    name, _, version = spec.partition("==")
-    if not name or not version:
-        raise TaskError(f"package spec {spec!r} is not name==version")
-    try:
-        with urllib.request.urlopen(f"{INDEX}/{name}/json", timeout=60) as r:
-            urls = json.load(r)["releases"][version]
-    except (OSError, ValueError, KeyError) as e:
-        raise TaskError(f"{spec}: the package index has no such release ({e})") from None
-    sdist = next((u for u in urls if u.get("packagetype") == "sdist"), None)
-    if sdist is None:
-        raise TaskError(f"{spec}: the release has no sdist (only wheels, which ship no tests)")
-    archive = Path(dest, sdist["filename"])
-    with urllib.request.urlopen(urllib.parse.urljoin(f"{INDEX}/{name}/json", sdist["url"]), timeout=300) as r:
-        archive.write_bytes(r.read())
-    if hashlib.sha256(archive.read_bytes()).hexdigest() != sdist["digests"]["sha256"]:
-        raise TaskError(f"{spec}: {archive.name} does not match the index's SHA-256")
-    src = Path(dest, "src")
-    if archive.name.endswith(".zip"):
-        with zipfile.ZipFile(archive) as z:
-            for m in z.infolist():
-                if not m.is_dir() and ".." not in Path(m.filename).parts and not m.filename.startswith("/"):
-                    Path(src, m.filename).parent.mkdir(parents=True, exist_ok=True)
-                    Path(src, m.filename).write_bytes(z.read(m))
-    else:
-        with tarfile.open(archive) as tf:
-            tf.extractall(src, filter="data")
-    tops = list(src.iterdir())
-    return tops[0] if len(tops) == 1 and tops[0].is_dir() else src
+def scrub(root, findings):
+    """Delete every artifact the scan found (and all bytecode), then re-create git as one fresh commit."""
+    root, pkgs = Path(root), packages(root)
+    for f in findings:
+        p = root / f["path"]
+        if (f["kind"] == "site-packages"
+                or f["kind"] == "text" and (is_protected(f["path"]) or inside(f["path"], pkgs))):
+            continue  # never touch the environment, tests or the package; such a task is simply not served
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    for d, dirs, _ in os.walk(root, topdown=False):
+        for x in dirs:
+            if x in (".git", "__pycache__"):
+                shutil.rmtree(Path(d, x))
+    fresh_git(root)
 
 
-def survey_one(spec, root, n, timeout, isolate):
-    """One package through download, env, make and verify: its row (a dict), its log in root/spec/log.txt."""
-    d = Path(root, spec.replace("==", "-"))
-    shutil.rmtree(d, ignore_errors=True)
-    d.mkdir(parents=True)
-    row = {"package": spec, "tests": None, "env_s": None, "make_s": None, "made": 0, "tried": 0, "gold": [],
-           "untouched": [], "executed": None, "why": ""}
-    with open(d / "log.txt", "w", buffering=1) as f:
-        def log(line):
-            f.write(line + "\n")
-        try:
-            repo = fetch_sdist(spec, d)
-            fresh_git(repo)
-            t0 = time.time()
-            python = make_env(repo, d / "venv", isolate, log=log)
-            row["env_s"], t0, stats = time.time() - t0, time.time(), {}
-            box = Sandbox(python, isolate, timeout)
-            made = make(repo, d / "tasks", n=n, box=box, log=log, stats=stats)
-            row.update(make_s=time.time() - t0, made=len(made), tests=stats.get("tests"),
-                       tried=stats.get("tried"), executed=stats.get("executed"))
-            for t in made:
-                tdir = d / "tasks" / t["id"]
-                for key, kw in (("gold", {"patch": tdir / "gold.patch"}),
-                                ("untouched", {"workdir": tdir / "repo"})):
-                    reward, why = verify(tdir, box=box, **kw)
-                    row[key].append(reward)
-                    log(f"verify {key} {t['id']}: reward {reward}: {why}")
-            if len(made) < n:
-                row["why"] = (collections.Counter(stats["reasons"]).most_common(1)[0][0] if stats["reasons"]
-                              else f"only {stats['candidates']} candidate features (functions reached by 1.."
-                                   f"{stats['limit']} tests, not run at import)")
-        except TaskError as e:
-            row["why"] = str(e)
-        except Exception as e:  # a row, not a crash of the whole survey: the traceback is in the log
-            log(traceback.format_exc())
-            row["why"] = f"{type(e).__name__}: {e}"
-        log(json.dumps(row))
-    return row
-
-
-def valid_tasks(row):
-    return sum(g == 1 and u == 0 for g, u in zip(row["gold"], row["untouched"]))
-
-
-def survey_line(r):
-    valid = valid_tasks(r)
-    num = (lambda x, f: "-" if x is None else f % x)
-    return (f"{r['package']:<32} {num(r['tests'], '%6d'):>6} {num(r['env_s'], '%5.0f'):>5} "
-            f"{num(r['make_s'], '%6.0f'):>6} {r['made']:>2}/{r['tried'] or 0:<2} {valid:>5} "
-            f"{''.join(map(str, r['gold'])) or '-':>4} {''.join(map(str, r['untouched'])) or '-':>4} "
-            f"{num(r['executed'], '%7d'):>7}  {r['why']}")
-
-
-def survey(specs, root, n=3, jobs=2, timeout=300, isolate=True, log=print):
-    """Every spec through survey_one, up to jobs at once; prints a row as each finishes and the table at the
-    end. Returns the rows."""
-    Path(root).mkdir(parents=True, exist_ok=True)
-    head = (f"{'package':<32} {'tests':>6} {'env s':>5} {'make s':>6} made  valid gold untc   execs  why")
-    log(head)
-    with stoppable(jobs) as pool:
-        futs = [pool.submit(survey_one, spec, root, n, timeout, isolate) for spec in specs]
-        for fut in concurrent.futures.as_completed(futs):
-            log(survey_line(fut.result()))
-    rows = [f.result() for f in futs]
-    good = sum(valid_tasks(r) >= n for r in rows)
-    log("\n" + "\n".join([head, *map(survey_line, rows)]))
-    log(f"{good} of {len(rows)} packages gave {n} valid tasks (gold 1, untouched 0)")
-    (Path(root) / "survey.json").write_text(json.dumps(rows, indent=1))
-    return rows
+def fresh_git(root):
+    # fixed author, committer and dates: the same tree gives the same commit
+    when = "2000-01-01T00:00:00+0000"
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(root), "GIT_CONFIG_NOSYSTEM": "1",
+           "GIT_CONFIG_GLOBAL": os.devnull,
+           "GIT_AUTHOR_NAME": "task", "GIT_AUTHOR_EMAIL": "task@example.com", "GIT_AUTHOR_DATE": when,
+           "GIT_COMMITTER_NAME": "task", "GIT_COMMITTER_EMAIL": "task@example.com",
+           "GIT_COMMITTER_DATE": when}
+    for args in (["init", "-q", "-b", "main"], ["add", "-A"],
+                 ["commit", "-q", "--no-gpg-sign", "-m", "snapshot"]):
+        subprocess.run(["git", *args], cwd=root, env=env, check=True, capture_output=True)
 
 
 # -----------------------------------------------------------------------------
@@ -3689,6 +2793,903 @@ class TaskPool:
 
     def load_state_dict(self, state):
         self.served.update({int(k): v for k, v in state["served"].items()})
+
+
+# -----------------------------------------------------------------------------
+# Survey: make tasks from packages nobody here chose, as a user would. For each package spec: its sdist from
+# the package index, unpacked into a git repository, `env`, `make --n N`, then verify of each task's gold
+# patch (1 expected) and of its untouched snapshot (0 expected); one row per package, with the one-line reason
+# of whatever failed. SURVEY_PACKAGES is the list `survey --draw K --seed S` draws from.
+
+# 248 popular pure-Python projects (in the index's top 10,000 by downloads) whose newest sdist ships a tests/
+# or test/ folder of at least 5 test files, needs no compiler and admits Python 3.11, each at that release;
+# projects whose tests need the network, a database server or a heavy stack (numpy, Django) left out
+SURVEY_PACKAGES = tuple("""
+aiofiles==25.1.0 aiostream==0.8.1 aniso8601==10.0.1 anyio==4.16.0 anytree==2.13.0 argh==0.31.3
+Arpeggio==2.0.3 arrow==1.4.0 asgiref==3.13.0 astral==3.2 astroid==4.3.4 asttokens==3.0.2
+async-lru==2.4.0 attrs==26.1.0 babel==2.19.0 bandit==1.9.4 beautifulsoup4==4.15.0
+better-exceptions==0.3.3 bibtexparser==2.1.0 bigtree==1.5.3 bitmath==2.1.1 bleach==6.4.0 blessed==1.52.0
+boltons==26.2.0 bottle==0.13.4 cachetools==8.0.2 cattrs==26.2.1 Chameleon==4.6.0 cheroot==11.1.2
+click==8.5.1 click-repl==0.4.1 clize==5.0.2 cloup==4.0.0 cmd2==4.3.1 colorama==0.4.6 colorlog==6.12.0
+commentjson==0.9.0 confuse==2.3.0 construct==2.10.70 convertdate==2.5.1 cron-descriptor==2.2.1
+croniter==7.0.0 cssutils==2.15.0 DataProperty==1.1.1 dateparser==1.5.0 deepmerge==4.0.0 dill==0.4.1
+dirty-equals==0.11 docstring-parser==0.18.0 docstring-to-markdown==0.17 docutils==0.23 doit==0.37.0
+dominate==2.9.1 dpath==2.2.0 elementpath==5.1.4 emoji==2.16.0 exceptiongroup==1.3.2 factory-boy==3.3.3
+Faker==40.63.0 fasteners==0.20 fastjsonschema==2.22.3 feedgen==1.0.0 filelock==4.3.1 fixtures==4.3.2
+Flask==3.1.3 flask-cors==6.0.5 Flask-WTF==1.3.0 freezegun==1.5.5 ftfy==6.3.1 funcy==2.1 gast==0.7.0
+geojson==3.3.0 glom==25.12.0 graphviz==0.21 gunicorn==27.0.1 h11==0.16.0 h2==4.4.1 haversine==2.9.0
+hjson==3.1.0 hpack==4.2.0 html5lib==1.1 httpcore==1.0.9 humanize==4.17.0 Hypercorn==0.18.0
+hyperlink==21.0.0 icalendar==7.3.2 idna==3.20 importlib-metadata==10.2.0 importlib-resources==7.1.0
+inflect==7.6.0 iniparse==0.5.3 inline-snapshot==0.36.1 installer==1.1.0 intervaltree==3.2.1
+isodate==0.7.2 itsdangerous==2.2.0 jedi==0.20.1 Jinja2==3.1.6 jmespath==1.1.0 jsonpath-ng==1.16.0
+jsonpath-python==1.1.6 jsonpickle==4.1.4 jsonschema==4.26.0 jupyter-core==5.9.1 langcodes==3.5.1
+lark==1.3.1 Mako==1.4.3 mando==0.8.2 Markdown==3.11.3 markdown-it-py==4.3.0 marko==2.2.4
+marshmallow==4.4.0 memory-profiler==0.61.0 mimesis==22.2.0 mistletoe==1.6.0 mistune==3.4.0 mpmath==1.4.1
+multipart==2.0.1 mutagen==1.48.1 nameparser==2.6.0 natsort==8.4.0 nbformat==5.11.1 netaddr==1.3.0
+nose2==0.16.0 num2words==0.5.14 oauthlib==4.0.1 overrides==7.7.0 packaging==26.4 parse==1.22.4
+parse-type==0.6.6 parsel==1.12.1 parso==0.8.7 passlib==1.7.4 Paste==3.10.1 PasteDeploy==3.1.0
+pathspec==1.1.1 pathvalidate==3.3.1 petl==1.7.30 pexpect==4.9.0 pkginfo==2.0 platformdirs==4.14.9
+plumbum==2.0.2 portion==2.6.3 prettytable==3.18.0 progressbar2==4.6.0 prompt_toolkit==3.0.53
+ptyprocess==0.7.0 pyasn1==0.6.5 pyasn1-modules==0.4.2 pycodestyle==2.15.0 pycparser==3.12 pydash==8.1.0
+pydot==4.0.1 pyelftools==0.33 pyexcel-io==0.6.8 pyfakefs==6.3.2 pyflakes==4.1.0 pygal==3.1.3
+Pygments==2.21.0 PyHamcrest==2.1.0 pyhocon==0.3.63 PyJWT==2.15.1 pykakasi==2.3.0
+pymdown-extensions==13.1.2 PyMeeus==0.5.12 Pympler==1.1 pyparsing==3.3.3 pyperf==2.11.0 pypinyin==0.55.0
+pyramid==2.1 pyrepl==0.11.5 pyserial==3.5 PySnooper==1.2.3 pystache==0.6.8 pytablewriter==1.2.1
+pyte==0.8.2 pytest-asyncio==1.5.0 pytest-benchmark==5.3.1 pytest_httpserver==1.2.1
+python-barcode==0.16.1 python-crontab==3.4.0 python-daemon==3.1.2 python-dateutil==4.0.0
+python-dotenv==1.2.4 python-slugify==9.2.0 python-statemachine==3.2.2 python-stdnum==2.2 pyxdg==0.28
+qrcode==8.2 radon==6.0.1 rarfile==4.5 referencing==0.37.0 requests-mock==1.12.1 responses==0.26.3
+rfc3986==2.0.0 rich-click==1.9.9 Routes==2.5.1 segno==1.6.6 semantic-version==2.10.0 semver==3.1.2
+Send2Trash==2.2.0 simple-parsing==0.1.9 simpleeval==1.0.8 soupsieve==4.1.3 sqids==0.5.2
+sqlitedict==2.1.0 sqlparse==0.6.1 structlog==26.1.0 svgwrite==1.1.9 syrupy==7.0.2 tabulate==0.10.0
+tblib==3.2.2 tenacity==9.2.1 testfixtures==12.4.0 testtools==2.9.1 tinydb==4.9.0 tomlkit==0.15.2
+toolz==1.2.0 towncrier==26.9.0 traitlets==5.16.1 transitions==0.9.3 Twiggy==0.5.1
+typed-argument-parser==1.12.0 typeguard==4.6.1 typepy==2.0.0 typer==0.29.2 uncertainties==3.2.3
+url-normalize==3.1.0 validators==0.36.0 varname==1.0.0 vulture==2.16 w3lib==2.5.0 waitress==3.0.2
+wcmatch==12.0.3 WebOb==1.8.11 websocket-client==1.9.2 WebTest==3.0.7 webvtt-py==0.6.0 Werkzeug==3.1.9
+wheel==0.48.0 Whoosh==2.7.4 workalendar==17.0.0 wsproto==1.3.2 WTForms==3.3.2 xlwt==1.3.0
+xmlschema==4.3.2 yamllint==1.38.0 yaspin==3.5.1
+""".split())
+INDEX = "https://pypi.org/pypi"
+
+
+def fetch_sdist(spec, dest):
+    """Download name==version's sdist from the package index into dest, checked against its SHA-256, and
+    unpack it (nothing outside dest, no links out, no special files): the unpacked folder."""
+    name, _, version = spec.partition("==")
+    if not name or not version:
+        raise TaskError(f"package spec {spec!r} is not name==version")
+    try:
+        with urllib.request.urlopen(f"{INDEX}/{name}/json", timeout=60) as r:
+            urls = json.load(r)["releases"][version]
+    except (OSError, ValueError, KeyError) as e:
+        raise TaskError(f"{spec}: the package index has no such release ({e})") from None
+    sdist = next((u for u in urls if u.get("packagetype") == "sdist"), None)
+    if sdist is None:
+        raise TaskError(f"{spec}: the release has no sdist (only wheels, which ship no tests)")
+    archive = Path(dest, sdist["filename"])
+    with urllib.request.urlopen(urllib.parse.urljoin(f"{INDEX}/{name}/json", sdist["url"]), timeout=300) as r:
+        archive.write_bytes(r.read())
+    if hashlib.sha256(archive.read_bytes()).hexdigest() != sdist["digests"]["sha256"]:
+        raise TaskError(f"{spec}: {archive.name} does not match the index's SHA-256")
+    src = Path(dest, "src")
+    if archive.name.endswith(".zip"):
+        with zipfile.ZipFile(archive) as z:
+            for m in z.infolist():
+                if not m.is_dir() and ".." not in Path(m.filename).parts and not m.filename.startswith("/"):
+                    Path(src, m.filename).parent.mkdir(parents=True, exist_ok=True)
+                    Path(src, m.filename).write_bytes(z.read(m))
+    else:
+        with tarfile.open(archive) as tf:
+            tf.extractall(src, filter="data")
+    tops = list(src.iterdir())
+    return tops[0] if len(tops) == 1 and tops[0].is_dir() else src
+
+
+def survey_one(spec, root, n, timeout, isolate):
+    """One package through download, env, make and verify: its row (a dict), its log in root/spec/log.txt."""
+    d = Path(root, spec.replace("==", "-"))
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    row = {"package": spec, "tests": None, "env_s": None, "make_s": None, "made": 0, "tried": 0, "gold": [],
+           "untouched": [], "executed": None, "why": ""}
+    with open(d / "log.txt", "w", buffering=1) as f:
+        def log(line):
+            f.write(line + "\n")
+        try:
+            repo = fetch_sdist(spec, d)
+            fresh_git(repo)
+            t0 = time.time()
+            python = make_env(repo, d / "venv", isolate, log=log)
+            row["env_s"], t0, stats = time.time() - t0, time.time(), {}
+            box = Sandbox(python, isolate, timeout)
+            made = make(repo, d / "tasks", n=n, box=box, log=log, stats=stats)
+            row.update(make_s=time.time() - t0, made=len(made), tests=stats.get("tests"),
+                       tried=stats.get("tried"), executed=stats.get("executed"))
+            for t in made:
+                tdir = d / "tasks" / t["id"]
+                for key, kw in (("gold", {"patch": tdir / "gold.patch"}),
+                                ("untouched", {"workdir": tdir / "repo"})):
+                    reward, why = verify(tdir, box=box, **kw)
+                    row[key].append(reward)
+                    log(f"verify {key} {t['id']}: reward {reward}: {why}")
+            if len(made) < n:
+                row["why"] = (collections.Counter(stats["reasons"]).most_common(1)[0][0] if stats["reasons"]
+                              else f"only {stats['candidates']} candidate features (functions reached by 1.."
+                                   f"{stats['limit']} tests, not run at import)")
+        except TaskError as e:
+            row["why"] = str(e)
+        except Exception as e:  # a row, not a crash of the whole survey: the traceback is in the log
+            log(traceback.format_exc())
+            row["why"] = f"{type(e).__name__}: {e}"
+        log(json.dumps(row))
+    return row
+
+
+def valid_tasks(row):
+    return sum(g == 1 and u == 0 for g, u in zip(row["gold"], row["untouched"]))
+
+
+def survey_line(r):
+    valid = valid_tasks(r)
+    num = (lambda x, f: "-" if x is None else f % x)
+    return (f"{r['package']:<32} {num(r['tests'], '%6d'):>6} {num(r['env_s'], '%5.0f'):>5} "
+            f"{num(r['make_s'], '%6.0f'):>6} {r['made']:>2}/{r['tried'] or 0:<2} {valid:>5} "
+            f"{''.join(map(str, r['gold'])) or '-':>4} {''.join(map(str, r['untouched'])) or '-':>4} "
+            f"{num(r['executed'], '%7d'):>7}  {r['why']}")
+
+
+def survey(specs, root, n=3, jobs=2, timeout=300, isolate=True, log=print):
+    """Every spec through survey_one, up to jobs at once; prints a row as each finishes and the table at the
+    end. Returns the rows."""
+    Path(root).mkdir(parents=True, exist_ok=True)
+    head = (f"{'package':<32} {'tests':>6} {'env s':>5} {'make s':>6} made  valid gold untc   execs  why")
+    log(head)
+    with stoppable(jobs) as pool:
+        futs = [pool.submit(survey_one, spec, root, n, timeout, isolate) for spec in specs]
+        for fut in concurrent.futures.as_completed(futs):
+            log(survey_line(fut.result()))
+    rows = [f.result() for f in futs]
+    good = sum(valid_tasks(r) >= n for r in rows)
+    log("\n" + "\n".join([head, *map(survey_line, rows)]))
+    log(f"{good} of {len(rows)} packages gave {n} valid tasks (gold 1, untouched 0)")
+    (Path(root) / "survey.json").write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+# -----------------------------------------------------------------------------
+# Sandbox: every run of a repository's tests or an agent's solution goes through here. Inside bubblewrap
+# (github.com/containers/bubblewrap, the sandbox Flatpak is built on) a run is an unprivileged user (nobody,
+# when the host runs as root) that sees the system folders, the few files of /etc an interpreter needs and its
+# interpreter read-only, and nothing else of the host: no network, not the task's files, not the source
+# repository, not the other tasks. Its work folder is a tmpfs of bounded size that a trusted launcher fills
+# from a read-only view of the host's copy before the run starts (the tests and their configuration stay
+# read-only mounts); /tmp and /dev/shm are bounded tmpfs too, and the rest of the file system is read-only,
+# so nothing it writes reaches the host's disk but the descriptors it is handed, whose files RLIMIT_FSIZE
+# bounds. A pids cgroup (RLIMIT_NPROC when not root) caps its processes, RLIMIT_AS its memory, and a timeout
+# kills all of it. Temporary folders and cgroups are named after the process that made them, and the next
+# start removes those whose process is gone (a verify killed with SIGKILL cleans up nothing itself). Without
+# bubblewrap (--no-sandbox) a run gets only a scrubbed environment, its own folder and the same limits on
+# time and memory.
+
+# no .pytest_cache (it names tests); a test file that fails to collect costs its own tests, not the run's
+PYTEST = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--continue-on-collection-errors"]
+# what a sandboxed run sees of the host; with the network (installs), all of /etc
+SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64")
+ETC = ("passwd", "group", "hosts", "nsswitch.conf", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime",
+       "mime.types", "alternatives", "ssl", "ca-certificates")
+NOBODY = 65534  # the uid and gid a run has when the host is root
+READ_AT_MOST = 64 << 20  # bytes the host reads of what a run wrote to a descriptor it was handed
+# sys.pycache_prefix: a folder that is not there, on a read-only mount
+NO_BYTECODE = "/usr/.featdel-no-bytecode"
+PLUGIN_OPTIONS = {"--cov": "pytest-cov", "-n": "pytest-xdist", "--numprocesses": "pytest-xdist",
+                  "--dist": "pytest-xdist", "--timeout": "pytest-timeout", "--asyncio-mode": "pytest-asyncio",
+                  "--benchmark": "pytest-benchmark", "--reruns": "pytest-rerunfailures",
+                  "--doctest-plus": "pytest-doctestplus", "--mypy": "pytest-mypy",
+                  "--hypothesis": "hypothesis", "--randomly": "pytest-randomly", "--flake8": "pytest-flake8"}
+# Before the sandbox: join the run's pids cgroup, cap the address space, file size and processes, then become
+# the command (bubblewrap, or the interpreter unisolated). Arguments: cgroup or "", bytes, bytes, count or 0.
+LIMITS = """import os, resource, sys
+cg, memory, disk, nproc = sys.argv[1:5]
+if cg:
+    with open(os.path.join(cg, "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
+resource.setrlimit(resource.RLIMIT_AS, (int(memory), int(memory)))
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(disk), int(disk)))
+if int(nproc):
+    resource.setrlimit(resource.RLIMIT_NPROC, (int(nproc), int(nproc)))
+os.execvp(sys.argv[5], sys.argv[5:])
+"""
+# The launcher, run with -I -S before anything of the repository: fills the tmpfs work folder from the
+# read-only view (skipping the read-only mounts already in place), then becomes the real command.
+FILL = f"""import os, shutil, sys
+src, dst = sys.argv[1:3]
+for d, dirs, files in os.walk(src):
+    to = os.path.normpath(os.path.join(dst, os.path.relpath(d, src)))
+    if d != src and os.path.ismount(to):
+        dirs[:] = []
+        continue
+    os.makedirs(to, exist_ok=True)
+    for f in files + [x for x in dirs if os.path.islink(os.path.join(d, x))]:
+        if not os.path.lexists(os.path.join(to, f)):
+            shutil.copy2(os.path.join(d, f), os.path.join(to, f), follow_symlinks=False)
+if os.getuid() == 0:  # the host is root: hand the work folder to nobody, then become nobody for good
+    for d, dirs, files in os.walk(dst):
+        dirs[:] = [x for x in dirs if not os.path.ismount(os.path.join(d, x))]
+        for x in [d, *(os.path.join(d, f) for f in files)]:
+            try:
+                os.chown(x, {NOBODY}, {NOBODY}, follow_symlinks=False)
+            except OSError:  # a read-only mount
+                pass
+    os.setgroups([])
+    os.setgid({NOBODY})
+    os.setuid({NOBODY})
+os.execv(sys.argv[3], sys.argv[3:])
+"""
+
+
+def clean_env(root, home, extra=()):
+    # Nothing inherited but PATH: no PYTHON* variables, no user site, HOME in a throwaway folder. With the
+    # current interpreter the host's pytest plugins stay out (the verifier, not the environment, decides what
+    # runs); a venv made by `tasks.py env` holds only the repository's own, and they load.
+    paths = os.pathsep.join([str(root), *([str(Path(root, "src"))] if Path(root, "src").is_dir() else []),
+                             *extra])
+    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "PYTHONPATH": paths,
+            "PYTHONDONTWRITEBYTECODE": "1", "PYTHONNOUSERSITE": "1", "PYTHONHASHSEED": "0", "LANG": "C.UTF-8",
+            "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+
+
+def scratch():
+    """A temporary folder named after this process (the next start removes it if this process dies first),
+    readable by the sandbox's unprivileged user."""
+    sweep()
+    # a SIGTERM between the folder's creation and its finalizer would leave it behind: it waits until then
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        d = tempfile.TemporaryDirectory(prefix=f"featdel-{os.getpid()}-")
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    os.chmod(d.name, 0o755)
+    return d
+
+
+@functools.cache
+def sweep():
+    """Remove the temporary folders and cgroups of earlier runs whose process is gone."""
+    def gone(name):
+        pid = name.split("-")[1]
+        return pid.isdigit() and int(pid) != os.getpid() and not Path("/proc", pid).exists()
+    for p in Path(tempfile.gettempdir()).glob("featdel-*-*"):
+        if gone(p.name):
+            shutil.rmtree(p, ignore_errors=True)
+    for cg in Path(pids_cgroup() or "/nonexistent").glob("featdel-*-*"):
+        if gone(cg.name):
+            remove_cgroup(cg)
+
+
+def remove_cgroup(cg):
+    while cg.exists():  # whatever is left of it (a fork bomb's children) goes too
+        for pid in Path(cg, "cgroup.procs").read_text().split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            cg.rmdir()
+
+
+@functools.cache
+def pids_cgroup():
+    """A cgroup folder this process may make children in, with a pids controller; None if there is none."""
+    for base in ("/sys/fs/cgroup/pids", "/sys/fs/cgroup"):
+        probe = Path(base, f"featdel-probe-{os.getpid()}-{secrets.token_hex(4)}")  # pids are reused
+        try:
+            probe.mkdir()
+            ok = Path(probe, "pids.max").exists()
+            probe.rmdir()
+            if ok:
+                return base
+        except OSError:
+            pass
+    return None
+
+
+@functools.cache
+def sandbox_problem():
+    """None when runs can be isolated here, else why not."""
+    if not shutil.which("bwrap"):
+        return "bubblewrap is not installed (apt-get install bubblewrap)"
+    ns = (["--unshare-pid", "--unshare-net", "--cap-add", "CAP_SETUID"] if os.getuid() == 0
+          else ["--unshare-all"])
+    p = subprocess.run(["bwrap", *ns, "--ro-bind", "/", "/", "true"], capture_output=True, text=True)
+    if p.returncode:
+        return ("bubblewrap cannot run here: "
+                f"{(p.stderr.strip().splitlines() or ['exit ' + str(p.returncode)])[-1]}")
+    if os.getuid() == 0 and not pids_cgroup():
+        return "running as root with no writable pids cgroup, so the number of processes cannot be limited"
+    return None
+
+
+@functools.cache
+def prefixes(python):
+    """(sys.prefix, sys.base_prefix) of an interpreter: a venv's folder and the Python it was made from."""
+    probe = "import sys, json; print(json.dumps([sys.prefix, sys.base_prefix]))"
+    try:
+        p = subprocess.run([python, "-I", "-c", probe], capture_output=True, text=True, timeout=60)
+        return tuple(json.loads(p.stdout))
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        raise TaskError(f"--python {python} is not a Python interpreter")
+
+
+@dataclass
+class Sandbox:
+    """How untrusted code runs: which interpreter, isolated or not, for how long, with how much."""
+    # runs the repository's tests: a venv from `tasks.py env`, or this interpreter
+    python: str = sys.executable
+    isolate: bool = True  # bubblewrap; False is --no-sandbox
+    timeout: int = 300  # seconds per run
+    processes: int = 512  # processes and threads at once
+    memory: int = 8 << 30  # bytes of address space per process
+    disk: int = 512 << 20  # bytes in each of the work folder, /tmp and /dev/shm, and in any one file written
+    executed: int = 0  # tests run so far, setup to teardown: what make's cost is counted in
+
+    def __post_init__(self):
+        # a relative path means the caller's folder, and runs start elsewhere (a venv's link stays a link)
+        self.python = os.path.abspath(self.python) if os.sep in self.python else self.python
+        self.prefix, self.base = prefixes(self.python)
+        if self.isolate and sandbox_problem():
+            raise TaskError(f"cannot sandbox the tests: {sandbox_problem()}; "
+                            "pass --no-sandbox to run them unisolated")
+
+    def bwrap(self, root, home, path, writable, readonly, network):
+        """The bubblewrap command that runs the launcher. As root it runs without a user namespace and the
+        launcher becomes nobody itself: inside a namespace, nobody could not reach an interpreter under
+        /root."""
+        if os.getuid() == 0:
+            args = ["bwrap", "--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try",
+                    *([] if network else ["--unshare-net"]),
+                    *(a for cap in ("CAP_SETUID", "CAP_SETGID", "CAP_CHOWN") for a in ("--cap-add", cap))]
+        else:
+            args = ["bwrap", "--unshare-all", *(["--share-net"] if network else [])]
+        size, made, binds = ["--size", str(self.disk)], {Path("/proc"), Path("/dev"), Path("/tmp")}, []
+        args += ["--die-with-parent", "--new-session", "--proc", "/proc", "--dev", "/dev",
+                 "--perms", "1777", *size, "--tmpfs", "/dev/shm", "--perms", "1777", *size, "--tmpfs", "/tmp",
+                 "--perms", "1777", "--dir", str(home)]
+
+        def mount(op, src, dst, *extra):  # its missing parents made traversable, whatever their host modes
+            nonlocal args
+            for d in reversed(Path(dst).parents[:-1]):
+                if d not in made and not any(b == d or b in d.parents for b in binds):
+                    args += ["--perms", "0755", "--dir", str(d)]
+                    made.add(d)
+            args += [*extra, op, *([src] if src else []), str(dst)]
+            made.add(Path(dst))
+            binds.extend([Path(dst)] if "bind" in op else [])
+
+        for d in [*SYSTEM, "/etc"] if network else [*SYSTEM, *(f"/etc/{x}" for x in ETC)]:
+            if os.path.islink(d) and d in SYSTEM:
+                mount("--symlink", os.readlink(d), d)
+            elif os.path.exists(d):
+                mount("--ro-bind", d, d)
+        exe = os.path.dirname(os.path.realpath(self.python))
+        for d in sorted({self.prefix, self.base, os.path.realpath(self.base), exe, *map(str, path)}):
+            mount("--ro-bind", d, d)
+        if self.prefix != self.base:  # a venv: the base interpreter's own packages stay hidden
+            args += ["--tmpfs", str(next(Path(self.base).glob("lib/python3*/site-packages"), "/nonexistent"))]
+        mount("--ro-bind", str(root), f"{root}.view")
+        mount("--tmpfs", None, root, *size)
+        for r in readonly:
+            mount("--ro-bind", str(r), r)
+        for w in writable:
+            mount("--bind", str(w), w)
+        return [*args, "--remount-ro", "/", "--chdir", str(root), "--", os.path.realpath(self.python), "-I",
+                "-S", "-c", FILL, f"{root}.view", str(root)]
+
+    def run(self, args, root, path=(), writable=(), readonly=(), extra_env=None, pass_fds=(), network=False,
+            timeout=None):
+        """(exit code, the last MiB of its output) of `python *args` run in a copy of root; 124 on timeout,
+        all of its processes killed. path: folders put on PYTHONPATH (read-only); writable: host folders it
+        may change (an install's venv: handed to the sandbox's user for the run); readonly: paths inside root
+        it may read but not change; pass_fds: descriptors it may write results to."""
+        root, timeout = Path(root).resolve(), timeout or self.timeout
+        cg = (Path(pids_cgroup(), f"featdel-{os.getpid()}-{secrets.token_hex(4)}")
+              if self.isolate and pids_cgroup() else None)
+        nproc = None if self.isolate and cg or os.getuid() == 0 else self.processes + len(os.listdir("/proc"))
+
+        with scratch() as home, tempfile.TemporaryFile() as log:  # a file: output beyond RAM stays bounded
+            env = clean_env(root, home, [str(v) for v in path]) | (extra_env or {})
+            if self.prefix != self.base:
+                del env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"]
+            cmd = [self.python, *args]
+            if self.isolate:
+                cmd = self.bwrap(root, home, path, writable, readonly, network) + cmd
+                os.chmod(root, os.stat(root).st_mode | 0o555)  # the sandbox's user reads its view of root
+                owner(writable, NOBODY) if os.getuid() == 0 else None
+            if cg:
+                cg.mkdir()
+                Path(cg, "pids.max").write_text(str(self.processes))
+            # the limits are set by a launcher of their own, not a preexec_fn: Python code between fork and
+            # exec is not safe beside threads (make --jobs, survey), as subprocess's documentation warns
+            cmd = [sys.executable, "-I", "-S", "-c", LIMITS, str(cg or ""), str(self.memory), str(self.disk),
+                   str(nproc or 0), *cmd]
+            try:
+                with RUNS:
+                    if STOPPING.is_set():
+                        raise TaskError("stopped by a signal")
+                    p = subprocess.Popen(cmd, cwd=root, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True, pass_fds=pass_fds)
+                    LIVE.add(p)
+                try:
+                    rc = p.wait(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+                    rc = 124
+                finally:
+                    LIVE.discard(p)
+            finally:
+                if cg:
+                    remove_cgroup(cg)
+                if self.isolate and os.getuid() == 0:
+                    owner(writable, 0)
+            out = tail(log, 1 << 20)
+        return rc, out
+
+    def pytest(self, root, args=(), path=(), extra_env=None, pass_fds=(), select=None, **kw):
+        """Run pytest with the reporter plugin below; select: run only these node ids (their files are
+        collected, the rest of each file deselected: far faster than naming thousands of ids). Outcomes come
+        from the plugin's descriptor, never from what the tests print (their code can print anything)."""
+        with scratch() as plugin, tempfile.TemporaryFile() as fd:
+            Path(plugin, "_featdel_report.py").write_text(REPORTER)
+            env = {"FEATDEL_REPORT_FD": str(fd.fileno())}
+            if select is not None:
+                Path(plugin, "select.json").write_text(json.dumps(sorted(select)))
+                env["FEATDEL_SELECT"] = str(Path(plugin, "select.json"))
+                args = [*args, *sorted({t.split("::")[0] for t in select})]
+            rc, out = self.run([*PYTEST, "-p", "_featdel_report", *args], root, path=[plugin, *path],
+                               pass_fds=[fd.fileno(), *pass_fds], extra_env=env | (extra_env or {}), **kw)
+            lines = tail(fd, READ_AT_MOST).splitlines()
+        try:
+            records = [json.loads(line) for line in lines]
+            end = records[-1][2] if records and records[-1][0] == "<end>" else None
+            outcomes = {}  # node id -> the outcomes of its setup, call and teardown
+            for nodeid, when, outcome in records[:-1] if end is not None else records:
+                outcomes.setdefault(nodeid, {})[when] = outcome
+        except (ValueError, TypeError, IndexError):
+            return Report(rc, out, None, None)
+        with RUNS:
+            self.executed += len(outcomes)
+        return Report(rc, out, outcomes, end)
+
+
+RUNS = threading.RLock()  # make's tries run side by side (--jobs) and count into one Sandbox
+LIVE, STOPPING = set(), threading.Event()  # the runs under way, and whether a signal asked to stop them
+
+
+def stop(signum, frame):
+    """SIGTERM: kill every run under way and start no other, so threads waiting on runs (make --jobs, survey)
+    end at once and the process exits, its temporary folders and cgroups removed on the way out."""
+    with RUNS:
+        STOPPING.set()
+        for p in LIVE:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+    # whatever the unwinding waits on, the process is gone in 20 s (the next start sweeps what it left)
+    threading.Thread(target=lambda: (time.sleep(20), os._exit(143)), daemon=True).start()
+    sys.exit(143)
+
+
+@contextlib.contextmanager
+def stoppable(jobs):
+    """A thread pool whose queued work is dropped when the block is left by an exception (SIGTERM's exit):
+    only the work under way, whose runs stop() killed, is waited for."""
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        try:
+            yield pool
+        except BaseException:
+            pool.shutdown(cancel_futures=True)
+            raise
+
+
+def tail(f, limit):
+    """The last limit bytes written to an open file, as text: what a run wrote can be any size."""
+    f.seek(max(0, f.seek(0, os.SEEK_END) - limit))
+    data = f.read()
+    return data.decode("utf-8", "replace") if isinstance(data, bytes) else data
+
+
+def owner(folders, uid):
+    """Hand folders (an install's venv) to uid, every file in them."""
+    for top in folders:
+        for d, dirs, files in os.walk(top):
+            for x in [d, *(os.path.join(d, f) for f in dirs + files)]:
+                os.chown(x, uid, uid, follow_symlinks=False)
+
+
+class Report(NamedTuple):
+    rc: int  # pytest's exit code
+    out: str  # what it printed: for error messages only
+    # {node id: {"setup"|"call"|"teardown": outcome}}; None: not what the plugin writes
+    outcomes: Optional[dict]
+    end: Optional[int]  # the exit status the session finished with; None: it never finished
+
+    @property
+    def passed(self):
+        return {t for t, o in (self.outcomes or {}).items()
+                if o.get("call") == "passed" and set(o.values()) == {"passed"}}
+
+
+# A test's outcome is written by the reporter plugin, loaded with -p before collection imports any code of the
+# repository, to a descriptor the caller opened; a closing record follows. The plugin also turns bytecode off
+# for everything imported after it, so a planted .pyc is never loaded (pytest and the standard library, loaded
+# before it from read-only folders, keep theirs: the whole run under PYTHONPYCACHEPREFIX took 1.3x as long).
+# In verify, code that forges what pytest prints or patches the runner is caught by the canaries (further
+# down), not by this report alone.
+class Reporter:
+    """The reporting plugin. It runs inside the repository's pytest, not here: Sandbox.pytest writes REPORTER,
+    this class's source after a line that turns bytecode off, into the module it loads with -p. fd: the
+    descriptor the outcomes go to (None in pytest-xdist's workers, whose controller reports); select: a JSON
+    file of the node ids to run (make's runs; verify runs whole files)."""
+
+    def __init__(self, fd, select):
+        self.out = os.fdopen(int(fd), "w", buffering=1) if fd else None
+        self.select = set(json.loads(open(select).read())) if select else None
+
+    def pytest_collection_modifyitems(self, config, items):
+        if self.select is not None:
+            items[:] = [item for item in items if item.nodeid in self.select]
+
+    def pytest_runtest_logreport(self, report):
+        if self.out:
+            self.out.write(json.dumps([report.nodeid, report.when, report.outcome]) + "\n")
+
+    def pytest_sessionfinish(self, session, exitstatus):
+        if self.out:
+            self.out.write(json.dumps(["<end>", "", int(exitstatus)]) + "\n")
+
+
+REPORTER = f"""import json, os, sys
+sys.pycache_prefix = {NO_BYTECODE!r}  # from here on (conftests, tests, the solution) no bytecode is used
+{inspect.getsource(Reporter)}
+# popped: the tests never see which descriptor
+_reporter = Reporter(os.environ.pop("FEATDEL_REPORT_FD", None), os.environ.pop("FEATDEL_SELECT", None))
+pytest_collection_modifyitems = _reporter.pytest_collection_modifyitems
+pytest_runtest_logreport = _reporter.pytest_runtest_logreport
+pytest_sessionfinish = _reporter.pytest_sessionfinish
+"""
+
+
+# -----------------------------------------------------------------------------
+# Environment: a virtual environment per repository, holding its dependencies and the test requirements it
+# declares, so its pytest configuration runs as its authors meant (plugins, coverage options, doctests). The
+# repository's own code is removed from the venv after install (its metadata stays): the tests import the work
+# folder's copy, and an installed copy of deleted code would be a leak.
+
+TEST_EXTRAS = ("test", "tests", "testing", "dev")
+# ini keys of a pytest configuration that only a plugin understands
+INI_PLUGINS = {"asyncio_mode": "pytest-asyncio", "asyncio_default_fixture_loop_scope": "pytest-asyncio",
+               "timeout": "pytest-timeout", "env": "pytest-env", "mock_use_standalone_module": "pytest-mock",
+               "doctest_plus": "pytest-doctestplus", "xdist_auto_num_workers": "pytest-xdist"}
+# a test's import -> the distribution that provides it, where the two names differ
+DISTRIBUTIONS = {"yaml": "pyyaml", "dateutil": "python-dateutil", "PIL": "pillow", "attr": "attrs",
+                 "bs4": "beautifulsoup4", "jwt": "pyjwt", "pytest_mock": "pytest-mock", "dns": "dnspython",
+                 "pytest_asyncio": "pytest-asyncio", "pytest_benchmark": "pytest-benchmark", "Crypto":
+                 "pycryptodome", "OpenSSL": "pyopenssl", "google": "protobuf", "pkg_resources": "setuptools",
+                 "typing_extensions": "typing-extensions", "sklearn": "scikit-learn", "serial": "pyserial",
+                 "magic": "python-magic", "docutils": "docutils", "markdown": "markdown"}
+SELF_REQUIREMENT = re.compile(r"\s*(-e\s+|--editable[=\s]\s*)?\.(/)?(\[[^\]]*\])?\s*(#.*)?")  # ., -e .[dev]
+COMPILED = "featdel-compiled"  # in a venv from `env`: the package's compiled modules, kept for its tests
+
+
+def plugin_for(option):
+    """The pytest plugin that provides a command-line option (--cov-report=x -> pytest-cov), or None."""
+    name = option.split("=")[0]
+    return next((v for k, v in PLUGIN_OPTIONS.items() if name == k or name.startswith(k + "-")
+                 or k == "-n" and re.fullmatch(r"-n\d+|-nauto", name)), None)
+
+
+def pytest_config(repo):
+    """{ini key: value} of the pytest configuration pytest itself would pick (pytest.ini, pyproject.toml,
+    tox.ini, setup.cfg, in that order)."""
+    repo = Path(repo)
+    for name, section in (("pytest.ini", "pytest"), ("pyproject.toml", None), ("tox.ini", "pytest"),
+                          ("setup.cfg", "tool:pytest")):
+        f = repo / name
+        if not f.is_file():
+            continue
+        if section is None:
+            with contextlib.suppress(tomllib.TOMLDecodeError, UnicodeDecodeError):
+                opts = tomllib.loads(f.read_text()).get("tool", {}).get("pytest", {}).get("ini_options")
+                if opts is not None:
+                    return opts
+            continue
+        cfg = configparser.ConfigParser(interpolation=None)
+        with contextlib.suppress(configparser.Error, UnicodeDecodeError):
+            cfg.read(f)
+            if cfg.has_section(section):
+                return dict(cfg[section])
+    return {}
+
+
+def config_plugins(repo):
+    """The plugins a repository's pytest configuration cannot run without: those its addopts' options
+    belong to, its ini keys need, and its required_plugins."""
+    cfg = pytest_config(repo)
+
+    def words(v):
+        with contextlib.suppress(ValueError):
+            return v if isinstance(v, list) else shlex.split(str(v))
+        return str(v).split()
+    need = [plugin_for(w) for w in words(cfg.get("addopts", ""))] + [INI_PLUGINS.get(k) for k in cfg]
+    need += words(cfg.get("required_plugins", ""))
+    return list(dict.fromkeys(x for x in need if x))
+
+
+def poetry_requirement(name, spec):
+    """A Poetry dependency table entry as a pip requirement (its version constraint dropped: Poetry's ^ and ~
+    are not PEP 440; the resolver picks a version the package's own metadata admits)."""
+    extras = spec.get("extras", []) if isinstance(spec, dict) else []
+    return name + (f"[{','.join(extras)}]" if extras else "")
+
+
+def test_requirements(repo):
+    """(extras, pip arguments) for the test requirements a repository declares: extras and dependency groups
+    named test/tests/testing/dev, Poetry groups and dev-dependencies, PDM dev-dependencies, hatch test
+    environments, setup.py's tests_require, requirements files, tox deps, and the plugins its pytest
+    configuration needs."""
+    repo, extras, args = Path(repo), [], []
+    pp = repo / "pyproject.toml"
+    try:
+        data = tomllib.loads(pp.read_text()) if pp.is_file() else {}
+    except tomllib.TOMLDecodeError as e:
+        raise TaskError(f"{pp} is not valid TOML: {e}")
+    extras += [k for k in data.get("project", {}).get("optional-dependencies", {})
+               if k.lower() in TEST_EXTRAS]
+    groups = data.get("dependency-groups", {})
+
+    def group(name, seen=()):  # PEP 735, with {include-group = ...}
+        for item in groups.get(name, []):
+            if isinstance(item, str):
+                yield item
+            elif isinstance(item, dict) and item.get("include-group") in groups and name not in seen:
+                yield from group(item["include-group"], (*seen, name))
+    args += [r for g in groups if g.lower() in TEST_EXTRAS for r in group(g)]
+    tool = data.get("tool", {})
+    poetry = tool.get("poetry", {})
+    tables = [poetry.get("dev-dependencies", {})] + [g.get("dependencies", {}) for k, g in poetry.get(
+        "group", {}).items() if k.lower() in TEST_EXTRAS]
+    args += [poetry_requirement(k, v) for t in tables for k, v in t.items() if k.lower() != "python"]
+    args += [r for k, v in tool.get("pdm", {}).get("dev-dependencies", {}).items() if k.lower() in TEST_EXTRAS
+             for r in v if isinstance(r, str) and not r.startswith("-")]
+    hatch = tool.get("hatch", {}).get("envs", {})
+    args += [r for e in ("default", "test", "tests") for r in hatch.get(e, {}).get("dependencies", [])
+             if "{" not in r]
+    cfg = configparser.ConfigParser(interpolation=None)
+    with contextlib.suppress(configparser.Error, UnicodeDecodeError):
+        cfg.read([repo / "setup.cfg", repo / "tox.ini"])
+    if cfg.has_section("options.extras_require"):
+        extras += [k for k in cfg["options.extras_require"] if k.lower() in TEST_EXTRAS]
+    args += [x.strip() for x in cfg.get("options", "tests_require", fallback="").splitlines() if x.strip()]
+    if (repo / "setup.py").is_file():
+        with contextlib.suppress(SyntaxError, ValueError, UnicodeDecodeError):
+            # tests_require=[...] and extras_require={"test": [...]} as literals in setup.py
+            for n in ast.walk(ast.parse((repo / "setup.py").read_bytes())):
+                for kw in n.keywords if isinstance(n, ast.Call) else []:
+                    with contextlib.suppress(ValueError):
+                        v = ast.literal_eval(kw.value)
+                        if kw.arg == "tests_require" and isinstance(v, (list, tuple)):
+                            args += [x for x in v if isinstance(x, str)]
+                        elif kw.arg == "extras_require" and isinstance(v, dict):
+                            extras += [k for k in v if isinstance(k, str) and k.lower() in TEST_EXTRAS]
+        if not extras:  # setup.py declares extras in code; pip ignores the ones it lacks
+            extras += ["test", "tests", "testing"]
+    for dep in cfg.get("testenv", "deps", fallback="").splitlines():
+        dep = dep.strip()
+        if dep.startswith("-r"):
+            args.append(f"--requirement={dep[2:].strip()}")
+        elif dep and not dep.startswith(("#", "-", ".")) and "{" not in dep \
+                and not re.match(r"[\w,!{}.-]+:\s", dep):  # `docs: sphinx`: another tox env's
+            args.append(dep.split(" #")[0].strip())
+    for pattern in ("requirements*test*.txt", "requirements-dev.txt", "requirements_dev.txt",
+                    "test*requirements.txt", "dev-requirements.txt", "requirements/test*.txt",
+                    "requirements/dev*.txt", "test*/requirements*.txt"):
+        for f in sorted(repo.glob(pattern)):
+            args.append(f"--requirement={f.relative_to(repo)}")
+    args += config_plugins(repo)
+    return sorted(set(extras)), list(dict.fromkeys(a for a in args if a.split("[")[0].lower() != "pytest"))
+
+
+def test_imports(repo):
+    """Top-level modules the test modules and conftests import unconditionally (at module level, outside
+    try); not what other scripts among the tests import (a test may run one only where it can)."""
+    names = imports(repo, lambda rel: re.fullmatch(r"test_.*\.py|.*_test\.py|conftest\.py", Path(rel).name),
+                    lambda tree: tree.body)
+    local = {part for rel in walk(repo) for part in Path(rel).with_suffix("").parts}  # helpers, conftest
+    return names - local - set(sys.stdlib_module_names) - {"__future__"}
+
+
+def pip_failure(out):
+    """The line of pip's output that says why it failed: its `ERROR: ...` line, or, after `ERROR: Exception:`
+    (pip itself crashed), the last line of the traceback."""
+    lines = [x.strip() for x in out.strip().splitlines() if x.strip()] or ["no output"]
+    if "The conflict is caused by:" in lines:  # the resolver: what conflicts with what
+        cause = itertools.takewhile(lambda x: not x.startswith(("To fix", "Additionally", "ERROR")),
+                                    lines[lines.index("The conflict is caused by:") + 1:])
+        return "conflicting requirements: " + "; ".join(itertools.islice(cause, 4))
+    err = next((x for x in reversed(lines) if x.startswith("ERROR") and x != "ERROR: Exception:"), None)
+    return err or lines[-1]
+
+
+def make_env(repo, venv, isolate=True, log=print):
+    """Create venv with this interpreter's venv module, upgrade its pip, install repo[test extras], the test
+    requirements it declares and pytest into it (network allowed, nothing writable but the venv and a copy of
+    the repo), then what its tests import and is still missing (best effort). The repository's own packages
+    are taken out again; compiled modules of theirs that have no Python twin are kept in venv/COMPILED, for
+    make to put beside the sources. Returns the venv's interpreter."""
+    repo, venv = Path(repo).resolve(), Path(venv).resolve()
+    if not repo.is_dir() or not packages(repo):
+        raise TaskError(f"--repo {repo} is not a directory with a Python package (a folder with __init__.py) "
+                        f"or a single module the tests import")
+    if venv.exists() and any(venv.iterdir()):
+        raise TaskError(f"--venv {venv} exists and is not empty")
+    t0, (extras, reqs) = time.time(), test_requirements(repo)
+    p = subprocess.run([sys.executable, "-m", "venv", str(venv)], capture_output=True, text=True)
+    if p.returncode:
+        raise TaskError(f"python -m venv {venv} failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}")
+    python = str(venv / "bin" / "python")
+    box = Sandbox(python=python, isolate=isolate, timeout=1800)
+    keep = {k: v for k, v in os.environ.items() if k.startswith("PIP_") or k.lower().endswith("_proxy")}
+    pip = ["-m", "pip", "install", "--no-input", "--disable-pip-version-check"]
+    with scratch() as tmp:
+        # the build writes into its source folder: a copy, so the repository is untouched; an sdist's copy
+        # without the git history it was given, whose missing tags would make setuptools-scm call it 0.1.dev1
+        src = Path(tmp, repo.name)
+        sdist = (repo / "PKG-INFO").is_file()
+        shutil.copytree(repo, src, symlinks=True, ignore=shutil.ignore_patterns(".git") if sdist else None)
+        for arg in reqs:  # a requirements file that installs the project itself (-e .[dev]): it is installed
+            f = src / arg.partition("=")[2] if arg.startswith("--requirement=") else None
+            if f and f.is_file() and not f.is_symlink():
+                lines = f.read_text(errors="replace").splitlines()
+                f.write_text("\n".join(x for x in lines if not SELF_REQUIREMENT.fullmatch(x)) + "\n")
+        # a fresh venv's pip can be too old to read today's package metadata
+        rc, out = box.run([*pip, "--upgrade", "pip"], src, writable=[venv], network=True, extra_env=keep)
+        target = f"{src}[{','.join(extras)}]" if extras else str(src)
+        log(f"installing {repo.name}{'[' + ','.join(extras) + ']' if extras else ''} {' '.join(reqs)} pytest")
+        rc, out = (rc, out) if rc else box.run([*pip, target, *reqs, "pytest"], src, writable=[venv],
+                                                network=True, extra_env=keep)
+        if rc:
+            raise TaskError(f"pip install failed in {venv}: {pip_failure(out)}")
+        site_dir = next(venv.glob("lib/python3*/site-packages"))
+        names = {package_name(pkg) for pkg in packages(repo)}
+        missing = sorted(m for m in test_imports(repo) - names
+                         if not (site_dir / m).exists() and not list(site_dir.glob(m + ".*")))
+        if missing:
+            dists = [DISTRIBUTIONS.get(m, m.replace("_", "-")) for m in missing]
+            log(f"the tests import {', '.join(missing)}, which nothing declares: installing "
+                + " ".join(dists))
+            for d in dists:  # one at a time: a name that is no distribution must not stop the others
+                rc, out = box.run([*pip, d], src, writable=[venv], network=True, extra_env=keep)
+                if rc:
+                    log(f"  {d}: {pip_failure(out)}")
+    kept = 0
+    for pkg in packages(repo):
+        name = package_name(pkg)
+        installed = site_dir / name
+        for f in sorted(installed.rglob("*")) if installed.is_dir() else []:
+            suffix = next((x for x in importlib.machinery.EXTENSION_SUFFIXES if f.name.endswith(x)), None)
+            if suffix and not f.with_name(f.name[:-len(suffix)] + ".py").exists():  # no mypyc twin
+                to = venv / COMPILED / name / f.relative_to(installed)
+                to.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(f, to)
+                kept += 1
+        shutil.rmtree(installed, ignore_errors=True)
+        (site_dir / (name + ".py")).unlink(missing_ok=True)
+    log(f"environment for {repo.name} ready in {time.time() - t0:.0f} s"
+        + (f", {kept} compiled modules kept for the tests" if kept else "")
+        + f"; run its tests with --python {python}")
+    return python
+
+
+# -----------------------------------------------------------------------------
+# Test -> feature map: a pytest plugin (loaded with -p) profiles every Python call into the package and
+# files it under the running test's node id; calls made before the first test are the import bucket.
+
+
+class Tracer:
+    """The tracing plugin. It runs inside the repository's pytest, not here: trace_tests writes this class's
+    source into the plugin module it loads with -p, which makes one Tracer at import (before collection
+    imports any of the package) and hands pytest its hooks. roots: the package folders; out: where the calls
+    go."""
+
+    def __init__(self, roots, out):
+        self.out, self.current, self.calls = out, "<import>", {"<import>": set()}
+        keys = {}  # code object -> (file, qualname) inside the package, or None
+
+        def profile(frame, event, arg):  # a closure, not a method: it runs on every call the tests make
+            if event != "call":
+                return
+            code = frame.f_code
+            key = keys.get(code, 0)
+            if key == 0:  # first sight of this code object: inside the package or not
+                path = os.path.realpath(code.co_filename)
+                key = keys[code] = (path, code.co_qualname) if path.startswith(roots) else None
+            if key is not None:
+                self.calls.setdefault(self.current, set()).add(key)
+
+        sys.setprofile(profile)
+        threading.setprofile(profile)
+
+    def pytest_runtest_logstart(self, nodeid, location):
+        # setup, call and teardown all count: a fixture that needs the feature breaks it
+        self.current = nodeid
+
+    def pytest_runtest_logfinish(self, nodeid, location):
+        self.current = "<between>"
+
+    def pytest_sessionfinish(self, session):
+        sys.setprofile(None)
+        with os.fdopen(int(self.out), "w") as f:
+            json.dump({k: sorted(v) for k, v in self.calls.items()}, f)
+
+
+TRACER_MODULE = f"""import json, os, sys, threading
+{inspect.getsource(Tracer)}
+_tracer = Tracer(tuple(os.environ.pop("FEATDEL_ROOTS").split(os.pathsep)), os.environ.pop("FEATDEL_OUT"))
+pytest_runtest_logstart = _tracer.pytest_runtest_logstart
+pytest_runtest_logfinish = _tracer.pytest_runtest_logfinish
+pytest_sessionfinish = _tracer.pytest_sessionfinish
+"""
+
+
+def trace_tests(root, box):
+    """One traced pytest run: (report, {node id: {(file, qualname)}}, the import-time set)."""
+    root = Path(root).resolve()
+    # a profiler on every call: the traced run may take TRACE_SLOWER times a plain run's timeout
+    r, raw = plugin_run(box, root, "_featdel_tracer", TRACER_MODULE, {"FEATDEL_ROOTS": package_roots(root)},
+                        timeout=TRACE_SLOWER * box.timeout)
+    rc, log = r.rc, r.out
+    if rc == 124:
+        raise TaskError(f"the traced test suite ran past {TRACE_SLOWER} x the timeout of {box.timeout} s "
+                        f"(make --timeout)")
+    if rc == 5:
+        raise TaskError("pytest collected no tests")
+    if raw is None:
+        lines = log.strip().splitlines() or ["no output"]
+        why = next((line.strip() for line in lines if "error:" in line), lines[-1].strip())
+        # e.g. addopts = --cov=pkg, no pytest-cov
+        opt = re.search(r"unrecognized arguments: (-[-\w]+)", why)
+        if opt:
+            plugin = plugin_for(opt[1]) or "a pytest plugin"
+            why += (f" (the repository's pytest configuration needs {plugin}, not installed for "
+                    f"{box.python}: make its environment with "
+                    f"`python tasks.py env --repo DIR --venv DIR` and pass --python)")
+        raise TaskError(f"the test suite did not run (pytest exit {rc}): {why}")
+    raw = json.loads(raw)
+    calls = {k: {(os.path.relpath(f, root), q) for f, q in v} for k, v in raw.items()}
+    return r, calls, calls.pop("<import>", set()) | calls.pop("<between>", set())
+
+
+def first_error(out):
+    """What a pytest run printed about its first failure, in one line: the file that failed to collect and its
+    exception, or the first FAILED/ERROR line of the short summary."""
+    lines = out.splitlines()
+    for i, line in enumerate(lines):
+        m = re.match(r"_+ ERROR collecting (\S+) _+$", line)
+        if m:
+            e = next((x[1:].strip() for x in lines[i + 1:] if x.startswith("E ")), None)
+            return f"{m[1]} does not collect: " + (e or next((x.strip() for x in lines[i + 1:] if x.strip()),
+                                                             "no reason printed"))
+    summary = next((x.split(" - ")[0].strip() for x in lines if re.match(r"(FAILED|ERROR) ", x)), None)
+    e = next((x[1:].strip() for x in lines if x.startswith("E ") and x[1:].strip()), None)
+    return f"{summary}: {e}" if summary and e else summary or (lines[-1].strip() if lines else "no output")
+
+
+def plugin_run(box, root, name, source, env, select=None, timeout=None):
+    """One pytest run of root (select: node ids, as Sandbox.pytest) with one more plugin (source, loaded with
+    -p name), which writes its result to the descriptor in FEATDEL_OUT: (report, what it wrote or None)."""
+    with scratch() as tmp, tempfile.TemporaryFile() as fd:
+        Path(tmp, f"{name}.py").write_text(source)
+        r = box.pytest(root, ["-p", name], path=[tmp], pass_fds=[fd.fileno()], select=select, timeout=timeout,
+                       extra_env={**env, "FEATDEL_OUT": str(fd.fileno())})
+        return r, tail(fd, box.disk) or None  # whole: a large trace is over 64 MiB; bounded by RLIMIT_FSIZE
 
 
 # -----------------------------------------------------------------------------
