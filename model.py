@@ -140,13 +140,12 @@ class HFTokenizer(ByteTokenizer):
         if vocab_size is not None and self.vocab_size > vocab_size:
             raise TokenizerError(f"{folder}/tokenizer.json has {self.vocab_size} tokens but config.json's "
                                  f"vocab_size is {vocab_size}: the tokenizer is not this model's")
-        token = lambda k: (config.get(k) or {}).get("content") if isinstance(config.get(k), dict) \
-            else config.get(k)
+        token = lambda k: config[k].get("content") if isinstance(config.get(k), dict) else config.get(k)
         self.start, self.opens, self.closes = chat_roles(
             template, {k: token(k) for k in ("bos_token", "eos_token")}, self.encode, folder)
         self.end = self.closes["assistant"][0]
-        specials = {t.content for t in self.fast.get_added_tokens_decoder().values() if t.special}
-        if self.fast.id_to_token(self.end) not in specials:
+        added = self.fast.get_added_tokens_decoder()  # {id: AddedToken}
+        if not (self.end in added and added[self.end].special):
             raise TokenizerError(f"{folder}: the chat template ends an assistant turn with "
                                  f"{self.fast.id_to_token(self.end)!r}, not a special token to stop on")
         pad = token("pad_token") or token("eos_token")
