@@ -4888,8 +4888,12 @@ def run_readme_command(line, cwd, quick_start_out):
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     else:
         world = int(opt["nproc_per_node"]) if launch[0] == "torchrun" else 1
-        r = finish(Launched(script, *flags, world=world, cwd=cwd), timeout=600)
-    assert r.returncode == 0, f"{line}\n  ran as: {shlex.join(cmd)}\n{r.stderr[-3000:]}"
+        proc = Launched(script, *flags, world=world, cwd=cwd)
+        r = finish(proc, timeout=600)
+        if r.returncode and world > 1:  # each rank's last words: the one that failed first is not the last
+            r.stderr = "".join(f"--- rank {k} (exit {p.exitcode}):\n{err[-1500:]}\n"
+                               for k, ((_, err), p) in enumerate(zip(proc.outputs, proc.procs)))
+    assert r.returncode == 0, f"{line}\n  ran as: {shlex.join(cmd)}\n{r.stderr[-6000:]}"
     return None
 
 

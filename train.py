@@ -36,6 +36,7 @@ import atexit
 import contextlib
 import difflib
 import errno
+import faulthandler
 import functools
 import hashlib
 import importlib
@@ -81,6 +82,7 @@ from muon import Muon, param_groups
 # Flags
 
 run_started = time.time()  # metrics' "elapsed" and the progress lines count from here
+faulthandler.enable()  # a crash in native code (a segfault) prints every thread's Python stack first
 
 
 class Parser(argparse.ArgumentParser):
