@@ -1,9 +1,10 @@
 r"""Train the Kimi-K2-shaped MoE (model.py) with Muon (muon.py): continued pretraining, then RL, from one CPU
 process to torchrun on many nodes.
 
-The script reads top to bottom: flags and checks, the memory plan (--dry-run stops there), processes and
-meshes, the run folder (lock, the checkpoint to resume), data, model and sharding, optimizer, checkpoints,
-metrics and signals, pretraining loop, RL. With no arguments it trains the `tiny` preset on a laptop CPU in
+main() reads as the recipe: the flags, the run (processes and meshes, the run folder, data, model and
+optimizer), pretrain(), then rl(); the machinery follows in the order main() needs it, the run folder (lock,
+resume, checkpoints, metrics, signals) as one object, then the data, the checks and the flags. With no
+arguments it trains the `tiny` preset on a laptop CPU in
 four to six minutes: pretraining on generated transcripts of the tool-use tasks (tasks.py: nothing to
 download, nothing read from files, so the same seed trains the same model whatever else the checkout holds),
 then Dr. GRPO with textual feedback (grpo.py, feedback.py) on those tasks. For real runs `--data`
@@ -31,6 +32,7 @@ trained model back in that layout.
     python train.py --preset kimi-k2 --dry-run --world 512 --ep 64 --stage pretrain --seq-len 4096 \
         --batch-size 512                                 # plan the 1T model on 512 GPUs
 """
+
 import argparse
 import atexit
 import contextlib
@@ -54,7 +56,7 @@ import socket
 import sys
 import time
 import warnings
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -78,242 +80,847 @@ from model import (BYTES, PRESETS, VOCAB_SIZE, CheckpointError, ContextParallel,
                    memory_plan, param_counts, save_hf)
 from muon import Muon, param_groups
 
-# -----------------------------------------------------------------------------
-# Flags
-
-run_started = time.time()  # metrics' "elapsed" and the progress lines count from here
-faulthandler.enable()  # a crash in native code (a segfault) prints every thread's Python stack first
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse, but a bad command line is one line (no usage block), a misspelled flag names the nearest real
-    one, and a prefix of a flag is no flag (allow_abbrev=False: `--step 10` is not `--steps 10`)."""
-
-    def error(self, message):
-        unknown = (message.removeprefix("unrecognized arguments: ").split() if "unrecognized" in message
-                   else [])
-        flags = [a.split("=")[0] for a in unknown if a.startswith("-")]
-        if unknown:
-            near = difflib.get_close_matches(flags[0], [o for a in self._actions for o in a.option_strings],
-                                             n=1) if flags else []
-            message = (f"unknown flag {flags[0]}" if flags else f"unexpected argument {unknown[0]}") + \
-                (f"; did you mean {near[0]}?" if near else "; see --help")
-        if os.environ.get("RANK", "0") == "0":  # torchrun: every rank parses, rank 0 speaks
-            print(f"error: {message}", file=sys.stderr, flush=True)
-        sys.exit(2)
+# what runs on this machine keep between them: the corpus's tokens, the measured peak
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "composer-stack"
+# --rl-tasks code: an assistant message holds an edit of a few lines; a segment holds the opening, a file's
+# lines and the edits (past the budget, a summary); a reply is cut to what that context holds; a task made
+# serves CODE_USES groups (make takes about 2.5 s a micro-repository task on a 2-core CPU); the transcripts
+# mix has CODE_SHARE coding episodes.
+CODE_MESSAGE, CODE_BUDGET, CODE_REPLY, CODE_USES, CODE_SHARE = 64, 480, 200, 2, 0.9
+# Other weights the RL stage keeps for the policy (grpo.Weights: this rank's shards only), and the flag that
+# asks for each: the KL reference (the policy RL started from) and a frozen or EMA feedback teacher
+RL_COPIES = {"reference": "--kl-coef > 0", "teacher": "--feedback-teacher frozen or ema"}
 
 
-class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
-    """Each flag's default once: none added where the help text already names it, or for None and False."""
+def main(argv=None):
+    """The recipe: continued pretraining, then RL on tool-use (or coding) tasks with textual feedback."""
+    faulthandler.enable()  # a crash in native code (a segfault) prints every thread's Python stack first
+    started = time.time()  # metrics' "elapsed" and the progress lines count from here
 
-    def _get_help_string(self, action):
-        if action.default in (None, False) or "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
+    # 1. The flags, each checked before any process group exists: every rank sees the same flags, so a bad
+    # layout stops all ranks with the same line instead of leaving some waiting forever.
+    args = parse_flags(argv)
+    if args.plot:  # draws runs' metrics and exits: no model, no data, no process group
+        return plot_command(args)
+    job = check(args)  # -> the model config, the layout, the tokenizer RL speaks
+    if args.dry_run:  # the memory plan of a rank, from shapes alone: nothing is allocated
+        return dry_run(job)
 
+    # 2. The processes: with --rollout-ranks K the last K only sample rollouts for the others
+    rank, _, world_size, device, bridge = init_distributed(None if args.device == "auto" else args.device,
+                                                           args.rollout_ranks)
+    bridge = Bridge(bridge, job.trainers) if bridge is not None else None
+    work = RLTasks(job, rank, world_size)  # RL's tasks, shared by trainer and rollout ranks
+    if job.code and args.stage != "pretrain":
+        work.make_ahead(bridge)  # coding tasks are made in the background while pretraining runs
+    if bridge is not None and launch_rank() >= job.trainers:
+        return rollout_rank(job, work, rank, world_size, device, bridge)
 
-parser = Parser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsOnce, allow_abbrev=False)
-g = parser.add_argument_group("model")
-g.add_argument("--preset", default=None, help=f"model size, one of {list(PRESETS)} (default: tiny)")
-g.add_argument("--init-from", default=None, metavar="DIR",
-               help="start from a released checkpoint: a Hugging Face folder (config.json, *.safetensors) of "
-                    "a DeepSeek-V3-architecture model (DeepSeek-V3, Kimi K2, Kimi K2.5, Moonlight); its "
-                    "config.json is the model. Needs the safetensors package; pretraining needs --data "
-                    "shards made with its tokenizer, RL its tokenizer.json and chat template (the "
-                    "tokenizers package)")
-g.add_argument("--num-experts", type=int, default=None,
-               help="routed experts per MoE layer (default: the preset's)")
-g = parser.add_argument_group("run")
-g.add_argument("--steps", type=int, default=None,
-               help="optimizer steps in total (a resumed run stops here too); default 700, 800 with "
-                    "--rl-tasks code")
-g.add_argument("--batch-size", type=int, default=None,
-               help="global batch in sequences, whatever the layout; default 8, 4 with --rl-tasks code (its "
-                    "sequences are 2.5x as long)")
-g.add_argument("--grad-accum", type=int, default=1,
-               help="micro-batches a step: a rank runs batch-size/(data-parallel ranks x N) sequences a "
-                    "forward, gradients add up and FSDP reduce-scatters them once, after the last (with "
-                    "--dry-run: the smallest N that fits --gpu-mem when left at 1)")
-g.add_argument("--reduce-every-micro-batch", action="store_true",
-               help="with --grad-accum: reduce-scatter after every micro-batch instead, so no rank holds "
-                    "unsharded gradients between them (N times the gradient traffic; what a model whose "
-                    "whole gradient does not fit a rank needs)")
-g.add_argument("--seq-len", type=int, default=None,
-               help="tokens per sequence (at most the preset's max_seq_len); default 256, 640 with "
-                    "--rl-tasks code (an episode with its file reads is longer)")
-g.add_argument("--lr", type=float, default=8e-3,
-               help="peak learning rate for both groups: Muon uses adjust_lr_fn='match_rms_adamw' so one "
-                    "AdamW-style lr serves the matrices and the embeddings/head/router/norms alike")
-g.add_argument("--weight-decay", type=float, default=0.1, help="decoupled weight decay")
-g.add_argument("--qk-clip", type=float, default=0.0, metavar="TAU",
-               help="MuonClip's QK-Clip (Kimi K2 uses 100): after each optimizer step, rescale the query/key "
-                    "weights of every head whose largest attention logit exceeded TAU (0: off)")
-g.add_argument("--ns", default="standard", choices=["standard", "gram"],
-               help="Muon's Newton-Schulz: the standard iteration, or Gram Newton-Schulz, which iterates on "
-                    "X X^T where that takes fewer FLOPs (1.43x fewer on Kimi K2's experts)")
-g.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm to this (0: off)")
-g.add_argument("--warmup", type=int, default=30, help="linear warmup steps, then cosine decay to 10%%")
-g.add_argument("--seed", type=int, default=1337, help="seeds the weights and the data order")
-g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
-g.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"],
-               help="compute dtype; weights, gradient reduction and optimizer state stay fp32 (FSDP2's "
-                    "MixedPrecisionPolicy under torchrun, autocast in one process). auto: bf16 on CUDA, "
-                    "fp32 on CPU")
-g.add_argument("--activation-checkpointing", action="store_true",
-               help="keep only each block's input for backward and recompute the rest")
-g.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
-g.add_argument("--dry-run", action="store_true",
-               help="print the layout and the memory a rank needs (model built on the meta device), "
-                    "then exit")
-g.add_argument("--world", type=int, default=None,
-               help="with --dry-run: the world size to plan for (default: WORLD_SIZE)")
-g.add_argument("--gpu-mem", type=float, default=80.0, help="with --dry-run: GiB a GPU has (H100: 80)")
-g = parser.add_argument_group("parallelism (torchrun; the shard degrees follow from the world size)")
-g.add_argument("--dp-replicate", type=int, default=1,
-               help="dense-weight replicas (HSDP); dp_shard = world/(dp_replicate*cp)")
-g.add_argument("--cp", type=int, default=1,
-               help="context parallelism: each sequence split over this many ranks")
-g.add_argument("--ep", type=int, default=1, help="expert parallelism: experts split over this many ranks")
-g.add_argument("--ep-replicate", type=int, default=1,
-               help="expert-weight replicas; ep_shard = world/(ep_replicate*ep)")
-g = parser.add_argument_group("data and output")
-g.add_argument("--data", default=None,
-               help="a folder of token shards (*.bin: llm.c's header, uint16 or uint32; names containing "
-                    "'val' are validation), one .bin file (with that header, or raw uint16 as nanoGPT's; "
-                    "val.bin beside it is validation), or a folder of text files; default: generated "
-                    "transcripts of the tool-use tasks")
-g.add_argument("--out", default="out", help="folder for metrics.jsonl and the checkpoints (step-NNNNNNNN/)")
-g.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
-               help="continue from the newest intact checkpoint in OUT, or from the step-NNNNNNNN "
-                    "folder given")
-g.add_argument("--save-hf", default=None, metavar="DIR",
-               help="at the end, write the model as a Hugging Face DeepSeek-V3 checkpoint folder "
-                    "(needs safetensors)")
-g.add_argument("--save-hf-dtype", default="bf16", choices=["bf16", "fp32"],
-               help="the weights' dtype in --save-hf")
-g.add_argument("--keep", type=int, default=1,
-               help="checkpoints kept: the newest KEEP, plus the last one of each stage (pretraining, RL)")
-g.add_argument("--log-every", type=int, default=20, help="steps between progress lines")
-g.add_argument("--eval-every", type=int, default=200,
-               help="steps between validation evaluations and checkpoints")
-g.add_argument("--eval-batches", type=int, default=8, help="batches per validation evaluation")
-g.add_argument("--tensorboard", default=None, metavar="DIR",
-               help="also write every metrics.jsonl figure to TensorBoard event files in DIR (needs the "
-                    "tensorboard package)")
-g.add_argument("--wandb", default=None, metavar="PROJECT",
-               help="also log every metrics.jsonl figure to Weights & Biases (needs the wandb package; "
-                    "WANDB_MODE=offline keeps it local)")
-g.add_argument("--plot", nargs="+", default=None, metavar="RUN",
-               help="draw runs' metrics.jsonl into a PNG and exit (no training): RUN is an --out folder, "
-                    "or NAME=DIR1,DIR2,...: one run under a name, or a group of runs (seeds) drawn as mean "
-                    "+- std (needs matplotlib)")
-g.add_argument("--plot-out", default=None, metavar="FILE",
-               help="with --plot: the PNG to write; default: plot.png in the run's folder (one run), else "
-                    "here")
-g = parser.add_argument_group("RL stage: Dr. GRPO with textual feedback on the tool-use tasks")
-g.add_argument("--stage", default=None, choices=["pretrain", "rl", "both"],
-               help="pretrain then RL, pretraining only, or RL only (from --resume); default: both, but only "
-                    "pretraining with --data or --init-from (the RL tasks are this project's tool-use tasks, "
-                    "not your corpus)")
-g.add_argument("--init", default=None, choices=["scratch"],
-               help="scratch: let --stage rl start from random weights (a smoke test: it earns no reward)")
-g.add_argument("--rl-steps", type=int, default=None,
-               help="RL steps (each: sample, then --ppo-epochs x --ppo-minibatches updates); default 16, 12 "
-                    "with --rl-tasks code")
-g.add_argument("--group-size", type=int, default=8, help="rollouts per task (the GRPO group)")
-g.add_argument("--rl-tasks", default="short", choices=["short", "long", "code"],
-               help="short: nested expressions of 1-4 calls (a CPU learns them in minutes); long: chains of "
-                    "8 x level calls that run past the context (summaries; a slip costs the reward little); "
-                    "code: feature deletion, the policy a coding agent (tasks.CodeEnv) rewarded by verify, "
-                    "on micro-repositories made while it trains, or on --task-dir")
-g.add_argument("--verify-workers", type=int, default=2,
-               help="with --rl-tasks code: threads that verify finished episodes while the others sample "
-                    "(0: each verify holds up sampling)")
-g.add_argument("--task-dir", default=None, metavar="DIR",
-               help="with --rl-tasks code: RL on the tasks `python tasks.py make` wrote in DIR (each runs "
-                    "its tests with the --python it was made with) instead of micro-repositories")
-g.add_argument("--max-gen-tokens", type=int, default=None,
-               help="tokens a rollout may write over all its turns (L_max, also the loss's constant "
-                    "normaliser); default 512 for long tasks, 128 for short")
-g.add_argument("--tasks-per-step", type=int, default=None,
-               help="tasks (groups) per RL step, a multiple of the world size (each rank samples its own); "
-                    "default: 8 (--rl-tasks code: 4) rounded up to a multiple of the world size")
-g.add_argument("--rl-lr", type=float, default=5e-4, help="RL learning rate (both groups)")
-g.add_argument("--feedback-coef", type=float, default=0.1, help="lambda of the feedback KL (0: pure RL)")
-g.add_argument("--feedback-rules", default=None,
-               help=f"comma-separated hint rules of feedback.py: {', '.join(name for name, _ in RULES)}")
-g.add_argument("--feedback-estimator", default="full", choices=["full", "sampled"],
-               help="full: exact KL over the vocabulary; sampled: the sampled-token estimator (reweighted to "
-                    "T = 1 when --temperature is not 1)")
-g.add_argument("--feedback-teacher", default="frozen", choices=["frozen", "current", "ema"],
-               help="the hinted teacher: the policy RL started from, the current policy, or an EMA of the "
-                    "policy (a current teacher drifts with the student: on the default run the pass rate "
-                    "collapses after about 15 RL steps; experiments.md)")
-g.add_argument("--feedback-ema-decay", type=float, default=0.99, help="the EMA teacher's decay a RL step")
-g.add_argument("--kl-coef", type=float, default=0.0,
-               help="KL to the starting policy (0: none, no reference kept)")
-g.add_argument("--kl-estimator", default="k1", choices=["k1", "k2", "k3"],
-               help="k1: folded into the reward; k2: in the loss, per token the gradient of KL(pi||ref) at "
-                    "the visited states; k3: in the loss, per token that of KL(ref||pi)")
-g.add_argument("--temperature", type=float, default=1.0,
-               help="sampling temperature (the trainer's log-probs use it too)")
-g.add_argument("--ppo-epochs", type=int, default=2,
-               help="passes over each RL batch (PPO's clip acts from the 2nd; 2 updates a batch learn more "
-                    "in the default run's 16 steps than 1: experiments.md)")
-g.add_argument("--ppo-minibatches", type=int, default=1,
-               help="optimizer steps a pass, each on whole groups of this rank's (split as evenly "
-                    "as they allow)")
-g.add_argument("--rl-eval-every", type=int, default=8, help="RL steps between held-out evaluations")
-g.add_argument("--rl-eval-tasks", type=int, default=None,
-               help="held-out tasks a level (1 and 2) per evaluation; 0: none (default 64; code: 24, "
-                    "from held-out micro-repositories)")
-g.add_argument("--sampler-bits", type=int, default=0, choices=[0, 8],
-               help="8: sample with 8-bit block-quantised weights (MXFP8-like), corrected by truncated "
-                    "importance weights")
-g.add_argument("--sample-gather", default="rollout", choices=["rollout", "forward"],
-               help="under FSDP, sampling with the sharded model gathers each unit once for the whole "
-                    "rollout and keeps it (rollout: fast; a rank holds the dense weights whole and its EP "
-                    "share of the experts) or at every forward (forward: one unit at a time, an all-gather "
-                    "per unit per token)")
-g.add_argument("--rollout-ranks", type=int, default=0, metavar="K",
-               help="asynchronous RL: the launch's last K ranks only sample (each with a whole copy of the "
-                    "policy), the others only train and send the new policy after each step (0: every rank "
-                    "samples, then trains)")
-g.add_argument("--max-staleness", type=int, default=0, metavar="S",
-               help="with --rollout-ranks: step i is sampled with the policy of step max(0, i - 1 - S), so "
-                    "the rollout ranks run up to S steps ahead of the trainers (0: synchronous RL; exactly, "
-                    "when sampling is fp32)")
-g.add_argument("--count-comm", action="store_true",
-               help="count the calls and bytes of every collective in the second step and print them")
-args = parser.parse_args()
+    # 3. The run: the layout's meshes, the run folder (lock, the checkpoint to resume), data, then the model
+    # sharded over the meshes (FSDP2, EP, CP) and its optimizer (Muon), loaded from the checkpoint
+    t = Trainer(job, work, rank, world_size, device, bridge)
+    t.run = Run(t, started)
+    t.data = Data(t)
+    build_model(t)
+    t.run.begin(t)  # the metrics' start record, the signal handlers, the banner line
+
+    # 4. Continued pretraining: next-token loss on the transcripts (or --data)
+    step = pretrain(t) if args.stage != "rl" and not t.run.rl_resumed else t.run.start_step
+
+    # 5. RL: Dr. GRPO + lambda x the feedback KL, on groups of rollouts
+    if args.stage != "pretrain":
+        rl(t, step)
+    finish(t)
+
 
 # -----------------------------------------------------------------------------
-# Checks, processes and meshes. Every check runs before the process group exists and sees the same flags on
-# every rank, so a bad layout stops all ranks with the same line instead of leaving some waiting forever.
-
-world_size = int(os.environ.get("WORLD_SIZE", "1"))
-launch_rank = int(os.environ.get("RANK", "0"))  # with --rollout-ranks the trainers' ranks come first
-is_rank0 = launch_rank == 0
+# Pretraining loop
 
 
-def die(msg):
-    """Bad input ends the run on every rank with exit code 2 and one line naming the problem, printed once:
-    every check sees the same flags and files on every rank (or its verdict is shared first), so rank 0 speaks
-    for all."""
-    if is_rank0:
-        print(f"error: {msg}", file=sys.stderr, flush=True)
-    sys.exit(2)
+def pretrain(t):
+    """Pretraining from the run's start step to --steps: a step is --grad-accum micro-batches, one optimizer
+    step, QK-Clip and the router bias; evaluations and checkpoints every --eval-every. -> the last step"""
+    args, model, optimizer, run = t.args, t.model, t.optimizer, t.run
+    start_step = run.start_step
+    if not run.resume_path:
+        train_loss, val_loss = evaluate(t)
+        print0(f"step {0:5d} | train loss {train_loss:.4f} | val loss {val_loss:.4f}")
+        run.log({"step": 0, "loss": train_loss, "val_loss": val_loss})
+    tokens_per_step = args.batch_size * args.seq_len
+    flops_per_step = flops_per_token(model, args.seq_len) * tokens_per_step
+    t_log, n_log, t_opt_sum = time.perf_counter(), 0, 0.0
+    t_loop = t_log  # time left: the mean step so far (evaluations and checkpoints included) x the steps to go
+    step = start_step
+    for step in range(start_step + 1, args.steps + 1):
+        t0 = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = args.lr * lr_factor(args, step - 1)
+        windows, loss = t.data.train_windows.next(args.batch_size), 0.0
+        comm = CommCounter() if args.count_comm and step == start_step + 2 else contextlib.nullcontext()
+        with comm:
+            # gradients add up; FSDP reduce-scatters after the last micro-batch
+            for k in range(args.grad_accum):
+                x, y, pos = t.data.batch(t.data.train_shards, windows[k * t.micro:(k + 1) * t.micro])
+                if t.world_size > 1:
+                    last = k == args.grad_accum - 1
+                    model.set_requires_gradient_sync(args.reduce_every_micro_batch or last)
+                with t.amp:
+                    _, micro_loss = model(x, y, pos=pos)  # mean over these tokens; FSDP averages over ranks
+                (micro_loss / args.grad_accum).backward()  # equal token counts: the mean over the whole batch
+                loss += micro_loss.detach() / args.grad_accum
+            grad_norm = clip_grad_norm(t, args.grad_clip)  # .item() inside: the backward has finished
+            t_opt = time.perf_counter()
+            optimizer.step()
+            if t.device.type == "cuda":
+                torch.cuda.synchronize()
+            t_opt = time.perf_counter() - t_opt
+            optimizer.zero_grad(set_to_none=True)
+            # QK-Clip -> (largest logit, heads clipped); router loads summed over ranks, every bias nudged
+            # alike
+            qk = model.qk_clip(args.qk_clip, t.world_group) if args.qk_clip else None
+            balance = model.update_router_bias(t.world_group)
+        if isinstance(comm, CommCounter):
+            kinds = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
+            stats = [mean_over_ranks(t, float(d.get(k, 0))) for d in (comm.bytes, comm.calls) for k in kinds]
+            print0(f"step {step:5d} | communication a rank, mean over ranks: " + ", ".join(
+                f"{k} {b / 2**20:.2f} MiB in {c:.0f} calls" for k, b, c in zip(kinds, stats[:4], stats[4:])))
+        # .item() syncs, so the timing is real
+        loss, stopping = sum_over_ranks(t, [loss.item(), run.stop_signal is not None])
+        loss /= t.world_size
+        if not math.isfinite(loss):
+            die(f"loss became {loss} at step {step}; lower --lr (now {args.lr})")
+        dt = time.perf_counter() - t0
+        record = {"step": step, "loss": loss, "lr": optimizer.param_groups[0]["lr"], "grad_norm": grad_norm,
+                  "ms": 1000 * dt, "optimizer_ms": 1000 * t_opt, "balance": balance,
+                  "data_pos": t.data.train_windows.pos,
+                  **({"max_logit": qk[0], "clipped_heads": qk[1]} if qk else {})}
+        n_log, t_opt_sum = n_log + 1, t_opt_sum + t_opt
+        if step % args.log_every == 0 or step == args.steps:
+            elapsed = (time.perf_counter() - t_log) / n_log
+            left = (time.perf_counter() - t_loop) / (step - start_step) * (args.steps - step)
+            print0(f"step {step:5d}/{args.steps} | loss {loss:.4f} | {1000 * elapsed:6.1f} ms/step | "
+                   f"{tokens_per_step / elapsed / t.world_size:8.0f} tok/s a rank | "
+                   f"MFU {100 * flops_per_step / elapsed / (t.peak * t.world_size):5.1f}% | optimizer "
+                   f"{1000 * t_opt_sum / n_log:.1f} ms | peak mem {peak_memory(t.device) / 2**30:.2f} GiB | "
+                   f"expert balance max/mean {balance:.2f} | {clock(time.time() - run.started)} elapsed, "
+                   f"{clock(left)} left" + (" of pretraining" if args.stage == "both" else ""))
+            t_log, n_log, t_opt_sum = time.perf_counter(), 0, 0.0
+        saving = step % args.eval_every == 0 or step == args.steps
+        if saving:
+            record["train_loss_eval"], record["val_loss"] = evaluate(t)
+            print0(f"step {step:5d} | train loss {record['train_loss_eval']:.4f} | "
+                   f"val loss {record['val_loss']:.4f}")
+        run.log(record)  # before its checkpoint appears: a resumed run never lacks its checkpoint step's record
+        if saving:
+            run.save(t, step, stage="pretrain")
+            t_log = time.perf_counter()  # evaluation and saving are not training time
+        if stopping:
+            run.stop_here(t, step, saving, stage="pretrain")
+    return step
 
 
-def print0(*a, **kw):
-    if is_rank0:
-        print(*a, **kw, flush=True)
+# -----------------------------------------------------------------------------
+# RL: groups of rollouts on tool-use tasks at the difficulty sampler's level; Dr. GRPO + lambda x the
+# feedback KL.
+# No trainer rank holds a whole copy of the policy: each samples its own groups with the sharded model itself,
+# FSDP gathering one unit at a time and EP exchanging tokens, all ranks in step until the longest rollout ends
+# (grpo.Lockstep); or, with --rollout-ranks, the rollout ranks sample with whole copies, up to --max-staleness
+# policy versions behind (grpo.serve_rollouts), and the trainers receive the batches. The KL reference and a
+# frozen or EMA teacher are other values of this rank's shards (grpo.Weights), loaded into the model for their
+# no-grad passes. The one forward and backward a step run on the sharded model; each rank normalises by its
+# own trajectories x max_gen_tokens, the same constant everywhere, and FSDP's mean over ranks makes it the
+# global one. Under CP the ranks of a CP group train on the union of their groups, each running its chunk of
+# every sequence (model.ContextParallel). Every random draw of a step is seeded from (seed, RL step, rank),
+# like the data order, so a resumed run draws what the uninterrupted one would have.
 
 
-def last_line(e):
-    """An exception in one line: DCP's carry every rank's traceback."""
-    return f"{type(e).__name__}: " + (str(e).strip().splitlines()[-1][:160] if str(e).strip()
-                                      else "no details")
+def rl(t, step):
+    """The RL stage, from the run's RL step (0, or a resumed RL checkpoint's) to --rl-steps; step: the
+    optimizer steps before it."""
+    args, model, run, work, layout, cfg = t.args, t.model, t.run, t.work, t.layout, t.work.cfg
+    rl_start = run.meta["rl_step"] if run.rl_resumed else 0
+    t.steps_before_rl = step - rl_start  # the optimizer steps before RL: rl_step + this is the step number
+    trainer = ContextParallel(model, t.meshes[0]["cp"].get_group()) if layout.cp > 1 else model
+    t.cp_group = trainer.group if layout.cp > 1 else None
+    feedback = Feedback(model, FeedbackConfig(coef=args.feedback_coef, estimator=args.feedback_estimator,
+                                              teacher=args.feedback_teacher,
+                                              ema_decay=args.feedback_ema_decay,
+                                              temperature=args.temperature),
+                        rules=[rule for rule in RULES if rule[0] in args.feedback_rules.split(",")],
+                        tokenizer=cfg.tokenizer)
+    copies = t.copies
+    for name in t.job.wanted_copies - set(copies):  # the policy RL starts from (a resumed run loaded them)
+        copies[name] = Weights(model)
+    feedback.teacher = copies.get("teacher")  # None: the current policy
+    # A fresh optimizer: the pretraining momentum points nowhere useful for RL. Muon's update has the same
+    # size whatever the gradient's, so the RL learning rate alone sets how far a step moves.
+    if not run.rl_resumed:
+        t.optimizer = make_optimizer(t, args.rl_lr, 0.0)
+    optimizer = t.optimizer
+    for group in optimizer.param_groups:
+        group["lr"] = args.rl_lr
+    if run.rl_resumed:
+        work.difficulty.load_state_dict(run.meta["difficulty"])
+        if "code_pool" in run.meta:
+            work.code_pool(t.rank).load_state_dict(run.meta["code_pool"])
+    groups = args.tasks_per_step // t.world_size  # this rank's share of the step's tasks
+    print0(f"RL: {args.rl_steps} steps x {args.tasks_per_step} tasks x {args.group_size} rollouts "
+           f"({groups} a rank), lr {args.rl_lr}, feedback lambda {args.feedback_coef}, "
+           f"KL coef {args.kl_coef}" +
+           (f" | CP {layout.cp}: the CP ranks train on their {groups * layout.cp} groups together, each "
+            "sequence split over them" if layout.cp > 1 else ""))
+    # the rollout ranks start from here: where RL starts and ends, the policy RL starts from
+    if t.bridge is not None:
+        publish(t, rl_start, start=rl_start, steps=args.rl_steps, difficulty=work.difficulty.state_dict())
+    if rl_start == 0:  # (while the rollout ranks sample the first step)
+        rl_eval(t, 0)
+    for rl_step in range(rl_start + 1, args.rl_steps + 1):
+        t0 = time.perf_counter()
+        if t.bridge is None:
+            level, envs, gen = work.episodes(rl_step, t.rank)
+            trajs, lag, batch = sample(t, envs, gen), {"staleness": 0}, None
+            lag["sample_ms"] = 1000 * (time.perf_counter() - t0)  # tasks, rollouts and their rewards
+        else:  # sampled by a rollout rank, with the policy of step max(rl_start, rl_step - 1 - S)
+            batch = receive(t, rl_step)
+            level, trajs = batch["level"], batch["trajs"]
+            envs = [tr.env for tr in trajs]
+            lag = {"staleness": rl_step - 1 - batch["version"],
+                   "trainer_wait_ms": 1000 * (time.perf_counter() - t0),
+                   "sample_ms": 1000 * batch["sample_s"], "rollout_wait_ms": 1000 * batch["wait_s"]}
+        # under CP each trained trajectory is on layout.cp ranks: sums below divide by it
+        train = cp_union(t, trajs)
+        # PPO: every minibatch's log-probs under the policy that sampled it. The first minibatch's come from
+        # its own first forward (no update has run before it); the others' are taken before the first update.
+        parts = minibatches(train, args.ppo_minibatches, args.group_size)
+        with t.amp:
+            olds = [None] + [logprobs(trainer, part, cfg) for part in parts[1:]]
+            if "reference" in copies:  # the reference's log-probs, its weights loaded in turn
+                with copies["reference"].loaded(model):
+                    refs = [logprobs(trainer, part, cfg) for part in parts]
+        updates, grad_norms = [], []
+        targets = [None] * len(parts)  # the feedback teacher's, a minibatch
+        for epoch in range(args.ppo_epochs):
+            for k, part in enumerate(parts):
+                with t.amp:
+                    # the teacher's pass before the student's forward (a teacher's weights are swapped in for
+                    # it); a frozen or EMA teacher does not move within a step, so its pass runs once
+                    if args.feedback_coef and (epoch == 0 or feedback.teacher is None):
+                        targets[k] = feedback.targets(trainer, part)
+                    ref = refs[k] if "reference" in copies else None
+                    loss, stats, olds[k], logits = grpo_loss(trainer, part, cfg, old_logp=olds[k],
+                                                             ref_logp=ref)
+                    fb_stats = {}
+                    if args.feedback_coef:  # lambda = 0 leaves the RL loss exactly as it is
+                        fb_loss, fb_stats = feedback.loss(trainer, part, len(part) * cfg.max_gen_tokens,
+                                                          logits=logits, targets=targets[k])
+                        loss = loss + args.feedback_coef * fb_loss
+                stats = {**stats, "loss": loss.item()}
+                loss.backward()
+                grad_norms.append(clip_grad_norm(t, args.grad_clip))
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                if args.qk_clip:
+                    model.qk_clip(args.qk_clip, t.world_group)
+                updates.append((epoch, stats, fb_stats))
+        first = [(st, fs) for epoch, st, fs in updates if epoch == 0]  # each policy token once
+        stats = {"gen_tokens": sum(st["gen_tokens"] * len(p)
+                                   for (st, _), p in zip(first, parts)) / len(train),
+                 "loss": sum(st["loss"] for st, _ in first),  # the first epoch's, over the minibatches
+                 "kl": sum(st["kl"] for st, _ in first) / len(first),  # to the reference, a policy token
+                 "clip_frac": sum(st["clip_frac"] for _, st, _ in updates) / len(updates),
+                 "tis_min": min(st["tis_min"] for st, _ in first),
+                 "tis_max": max(st["tis_max"] for st, _ in first)}
+        # feedback means weighted by their counts: the KL by all targets, each teacher/student probe by its
+        # rule's targets
+        weighted = [("feedback_kl", "feedback_targets")] + [
+            (f"p_{who}_{name}", name) for name, _ in feedback.rules for who in ("student", "teacher")]
+        fb_sums = [sum(f.get(key, 0.0) * f.get(count, 0) for _, f in first) / layout.cp
+                   for key, count in weighted]
+        fb_counts = [sum(f.get(count, 0) for _, f in first) / layout.cp for _, count in weighted]
+        # the router bias stays as pretraining left it: an RL batch is small and padded, so its load counts
+        # would mostly count padding
+        for moe in model.moe_layers():
+            moe.tokens_per_expert.zero_()
+        feedback.update(model)
+        # the last S are never used
+        if t.bridge is not None and rl_step <= args.rl_steps - 1 - args.max_staleness:
+            t1 = time.perf_counter()
+            publish(t, rl_step)
+            lag["publish_ms"] = 1000 * (time.perf_counter() - t1)
+        rewards = torch.tensor([tr.reward for tr in trajs], dtype=torch.float64, device=t.device)
+        if t.world_size > 1:  # every rank's rewards move the one difficulty sampler
+            gathered = [torch.empty_like(rewards) for _ in range(t.world_size)]
+            dist.all_gather(gathered, rewards)
+            rewards = torch.cat(gathered)
+        for r in rewards.tolist():
+            work.difficulty.update(level, r)
+        # the learning signal: a group whose rewards are all equal has zero advantage everywhere
+        by_group = rewards.view(-1, args.group_size)
+        signal_stats = {"groups_all_equal": (by_group == by_group[:, :1]).all(-1).double().mean().item(),
+                        "reward_std_in_group": by_group.std(-1, unbiased=False).mean().item(),
+                        "grad_norm": sum(grad_norms) / len(grad_norms)}
+        calls, errors, capital, malformed, summaries, n_episodes = episode_stats(t, envs, trajs)
+        tokens, stopping, *fb_all = sum_over_ranks(t, [stats["gen_tokens"] * len(train) / layout.cp,
+                                                       run.stop_signal is not None, *fb_sums, *fb_counts])
+        fb_sums, fb_counts = fb_all[:len(weighted)], fb_all[len(weighted):]
+        fb_means = {key: total / count if count else None  # None: no target of that rule in this step
+                    for (key, _), total, count in zip(weighted, fb_sums, fb_counts)}
+        record = {"stage": "rl", "step": t.steps_before_rl + rl_step, "rl_step": rl_step, "level": level,
+                  "reward": rewards.mean().item(), "tool_error_rate": errors / max(1, calls),
+                  "capital_rate": capital / max(1, calls), "malformed_rate": malformed / n_episodes,
+                  "summaries": summaries / n_episodes, "gen_tokens": tokens / n_episodes,
+                  "feedback_targets": fb_counts[0], "feedback_kl": fb_means["feedback_kl"] or 0.0,
+                  **({k: v for k, v in fb_means.items() if k.startswith("p_")} if args.feedback_coef else {}),
+                  "loss": mean_over_ranks(t, stats["loss"]), "clip_frac": mean_over_ranks(t, stats["clip_frac"]),
+                  **({"kl": mean_over_ranks(t, stats["kl"])} if args.kl_coef else {}),
+                  **signal_stats, **lag,
+                  "ms": 1000 * (time.perf_counter() - t0)}
+        low, high = sum_over_ranks(t, [-stats["tis_min"], stats["tis_max"]], op="max")
+        record.update(tis_min=-low, tis_max=high)  # the spread of trainer / sampler over all ranks
+        if t.job.code:
+            record.update(code_record(t, envs, n_episodes, calls, rl_step, batch))
+        run.log(record)
+        code = t.job.code
+        print0(f"rl step {rl_step:4d}/{args.rl_steps} | level {level} | reward {record['reward']:.3f} | "
+               f"of calls: tool not found {record['tool_error_rate']:.3f}, "
+               + (f"edits unread {record['blind_edit_rate']:.3f} | hack flags {record['hack_flags']} | "
+                  f"verify {record['verify_ms']:.0f} ms ({record['verify_wait_ms']:.0f} ms waited) | "
+                  if code else f"'Call' {record['capital_rate']:.3f} | ") +
+               f"feedback KL {record['feedback_kl']:.4f} | {record['gen_tokens']:.0f} tokens | "
+               f"{record['ms']:.0f} ms")
+        saving = rl_step % args.rl_eval_every == 0 or rl_step == args.rl_steps
+        if saving:
+            rl_eval(t, rl_step)
+        rl_state = {"stage": "rl", "rl_step": rl_step, "difficulty": work.difficulty.state_dict(),
+                    **({"code_pool": work.code_pool(t.rank).state_dict()} if code and t.bridge is None else {})}
+        if saving:
+            run.save(t, t.steps_before_rl + rl_step, **rl_state)
+        if stopping:
+            run.stop_here(t, t.steps_before_rl + rl_step, saving, **rl_state)
+
+
+def finish(t):
+    """--save-hf, the last lines (the verdict on the RL stage), the process group closed."""
+    args, run = t.args, t.run
+    if args.save_hf:  # every rank: each sharded tensor is gathered whole, rank 0 writes
+        try:
+            save_hf(t.model, args.save_hf, torch.bfloat16 if args.save_hf_dtype == "bf16" else torch.float32,
+                    t.job.hf_base, extra_files=[Path(args.init_from, f) for f in TOKENIZER_FILES
+                                                if args.init_from and Path(args.init_from, f).is_file()])
+        except CheckpointError as e:
+            die(f"--save-hf: {e} (the run's own checkpoint {run.checkpoints()[-1]} is complete)")
+        print0(f"wrote {args.save_hf}: a Hugging Face DeepSeek-V3 checkpoint ({args.save_hf_dtype})")
+    print0(f"done: checkpoint {run.checkpoints()[-1]}, metrics {run.metrics_path}, "
+           f"peak memory {peak_memory(t.device) / 2**30:.2f} GiB (rank 0)")
+    if len(t.evals) > 1:  # the last line says whether the run did what it should
+        print0(verdict(t.evals, t.job.code))
+    if t.bridge is not None:
+        try:
+            t.bridge.flush()
+        except PeerLost as e:
+            peer_lost(e, t.rank)
+    if t.world_size > 1 or t.bridge is not None:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def sample(t, envs, gen):
+    """Rollouts with the sharded model itself, every rank in step (grpo.Lockstep). FSDP gathers each unit at
+    its first forward and keeps it until the rollouts end, so decoding gathers nothing per token: a rank
+    holds the dense weights whole and its EP share of the experts while sampling, and EP exchanges tokens at
+    every step. Each rank decodes its own episodes whole, so attention gathers nothing over CP."""
+    model = t.model
+    cp_groups = [block.attn.cp_group for block in model.layers]
+    for block in model.layers:
+        block.attn.cp_group = None
+    if t.world_size > 1 and t.args.sample_gather == "rollout":
+        model.set_reshard_after_forward(False)
+    try:
+        return rollout(model, envs, t.work.cfg, gen, sharded=t.world_size > 1)
+    finally:
+        for block, group in zip(model.layers, cp_groups):
+            block.attn.cp_group = group
+        if t.world_size > 1:
+            model.set_reshard_after_forward(True)
+            for m in model.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
+
+
+def publish(t, version, **hello):
+    """The policy to the rollout ranks: every trainer rank gathers its shards into whole tensors
+    (pack_policy; only rank 0 keeps them), rank 0 sends them, after hello (where RL starts and ends, the
+    difficulty state) the first time. The previous version's sends complete first, so at most two copies are
+    in flight."""
+    flat = pack_policy(t.model, version, keep=t.rank == 0)
+    try:
+        if t.rank == 0:
+            t.bridge.flush()
+            for dst in range(t.job.trainers, t.job.trainers + t.args.rollout_ranks):
+                if hello:
+                    t.bridge.send_object(hello, dst)
+                t.bridge.send(flat, dst, Bridge.WEIGHTS)
+    except PeerLost as e:
+        peer_lost(e, t.rank)
+
+
+def receive(t, rl_step):
+    """This rank's batch of rl_step, from the rollout rank that serves it. A rollout rank that stopped, or a
+    batch past the staleness bound, ends the run with one line."""
+    try:
+        batch = t.bridge.recv_object(t.job.trainers + t.rank % t.args.rollout_ranks)
+    except PeerLost as e:
+        peer_lost(e, t.rank)
+    if batch is not None and (batch["step"] != rl_step
+                              or rl_step - 1 - batch["version"] > t.args.max_staleness):
+        peer_lost(f"refused the batch of RL step {batch['step']} sampled with the policy of step "
+                  f"{batch['version']}: step {rl_step} may use steps "
+                  f"{rl_step - 1 - t.args.max_staleness} and after", t.rank)
+    return batch
+
+
+def cp_union(t, trajs):
+    """This rank's trajectories -> those of its CP group, in CP-rank order (whole groups):
+    what it trains on."""
+    if t.layout.cp == 1:
+        return trajs
+    everyone = [None] * t.layout.cp
+    dist.all_gather_object(everyone, [replace(tr, env=None) for tr in trajs], group=t.cp_group)
+    return [tr for part in everyone for tr in part]
+
+
+def episode_stats(t, envs, trajs):
+    """What a batch of episodes did, summed over the ranks: calls, absent-tool calls, "Call" calls,
+    malformed messages, summaries (segments past the first), episodes."""
+    return sum_over_ranks(t, [sum(e.tool_calls for e in envs), sum(e.tool_errors for e in envs),
+                              sum(e.capital for e in envs), sum(e.malformed for e in envs),
+                              sum(len(tr.segments) - 1 for tr in trajs), len(envs)])
+
+
+def code_stats(t, envs):
+    """Coding episodes, summed over the ranks: edits of a file not read first (feedback's read_first rule),
+    trajectories the monitor flagged, test runs, submits."""
+    reply = lambda turns, i: turns[i + 1][1] if i + 1 < len(turns) and turns[i + 1][0] == "tool" else None
+    blind = sum(read_first(text, reply(turns, i), turns[:i]) is not None
+                for turns in (e.turns for e in envs) for i, (role, text) in enumerate(turns)
+                if role == "assistant")
+    return sum_over_ranks(t, [blind, sum(bool(e.flags) for e in envs), sum(e.tests for e in envs),
+                              sum(e.done and e.turns[-1][1].strip().endswith("submit()") for e in envs)])
+
+
+def code_record(t, envs, n_episodes, calls, rl_step, batch=None):
+    """An RL step's coding figures: edits of unread files, flagged trajectories (each written with its steps
+    to flagged.jsonl), visible test runs and submits an episode; the verification time of the rank that
+    sampled (all of it, and what the sampler waited; with --rollout-ranks, the batch brings the rollout
+    rank's), and the tasks its pool has made."""
+    blind, flagged, tests, submits = code_stats(t, envs)
+    for e in envs:
+        if e.flags:
+            print(f"rank {t.rank}: RL step {rl_step}, task {e.dir.name}: flagged {e.flags}", flush=True)
+            with open(Path(t.args.out) / f"flagged-rank{t.rank}.jsonl", "a") as f:
+                f.write(json.dumps({"rl_step": rl_step, "task": str(e.dir), "flags": e.flags,
+                                    "steps": e.steps}) + "\n")
+    now = batch["verified"] if batch else t.work.verifier.stats()
+    spent = {k: now[k] - t.verified.get(k, 0) for k in now}  # since the last step
+    t.verified.update(now)
+    return {"blind_edit_rate": blind / max(1, calls), "hack_flags": flagged, "tests": tests / n_episodes,
+            "submit_rate": submits / n_episodes, "verify_ms": 1000 * spent["verify_s"],
+            "verify_wait_ms": 1000 * spent["verify_wait_s"], "verifies": spent["verifies"],
+            "verifies_shared": spent["verifies_shared"],
+            "tasks_made": batch["tasks_made"] if batch else t.work.code_pool(t.rank).made}
+
+
+@torch.no_grad()
+def rl_eval(t, rl_step):
+    """Pass rate, the targeted rates (absent-tool calls and "Call" calls, per call) and summaries on the same
+    held-out tasks every time (levels 1 and 2, sampling seeded alike), so evaluations differ only by the
+    policy; the tasks are split over the ranks."""
+    per_level, code, work = t.args.rl_eval_tasks, t.job.code, t.work
+    if not per_level:  # --rl-eval-tasks 0: no held-out evaluation
+        return
+    print0(f"rl eval after {rl_step:3d} steps | sampling {2 * per_level} held-out episodes ...", end="\r")
+    rng, gen_eval = random.Random(10**6), torch.Generator().manual_seed(10**6 + t.rank)
+    if code:
+        mine = work.held_out_code()
+        envs = [work.code_env(d) for _, d in mine]
+    else:
+        held_out = [(lvl, work.make_task(rng, lvl)) for lvl in (1, 2) for _ in range(per_level)]
+        mine = held_out[t.rank::t.world_size]
+        envs = [work.make_env(task) for _, task in mine]
+    trajs = sample(t, envs, gen_eval)
+    with open(Path(t.args.out) / f"samples-rank{t.rank}.jsonl", "a") as f:  # what the policy did, to read
+        for tr, (lvl, _) in zip(trajs, mine):
+            f.write(json.dumps({"rl_step": rl_step, "level": lvl, "reward": tr.reward,
+                                "turns": tr.turns}) + "\n")
+    passed = sum_over_ranks(t, [sum(tr.reward for tr, (lvl, _) in zip(trajs, mine) if lvl == lv)
+                                for lv in (1, 2)] + [sum(lvl == lv for lvl, _ in mine) for lv in (1, 2)])
+    calls, errors, capital, _, summaries, episodes = episode_stats(t, envs, trajs)
+    record = {"stage": "rl_eval", "step": t.steps_before_rl + rl_step, "rl_step": rl_step,
+              "pass_level1": passed[0] / max(1, passed[2]), "pass_level2": passed[1] / max(1, passed[3]),
+              "tool_error_rate": errors / max(1, calls), "capital_rate": capital / max(1, calls),
+              "summaries": summaries / episodes}
+    if code:
+        blind, flagged, tests, submits = code_stats(t, envs)
+        record.update(blind_edit_rate=blind / max(1, calls), hack_flags=flagged, tests=tests / episodes,
+                      submit_rate=submits / episodes)
+    t.run.log(record)
+    t.evals.append(record)
+    print0(f"rl eval after {rl_step:3d} steps | held-out pass rate level 1 {record['pass_level1']:.3f}, "
+           f"level 2 {record['pass_level2']:.3f} | of calls: tool not found {record['tool_error_rate']:.3f}, "
+           f"'Call' {record['capital_rate']:.3f} | {record['summaries']:.1f} summaries an episode"
+           + (f" | edits unread {record['blind_edit_rate']:.3f}, submitted {record['submit_rate']:.2f}, "
+              f"hack flags {record['hack_flags']}" if code else ""))
+
+
+# What the README promises of the default run, from the first held-out evaluation to the last: RL raises the
+# pass rate (mean of the levels) by PASS_GAIN or more, feedback cuts the "Call" rate by CALL_CUT times or
+# more, and the tool-not-found rate does not rise. Of --rl-tasks code: the pass rate rises by CODE_GAIN or
+# more, edits of unread files and absent tools do not rise, and the monitor flags nothing.
+PASS_GAIN, CALL_CUT, CODE_GAIN = 0.1, 2.0, 0.15
+
+
+def verdict(evals, code):
+    """One line, in words: did RL and feedback do what the README says they do, from the first held-out
+    evaluation to the last?"""
+    first, last = evals[0], evals[-1]
+    pass0, pass1 = ((r["pass_level1"] + r["pass_level2"]) / 2 for r in (first, last))
+    call0, call1 = first["capital_rate"], last["capital_rate"]
+    tnf0, tnf1 = first["tool_error_rate"], last["tool_error_rate"]
+    gain = CODE_GAIN if code else PASS_GAIN
+    checks = [(pass1 - pass0 >= gain, f"the pass rate rose less than {gain}",
+               f"held-out pass rate {pass0:.3f} -> {pass1:.3f} ({pass1 - pass0:+.3f}, README: +{gain} "
+               f"or more)")]
+    if code:
+        blind0, blind1 = first["blind_edit_rate"], last["blind_edit_rate"]
+        flags = sum(r.get("hack_flags", 0) for r in evals)
+        checks += [(blind1 <= blind0, "edits of unread files rose",
+                    f"edits of unread files {blind0:.3f} -> {blind1:.3f} (README: not higher)"),
+                   (flags == 0, "the monitor flagged held-out episodes",
+                    f"{flags:g} held-out episodes flagged (README: 0)")]
+    else:
+        checks += [(call1 * CALL_CUT <= call0, f"'Call' fell less than {CALL_CUT:g}x",
+                    f"'Call' rate {call0:.3f} -> {call1:.3f} ({call0 / max(call1, 1e-9):.1f}x fewer, README: "
+                    f"{CALL_CUT:g}x or more)")]
+    checks += [(tnf1 <= tnf0, "tool-not-found rose",
+                f"tool-not-found rate {tnf0:.3f} -> {tnf1:.3f} (README: not higher)")]
+    failed = [short for good, short, _ in checks if not good]
+    return (f"verdict after {last['rl_step']} RL steps: " +
+            ("NOT as the README expects: " + ", ".join(failed) if failed else
+             "RL learned and feedback removed the habits, as the README expects") +
+            " | " + "; ".join(what for _, _, what in checks))
+
+
+# -----------------------------------------------------------------------------
+# RL's tasks and sampling, shared by the trainer ranks and, with --rollout-ranks, the rollout ranks
+
+
+class RLTasks:
+    """The task family (--rl-tasks), the sampling config, the difficulty sampler; for --rl-tasks code, a task
+    pool a data-parallel rank, the held-out tasks and the verifier. rank, world_size: this process's in its
+    role (trainer or rollout)."""
+
+    def __init__(self, job, rank, world_size):
+        args, self.job, self.rank, self.world_size = job.args, job, rank, world_size
+        self.cfg = GRPOConfig(group_size=args.group_size, max_gen_tokens=args.max_gen_tokens,
+                              kl_coef=args.kl_coef, kl_estimator=args.kl_estimator,
+                              sampler_bits=args.sampler_bits, temperature=args.temperature,
+                              tokenizer=job.tokenizer,
+                              # a coding episode: edits of a few lines, file reads, a context that holds them
+                              **(dict(max_message_tokens=CODE_MESSAGE, context_budget=CODE_BUDGET)
+                                 if job.code else {}))
+        self.make_task, self.make_env = ((tasks.make_chain_task, tasks.ChainEnv) if args.rl_tasks == "long"
+                                         else (tasks.make_tool_task, tasks.ToolEnv))
+        self.difficulty = tasks.DifficultySampler(max_level=len(tasks.MICRO_LEVELS) if job.code
+                                                  else tasks.MAX_DIFFICULTY)
+        self.pools = {}  # --rl-tasks code: a task pool a data rank (micro-repositories, or --task-dir)
+        self.verifier = tasks.Verifier(args.verify_workers) if job.code else None
+
+    def make_ahead(self, bridge):
+        """Start making this rank's first coding tasks and its held-out ones (a rollout rank asks when the
+        trainers say where RL starts)."""
+        if launch_rank() < self.job.trainers and self.job.args.rl_eval_tasks:
+            self.held_out_code(wait=False)
+        if bridge is None:
+            self.code_pool(self.rank).ask(1, range(CODE_USES))
+
+    def code_pool(self, data_rank):
+        """The tasks a data-parallel rank trains on. A rank (or the rollout rank that samples for it) makes
+        its own, in its own sandboxes, from micro-repositories seeded by (seed, rank); each serves CODE_USES
+        groups."""
+        args = self.job.args
+        if data_rank not in self.pools:
+            self.pools[data_rank] = tasks.TaskPool(Path(args.out) / "tasks" / f"rank{data_rank}",
+                                                   f"{args.seed}/{data_rank}", uses=CODE_USES,
+                                                   source=args.task_dir)
+        return self.pools[data_rank]
+
+    def code_env(self, task_dir):
+        return tasks.CodeEnv(task_dir, reply_limit=CODE_REPLY, verifier=self.verifier)
+
+    def held_out_code(self, wait=True):
+        """This rank's held-out coding tasks, [(level, folder)], made from micro-repositories no transcript or
+        training task draws from, the same whatever the world size (slots make found nothing in are left
+        out); with --task-dir, that folder's first tasks of levels 1 and 2 (it has no held-out split).
+        wait=False: only ask for them (they are made while pretraining runs)."""
+        args = self.job.args
+        mine = [(lvl, k) for lvl in (1, 2) for k in range(args.rl_eval_tasks)][self.rank::self.world_size]
+        if args.task_dir:
+            listed = self.code_pool(-1).listed
+            return [(lvl, listed[lvl][k]) for lvl, k in mine if k < len(listed[lvl])]
+        if "held-out" not in self.pools:
+            self.pools["held-out"] = tasks.TaskPool(Path(args.out) / "tasks" / "held-out", "held-out",
+                                                    held_out=True)
+        pool = self.pools["held-out"]
+        for lvl in (1, 2):
+            pool.ask(lvl, [k for lv, k in mine if lv == lvl])
+        return [(lvl, d) for lvl, k in mine for d in [pool.get(lvl, k)] if d is not None] if wait else None
+
+    def episodes(self, rl_step, data_rank):
+        """RL step rl_step's episodes for one data-parallel rank: its groups at the difficulty sampler's
+        level, and the generator that samples them. Every draw is seeded from (seed, RL step, rank), like the
+        data order, so a resumed run draws what the uninterrupted one would have, and a rollout rank draws
+        what the trainer rank would. -> (level, envs, gen)"""
+        args = self.job.args
+        level = self.difficulty.sample(random.Random(f"{args.seed}/{rl_step}"))  # the same level everywhere
+        task_rng = random.Random(f"{args.seed}/{rl_step}/{data_rank}")
+        gen = torch.Generator().manual_seed(task_rng.getrandbits(63))
+        groups = args.tasks_per_step // self.job.trainers  # a rank's share of the step's tasks
+        if self.job.code:
+            return level, [self.code_env(d) for d in (self.code_pool(data_rank).take(level)
+                                                      for _ in range(groups))
+                           for _ in range(args.group_size)], gen
+        return level, [self.make_env(task) for task in (self.make_task(task_rng, level) for _ in range(groups))
+                       for _ in range(args.group_size)], gen
+
+
+def rollout_rank(job, work, rank, world_size, device, bridge):
+    """A rollout rank's whole run: it samples with a whole copy of the policy, whose values come from the
+    trainers, and never trains."""
+    args = job.args
+    torch.manual_seed(args.seed)
+    policy = Transformer(job.cfg).to(device)
+    try:
+        serve_rollouts(policy, bridge, work.cfg, work.episodes, work.difficulty, args.max_staleness, rank,
+                       world_size, (lambda tr: {"verified": work.verifier.stats(),
+                                                "tasks_made": work.code_pool(tr).made}) if job.code else None)
+    except PeerLost as e:  # a trainer stopped
+        peer_lost(e, rank, role="rollout")
+    dist.destroy_process_group()
+    sys.exit(0)
+
+
+def peer_lost(why, rank, role="trainer"):
+    """--rollout-ranks: a rank of the other role stopped, or broke the protocol. This rank says so in one line
+    and exits by itself (a launcher may not stop it)."""
+    print(f"error: {role} rank {rank}: {why}", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+# -----------------------------------------------------------------------------
+# The trainer's process: its place in the layout, the model and optimizer, and what the loops compute with
+
+
+class Trainer:
+    """What the two loops share: the flags (args) and what the checks made of them (job), this process in the
+    layout (rank, device, meshes, its share of a batch), RL's tasks (work), and, as main() builds them, the
+    run folder (run), the data, the model and its optimizer."""
+
+    def __init__(self, job, work, rank, world_size, device, bridge):
+        args, layout = job.args, job.layout
+        self.job, self.args, self.cfg, self.layout, self.work = job, args, job.cfg, layout, work
+        self.rank, self.world_size, self.device, self.bridge = rank, world_size, device, bridge
+        self.bf16 = args.precision == "bf16" or (args.precision == "auto" and device.type == "cuda")
+        self.meshes = build_meshes(layout, device.type)  # dense, expert, and the FSDP sub-meshes of each
+        self.dp_rank, self.cp_rank = layout.coords(rank)
+        self.micro = args.batch_size // args.grad_accum  # sequences in a micro-batch, over all ranks
+        # this rank's share of a micro-batch
+        self.B_local, self.T_local = self.micro // layout.dp, args.seq_len // layout.cp
+        self.world_group = dist.group.WORLD if world_size > 1 else None
+        self.copies = {}  # the RL stage's other weights (RL_COPIES), this rank's shards of them
+        self.evals = []  # this process's held-out RL evaluations
+        self.verified = {}  # --rl-tasks code: the verifier's figures so far
+        self.run = self.data = self.model = self.optimizer = self.amp = None  # main() builds them
+
+
+def build_model(t):
+    """The model, sharded: a preset that cannot fit gets one line, not an out-of-memory crash; each rank
+    materializes just its shards (CP, EP, FSDP2), initialized from the seed or read from --init-from, and the
+    optimizer; a resumed run loads both from its checkpoint."""
+    args, job, device = t.args, t.job, t.device
+    plan, t.checkpoint_bytes = plan_memory(job, args.grad_accum, args.reduce_every_micro_batch, t.bf16)
+    need = sum(plan.values())
+    if device.type == "cuda":
+        available = torch.cuda.mem_get_info(device)[0]
+    else:
+        pages = os.sysconf("SC_AVPHYS_PAGES") if "SC_AVPHYS_PAGES" in getattr(os, "sysconf_names", {}) else None
+        available = pages * os.sysconf("SC_PAGE_SIZE") / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) \
+            if pages else need  # unknown (macOS, Windows): try it
+    if need > available:
+        die(f"preset {args.preset} ({job.total / 1e9:.1f}B parameters) needs ~{need / 2**30:,.0f} GiB a rank "
+            f"({in_gib(plan)}), more than the {available / 2**30:,.0f} GiB free on {device}; see --dry-run")
+    with torch.device("meta"):  # shapes only: each rank materializes just its shards, below
+        model = Transformer(t.cfg)
+    for block in model.layers:
+        block.checkpoint = args.activation_checkpointing
+        block.attn.track_max_logit = args.qk_clip > 0
+        # the block's computation, inside activation checkpointing and FSDP's hooks (as torchtitan)
+        if args.compile:
+            block._forward = torch.compile(block._forward)
+    # one process: autocast
+    t.amp = torch.autocast(device.type, torch.bfloat16, enabled=t.bf16 and t.world_size == 1)
+    parallelize(model, t.layout, t.meshes, t.bf16)  # CP, EP, FSDP2
+    model.to_empty(device=device)
+    if args.init_from and not t.run.resume_path:  # each rank reads the blocks of its own shards
+        try:
+            load_hf(model, args.init_from)
+            err = None
+        except Exception as e:  # a file that fails on one rank stops every rank
+            err = str(e) if isinstance(e, CheckpointError) else f"{args.init_from}: {last_line(e)}"
+        err = agree(t.world_size, err)
+        if err:
+            die(f"--init-from {err}")
+    else:
+        model.init_weights(args.seed)  # values depend on the seed alone, not on the layout
+    t.model = model
+    # the RL stage steps with a Muon of its own (rl()): an RL checkpoint holds that one's state, and the
+    # other weights RL keeps
+    rl_resumed = t.run.rl_resumed
+    t.optimizer = (make_optimizer(t, args.rl_lr, 0.0) if rl_resumed
+                   else make_optimizer(t, args.lr, args.weight_decay))
+    t.copies = {name: Weights(model) for name in job.wanted_copies if rl_resumed}
+    t.run.load(t)
+
+
+def make_optimizer(t, lr, weight_decay):
+    """Muon on the matrices, AdamW on the rest (muon.param_groups); Newton-Schulz in the compute dtype
+    (muon.default_ns_dtype explains why not by the CPU's flags)."""
+    return Muon(param_groups(t.model.named_parameters(), lr=lr, weight_decay=weight_decay),
+                adjust_lr_fn="match_rms_adamw", ns_dtype=torch.bfloat16 if t.bf16 else torch.float32,
+                ns_method=t.args.ns)
+
+
+def clip_grad_norm(t, max_norm):
+    """Clip by the global gradient norm over parameters that live on two meshes: a sum of squares per mesh
+    (one all-reduce each, as a DTensor resolves its partial sum), then combined.
+    -> the norm before clipping"""
+    by_mesh = {}
+    for p in t.model.parameters():
+        if p.grad is not None:
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
+    total_sq = torch.zeros((), device=t.device)
+    for grads in by_mesh.values():
+        sq = sum(g.float().pow(2).sum() for g in grads)
+        total_sq += sq.full_tensor() if isinstance(sq, DTensor) else sq
+    norm = total_sq.sqrt().item()
+    if max_norm > 0 and norm > max_norm:
+        for grads in by_mesh.values():
+            for g in grads:
+                g.mul_(max_norm / (norm + 1e-6))
+    return norm
+
+
+def lr_factor(args, step):
+    """Linear warmup, then cosine from 1 down to 0.1 at the last step."""
+    if step < args.warmup:
+        return (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def sum_over_ranks(t, xs, op="sum"):
+    """Floats summed (or op="max": maximised) over all ranks; as they are at world size 1."""
+    if t.world_size == 1:
+        return [float(x) for x in xs]
+    x = torch.tensor([float(x) for x in xs], dtype=torch.float64, device=t.device)
+    dist.all_reduce(x, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return x.tolist()
+
+
+def mean_over_ranks(t, x):
+    """A float averaged over all ranks (each holds an equal share of tokens)."""
+    return sum_over_ranks(t, [x])[0] / t.world_size
+
+
+@torch.no_grad()
+def evaluate(t):
+    """Mean loss over a fixed set of batches of each split (nanoGPT's estimate_loss), so evaluations at
+    different steps and layouts compare. -> (train_loss, val_loss)"""
+    t.model.eval()
+    losses = []
+    for shards, windows in ((t.data.train_shards, t.data.eval_windows["train"]),
+                            (t.data.val_shards, t.data.eval_windows["val"])):
+        total = 0.0
+        for i in range(0, len(windows), t.micro):
+            x, y, pos = t.data.batch(shards, windows[i:i + t.micro])
+            with t.amp:
+                total += t.model(x, y, pos=pos)[1].item()
+        losses.append(mean_over_ranks(t, total / (len(windows) // t.micro)))
+    t.model.train()
+    return losses
+
+
+PEAK_BF16 = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense, NVIDIA datasheets
+
+
+def device_peak(device, bf16):
+    """-> (FLOP/s, where it comes from), the MFU denominator: a known GPU's datasheet bf16 peak when computing
+    in bf16, else the best square matmul in the compute dtype on this machine. A quick measurement swings from
+    run to run (and the MFU with it), so it is made once, for a few seconds, and kept in
+    ~/.cache/composer-stack under the hash of what it depends on (the CPU or GPU model, torch's version, the
+    dtype, the threads); an unreadable or bad file is measured again."""
+    if device.type == "cuda" and bf16:
+        name = torch.cuda.get_device_name(device)
+        for key, flops in PEAK_BF16.items():
+            if all(word in name for word in key.split()):
+                return flops, f"{key} bf16 datasheet"
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    what = [torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model(), torch.__version__,
+            str(dtype), torch.get_num_threads()]
+    path = CACHE / f"peak-{hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]}.json"
+    matmul = f"{str(dtype).removeprefix('torch.')} matmul"
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        cached = json.loads(path.read_text())
+        if cached["what"] == what and math.isfinite(cached["flops"]) and cached["flops"] > 0:
+            return cached["flops"], f"{matmul} measured {cached['measured']}, cached in {path}"
+    n = 4096 if device.type == "cuda" else 512
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    reps, best, trials, start = 8 if device.type == "cuda" else 2, 0.0, 0, time.perf_counter()
+    # the best of at least 2 s of trials, 3 at least (a CPU without bf16 units takes 0.3 s a bf16 matmul)
+    while trials < 3 or time.perf_counter() - start < 2.0:
+        trials += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = max(best, 2 * n ** 3 * reps / (time.perf_counter() - t0))
+    record = {"flops": best, "what": what, "measured": time.strftime("%Y-%m-%d %H:%M")}
+    keep_in_cache(path, lambda f: f.write(json.dumps(record).encode()))
+    return best, f"{matmul} measured now, cached in {path}"
+
+
+def cpu_model():
+    with contextlib.suppress(OSError):
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def clock(seconds):
+    """Seconds as mm:ss, or h:mm:ss from an hour on."""
+    m, s = divmod(round(seconds), 60)
+    return f"{m // 60}:{m % 60:02d}:{s:02d}" if m >= 60 else f"{m:02d}:{s:02d}"
+
+
+def peak_memory(device):
+    """Bytes this rank has held at most: the CUDA allocator's high-water mark, or the process's peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
 # -----------------------------------------------------------------------------
@@ -427,8 +1034,9 @@ def plot_runs(specs, out=None):
     return out
 
 
-if args.plot:  # draws runs' metrics and exits: no model, no data, no process group
-    if world_size > 1:
+def plot_command(args):
+    """--plot: draw the runs and exit."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         die("--plot draws in one process: run it with python, not torchrun")
     try:
         import matplotlib  # noqa: F401
@@ -438,312 +1046,7 @@ if args.plot:  # draws runs' metrics and exits: no model, no data, no process gr
         print(f"wrote {plot_runs(args.plot, args.plot_out)}")
     except PlotError as e:
         die(f"--plot {e}")
-    sys.exit(0)
-# the optional logging sinks (log() feeds them): a missing package stops every rank now, before any work
-sinks = {}
-for flag, package, module in (("tensorboard", "tensorboard", "torch.utils.tensorboard"),
-                              ("wandb", "wandb", "wandb")):
-    if getattr(args, flag):
-        try:
-            sinks[flag] = importlib.import_module(module)
-        except ImportError:
-            die(f"--{flag} needs the {package} package: pip install {package}")
-if (args.preset or "tiny") not in PRESETS:
-    die(f"unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}")
-cfg: ModelConfig = PRESETS[args.preset or "tiny"]
-hf_base = None  # --init-from: the checkpoint's own config.json, which --save-hf keeps
-if args.init_from:
-    try:
-        cfg, hf_base, left_out = hf_config(args.init_from)
-    except CheckpointError as e:
-        die(f"--init-from {e}")
-    for what in left_out:
-        print0(f"note: --init-from leaves out {what}")
-    preset = PRESETS.get(args.preset)
-    if preset is not None and preset != cfg:
-        differ = [f"{k} {v} (preset {getattr(preset, k)})" for k, v in asdict(cfg).items()
-                  if getattr(preset, k) != v]
-        die(f"--init-from {args.init_from}/config.json disagrees with --preset {args.preset}: "
-            f"{', '.join(differ[:4])}{' ...' if len(differ) > 4 else ''}; drop --preset "
-            "(the checkpoint's config.json is the model)")
-    if args.num_experts not in (None, cfg.num_experts):
-        die(f"--num-experts {args.num_experts}: the checkpoint has {cfg.num_experts} experts a layer; "
-            "drop the flag")
-    if args.data is None and cfg.vocab_size != VOCAB_SIZE and not args.dry_run and args.stage != "rl":
-        die("--init-from needs --data: token shards made with the checkpoint's own tokenizer (vocab "
-            f"{cfg.vocab_size}); the built-in corpus is this project's bytes "
-            "(README: Start from a released model)")
-args.preset = args.preset or ("tiny" if args.init_from is None else Path(args.init_from).name)
-if args.save_hf:  # checked now, not after the run: the nearest folder that exists must be writable
-    above = next(p for p in Path(args.save_hf).absolute().parents if p.exists())
-    if Path(args.save_hf).is_file():
-        die(f"--save-hf {args.save_hf}: a file is in the way")
-    if not (above.is_dir() and os.access(above, os.W_OK)):
-        die(f"--save-hf {args.save_hf}: {above} is not a writable folder")
-if args.num_experts is not None:
-    if not cfg.top_k <= args.num_experts:
-        die(f"--num-experts {args.num_experts} is fewer than the {args.preset} preset's "
-            f"top-{cfg.top_k} routing")
-    cfg = ModelConfig(**{**asdict(cfg), "num_experts": args.num_experts})
-if args.task_dir is not None and args.rl_tasks != "code":
-    die("--task-dir holds feature-deletion tasks: pass --rl-tasks code with it")
-if args.task_dir is not None and not Path(args.task_dir).is_dir():
-    die(f"--task-dir {args.task_dir}: no such folder")
-CODE = args.rl_tasks == "code"
-for flag, default, code in (("seq_len", 256, 640), ("steps", 700, 800), ("batch_size", 8, 4),
-                            ("rl_steps", 16, 12)):
-    if getattr(args, flag) is None:  # the code family's episodes are longer, and need fewer of them
-        setattr(args, flag, code if CODE else default)
-args.max_gen_tokens = args.max_gen_tokens or {"long": 512, "code": 256}.get(args.rl_tasks, 128)
-args.rl_eval_tasks = args.rl_eval_tasks if args.rl_eval_tasks is not None else 24 if CODE else 64
-for flag in ("steps", "batch_size", "grad_accum", "seq_len", "log_every", "eval_every", "eval_batches",
-             "keep", "max_gen_tokens"):
-    if getattr(args, flag) <= 0:
-        die(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
-if args.seq_len > cfg.max_seq_len:
-    die(f"--seq-len {args.seq_len} exceeds the {args.preset} preset's context of {cfg.max_seq_len} tokens")
-if args.lr <= 0:
-    die(f"--lr must be positive, got {args.lr}")
-if args.device == "cuda" and not torch.cuda.is_available():
-    die("--device cuda but no CUDA device is available")
-if args.rollout_ranks or args.max_staleness:
-    if args.max_staleness < 0 or args.rollout_ranks < 0:
-        die(f"--rollout-ranks and --max-staleness must be >= 0, "
-            f"got {args.rollout_ranks} and {args.max_staleness}")
-    if not args.rollout_ranks:
-        die(f"--max-staleness {args.max_staleness} needs --rollout-ranks: without rollout ranks every rank "
-            "samples with the current policy (synchronous RL)")
-    if args.rollout_ranks >= world_size:
-        die(f"--rollout-ranks {args.rollout_ranks} leaves no trainer rank: the launch has {world_size} "
-            "rank(s); launch more (torchrun --nproc_per_node) or roll out on fewer")
-    if args.rollout_ranks > world_size - args.rollout_ranks:
-        die(f"--rollout-ranks {args.rollout_ranks}: a rollout rank samples for whole trainer ranks, so there "
-            "can be at most as many as trainer ranks "
-            f"({world_size - args.rollout_ranks} of the {world_size})")
-    if args.stage != "rl":
-        die("--rollout-ranks: rollout ranks sample RL rollouts only; pass --stage rl (after pretraining, "
-            "--resume it)")
-    if args.dry_run:
-        die("--rollout-ranks: --dry-run plans the trainer ranks; drop --rollout-ranks "
-            "and set --world to them")
-    world_size -= args.rollout_ranks  # every check below is the trainers' world
-if args.world is not None and (not args.dry_run or args.world < 1 or world_size > 1):
-    die("--world plans a layout with --dry-run in one process (torchrun sets the real world size)")
-if args.dry_run:
-    world_size = args.world or world_size
-try:
-    layout = make_layout(world_size, args.dp_replicate, args.cp, args.ep, args.ep_replicate,
-                         num_experts=cfg.num_experts, seq_len=args.seq_len, batch_size=args.batch_size)
-except LayoutError as e:
-    die(f"layout: {e}")
-if args.batch_size // layout.dp % args.grad_accum:
-    die(f"--grad-accum {args.grad_accum} does not divide the {args.batch_size // layout.dp} sequences a rank "
-        f"gets (--batch-size {args.batch_size} over {layout.dp} data-parallel ranks)")
-# RL: the tool tasks, not --data
-args.stage = args.stage or ("pretrain" if args.data or args.init_from else "both")
-# RL writes and reads turns through a tokenizer: this project's bytes, or a released model's own (its
-# tokenizer.json and chat template; a checkpoint of this project's byte vocabulary needs none)
-tokenizer = BYTES
-if args.init_from and args.stage != "pretrain" and not args.dry_run and (
-        cfg.vocab_size != VOCAB_SIZE or Path(args.init_from, "tokenizer.json").exists()):
-    try:
-        tokenizer = HFTokenizer(args.init_from, cfg.vocab_size)
-    except TokenizerError as e:
-        die(f"--init-from {e}")
-if args.stage == "rl" and not (args.resume or args.init_from) and args.init != "scratch":
-    die("--stage rl needs a model to start from: run `python train.py --stage pretrain` first, then "
-        "`python train.py --stage rl --resume` (or pass --init scratch to start RL from random weights)")
-if args.stage != "pretrain":
-    args.tasks_per_step = args.tasks_per_step or -(-(4 if CODE else 8) // world_size) * world_size
-    if min(args.rl_steps, args.tasks_per_step, args.rl_lr, args.rl_eval_every) <= 0 or args.group_size < 2:
-        die("the RL stage needs --rl-steps, --tasks-per-step, --rl-lr and --rl-eval-every > 0, "
-            "--group-size >= 2")
-    if args.rl_eval_tasks < 0:
-        die(f"--rl-eval-tasks must be >= 0 (0: no held-out evaluation), got {args.rl_eval_tasks}")
-    if args.temperature <= 0 or not 0 <= args.feedback_ema_decay < 1 or args.ppo_epochs < 1:
-        die("--temperature must be > 0, --feedback-ema-decay in [0, 1), --ppo-epochs >= 1")
-    if not 1 <= args.ppo_minibatches <= args.tasks_per_step // world_size:
-        die(f"--ppo-minibatches {args.ppo_minibatches}: each is whole groups, and a rank has "
-            f"{args.tasks_per_step // world_size} (--tasks-per-step {args.tasks_per_step} "
-            f"over {world_size} ranks)")
-    args.feedback_rules = args.feedback_rules or ("tool_not_found,read_first" if CODE
-                                                  else "tool_not_found,capital")
-    unknown = set(args.feedback_rules.split(",")) - {name for name, _ in RULES}
-    if unknown:
-        die(f"--feedback-rules: unknown rule(s) {', '.join(sorted(unknown))}; choose from "
-            f"{', '.join(n for n, _ in RULES)}")
-    if args.tasks_per_step % world_size:
-        die(f"--tasks-per-step {args.tasks_per_step} does not split over {world_size} ranks (each samples "
-            f"its own groups); pass a multiple of {world_size}, e.g. --tasks-per-step "
-            f"{-(-args.tasks_per_step // world_size) * world_size}")
-RL_COPIES = {"reference": "--kl-coef > 0", "teacher": "--feedback-teacher frozen or ema"}
-wanted_copies = {name for name, on in (("reference", args.kl_coef > 0),
-                                       ("teacher", args.feedback_teacher != "current"))
-                 if on and args.stage != "pretrain"}
 
-
-# -----------------------------------------------------------------------------
-# Memory plan (model.memory_plan): what a rank holds at its peak, from shapes alone, so a layout can be
-# sized before any GPU is booked (--dry-run), and a preset that cannot fit stops with one line, not an
-# out-of-memory crash.
-
-
-def plan_memory(accum, reduce_each, bf16):
-    """model.memory_plan for this run's layout and flags (RL's too when the run has an RL stage)."""
-    rl = {}
-    if args.stage != "pretrain":  # the trainer's forward over a data-parallel group's rollouts, estimated at
-        # 3 x --max-gen-tokens tokens a trajectory (its own, about as many of prompt, replies, summaries,
-        # padding)
-        per_group = args.tasks_per_step * args.group_size // (layout.world // layout.cp)
-        rl = dict(rl_tokens=per_group * 3 * args.max_gen_tokens,
-                  sample_gathered=args.sample_gather == "rollout",
-                  rl_copies=len(wanted_copies) + (args.sampler_bits > 0))
-    muon_params = param_groups(meta_model.named_parameters(), lr=1.0, weight_decay=0.0)[0]["params"]
-    return memory_plan(meta_model, layout, muon_params, bf16=bf16, accum=accum, reduce_each=reduce_each,
-                       checkpointing=args.activation_checkpointing, batch_size=args.batch_size,
-                       seq_len=args.seq_len, **rl)
-
-
-def in_gib(plan):
-    return ", ".join(f"{k} {v / 2**30:,.2f}" for k, v in plan.items())
-
-
-with torch.device("meta"):  # shapes only
-    meta_model = Transformer(cfg)
-total, active = param_counts(meta_model)
-if args.dry_run:  # everything above ran as it would under torchrun; nothing below is allocated
-    bf16 = args.precision != "fp32"  # plans are for GPUs, where auto means bf16
-    # a rank's sequences a step; --grad-accum 1: the fewest micro-batches that fit
-    rows = args.batch_size // layout.dp
-    tries = [(n, each) for n in ([args.grad_accum] if args.grad_accum > 1 else
-                                 [n for n in range(1, rows + 1) if rows % n == 0])
-             for each in sorted({args.reduce_every_micro_batch, n > 1})]  # no-sync first, where it is allowed
-    plans = {t: plan_memory(*t, bf16) for t in tries}
-    accum, each = next((t for t in tries if sum(plans[t][0].values()) <= args.gpu_mem * 2**30), tries[0])
-    plan, checkpoint_bytes = plans[accum, each]
-    print(f"preset {args.preset}: {total / 1e9:.2f}B parameters, {active / 1e9:.2f}B active | world "
-          f"{world_size}: dense (dp_replicate={layout.dp_replicate}, dp_shard={layout.dp_shard}, "
-          f"cp={layout.cp}), experts (ep_replicate={layout.ep_replicate}, ep_shard={layout.ep_shard}, "
-          f"ep={layout.ep}), {cfg.num_experts // layout.ep} experts a rank | {rows // accum} x "
-          f"{args.seq_len // layout.cp} tokens a rank a forward, {accum} micro-batch{'es' * (accum > 1)} a "
-          f"step (--grad-accum {accum}{' --reduce-every-micro-batch' * each}) | "
-          f"{'bf16' if bf16 else 'fp32'} compute"
-          f"{', activation checkpointing' if args.activation_checkpointing else ''}")
-    if args.stage != "pretrain":
-        kept = sorted(wanted_copies) + ["8-bit sampler"] * (args.sampler_bits > 0)
-        print(f"RL stage: {args.tasks_per_step * args.group_size // (layout.world // layout.cp)} "
-              f"trajectories a data-parallel group a step, ~{3 * args.max_gen_tokens} tokens each "
-              f"(estimated) | other weights kept as shards: {', '.join(kept) or 'none'}")
-    fits = sum(plan.values()) <= args.gpu_mem * 2**30
-    print(f"memory a rank (GiB): {in_gib(plan)} | total {sum(plan.values()) / 2**30:,.2f}, "
-          f"{'within' if fits else 'MORE THAN'} --gpu-mem {args.gpu_mem:g} | a checkpoint (all ranks) "
-          f"{checkpoint_bytes / 2**30:,.2f} GiB on disk")
-    sys.exit(0)
-
-# RL's tasks and sampling, shared by the trainer ranks and, with --rollout-ranks, the rollout ranks.
-# --rl-tasks code: an assistant message holds an edit of a few lines; a segment holds the opening, a file's
-# lines and the edits (past the budget, a summary); a reply is cut to what that context holds; a task made
-# serves CODE_USES groups (make takes about 2.5 s a micro-repository task on a 2-core CPU); the transcripts
-# mix has CODE_SHARE coding episodes.
-CODE_MESSAGE, CODE_BUDGET, CODE_REPLY, CODE_USES, CODE_SHARE = 64, 480, 200, 2, 0.9
-trainers = world_size  # the ranks that train (all but the rollout ranks)
-grpo_cfg = GRPOConfig(group_size=args.group_size, max_gen_tokens=args.max_gen_tokens, kl_coef=args.kl_coef,
-                      kl_estimator=args.kl_estimator, sampler_bits=args.sampler_bits,
-                      temperature=args.temperature, tokenizer=tokenizer,
-                      # a coding episode: edits of a few lines, file reads, a context that holds them
-                      **(dict(max_message_tokens=CODE_MESSAGE, context_budget=CODE_BUDGET) if CODE else {}))
-make_task, make_env = ((tasks.make_chain_task, tasks.ChainEnv) if args.rl_tasks == "long" else
-                       (tasks.make_tool_task, tasks.ToolEnv))
-difficulty = tasks.DifficultySampler(max_level=len(tasks.MICRO_LEVELS) if CODE else tasks.MAX_DIFFICULTY)
-code_pools = {}  # --rl-tasks code: a task pool a data rank (micro-repositories, or --task-dir)
-
-
-def code_pool(data_rank):
-    """The tasks a data-parallel rank trains on. A rank (or the rollout rank that samples for it) makes its
-    own, in its own sandboxes, from micro-repositories seeded by (seed, rank); each serves CODE_USES
-    groups."""
-    if data_rank not in code_pools:
-        code_pools[data_rank] = tasks.TaskPool(Path(args.out) / "tasks" / f"rank{data_rank}",
-                                               f"{args.seed}/{data_rank}", uses=CODE_USES,
-                                               source=args.task_dir)
-    return code_pools[data_rank]
-
-
-verifier = tasks.Verifier(args.verify_workers) if CODE else None
-
-
-def code_env(task_dir):
-    return tasks.CodeEnv(task_dir, reply_limit=CODE_REPLY, verifier=verifier)
-
-
-def held_out_code(wait=True):
-    """This rank's held-out coding tasks, [(level, folder)], made from micro-repositories no transcript or
-    training task draws from, the same whatever the world size (slots make found nothing in are left out);
-    with --task-dir, that folder's first tasks of levels 1 and 2 (it has no held-out split). wait=False: only
-    ask for them (they are made while pretraining runs)."""
-    mine = [(lvl, k) for lvl in (1, 2) for k in range(args.rl_eval_tasks)][rank::world_size]
-    if args.task_dir:
-        listed = code_pool(-1).listed
-        return [(lvl, listed[lvl][k]) for lvl, k in mine if k < len(listed[lvl])]
-    if "held-out" not in code_pools:
-        code_pools["held-out"] = tasks.TaskPool(Path(args.out) / "tasks" / "held-out", "held-out",
-                                                held_out=True)
-    pool = code_pools["held-out"]
-    for lvl in (1, 2):
-        pool.ask(lvl, [k for lv, k in mine if lv == lvl])
-    return [(lvl, d) for lvl, k in mine for d in [pool.get(lvl, k)] if d is not None] if wait else None
-
-
-def episodes(rl_step, data_rank):
-    """RL step rl_step's episodes for one data-parallel rank: its groups at the difficulty sampler's level,
-    and the generator that samples them. Every draw is seeded from (seed, RL step, rank), like the data order,
-    so a resumed run draws what the uninterrupted one would have, and a rollout rank draws what the trainer
-    rank would. -> (level, envs, gen)"""
-    level = difficulty.sample(random.Random(f"{args.seed}/{rl_step}"))  # the same level on every rank
-    task_rng = random.Random(f"{args.seed}/{rl_step}/{data_rank}")
-    gen = torch.Generator().manual_seed(task_rng.getrandbits(63))
-    groups = args.tasks_per_step // trainers  # a rank's share of the step's tasks
-    if CODE:
-        return level, [code_env(d) for d in (code_pool(data_rank).take(level) for _ in range(groups))
-                       for _ in range(args.group_size)], gen
-    return level, [make_env(task) for task in (make_task(task_rng, level) for _ in range(groups))
-                   for _ in range(args.group_size)], gen
-
-
-rank, local_rank, world_size, device, bridge = init_distributed(
-    None if args.device == "auto" else args.device, args.rollout_ranks)
-bridge = Bridge(bridge, trainers) if bridge is not None else None
-if CODE and args.stage != "pretrain" and not args.dry_run:  # tasks are made while pretraining runs
-    if launch_rank < trainers and args.rl_eval_tasks:
-        held_out_code(wait=False)
-    for r in [rank] if bridge is None else []:  # (a rollout rank asks when the trainers say where RL starts)
-        code_pool(r).ask(1, range(CODE_USES))
-
-
-def peer_lost(why):
-    """--rollout-ranks: a rank of the other role stopped, or broke the protocol. This rank says so in one line
-    and exits by itself (a launcher may not stop it)."""
-    role = "rollout" if launch_rank >= trainers else "trainer"
-    print(f"error: {role} rank {rank}: {why}", file=sys.stderr, flush=True)
-    sys.exit(1)
-
-
-if bridge is not None and launch_rank >= trainers:  # a rollout rank: it samples and never trains
-    torch.manual_seed(args.seed)
-    policy = Transformer(cfg).to(device)  # whole; its values come from the trainers
-    try:
-        serve_rollouts(policy, bridge, grpo_cfg, episodes, difficulty, args.max_staleness, rank, world_size,
-                       (lambda t: {"verified": verifier.stats(), "tasks_made": code_pool(t).made}) if CODE
-                       else None)
-    except PeerLost as e:  # a trainer stopped
-        peer_lost(e)
-    dist.destroy_process_group()
-    sys.exit(0)
-bf16 = args.precision == "bf16" or (args.precision == "auto" and device.type == "cuda")
-dense_mesh, expert_mesh, dense_fsdp_mesh, expert_fsdp_mesh = build_meshes(layout, device.type)
-dp_rank, cp_rank = layout.coords(rank)
-micro = args.batch_size // args.grad_accum  # sequences in a micro-batch, over all ranks
-B_local, T_local = micro // layout.dp, args.seq_len // layout.cp  # this rank's share of a micro-batch
 
 # -----------------------------------------------------------------------------
 # The run folder: --out holds metrics.jsonl and the checkpoints step-NNNNNNNN/. A checkpoint is written as
@@ -754,22 +1057,329 @@ B_local, T_local = micro // layout.dp, args.seq_len // layout.cp  # this rank's 
 # second run out. The file-system work is rank 0's (or split over the ranks); every verdict is shared, so all
 # ranks act alike.
 
-out = Path(args.out)
-lock = out / "train.lock"
-warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # DCP in one process: intended
 
+class Run:
+    """The run folder of one process: its lock, the checkpoint --resume continues from (meta, resume_path),
+    saving and loading checkpoints, metrics.jsonl (and --tensorboard, --wandb), and the signals that stop the
+    run at a step's end."""
 
-def agree(err):
-    """-> the error of the lowest rank that has one, or None, on every rank (each passes its own or None)."""
-    if world_size > 1:
-        errs = [None] * world_size
-        dist.all_gather_object(errs, err)
-        err = next((e for e in errs if e), None)
-    return err
+    def __init__(self, t, started):
+        self.args, self.rank, self.world_size, self.started = t.args, t.rank, t.world_size, started
+        self.out = Path(t.args.out)
+        self.lock = self.out / "train.lock"
+        self.stop_signal, self.metrics_lines = None, 0
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # DCP in one process
+        err = agree(self.world_size, self.take_out_folder() if is_rank0() else None)
+        if err:
+            die(err)
+        self.meta, self.resume_path = self.find_resume(t.job.wanted_copies)
+        self.rl_resumed = self.meta is not None and self.meta.get("stage") == "rl"
+        self.start_step = self.meta["step"] if self.meta else 0
 
+    def take_out_folder(self):
+        """Rank 0: create --out, take its lock (or refuse), clear what killed runs left. -> error line or
+        None"""
+        out, lock = self.out, self.lock
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            me = out / f".train.lock.{socket.gethostname()}.{os.getpid()}"
+            me.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                      "started": time.ctime()}))
+        except OSError as e:
+            return f"--out {out} is not writable ({e.strerror or e})"
+        try:
+            while True:
+                try:
+                    os.link(me, lock)  # atomic, and the lock is complete when it appears
+                    break
+                except FileExistsError:
+                    pass
+                except OSError as e:  # a file system without hard links
+                    return f"--out {out} cannot hold a lock file ({e.strerror or e})"
+                try:
+                    other = json.loads(lock.read_text())
+                except FileNotFoundError:
+                    continue  # released meanwhile
+                except (OSError, ValueError):
+                    other = {}
+                if other.get("host") != socket.gethostname() or pid_alive(other.get("pid")):
+                    return (f"--out {out} is in use by another run (pid {other.get('pid')} on host "
+                            f"{other.get('host')}, started {other.get('started')}); wait for it or choose "
+                            f"another --out (remove {lock} if that run is gone)")
+                lock.unlink(missing_ok=True)  # its process is dead: a stale lock
+                print0(f"note: took over the lock of a run that no longer runs (pid {other.get('pid')})")
+        finally:
+            me.unlink(missing_ok=True)
+        atexit.register(self.release_lock)
+        left = [p for p in out.glob("step-*") if p.suffix in (".tmp", ".del") and p.is_dir()]
+        for p in left:
+            shutil.rmtree(p)
+        if left:
+            print0(f"note: removed {len(left)} unfinished checkpoint folder(s) left by a killed run: "
+                   + ", ".join(p.name for p in left))
+        return None
 
-def checkpoints():
-    return sorted(p for p in out.glob("step-*") if p.is_dir() and re.fullmatch(r"step-\d{8}", p.name))
+    def release_lock(self):
+        with contextlib.suppress(OSError, ValueError):
+            if json.loads(self.lock.read_text())["pid"] == os.getpid():
+                self.lock.unlink()
+
+    def checkpoints(self):
+        return sorted(p for p in self.out.glob("step-*") if p.is_dir() and re.fullmatch(r"step-\d{8}", p.name))
+
+    def damage(self, path):
+        """-> None when the checkpoint's files match the checksums in its meta.json, else what is wrong with
+        it. Each rank reads its share of the files."""
+        try:
+            files = read_meta(path)["files"]
+            for name in sorted(files)[self.rank::self.world_size]:
+                if sha256(path / name) != files[name]:
+                    return f"{name} does not match its checksum"
+        except FileNotFoundError as e:
+            return f"{Path(e.filename).name} is missing"
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            return f"unreadable meta.json ({type(e).__name__}: {e})"
+        return None
+
+    def find_resume(self, wanted_copies):
+        """--resume: the newest intact checkpoint (or the one named), checked against what the run does from
+        there. -> (its meta.json, its path), or (None, None)"""
+        args, out = self.args, self.out
+        meta, resume_path = None, None
+        if args.resume:
+            named = args.resume != "latest"
+            found = [Path(args.resume)] if named else self.checkpoints()[::-1]
+            if named and not (found[0] / "meta.json").is_file():
+                die(f"--resume {args.resume}: not a checkpoint folder (no meta.json in it)")
+            if not found:
+                die(f"--resume: no checkpoint in {out} (expected a step-NNNNNNNN folder); start without "
+                    "--resume")
+            for path in found:
+                err = agree(self.world_size, self.damage(path))
+                if not err:
+                    meta, resume_path = read_meta(path), path
+                    break
+                if named or path == found[-1]:
+                    die(f"--resume: checkpoint {path} is corrupt ({err})" +
+                        ("" if named else "; no intact checkpoint in " + str(out)))
+                print0(f"warning: checkpoint {path} is corrupt ({err}); resuming from an older one",
+                       file=sys.stderr)
+            if meta.get("stage") == "rl" and args.stage == "pretrain":
+                die(f"--resume: {resume_path} was written by the RL stage; pretraining does not continue from "
+                    f"an RL checkpoint (pass --stage rl, or --resume with a pretraining checkpoint)")
+            if meta.get("stage") == "rl" and meta["rl_step"] >= args.rl_steps:
+                die(f"--resume: {resume_path} is already at RL step {meta['rl_step']} of --rl-steps "
+                    f"{args.rl_steps}; raise --rl-steps to continue RL")
+            if meta.get("stage") != "rl" and meta["step"] >= args.steps and args.stage == "pretrain":
+                die(f"--resume: {resume_path} is already at step {meta['step']} of --steps {args.steps}; "
+                    "raise --steps to continue pretraining, or pass --stage rl to start RL from it")
+            for name, flag in RL_COPIES.items():
+                if meta.get("stage") == "rl" and name in wanted_copies and name not in meta.get("copies", []):
+                    die(f"--resume: {resume_path} holds no {name} (it was written without {flag}); resume "
+                        "without it")
+        if self.checkpoints() and (resume_path is None or resume_path.resolve().parent != out.resolve()):
+            die(f"--out {out} already holds {self.checkpoints()[-1].name}, which this run would delete as it "
+                "saves its own; pass --resume to continue from it, or choose another --out")
+        return meta, resume_path
+
+    @staticmethod
+    def state_dicts(t):
+        model_sd, optim_sd = get_state_dict(t.model, t.optimizer)
+        return {"model": model_sd, "optim": optim_sd,
+                **{name: w.state_dict(t.model) for name, w in t.copies.items()}}
+
+    def load(self, t):
+        """The checkpoint --resume found, into the model, the optimizer, the RL copies and the data
+        position."""
+        if not self.meta:
+            return
+        if self.meta["config"] != asdict(t.cfg):
+            die(f"--resume: {self.resume_path} holds a different model (preset {self.meta['args']['preset']!r}, "
+                f"vocab {self.meta['config']['vocab_size']}) than this run ({self.args.preset!r}, vocab "
+                f"{t.cfg.vocab_size})")
+        state = self.state_dicts(t)
+        logging.disable(logging.ERROR)  # DCP logs tracebacks of what it cannot read; we report it in one line
+        try:
+            # reshards: any writer layout loads
+            dcp.load(state, checkpoint_id=self.resume_path, no_dist=self.world_size == 1)
+            set_state_dict(t.model, t.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
+        except (Exception, CheckpointException) as e:
+            # its checksums passed, so this is not damage: say what it is
+            die(f"--resume: checkpoint {self.resume_path} is intact but does not load into this run "
+                f"({last_line(e)})")
+        logging.disable(logging.NOTSET)
+        t.data.train_windows.pos = self.meta["data_pos"]  # the next unseen window
+
+    def begin(self, t):
+        """metrics.jsonl and the sinks opened, the run's start recorded, the signal handlers, the disk checked
+        for room, and the banner line."""
+        args, out = self.args, self.out
+        # metrics.jsonl is append-only: every record is flushed as it is written, and each run (fresh or
+        # resumed) first writes {"event": "start", "keep": K}: of the lines above it only the first K belong to
+        # the run's history (records past the resumed checkpoint are about to be redone). A reader applies that
+        # rule, as read_metrics (--plot) does.
+        self.metrics_path = out / "metrics.jsonl"
+        if is_rank0():
+            text = self.metrics_path.read_bytes() if self.metrics_path.exists() else b""
+            cut = text.rfind(b"\n") + 1  # a run killed mid-write leaves its last record torn
+            if cut < len(text):
+                os.truncate(self.metrics_path, cut)
+                print(f"warning: {self.metrics_path}: dropped a torn last line ({len(text) - cut} bytes) "
+                      "written as a run was killed", file=sys.stderr, flush=True)
+            self.metrics_lines = text[:cut].count(b"\n")
+            self.metrics = open(self.metrics_path, "a")
+        # --tensorboard, --wandb: rank 0 sends them what it writes to metrics.jsonl, and closes them at exit
+        sinks = t.job.sinks
+        self.tensorboard = (sinks["tensorboard"].SummaryWriter(args.tensorboard)
+                            if is_rank0() and "tensorboard" in sinks else None)
+        self.wandb_run = (sinks["wandb"].init(project=args.wandb, config=vars(args))
+                          if is_rank0() and "wandb" in sinks else None)
+        if self.tensorboard:
+            atexit.register(self.tensorboard.close)
+        if self.wandb_run:
+            atexit.register(self.wandb_run.finish)
+        same_folder = self.resume_path is not None and self.resume_path.resolve().parent == out.resolve()
+        self.log({"event": "start",
+                  "keep": (min(self.meta.get("metrics_lines", self.metrics_lines), self.metrics_lines)
+                           if same_folder else 0),
+                  "step": self.start_step, "resumed_from": str(self.resume_path) if self.resume_path else None,
+                  "argv": sys.argv[1:], "world_size": self.world_size})
+        # SIGINT (Ctrl-C) and SIGTERM (a preempted job; torchrun passes it on) finish the current step on every
+        # rank, which agree at the step's end (the flag rides on the loss's all-reduce), save it and print how
+        # to resume.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self.on_signal)
+        free = shutil.disk_usage(out).free if is_rank0() else 0
+        err = agree(self.world_size,
+                    f"--out {out} has {free / 2**20:,.0f} MiB free, less than two checkpoints need "
+                    f"({2 * t.checkpoint_bytes / 2**20:,.0f} MiB: one being written while the last one is kept)"
+                    if is_rank0() and free < 2 * t.checkpoint_bytes else None)
+        if err:
+            die(err)
+        t.peak, peak_source = device_peak(t.device, t.bf16)  # per rank
+        layout, data, cfg = t.layout, t.data, t.cfg
+        print0(f"preset {args.preset}: {t.job.total / 1e6:.2f}M parameters, {t.job.active / 1e6:.2f}M active | "
+               f"{sum(map(len, data.train_shards)):,} train / {sum(map(len, data.val_shards)):,} val tokens in "
+               f"{len(data.train_shards)} + {len(data.val_shards)} shards | {t.world_size} x {t.device} "
+               f"({torch.get_num_threads()} threads each) | dense mesh (dp_replicate={layout.dp_replicate}, "
+               f"dp_shard={layout.dp_shard}, cp={layout.cp}) expert mesh (ep_replicate={layout.ep_replicate}, "
+               f"ep_shard={layout.ep_shard}, ep={layout.ep})" +
+               (f", {cfg.num_experts // layout.ep} experts a rank, FSDP "
+                f"Shard({expert_shard_dim(layout, cfg.num_experts)})" if t.world_size > 1 else "") +
+               f" | {'bf16' if t.bf16 else 'fp32'} compute | peak {t.peak / 1e9:,.1f} GFLOP/s a rank "
+               f"({peak_source}) | {peak_memory(t.device) / 2**30:.2f} GiB peak so far (rank 0)")
+        if self.resume_path:
+            print0(f"resumed from {self.resume_path} at step {self.start_step}" +
+                   (f" (RL step {self.meta['rl_step']})" if self.rl_resumed else ""))
+
+    def log(self, record):
+        """A record to metrics.jsonl (the source of truth), with its wall-clock time and the seconds since the
+        run started; its numbers to the sinks too, keyed by stage (pretrain/loss, rl/reward,
+        rl_eval/pass_level1)."""
+        if not is_rank0():
+            return
+        now = time.time()
+        record = {**record, "time": now, "elapsed": now - self.started}
+        self.metrics.write(json.dumps(record) + "\n")
+        self.metrics.flush()
+        self.metrics_lines += 1
+        if (self.tensorboard or self.wandb_run) and "event" not in record:
+            scalars = {f"{record.get('stage', 'pretrain')}/{k}": v for k, v in record.items()
+                       if type(v) in (int, float) and k not in ("step", "time", "elapsed")}
+            if self.tensorboard:
+                for key, value in scalars.items():
+                    self.tensorboard.add_scalar(key, value, record["step"])
+            if self.wandb_run:
+                self.wandb_run.log(scalars, step=record["step"])
+
+    def save(self, t, step, **run_state):
+        """Every rank writes its shards into step-N.tmp and checksums its share of the files; rank 0 writes
+        meta.json (the step, run_state, the data position, the checksums, how many metrics lines the run has
+        so far), fsyncs it and renames the folder, then retires old checkpoints. A failure (a full disk, above
+        all) removes the partial folder and stops every rank with one line."""
+        out, world_size = self.out, self.world_size
+        path, tmp = out / f"step-{step:08d}", out / f"step-{step:08d}.tmp"
+        sums, err = {}, None
+        try:
+            dcp.save(self.state_dicts(t), storage_writer=FileSystemWriter(tmp, sync_files=True),
+                     no_dist=world_size == 1)
+            sums = {f: sha256(tmp / f) for f in sorted(f.name for f in tmp.iterdir())[self.rank::world_size]}
+        except (Exception, CheckpointException) as e:
+            err = self.save_failure(e, path, t.checkpoint_bytes)
+        parts = [(err, sums)]
+        if world_size > 1:
+            parts = [None] * world_size
+            dist.all_gather_object(parts, (err, sums))
+        err = next((e for e, _ in parts if e), None)
+        if is_rank0() and not err:
+            try:
+                meta = {"step": step, **run_state, "data_pos": t.data.train_windows.pos,
+                        "metrics_lines": self.metrics_lines, "copies": sorted(t.copies),
+                        "config": asdict(t.cfg), "args": vars(self.args),
+                        "files": {f: h for _, s in parts for f, h in s.items()}}
+                with open(tmp / "meta.json", "w") as f:
+                    json.dump(meta, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                if path.exists():  # a damaged one that --resume passed over
+                    retire(path)
+                os.replace(tmp, path)
+                fsync_dir(out)
+                self.retire_old()
+            except OSError as e:
+                err = self.save_failure(e, path, t.checkpoint_bytes)
+        err = agree(world_size, err)
+        if err:
+            if is_rank0():
+                shutil.rmtree(tmp, ignore_errors=True)
+            die(err)
+
+    def save_failure(self, e, path, checkpoint_bytes):
+        """-> one line for an exception raised while saving. torch's writer hides a full disk as 'unexpected
+        pos', so a failure with less than a checkpoint's size free is called what it is."""
+        free = shutil.disk_usage(self.out).free
+        if getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e) or free < checkpoint_bytes:
+            return (f"no space left on device: checkpoint {path} could not be written "
+                    f"({free / 2**20:,.0f} MiB free, a checkpoint takes ~{checkpoint_bytes / 2**20:,.0f} MiB); "
+                    "the partial checkpoint was removed and the run stopped; free space, then resume")
+        return f"checkpoint {path} could not be written ({last_line(e)})"
+
+    def retire_old(self):
+        """Keep the newest --keep checkpoints and the last one of each stage: RL never deletes the pretrained
+        model."""
+        found = self.checkpoints()
+        stages = {}
+        for p in found:
+            with contextlib.suppress(OSError, ValueError):
+                stages[p] = read_meta(p).get("stage")
+        keep = set(found[-self.args.keep:])
+        for stage in ("pretrain", "rl"):
+            keep.update([p for p in found if stages.get(p) == stage][-1:])
+        for p in found:
+            if p not in keep:
+                retire(p)
+
+    def on_signal(self, signum, frame):
+        self.stop_signal = self.stop_signal or signum
+
+    def stop_here(self, t, step, saved, **run_state):
+        """A signal stopped the run at this step: save it (unless just saved), print how to resume, exit."""
+        if not saved:
+            self.save(t, step, **run_state)
+        world_size = self.world_size
+        sig = signal.Signals(self.stop_signal or signal.SIGTERM)  # the rank that got it may not be this one
+        argv = [a for a in sys.argv[1:] if not a.startswith("--resume=")]  # the same flags, resuming from --out
+        if "--resume" in argv:
+            i = argv.index("--resume")
+            del argv[i:i + (1 if self.args.resume == "latest" else 2)]
+        launcher = ["python"] if world_size == 1 else \
+            ["torchrun", f"--nproc_per_node={os.environ.get('LOCAL_WORLD_SIZE', world_size)}"] + \
+            ([f"--nnodes={world_size // int(os.environ['LOCAL_WORLD_SIZE'])}", "<your rendezvous flags>"]
+             if int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) != world_size else [])
+        print0(f"stopped by {sig.name} after step {step} (checkpoint {self.out / f'step-{step:08d}'}); resume "
+               f"with: {shlex.join(launcher + [sys.argv[0]] + argv + ['--resume'])}", file=sys.stderr)
+        sys.exit(128 + sig)
 
 
 def read_meta(path):
@@ -784,21 +1394,6 @@ def sha256(path):
     return h.hexdigest()
 
 
-def damage(path):
-    """-> None when the checkpoint's files match the checksums in its meta.json, else what is wrong with it.
-    Each rank reads its share of the files."""
-    try:
-        files = read_meta(path)["files"]
-        for name in sorted(files)[rank::world_size]:
-            if sha256(path / name) != files[name]:
-                return f"{name} does not match its checksum"
-    except FileNotFoundError as e:
-        return f"{Path(e.filename).name} is missing"
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"unreadable meta.json ({type(e).__name__}: {e})"
-    return None
-
-
 def pid_alive(pid):
     try:
         os.kill(pid, 0)
@@ -809,91 +1404,18 @@ def pid_alive(pid):
     return True
 
 
-def release_lock():
-    with contextlib.suppress(OSError, ValueError):
-        if json.loads(lock.read_text())["pid"] == os.getpid():
-            lock.unlink()
+def fsync_dir(path):
+    if os.name == "posix":  # the rename itself reaches the disk
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
 
 
-def take_out_folder():
-    """Rank 0: create --out, take its lock (or refuse), clear what killed runs left. -> error line or None"""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        me = out / f".train.lock.{socket.gethostname()}.{os.getpid()}"
-        me.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.ctime()}))
-    except OSError as e:
-        return f"--out {out} is not writable ({e.strerror or e})"
-    try:
-        while True:
-            try:
-                os.link(me, lock)  # atomic, and the lock is complete when it appears
-                break
-            except FileExistsError:
-                pass
-            except OSError as e:  # a file system without hard links
-                return f"--out {out} cannot hold a lock file ({e.strerror or e})"
-            try:
-                other = json.loads(lock.read_text())
-            except FileNotFoundError:
-                continue  # released meanwhile
-            except (OSError, ValueError):
-                other = {}
-            if other.get("host") != socket.gethostname() or pid_alive(other.get("pid")):
-                return (f"--out {out} is in use by another run (pid {other.get('pid')} on host "
-                        f"{other.get('host')}, started {other.get('started')}); wait for it or choose "
-                        f"another --out (remove {lock} if that run is gone)")
-            lock.unlink(missing_ok=True)  # its process is dead: a stale lock
-            print0(f"note: took over the lock of a run that no longer runs (pid {other.get('pid')})")
-    finally:
-        me.unlink(missing_ok=True)
-    atexit.register(release_lock)
-    left = [p for p in out.glob("step-*") if p.suffix in (".tmp", ".del") and p.is_dir()]
-    for p in left:
-        shutil.rmtree(p)
-    if left:
-        print0(f"note: removed {len(left)} unfinished checkpoint folder(s) left by a killed run: "
-               + ", ".join(p.name for p in left))
-    return None
-
-
-err = agree(take_out_folder() if is_rank0 else None)
-if err:
-    die(err)
-
-# --resume: the newest intact checkpoint (or the one named), and what the run does from there
-meta, resume_path = None, None
-if args.resume:
-    named = args.resume != "latest"
-    found = [Path(args.resume)] if named else checkpoints()[::-1]
-    if named and not (found[0] / "meta.json").is_file():
-        die(f"--resume {args.resume}: not a checkpoint folder (no meta.json in it)")
-    if not found:
-        die(f"--resume: no checkpoint in {out} (expected a step-NNNNNNNN folder); start without --resume")
-    for path in found:
-        err = agree(damage(path))
-        if not err:
-            meta, resume_path = read_meta(path), path
-            break
-        if named or path == found[-1]:
-            die(f"--resume: checkpoint {path} is corrupt ({err})" +
-                ("" if named else "; no intact checkpoint in " + str(out)))
-        print0(f"warning: checkpoint {path} is corrupt ({err}); resuming from an older one", file=sys.stderr)
-    if meta.get("stage") == "rl" and args.stage == "pretrain":
-        die(f"--resume: {resume_path} was written by the RL stage; pretraining does not continue from an RL "
-            f"checkpoint (pass --stage rl, or --resume with a pretraining checkpoint)")
-    if meta.get("stage") == "rl" and meta["rl_step"] >= args.rl_steps:
-        die(f"--resume: {resume_path} is already at RL step {meta['rl_step']} of --rl-steps {args.rl_steps}; "
-            f"raise --rl-steps to continue RL")
-    if meta.get("stage") != "rl" and meta["step"] >= args.steps and args.stage == "pretrain":
-        die(f"--resume: {resume_path} is already at step {meta['step']} of --steps {args.steps}; "
-            "raise --steps to continue pretraining, or pass --stage rl to start RL from it")
-    for name, flag in RL_COPIES.items():
-        if meta.get("stage") == "rl" and name in wanted_copies and name not in meta.get("copies", []):
-            die(f"--resume: {resume_path} holds no {name} (it was written without {flag}); resume without it")
-if checkpoints() and (resume_path is None or resume_path.resolve().parent != out.resolve()):
-    die(f"--out {out} already holds {checkpoints()[-1].name}, which this run would delete as it "
-        "saves its own; pass --resume to continue from it, or choose another --out")
-rl_resumed = meta is not None and meta.get("stage") == "rl"
+def retire(path):
+    """Delete a checkpoint folder; renamed first, so a kill midway leaves a .del folder, never a broken
+    step-N."""
+    os.replace(path, path.with_name(path.name + ".del"))
+    shutil.rmtree(path.with_name(path.name + ".del"))
 
 
 # -----------------------------------------------------------------------------
@@ -906,21 +1428,19 @@ rl_resumed = meta is not None and meta.get("stage") == "rl"
 # batch's window list (cheap) and reads only its rows and its context-parallel chunk of each: every layout
 # sees the same data.
 
-# what runs on this machine keep between them: the corpus's tokens, the measured peak
-CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "composer-stack"
 # of the transcripts, chains (about half their tokens: a chain is 8-32 calls, a short task 1-4)
 LONG_SHARE = 0.15
 SHARD_MAGIC, SHARD_HEADER = 20240520, 256  # llm.c's token shards: 256 int32 [magic, version, n_tokens, ...]
 
 
-def load_tokens(path):
+def load_tokens(path, code):
     """-> (train shards, val shards, vocab size or None): lists of 1-D token arrays; dies with one line on
     missing, empty or corrupt data."""
     if path is None:  # generated: transcripts of the tool-use tasks, a pure function of the code and a seed
         # The RL stage needs a model that knows the format and copies a call's arguments, which the tiny model
         # learns only after a few hundred steps of them. Nothing here reads a file, so an edit to a comment or
         # to the README never changes what a run trains on (a run reads fewer windows than there are).
-        return [transcripts(20000, seed=1)], [transcripts(1000, seed=2)], None
+        return [transcripts(20000, 1, code)], [transcripts(1000, 2, code)], None
     p = Path(path)
     if not p.exists():
         die(f"--data {path}: no such file or folder")
@@ -949,7 +1469,7 @@ def load_tokens(path):
     return [train], [val], None
 
 
-def transcripts(n, seed):
+def transcripts(n, seed, code):
     """Tokens of n gold transcripts (tasks.corpus, seeded), as uint16. Making them takes seconds and every run
     (every rank) makes the same ones, so they are cached in ~/.cache/composer-stack under the hash of the code
     that makes them (tasks.py, model.py, grpo.py's summary request and budget); a missing, unwritable or
@@ -958,11 +1478,11 @@ def transcripts(n, seed):
     here = Path(__file__).resolve().parent
     key = hashlib.sha256(b"".join((here / f).read_bytes()
                                   for f in ("tasks.py", "model.py", "grpo.py"))).hexdigest()[:16]
-    path = CACHE / f"{'code' if CODE else 'tools'}-{n}-{seed}-{key}.npy"
+    path = CACHE / f"{'code' if code else 'tools'}-{n}-{seed}-{key}.npy"
     with contextlib.suppress(OSError, ValueError, EOFError):
         return np.load(path)
     text = tasks.corpus(n, seed=seed, long_share=LONG_SHARE, budget=GRPOConfig.context_budget,
-                        request=SUMMARY_REQUEST, code_share=CODE_SHARE if CODE else 0.0,
+                        request=SUMMARY_REQUEST, code_share=CODE_SHARE if code else 0.0,
                         code_budget=CODE_BUDGET)
     tokens = np.array(encode(text, specials=True), dtype=np.uint16)
     keep_in_cache(path, lambda f: np.save(f, tokens))
@@ -1041,886 +1561,532 @@ class Windows:
         return [self.window(k) for k in range(self.pos - n, self.pos)]
 
 
-train_shards, val_shards, shard_vocab = load_tokens(args.data)
-for name, shards in (("training", train_shards), ("validation", val_shards)):
-    if not sum(len(s) // (args.seq_len + 1) for s in shards):
-        die(f"--data: the {name} split has {sum(map(len, shards))} tokens, fewer than one window of "
-            f"--seq-len + 1 = {args.seq_len + 1}")
-# a tokenizer's vocab from the shard header, else the largest id (a small corpus); a .bin from another
-# tokenizer (e.g. GPT-2's 50257) widens the embedding
-vocab_size = max(cfg.vocab_size,
-                 shard_vocab or 1 + max(int(s.max()) for s in train_shards + val_shards if len(s)))
-if args.init_from and vocab_size != cfg.vocab_size:
-    die(f"--data {args.data}: its tokens need a vocabulary of {vocab_size} "
-        f"(the shard header, or the largest id + 1), the checkpoint has {cfg.vocab_size}: make the shards "
-        "with the checkpoint's tokenizer")
-if vocab_size != cfg.vocab_size:
-    cfg = ModelConfig(**{**asdict(cfg), "vocab_size": vocab_size})
-train_windows = Windows(train_shards, args.seq_len + 1, args.seed)
-eval_windows = {name: Windows(shards, args.seq_len + 1, seed=0).next(args.eval_batches * args.batch_size)
-                for name, shards in (("train", train_shards), ("val", val_shards))}  # the same for every run
+class Data:
+    """This run's tokens: the training and validation shards, the seeded order of training windows (its
+    position is checkpointed), the fixed evaluation windows, and this rank's share of a batch. A vocabulary
+    wider than the preset's (a .bin from another tokenizer) widens t.cfg."""
 
+    def __init__(self, t):
+        args, self.t = t.args, t
+        self.train_shards, self.val_shards, shard_vocab = load_tokens(args.data, t.job.code)
+        for name, shards in (("training", self.train_shards), ("validation", self.val_shards)):
+            if not sum(len(s) // (args.seq_len + 1) for s in shards):
+                die(f"--data: the {name} split has {sum(map(len, shards))} tokens, fewer than one window of "
+                    f"--seq-len + 1 = {args.seq_len + 1}")
+        # a tokenizer's vocab from the shard header, else the largest id (a small corpus); a .bin from another
+        # tokenizer (e.g. GPT-2's 50257) widens the embedding
+        cfg = t.cfg
+        vocab_size = max(cfg.vocab_size, shard_vocab or 1 + max(int(s.max()) for s in
+                                                                 self.train_shards + self.val_shards if len(s)))
+        if args.init_from and vocab_size != cfg.vocab_size:
+            die(f"--data {args.data}: its tokens need a vocabulary of {vocab_size} "
+                f"(the shard header, or the largest id + 1), the checkpoint has {cfg.vocab_size}: make the "
+                "shards with the checkpoint's tokenizer")
+        if vocab_size != cfg.vocab_size:
+            t.cfg = ModelConfig(**{**asdict(cfg), "vocab_size": vocab_size})
+        self.train_windows = Windows(self.train_shards, args.seq_len + 1, args.seed)
+        self.eval_windows = {name: Windows(shards, args.seq_len + 1, seed=0).next(args.eval_batches
+                                                                                  * args.batch_size)
+                             for name, shards in (("train", self.train_shards), ("val", self.val_shards))}
 
-def get_batch(shards, windows):
-    """The global batch's windows [(shard, first token)] -> this rank's B/dp rows and T/cp chunk of each:
-    inputs, targets [B_local, T_local], pos [T_local]."""
-    t0 = cp_rank * T_local
-    rows = [shards[s][i + t0:i + t0 + T_local + 1]
-            for s, i in windows[dp_rank * B_local:(dp_rank + 1) * B_local]]
-    xy = torch.from_numpy(np.stack(rows).astype(np.int64)).to(device)
-    return xy[:, :-1], xy[:, 1:], torch.arange(t0, t0 + T_local, device=device)
-
-
-# -----------------------------------------------------------------------------
-# Model, sharding and optimizer
-
-# first: a preset that cannot fit gets one line, not an out-of-memory crash
-plan, checkpoint_bytes = plan_memory(args.grad_accum, args.reduce_every_micro_batch, bf16)
-need = sum(plan.values())
-if device.type == "cuda":
-    available = torch.cuda.mem_get_info(device)[0]
-else:
-    pages = os.sysconf("SC_AVPHYS_PAGES") if "SC_AVPHYS_PAGES" in getattr(os, "sysconf_names", {}) else None
-    available = pages * os.sysconf("SC_PAGE_SIZE") / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) \
-        if pages else need  # unknown (macOS, Windows): try it
-if need > available:
-    die(f"preset {args.preset} ({total / 1e9:.1f}B parameters) needs ~{need / 2**30:,.0f} GiB a rank "
-        f"({in_gib(plan)}), more than the {available / 2**30:,.0f} GiB free on {device}; see --dry-run")
-with torch.device("meta"):  # shapes only: each rank materializes just its shards, below
-    model = Transformer(cfg)
-for block in model.layers:
-    block.checkpoint = args.activation_checkpointing
-    block.attn.track_max_logit = args.qk_clip > 0
-    # the block's computation, inside activation checkpointing and FSDP's hooks (as torchtitan)
-    if args.compile:
-        block._forward = torch.compile(block._forward)
-amp = torch.autocast(device.type, torch.bfloat16, enabled=bf16 and world_size == 1)  # one process: autocast
-# CP, EP, FSDP2
-parallelize(model, layout, (dense_mesh, expert_mesh, dense_fsdp_mesh, expert_fsdp_mesh), bf16)
-model.to_empty(device=device)
-if args.init_from and not resume_path:  # each rank reads the blocks of its own shards
-    try:
-        load_hf(model, args.init_from)
-        err = None
-    except Exception as e:  # a file that fails on one rank stops every rank
-        err = str(e) if isinstance(e, CheckpointError) else f"{args.init_from}: {last_line(e)}"
-    err = agree(err)
-    if err:
-        die(f"--init-from {err}")
-else:
-    model.init_weights(args.seed)  # values depend on the seed alone, not on the layout
-
-# Newton-Schulz in the compute dtype (muon.default_ns_dtype explains why not by the CPU's flags)
-ns_dtype = torch.bfloat16 if bf16 else torch.float32
-
-
-def make_optimizer(lr, weight_decay):
-    return Muon(param_groups(model.named_parameters(), lr=lr, weight_decay=weight_decay),
-                adjust_lr_fn="match_rms_adamw", ns_dtype=ns_dtype, ns_method=args.ns)
-
-
-# the RL stage steps with a Muon of its own (see below): an RL checkpoint holds that one's state
-optimizer = make_optimizer(args.rl_lr, 0.0) if rl_resumed else make_optimizer(args.lr, args.weight_decay)
-
-
-def clip_grad_norm(max_norm):
-    """Clip by the global gradient norm over parameters that live on two meshes: a sum of squares per mesh
-    (one all-reduce each, as a DTensor resolves its partial sum), then combined.
-    -> the norm before clipping"""
-    by_mesh = {}
-    for p in model.parameters():
-        if p.grad is not None:
-            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
-    total_sq = torch.zeros((), device=device)
-    for grads in by_mesh.values():
-        sq = sum(g.float().pow(2).sum() for g in grads)
-        total_sq += sq.full_tensor() if isinstance(sq, DTensor) else sq
-    norm = total_sq.sqrt().item()
-    if max_norm > 0 and norm > max_norm:
-        for grads in by_mesh.values():
-            for g in grads:
-                g.mul_(max_norm / (norm + 1e-6))
-    return norm
-
-
-def lr_factor(step):
-    """Linear warmup, then cosine from 1 down to 0.1 at the last step."""
-    if step < args.warmup:
-        return (step + 1) / args.warmup
-    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
-def sum_over_ranks(xs, op="sum"):
-    """Floats summed (or op="max": maximised) over all ranks; as they are at world size 1."""
-    if world_size == 1:
-        return [float(x) for x in xs]
-    t = torch.tensor([float(x) for x in xs], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
-    return t.tolist()
-
-
-def mean_over_ranks(x):
-    """A float averaged over all ranks (each holds an equal share of tokens)."""
-    return sum_over_ranks([x])[0] / world_size
-
-
-@torch.no_grad()
-def evaluate():
-    """Mean loss over a fixed set of batches of each split (nanoGPT's estimate_loss), so evaluations at
-    different steps and layouts compare. -> (train_loss, val_loss)"""
-    model.eval()
-    losses = []
-    for shards, windows in ((train_shards, eval_windows["train"]), (val_shards, eval_windows["val"])):
-        total = 0.0
-        for i in range(0, len(windows), micro):
-            x, y, pos = get_batch(shards, windows[i:i + micro])
-            with amp:
-                total += model(x, y, pos=pos)[1].item()
-        losses.append(mean_over_ranks(total / (len(windows) // micro)))
-    model.train()
-    return losses
-
-
-PEAK_BF16 = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense, NVIDIA datasheets
-
-
-def device_peak():
-    """-> (FLOP/s, where it comes from), the MFU denominator: a known GPU's datasheet bf16 peak when computing
-    in bf16, else the best square matmul in the compute dtype on this machine. A quick measurement swings from
-    run to run (and the MFU with it), so it is made once, for a few seconds, and kept in
-    ~/.cache/composer-stack under the hash of what it depends on (the CPU or GPU model, torch's version, the
-    dtype, the threads); an unreadable or bad file is measured again."""
-    if device.type == "cuda" and bf16:
-        name = torch.cuda.get_device_name(device)
-        for key, flops in PEAK_BF16.items():
-            if all(word in name for word in key.split()):
-                return flops, f"{key} bf16 datasheet"
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    what = [torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model(), torch.__version__,
-            str(dtype), torch.get_num_threads()]
-    path = CACHE / f"peak-{hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]}.json"
-    matmul = f"{str(dtype).removeprefix('torch.')} matmul"
-    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-        cached = json.loads(path.read_text())
-        if cached["what"] == what and math.isfinite(cached["flops"]) and cached["flops"] > 0:
-            return cached["flops"], f"{matmul} measured {cached['measured']}, cached in {path}"
-    n = 4096 if device.type == "cuda" else 512
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    reps, best, trials, start = 8 if device.type == "cuda" else 2, 0.0, 0, time.perf_counter()
-    # the best of at least 2 s of trials, 3 at least (a CPU without bf16 units takes 0.3 s a bf16 matmul)
-    while trials < 3 or time.perf_counter() - start < 2.0:
-        trials += 1
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        best = max(best, 2 * n ** 3 * reps / (time.perf_counter() - t0))
-    record = {"flops": best, "what": what, "measured": time.strftime("%Y-%m-%d %H:%M")}
-    keep_in_cache(path, lambda f: f.write(json.dumps(record).encode()))
-    return best, f"{matmul} measured now, cached in {path}"
-
-
-def cpu_model():
-    with contextlib.suppress(OSError):
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
-def clock(seconds):
-    """Seconds as mm:ss, or h:mm:ss from an hour on."""
-    m, s = divmod(round(seconds), 60)
-    return f"{m // 60}:{m % 60:02d}:{s:02d}" if m >= 60 else f"{m:02d}:{s:02d}"
-
-
-def peak_memory():
-    """Bytes this rank has held at most: the CUDA allocator's high-water mark, or the process's peak RSS."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    def batch(self, shards, windows):
+        """The global batch's windows [(shard, first token)] -> this rank's B/dp rows and T/cp chunk of each:
+        inputs, targets [B_local, T_local], pos [T_local]."""
+        t = self.t
+        t0 = t.cp_rank * t.T_local
+        rows = [shards[s][i + t0:i + t0 + t.T_local + 1]
+                for s, i in windows[t.dp_rank * t.B_local:(t.dp_rank + 1) * t.B_local]]
+        xy = torch.from_numpy(np.stack(rows).astype(np.int64)).to(t.device)
+        return xy[:, :-1], xy[:, 1:], torch.arange(t0, t0 + t.T_local, device=t.device)
 
 
 # -----------------------------------------------------------------------------
-# Checkpoints, metrics and signals
-
-# Other weights the RL stage keeps for the policy (grpo.Weights: this rank's shards only): the KL reference
-# (the policy RL started from) and a frozen or EMA feedback teacher. Made when RL starts; a resumed RL run
-# loads them from its checkpoint.
-copies = {name: Weights(model) for name in wanted_copies if rl_resumed}
+# Small helpers every part uses: one line and exit on bad input, printing on rank 0, the ranks agreeing
 
 
-def state_dicts():
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {"model": model_sd, "optim": optim_sd, **{name: w.state_dict(model) for name, w in copies.items()}}
+def launch_rank():
+    return int(os.environ.get("RANK", "0"))  # with --rollout-ranks the trainers' ranks come first
 
 
-def save_checkpoint(step, **run_state):
-    """Every rank writes its shards into step-N.tmp and checksums its share of the files; rank 0 writes
-    meta.json (the step, run_state, the data position, the checksums, how many metrics lines the run has so
-    far), fsyncs it and renames the folder, then retires old checkpoints. A failure (a full disk, above all)
-    removes the partial folder and stops every rank with one line."""
-    path, tmp = out / f"step-{step:08d}", out / f"step-{step:08d}.tmp"
-    sums, err = {}, None
-    try:
-        dcp.save(state_dicts(), storage_writer=FileSystemWriter(tmp, sync_files=True),
-                 no_dist=world_size == 1)
-        sums = {f: sha256(tmp / f) for f in sorted(f.name for f in tmp.iterdir())[rank::world_size]}
-    except (Exception, CheckpointException) as e:
-        err = save_failure(e, path)
-    parts = [(err, sums)]
+def is_rank0():
+    return launch_rank() == 0
+
+
+def die(msg):
+    """Bad input ends the run on every rank with exit code 2 and one line naming the problem, printed once:
+    every check sees the same flags and files on every rank (or its verdict is shared first), so rank 0 speaks
+    for all."""
+    if is_rank0():
+        print(f"error: {msg}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def print0(*a, **kw):
+    if is_rank0():
+        print(*a, **kw, flush=True)
+
+
+def last_line(e):
+    """An exception in one line: DCP's carry every rank's traceback."""
+    return f"{type(e).__name__}: " + (str(e).strip().splitlines()[-1][:160] if str(e).strip()
+                                      else "no details")
+
+
+def agree(world_size, err):
+    """-> the error of the lowest rank that has one, or None, on every rank (each passes its own or None)."""
     if world_size > 1:
-        parts = [None] * world_size
-        dist.all_gather_object(parts, (err, sums))
-    err = next((e for e, _ in parts if e), None)
-    if is_rank0 and not err:
+        errs = [None] * world_size
+        dist.all_gather_object(errs, err)
+        err = next((e for e in errs if e), None)
+    return err
+
+
+# -----------------------------------------------------------------------------
+# Checks: every flag against the others, the model config and the layout, before any process group exists.
+# Every rank sees the same flags, so a bad layout stops all ranks with the same line.
+
+
+@dataclass
+class Job:
+    """What the flags ask for, checked: the model config (a preset, or --init-from's config.json, kept as
+    hf_base for --save-hf), the layout of the ranks that train, the tokenizer RL speaks, the logging sinks,
+    the RL copies the flags want, and the model's shapes (on the meta device) and parameter counts."""
+    args: argparse.Namespace
+    cfg: ModelConfig
+    hf_base: dict | None
+    layout: object
+    tokenizer: object
+    code: bool  # --rl-tasks code: the feature-deletion coding tasks
+    trainers: int  # the ranks that train (all but the rollout ranks)
+    wanted_copies: set
+    sinks: dict
+    meta_model: Transformer
+    total: int
+    active: int
+
+
+def check(args):
+    """The flags -> a Job, or one line and exit 2 naming what is wrong."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    # the optional logging sinks (log() feeds them): a missing package stops every rank now, before any work
+    sinks = {}
+    for flag, package, module in (("tensorboard", "tensorboard", "torch.utils.tensorboard"),
+                                  ("wandb", "wandb", "wandb")):
+        if getattr(args, flag):
+            try:
+                sinks[flag] = importlib.import_module(module)
+            except ImportError:
+                die(f"--{flag} needs the {package} package: pip install {package}")
+    if (args.preset or "tiny") not in PRESETS:
+        die(f"unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}")
+    cfg: ModelConfig = PRESETS[args.preset or "tiny"]
+    hf_base = None  # --init-from: the checkpoint's own config.json, which --save-hf keeps
+    if args.init_from:
         try:
-            meta = {"step": step, **run_state, "data_pos": train_windows.pos, "metrics_lines": metrics_lines,
-                    "copies": sorted(copies), "config": asdict(cfg), "args": vars(args),
-                    "files": {f: h for _, s in parts for f, h in s.items()}}
-            with open(tmp / "meta.json", "w") as f:
-                json.dump(meta, f)
-                f.flush()
-                os.fsync(f.fileno())
-            if path.exists():  # a damaged one that --resume passed over
-                retire(path)
-            os.replace(tmp, path)
-            fsync_dir(out)
-            retire_old()
-        except OSError as e:
-            err = save_failure(e, path)
-    err = agree(err)
-    if err:
-        if is_rank0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        die(err)
-
-
-def save_failure(e, path):
-    """-> one line for an exception raised while saving. torch's writer hides a full disk as 'unexpected pos',
-    so a failure with less than a checkpoint's size free is called what it is."""
-    free = shutil.disk_usage(out).free
-    if getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e) or free < checkpoint_bytes:
-        return (f"no space left on device: checkpoint {path} could not be written "
-                f"({free / 2**20:,.0f} MiB free, a checkpoint takes ~{checkpoint_bytes / 2**20:,.0f} MiB); "
-                "the partial checkpoint was removed and the run stopped; free space, then resume")
-    return f"checkpoint {path} could not be written ({last_line(e)})"
-
-
-def fsync_dir(path):
-    if os.name == "posix":  # the rename itself reaches the disk
-        fd = os.open(path, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
-
-
-def retire(path):
-    """Delete a checkpoint folder; renamed first, so a kill midway leaves a .del folder, never a broken
-    step-N."""
-    os.replace(path, path.with_name(path.name + ".del"))
-    shutil.rmtree(path.with_name(path.name + ".del"))
-
-
-def retire_old():
-    """Keep the newest --keep checkpoints and the last one of each stage: RL never deletes the pretrained
-    model."""
-    found = checkpoints()
-    stages = {}
-    for p in found:
-        with contextlib.suppress(OSError, ValueError):
-            stages[p] = read_meta(p).get("stage")
-    keep = set(found[-args.keep:])
-    for stage in ("pretrain", "rl"):
-        keep.update([p for p in found if stages.get(p) == stage][-1:])
-    for p in found:
-        if p not in keep:
-            retire(p)
-
-
-start_step = 0
-if meta:
-    if meta["config"] != asdict(cfg):
-        die(f"--resume: {resume_path} holds a different model (preset {meta['args']['preset']!r}, vocab "
-            f"{meta['config']['vocab_size']}) than this run ({args.preset!r}, vocab {cfg.vocab_size})")
-    state = state_dicts()
-    logging.disable(logging.ERROR)  # DCP logs tracebacks of what it cannot read; we report it in one line
+            cfg, hf_base, left_out = hf_config(args.init_from)
+        except CheckpointError as e:
+            die(f"--init-from {e}")
+        for what in left_out:
+            print0(f"note: --init-from leaves out {what}")
+        preset = PRESETS.get(args.preset)
+        if preset is not None and preset != cfg:
+            differ = [f"{k} {v} (preset {getattr(preset, k)})" for k, v in asdict(cfg).items()
+                      if getattr(preset, k) != v]
+            die(f"--init-from {args.init_from}/config.json disagrees with --preset {args.preset}: "
+                f"{', '.join(differ[:4])}{' ...' if len(differ) > 4 else ''}; drop --preset "
+                "(the checkpoint's config.json is the model)")
+        if args.num_experts not in (None, cfg.num_experts):
+            die(f"--num-experts {args.num_experts}: the checkpoint has {cfg.num_experts} experts a layer; "
+                "drop the flag")
+        if args.data is None and cfg.vocab_size != VOCAB_SIZE and not args.dry_run and args.stage != "rl":
+            die("--init-from needs --data: token shards made with the checkpoint's own tokenizer (vocab "
+                f"{cfg.vocab_size}); the built-in corpus is this project's bytes "
+                "(README: Start from a released model)")
+    args.preset = args.preset or ("tiny" if args.init_from is None else Path(args.init_from).name)
+    if args.save_hf:  # checked now, not after the run: the nearest folder that exists must be writable
+        above = next(p for p in Path(args.save_hf).absolute().parents if p.exists())
+        if Path(args.save_hf).is_file():
+            die(f"--save-hf {args.save_hf}: a file is in the way")
+        if not (above.is_dir() and os.access(above, os.W_OK)):
+            die(f"--save-hf {args.save_hf}: {above} is not a writable folder")
+    if args.num_experts is not None:
+        if not cfg.top_k <= args.num_experts:
+            die(f"--num-experts {args.num_experts} is fewer than the {args.preset} preset's "
+                f"top-{cfg.top_k} routing")
+        cfg = ModelConfig(**{**asdict(cfg), "num_experts": args.num_experts})
+    if args.task_dir is not None and args.rl_tasks != "code":
+        die("--task-dir holds feature-deletion tasks: pass --rl-tasks code with it")
+    if args.task_dir is not None and not Path(args.task_dir).is_dir():
+        die(f"--task-dir {args.task_dir}: no such folder")
+    code = args.rl_tasks == "code"
+    for flag, default, code_default in (("seq_len", 256, 640), ("steps", 700, 800), ("batch_size", 8, 4),
+                                ("rl_steps", 16, 12)):
+        if getattr(args, flag) is None:  # the code family's episodes are longer, and need fewer of them
+            setattr(args, flag, code_default if code else default)
+    args.max_gen_tokens = args.max_gen_tokens or {"long": 512, "code": 256}.get(args.rl_tasks, 128)
+    args.rl_eval_tasks = args.rl_eval_tasks if args.rl_eval_tasks is not None else 24 if code else 64
+    for flag in ("steps", "batch_size", "grad_accum", "seq_len", "log_every", "eval_every", "eval_batches",
+                 "keep", "max_gen_tokens"):
+        if getattr(args, flag) <= 0:
+            die(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    if args.seq_len > cfg.max_seq_len:
+        die(f"--seq-len {args.seq_len} exceeds the {args.preset} preset's context of {cfg.max_seq_len} tokens")
+    if args.lr <= 0:
+        die(f"--lr must be positive, got {args.lr}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        die("--device cuda but no CUDA device is available")
+    if args.rollout_ranks or args.max_staleness:
+        if args.max_staleness < 0 or args.rollout_ranks < 0:
+            die(f"--rollout-ranks and --max-staleness must be >= 0, "
+                f"got {args.rollout_ranks} and {args.max_staleness}")
+        if not args.rollout_ranks:
+            die(f"--max-staleness {args.max_staleness} needs --rollout-ranks: without rollout ranks every rank "
+                "samples with the current policy (synchronous RL)")
+        if args.rollout_ranks >= world_size:
+            die(f"--rollout-ranks {args.rollout_ranks} leaves no trainer rank: the launch has {world_size} "
+                "rank(s); launch more (torchrun --nproc_per_node) or roll out on fewer")
+        if args.rollout_ranks > world_size - args.rollout_ranks:
+            die(f"--rollout-ranks {args.rollout_ranks}: a rollout rank samples for whole trainer ranks, so there "
+                "can be at most as many as trainer ranks "
+                f"({world_size - args.rollout_ranks} of the {world_size})")
+        if args.stage != "rl":
+            die("--rollout-ranks: rollout ranks sample RL rollouts only; pass --stage rl (after pretraining, "
+                "--resume it)")
+        if args.dry_run:
+            die("--rollout-ranks: --dry-run plans the trainer ranks; drop --rollout-ranks "
+                "and set --world to them")
+        world_size -= args.rollout_ranks  # every check below is the trainers' world
+    if args.world is not None and (not args.dry_run or args.world < 1 or world_size > 1):
+        die("--world plans a layout with --dry-run in one process (torchrun sets the real world size)")
+    if args.dry_run:
+        world_size = args.world or world_size
     try:
-        # reshards: any writer layout loads
-        dcp.load(state, checkpoint_id=resume_path, no_dist=world_size == 1)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    except (Exception, CheckpointException) as e:
-        # its checksums passed, so this is not damage: say what it is
-        die(f"--resume: checkpoint {resume_path} is intact but does not load into this run ({last_line(e)})")
-    logging.disable(logging.NOTSET)
-    start_step, train_windows.pos = meta["step"], meta["data_pos"]  # the next unseen window
-
-# metrics.jsonl is append-only: every record is flushed as it is written, and each run (fresh or resumed)
-# first writes {"event": "start", "keep": K}: of the lines above it only the first K belong to the run's
-# history (records past the resumed checkpoint are about to be redone). A reader applies that rule, as
-# read_metrics (--plot) does.
-metrics_path, metrics_lines = out / "metrics.jsonl", 0
-if is_rank0:
-    text = metrics_path.read_bytes() if metrics_path.exists() else b""
-    cut = text.rfind(b"\n") + 1  # a run killed mid-write leaves its last record torn
-    if cut < len(text):
-        os.truncate(metrics_path, cut)
-        print(f"warning: {metrics_path}: dropped a torn last line ({len(text) - cut} bytes) written as a run "
-              f"was killed", file=sys.stderr, flush=True)
-    metrics_lines = text[:cut].count(b"\n")
-    metrics = open(metrics_path, "a")
-
-
-# --tensorboard, --wandb: rank 0 sends them what it writes to metrics.jsonl, and closes them at exit
-tensorboard = (sinks["tensorboard"].SummaryWriter(args.tensorboard)
-               if is_rank0 and "tensorboard" in sinks else None)
-wandb_run = (sinks["wandb"].init(project=args.wandb, config=vars(args))
-             if is_rank0 and "wandb" in sinks else None)
-if tensorboard:
-    atexit.register(tensorboard.close)
-if wandb_run:
-    atexit.register(wandb_run.finish)
-
-
-def log(record):
-    """A record to metrics.jsonl (the source of truth), with its wall-clock time and the seconds since the run
-    started; its numbers to the sinks too, keyed by stage (pretrain/loss, rl/reward, rl_eval/pass_level1)."""
-    global metrics_lines
-    if is_rank0:
-        now = time.time()
-        record = {**record, "time": now, "elapsed": now - run_started}
-        metrics.write(json.dumps(record) + "\n")
-        metrics.flush()
-        metrics_lines += 1
-        if (tensorboard or wandb_run) and "event" not in record:
-            scalars = {f"{record.get('stage', 'pretrain')}/{k}": v for k, v in record.items()
-                       if type(v) in (int, float) and k not in ("step", "time", "elapsed")}
-            if tensorboard:
-                for key, value in scalars.items():
-                    tensorboard.add_scalar(key, value, record["step"])
-            if wandb_run:
-                wandb_run.log(scalars, step=record["step"])
+        layout = make_layout(world_size, args.dp_replicate, args.cp, args.ep, args.ep_replicate,
+                             num_experts=cfg.num_experts, seq_len=args.seq_len, batch_size=args.batch_size)
+    except LayoutError as e:
+        die(f"layout: {e}")
+    if args.batch_size // layout.dp % args.grad_accum:
+        die(f"--grad-accum {args.grad_accum} does not divide the {args.batch_size // layout.dp} sequences a rank "
+            f"gets (--batch-size {args.batch_size} over {layout.dp} data-parallel ranks)")
+    # RL: the tool tasks, not --data
+    args.stage = args.stage or ("pretrain" if args.data or args.init_from else "both")
+    # RL writes and reads turns through a tokenizer: this project's bytes, or a released model's own (its
+    # tokenizer.json and chat template; a checkpoint of this project's byte vocabulary needs none)
+    tokenizer = BYTES
+    if args.init_from and args.stage != "pretrain" and not args.dry_run and (
+            cfg.vocab_size != VOCAB_SIZE or Path(args.init_from, "tokenizer.json").exists()):
+        try:
+            tokenizer = HFTokenizer(args.init_from, cfg.vocab_size)
+        except TokenizerError as e:
+            die(f"--init-from {e}")
+    if args.stage == "rl" and not (args.resume or args.init_from) and args.init != "scratch":
+        die("--stage rl needs a model to start from: run `python train.py --stage pretrain` first, then "
+            "`python train.py --stage rl --resume` (or pass --init scratch to start RL from random weights)")
+    if args.stage != "pretrain":
+        args.tasks_per_step = args.tasks_per_step or -(-(4 if code else 8) // world_size) * world_size
+        if min(args.rl_steps, args.tasks_per_step, args.rl_lr, args.rl_eval_every) <= 0 or args.group_size < 2:
+            die("the RL stage needs --rl-steps, --tasks-per-step, --rl-lr and --rl-eval-every > 0, "
+                "--group-size >= 2")
+        if args.rl_eval_tasks < 0:
+            die(f"--rl-eval-tasks must be >= 0 (0: no held-out evaluation), got {args.rl_eval_tasks}")
+        if args.temperature <= 0 or not 0 <= args.feedback_ema_decay < 1 or args.ppo_epochs < 1:
+            die("--temperature must be > 0, --feedback-ema-decay in [0, 1), --ppo-epochs >= 1")
+        if not 1 <= args.ppo_minibatches <= args.tasks_per_step // world_size:
+            die(f"--ppo-minibatches {args.ppo_minibatches}: each is whole groups, and a rank has "
+                f"{args.tasks_per_step // world_size} (--tasks-per-step {args.tasks_per_step} "
+                f"over {world_size} ranks)")
+        args.feedback_rules = args.feedback_rules or ("tool_not_found,read_first" if code
+                                                      else "tool_not_found,capital")
+        unknown = set(args.feedback_rules.split(",")) - {name for name, _ in RULES}
+        if unknown:
+            die(f"--feedback-rules: unknown rule(s) {', '.join(sorted(unknown))}; choose from "
+                f"{', '.join(n for n, _ in RULES)}")
+        if args.tasks_per_step % world_size:
+            die(f"--tasks-per-step {args.tasks_per_step} does not split over {world_size} ranks (each samples "
+                f"its own groups); pass a multiple of {world_size}, e.g. --tasks-per-step "
+                f"{-(-args.tasks_per_step // world_size) * world_size}")
+    wanted_copies = {name for name, on in (("reference", args.kl_coef > 0),
+                                           ("teacher", args.feedback_teacher != "current"))
+                     if on and args.stage != "pretrain"}
+    with torch.device("meta"):  # shapes only
+        meta_model = Transformer(cfg)
+    total, active = param_counts(meta_model)
+    return Job(args, cfg, hf_base, layout, tokenizer, code, world_size, wanted_copies, sinks, meta_model,
+               total, active)
 
 
-same_folder = resume_path is not None and resume_path.resolve().parent == out.resolve()
-log({"event": "start",
-     "keep": min(meta.get("metrics_lines", metrics_lines), metrics_lines) if same_folder else 0,
-     "step": start_step, "resumed_from": str(resume_path) if resume_path else None, "argv": sys.argv[1:],
-     "world_size": world_size})
-
-# SIGINT (Ctrl-C) and SIGTERM (a preempted job; torchrun passes it on) finish the current step on every rank,
-# which agree at the step's end (the flag rides on the loss's all-reduce), save it and print how to resume.
-stop_signal = None
+# Memory plan (model.memory_plan): what a rank holds at its peak, from shapes alone, so a layout can be
+# sized before any GPU is booked (--dry-run), and a preset that cannot fit stops with one line, not an
+# out-of-memory crash.
 
 
-def on_signal(signum, frame):
-    global stop_signal
-    stop_signal = stop_signal or signum
+def plan_memory(job, accum, reduce_each, bf16):
+    """model.memory_plan for this run's layout and flags (RL's too when the run has an RL stage)."""
+    args, layout = job.args, job.layout
+    rl = {}
+    if args.stage != "pretrain":  # the trainer's forward over a data-parallel group's rollouts, estimated at
+        # 3 x --max-gen-tokens tokens a trajectory (its own, about as many of prompt, replies, summaries,
+        # padding)
+        per_group = args.tasks_per_step * args.group_size // (layout.world // layout.cp)
+        rl = dict(rl_tokens=per_group * 3 * args.max_gen_tokens,
+                  sample_gathered=args.sample_gather == "rollout",
+                  rl_copies=len(job.wanted_copies) + (args.sampler_bits > 0))
+    muon_params = param_groups(job.meta_model.named_parameters(), lr=1.0, weight_decay=0.0)[0]["params"]
+    return memory_plan(job.meta_model, layout, muon_params, bf16=bf16, accum=accum, reduce_each=reduce_each,
+                       checkpointing=args.activation_checkpointing, batch_size=args.batch_size,
+                       seq_len=args.seq_len, **rl)
 
 
-for sig in (signal.SIGINT, signal.SIGTERM):
-    signal.signal(sig, on_signal)
+def in_gib(plan):
+    return ", ".join(f"{k} {v / 2**30:,.2f}" for k, v in plan.items())
 
 
-def stop_here(step, saved, **run_state):
-    if not saved:
-        save_checkpoint(step, **run_state)
-    sig = signal.Signals(stop_signal or signal.SIGTERM)  # the rank that got it may not be this one
-    argv = [a for a in sys.argv[1:] if not a.startswith("--resume=")]  # the same flags, resuming from --out
-    if "--resume" in argv:
-        i = argv.index("--resume")
-        del argv[i:i + (1 if args.resume == "latest" else 2)]
-    launcher = ["python"] if world_size == 1 else \
-        ["torchrun", f"--nproc_per_node={os.environ.get('LOCAL_WORLD_SIZE', world_size)}"] + \
-        ([f"--nnodes={world_size // int(os.environ['LOCAL_WORLD_SIZE'])}", "<your rendezvous flags>"]
-         if int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) != world_size else [])
-    print0(f"stopped by {sig.name} after step {step} (checkpoint {out / f'step-{step:08d}'}); resume with: "
-           f"{shlex.join(launcher + [sys.argv[0]] + argv + ['--resume'])}", file=sys.stderr)
-    sys.exit(128 + sig)
+def dry_run(job):
+    """--dry-run: a rank's memory at the layout --world asks for, and the fewest micro-batches that fit
+    --gpu-mem; everything before it ran as it would under torchrun, nothing is allocated."""
+    args, layout, cfg, world_size = job.args, job.layout, job.cfg, job.trainers
+    wanted_copies, total, active = job.wanted_copies, job.total, job.active
+    bf16 = args.precision != "fp32"  # plans are for GPUs, where auto means bf16
+    # a rank's sequences a step; --grad-accum 1: the fewest micro-batches that fit
+    rows = args.batch_size // layout.dp
+    tries = [(n, each) for n in ([args.grad_accum] if args.grad_accum > 1 else
+                                 [n for n in range(1, rows + 1) if rows % n == 0])
+             for each in sorted({args.reduce_every_micro_batch, n > 1})]  # no-sync first, where it is allowed
+    plans = {t: plan_memory(job, *t, bf16) for t in tries}
+    accum, each = next((t for t in tries if sum(plans[t][0].values()) <= args.gpu_mem * 2**30), tries[0])
+    plan, checkpoint_bytes = plans[accum, each]
+    print(f"preset {args.preset}: {total / 1e9:.2f}B parameters, {active / 1e9:.2f}B active | world "
+          f"{world_size}: dense (dp_replicate={layout.dp_replicate}, dp_shard={layout.dp_shard}, "
+          f"cp={layout.cp}), experts (ep_replicate={layout.ep_replicate}, ep_shard={layout.ep_shard}, "
+          f"ep={layout.ep}), {cfg.num_experts // layout.ep} experts a rank | {rows // accum} x "
+          f"{args.seq_len // layout.cp} tokens a rank a forward, {accum} micro-batch{'es' * (accum > 1)} a "
+          f"step (--grad-accum {accum}{' --reduce-every-micro-batch' * each}) | "
+          f"{'bf16' if bf16 else 'fp32'} compute"
+          f"{', activation checkpointing' if args.activation_checkpointing else ''}")
+    if args.stage != "pretrain":
+        kept = sorted(wanted_copies) + ["8-bit sampler"] * (args.sampler_bits > 0)
+        print(f"RL stage: {args.tasks_per_step * args.group_size // (layout.world // layout.cp)} "
+              f"trajectories a data-parallel group a step, ~{3 * args.max_gen_tokens} tokens each "
+              f"(estimated) | other weights kept as shards: {', '.join(kept) or 'none'}")
+    fits = sum(plan.values()) <= args.gpu_mem * 2**30
+    print(f"memory a rank (GiB): {in_gib(plan)} | total {sum(plan.values()) / 2**30:,.2f}, "
+          f"{'within' if fits else 'MORE THAN'} --gpu-mem {args.gpu_mem:g} | a checkpoint (all ranks) "
+          f"{checkpoint_bytes / 2**30:,.2f} GiB on disk")
+    return 0
 
-
-free = shutil.disk_usage(out).free if is_rank0 else 0
-err = agree(f"--out {out} has {free / 2**20:,.0f} MiB free, less than two checkpoints need "
-            f"({2 * checkpoint_bytes / 2**20:,.0f} MiB: one being written while the last one is kept)"
-            if is_rank0 and free < 2 * checkpoint_bytes else None)
-if err:
-    die(err)
-tokens_per_step = args.batch_size * args.seq_len
-flops_per_step = flops_per_token(model, args.seq_len) * tokens_per_step
-peak, peak_source = device_peak()  # per rank
-world_group = dist.group.WORLD if world_size > 1 else None
-print0(f"preset {args.preset}: {total / 1e6:.2f}M parameters, {active / 1e6:.2f}M active | "
-       f"{sum(map(len, train_shards)):,} train / {sum(map(len, val_shards)):,} val tokens in "
-       f"{len(train_shards)} + {len(val_shards)} shards | {world_size} x {device} "
-       f"({torch.get_num_threads()} threads each) | dense mesh (dp_replicate={layout.dp_replicate}, "
-       f"dp_shard={layout.dp_shard}, cp={layout.cp}) expert mesh (ep_replicate={layout.ep_replicate}, "
-       f"ep_shard={layout.ep_shard}, ep={layout.ep})" +
-       (f", {cfg.num_experts // layout.ep} experts a rank, FSDP "
-        f"Shard({expert_shard_dim(layout, cfg.num_experts)})" if world_size > 1 else "") +
-       f" | {'bf16' if bf16 else 'fp32'} compute | peak {peak / 1e9:,.1f} GFLOP/s a rank "
-       f"({peak_source}) | {peak_memory() / 2**30:.2f} GiB peak so far (rank 0)")
 
 # -----------------------------------------------------------------------------
-# Pretraining loop
-
-pretraining = args.stage != "rl" and not rl_resumed
-if resume_path:
-    print0(f"resumed from {resume_path} at step {start_step}" +
-           (f" (RL step {meta['rl_step']})" if rl_resumed else ""))
-elif pretraining:
-    train_loss, val_loss = evaluate()
-    print0(f"step {0:5d} | train loss {train_loss:.4f} | val loss {val_loss:.4f}")
-    log({"step": 0, "loss": train_loss, "val_loss": val_loss})
-model.train()
-t_log, n_log, t_opt_sum = time.perf_counter(), 0, 0.0
-t_loop = t_log  # time left: the mean step so far (evaluations and checkpoints included) x the steps to go
-step = start_step
-if pretraining:  # --stage rl, and a resumed RL run, go straight to RL
-    for step in range(start_step + 1, args.steps + 1):
-        t0 = time.perf_counter()
-        for group in optimizer.param_groups:
-            group["lr"] = args.lr * lr_factor(step - 1)
-        windows, loss = train_windows.next(args.batch_size), 0.0
-        comm = CommCounter() if args.count_comm and step == start_step + 2 else contextlib.nullcontext()
-        with comm:
-            # gradients add up; FSDP reduce-scatters after the last micro-batch
-            for k in range(args.grad_accum):
-                x, y, pos = get_batch(train_shards, windows[k * micro:(k + 1) * micro])
-                if world_size > 1:
-                    last = k == args.grad_accum - 1
-                    model.set_requires_gradient_sync(args.reduce_every_micro_batch or last)
-                with amp:
-                    _, micro_loss = model(x, y, pos=pos)  # mean over these tokens; FSDP averages over ranks
-                (micro_loss / args.grad_accum).backward()  # equal token counts: the mean over the whole batch
-                loss += micro_loss.detach() / args.grad_accum
-            grad_norm = clip_grad_norm(args.grad_clip)  # .item() inside: the backward has finished
-            t_opt = time.perf_counter()
-            optimizer.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t_opt = time.perf_counter() - t_opt
-            optimizer.zero_grad(set_to_none=True)
-            # QK-Clip -> (largest logit, heads clipped); router loads summed over ranks, every bias nudged
-            # alike
-            qk = model.qk_clip(args.qk_clip, world_group) if args.qk_clip else None
-            balance = model.update_router_bias(world_group)
-        if isinstance(comm, CommCounter):
-            kinds = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
-            stats = [mean_over_ranks(float(d.get(k, 0))) for d in (comm.bytes, comm.calls) for k in kinds]
-            print0(f"step {step:5d} | communication a rank, mean over ranks: " + ", ".join(
-                f"{k} {b / 2**20:.2f} MiB in {c:.0f} calls" for k, b, c in zip(kinds, stats[:4], stats[4:])))
-        # .item() syncs, so the timing is real
-        loss, stopping = sum_over_ranks([loss.item(), stop_signal is not None])
-        loss /= world_size
-        if not math.isfinite(loss):
-            die(f"loss became {loss} at step {step}; lower --lr (now {args.lr})")
-        dt = time.perf_counter() - t0
-        record = {"step": step, "loss": loss, "lr": optimizer.param_groups[0]["lr"], "grad_norm": grad_norm,
-                  "ms": 1000 * dt, "optimizer_ms": 1000 * t_opt, "balance": balance,
-                  "data_pos": train_windows.pos,
-                  **({"max_logit": qk[0], "clipped_heads": qk[1]} if qk else {})}
-        n_log, t_opt_sum = n_log + 1, t_opt_sum + t_opt
-        if step % args.log_every == 0 or step == args.steps:
-            elapsed = (time.perf_counter() - t_log) / n_log
-            left = (time.perf_counter() - t_loop) / (step - start_step) * (args.steps - step)
-            print0(f"step {step:5d}/{args.steps} | loss {loss:.4f} | {1000 * elapsed:6.1f} ms/step | "
-                   f"{tokens_per_step / elapsed / world_size:8.0f} tok/s a rank | "
-                   f"MFU {100 * flops_per_step / elapsed / (peak * world_size):5.1f}% | optimizer "
-                   f"{1000 * t_opt_sum / n_log:.1f} ms | peak mem {peak_memory() / 2**30:.2f} GiB | "
-                   f"expert balance max/mean {balance:.2f} | {clock(time.time() - run_started)} elapsed, "
-                   f"{clock(left)} left" + (" of pretraining" if args.stage == "both" else ""))
-            t_log, n_log, t_opt_sum = time.perf_counter(), 0, 0.0
-        saving = step % args.eval_every == 0 or step == args.steps
-        if saving:
-            record["train_loss_eval"], record["val_loss"] = evaluate()
-            print0(f"step {step:5d} | train loss {record['train_loss_eval']:.4f} | "
-                   f"val loss {record['val_loss']:.4f}")
-        log(record)  # before its checkpoint appears: a resumed run never lacks its checkpoint step's record
-        if saving:
-            save_checkpoint(step, stage="pretrain")
-            t_log = time.perf_counter()  # evaluation and saving are not training time
-        if stopping:
-            stop_here(step, saving, stage="pretrain")
-
-# -----------------------------------------------------------------------------
-# RL: groups of rollouts on tool-use tasks at the difficulty sampler's level; Dr. GRPO + lambda x the
-# feedback KL.
-# No trainer rank holds a whole copy of the policy: each samples its own groups with the sharded model itself,
-# FSDP gathering one unit at a time and EP exchanging tokens, all ranks in step until the longest rollout ends
-# (grpo.Lockstep); or, with --rollout-ranks, the rollout ranks sample with whole copies, up to --max-staleness
-# policy versions behind (grpo.serve_rollouts), and the trainers receive the batches. The KL reference and a
-# frozen or EMA teacher are other values of this rank's shards (grpo.Weights), loaded into the model for their
-# no-grad passes. The one forward and backward a step run on the sharded model; each rank normalises by its
-# own trajectories x max_gen_tokens, the same constant everywhere, and FSDP's mean over ranks makes it the
-# global one. Under CP the ranks of a CP group train on the union of their groups, each running its chunk of
-# every sequence (model.ContextParallel). Every random draw of a step is seeded from (seed, RL step, rank),
-# like the data order, so a resumed run draws what the uninterrupted one would have.
+# Flags
 
 
-def sample(envs, gen):
-    """Rollouts with the sharded model itself, every rank in step (grpo.Lockstep). FSDP gathers each unit at
-    its first forward and keeps it until the rollouts end, so decoding gathers nothing per token: a rank
-    holds the dense weights whole and its EP share of the experts while sampling, and EP exchanges tokens at
-    every step. Each rank decodes its own episodes whole, so attention gathers nothing over CP."""
-    cp_groups = [block.attn.cp_group for block in model.layers]
-    for block in model.layers:
-        block.attn.cp_group = None
-    if world_size > 1 and args.sample_gather == "rollout":
-        model.set_reshard_after_forward(False)
-    try:
-        return rollout(model, envs, grpo_cfg, gen, sharded=world_size > 1)
-    finally:
-        for block, group in zip(model.layers, cp_groups):
-            block.attn.cp_group = group
-        if world_size > 1:
-            model.set_reshard_after_forward(True)
-            for m in model.modules():
-                if isinstance(m, FSDPModule):
-                    m.reshard()
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad command line is one line (no usage block), a misspelled flag names the nearest real
+    one, and a prefix of a flag is no flag (allow_abbrev=False: `--step 10` is not `--steps 10`)."""
+
+    def error(self, message):
+        unknown = (message.removeprefix("unrecognized arguments: ").split() if "unrecognized" in message
+                   else [])
+        flags = [a.split("=")[0] for a in unknown if a.startswith("-")]
+        if unknown:
+            near = difflib.get_close_matches(flags[0], [o for a in self._actions for o in a.option_strings],
+                                             n=1) if flags else []
+            message = (f"unknown flag {flags[0]}" if flags else f"unexpected argument {unknown[0]}") + \
+                (f"; did you mean {near[0]}?" if near else "; see --help")
+        if os.environ.get("RANK", "0") == "0":  # torchrun: every rank parses, rank 0 speaks
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
-def publish(version, **hello):
-    """The policy to the rollout ranks: every trainer rank gathers its shards into whole tensors
-    (pack_policy; only rank 0 keeps them), rank 0 sends them, after hello (where RL starts and ends, the
-    difficulty state) the first time. The previous version's sends complete first, so at most two copies are
-    in flight."""
-    flat = pack_policy(model, version, keep=rank == 0)
-    try:
-        if rank == 0:
-            bridge.flush()
-            for dst in range(trainers, trainers + args.rollout_ranks):
-                if hello:
-                    bridge.send_object(hello, dst)
-                bridge.send(flat, dst, Bridge.WEIGHTS)
-    except PeerLost as e:
-        peer_lost(e)
+class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default once: none added where the help text already names it, or for None and False."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
-def receive(rl_step):
-    """This rank's batch of rl_step, from the rollout rank that serves it. A rollout rank that stopped, or a
-    batch past the staleness bound, ends the run with one line."""
-    try:
-        batch = bridge.recv_object(trainers + rank % args.rollout_ranks)
-    except PeerLost as e:
-        peer_lost(e)
-    if batch is not None and (batch["step"] != rl_step
-                              or rl_step - 1 - batch["version"] > args.max_staleness):
-        peer_lost(f"refused the batch of RL step {batch['step']} sampled with the policy of step "
-                  f"{batch['version']}: step {rl_step} may use steps "
-                  f"{rl_step - 1 - args.max_staleness} and after")
-    return batch
+def make_parser():
+    """The flags, in groups; --help shows each default once."""
+    parser = Parser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsOnce, allow_abbrev=False)
+    g = parser.add_argument_group("model")
+    g.add_argument("--preset", default=None, help=f"model size, one of {list(PRESETS)} (default: tiny)")
+    g.add_argument("--init-from", default=None, metavar="DIR",
+                   help="start from a released checkpoint: a Hugging Face folder (config.json, *.safetensors) of "
+                        "a DeepSeek-V3-architecture model (DeepSeek-V3, Kimi K2, Kimi K2.5, Moonlight); its "
+                        "config.json is the model. Needs the safetensors package; pretraining needs --data "
+                        "shards made with its tokenizer, RL its tokenizer.json and chat template (the "
+                        "tokenizers package)")
+    g.add_argument("--num-experts", type=int, default=None,
+                   help="routed experts per MoE layer (default: the preset's)")
+    g = parser.add_argument_group("run")
+    g.add_argument("--steps", type=int, default=None,
+                   help="optimizer steps in total (a resumed run stops here too); default 700, 800 with "
+                        "--rl-tasks code")
+    g.add_argument("--batch-size", type=int, default=None,
+                   help="global batch in sequences, whatever the layout; default 8, 4 with --rl-tasks code (its "
+                        "sequences are 2.5x as long)")
+    g.add_argument("--grad-accum", type=int, default=1,
+                   help="micro-batches a step: a rank runs batch-size/(data-parallel ranks x N) sequences a "
+                        "forward, gradients add up and FSDP reduce-scatters them once, after the last (with "
+                        "--dry-run: the smallest N that fits --gpu-mem when left at 1)")
+    g.add_argument("--reduce-every-micro-batch", action="store_true",
+                   help="with --grad-accum: reduce-scatter after every micro-batch instead, so no rank holds "
+                        "unsharded gradients between them (N times the gradient traffic; what a model whose "
+                        "whole gradient does not fit a rank needs)")
+    g.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per sequence (at most the preset's max_seq_len); default 256, 640 with "
+                        "--rl-tasks code (an episode with its file reads is longer)")
+    g.add_argument("--lr", type=float, default=8e-3,
+                   help="peak learning rate for both groups: Muon uses adjust_lr_fn='match_rms_adamw' so one "
+                        "AdamW-style lr serves the matrices and the embeddings/head/router/norms alike")
+    g.add_argument("--weight-decay", type=float, default=0.1, help="decoupled weight decay")
+    g.add_argument("--qk-clip", type=float, default=0.0, metavar="TAU",
+                   help="MuonClip's QK-Clip (Kimi K2 uses 100): after each optimizer step, rescale the query/key "
+                        "weights of every head whose largest attention logit exceeded TAU (0: off)")
+    g.add_argument("--ns", default="standard", choices=["standard", "gram"],
+                   help="Muon's Newton-Schulz: the standard iteration, or Gram Newton-Schulz, which iterates on "
+                        "X X^T where that takes fewer FLOPs (1.43x fewer on Kimi K2's experts)")
+    g.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm to this (0: off)")
+    g.add_argument("--warmup", type=int, default=30, help="linear warmup steps, then cosine decay to 10%%")
+    g.add_argument("--seed", type=int, default=1337, help="seeds the weights and the data order")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
+    g.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="compute dtype; weights, gradient reduction and optimizer state stay fp32 (FSDP2's "
+                        "MixedPrecisionPolicy under torchrun, autocast in one process). auto: bf16 on CUDA, "
+                        "fp32 on CPU")
+    g.add_argument("--activation-checkpointing", action="store_true",
+                   help="keep only each block's input for backward and recompute the rest")
+    g.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
+    g.add_argument("--dry-run", action="store_true",
+                   help="print the layout and the memory a rank needs (model built on the meta device), "
+                        "then exit")
+    g.add_argument("--world", type=int, default=None,
+                   help="with --dry-run: the world size to plan for (default: WORLD_SIZE)")
+    g.add_argument("--gpu-mem", type=float, default=80.0, help="with --dry-run: GiB a GPU has (H100: 80)")
+    g = parser.add_argument_group("parallelism (torchrun; the shard degrees follow from the world size)")
+    g.add_argument("--dp-replicate", type=int, default=1,
+                   help="dense-weight replicas (HSDP); dp_shard = world/(dp_replicate*cp)")
+    g.add_argument("--cp", type=int, default=1,
+                   help="context parallelism: each sequence split over this many ranks")
+    g.add_argument("--ep", type=int, default=1, help="expert parallelism: experts split over this many ranks")
+    g.add_argument("--ep-replicate", type=int, default=1,
+                   help="expert-weight replicas; ep_shard = world/(ep_replicate*ep)")
+    g = parser.add_argument_group("data and output")
+    g.add_argument("--data", default=None,
+                   help="a folder of token shards (*.bin: llm.c's header, uint16 or uint32; names containing "
+                        "'val' are validation), one .bin file (with that header, or raw uint16 as nanoGPT's; "
+                        "val.bin beside it is validation), or a folder of text files; default: generated "
+                        "transcripts of the tool-use tasks")
+    g.add_argument("--out", default="out", help="folder for metrics.jsonl and the checkpoints (step-NNNNNNNN/)")
+    g.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
+                   help="continue from the newest intact checkpoint in OUT, or from the step-NNNNNNNN "
+                        "folder given")
+    g.add_argument("--save-hf", default=None, metavar="DIR",
+                   help="at the end, write the model as a Hugging Face DeepSeek-V3 checkpoint folder "
+                        "(needs safetensors)")
+    g.add_argument("--save-hf-dtype", default="bf16", choices=["bf16", "fp32"],
+                   help="the weights' dtype in --save-hf")
+    g.add_argument("--keep", type=int, default=1,
+                   help="checkpoints kept: the newest KEEP, plus the last one of each stage (pretraining, RL)")
+    g.add_argument("--log-every", type=int, default=20, help="steps between progress lines")
+    g.add_argument("--eval-every", type=int, default=200,
+                   help="steps between validation evaluations and checkpoints")
+    g.add_argument("--eval-batches", type=int, default=8, help="batches per validation evaluation")
+    g.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="also write every metrics.jsonl figure to TensorBoard event files in DIR (needs the "
+                        "tensorboard package)")
+    g.add_argument("--wandb", default=None, metavar="PROJECT",
+                   help="also log every metrics.jsonl figure to Weights & Biases (needs the wandb package; "
+                        "WANDB_MODE=offline keeps it local)")
+    g.add_argument("--plot", nargs="+", default=None, metavar="RUN",
+                   help="draw runs' metrics.jsonl into a PNG and exit (no training): RUN is an --out folder, "
+                        "or NAME=DIR1,DIR2,...: one run under a name, or a group of runs (seeds) drawn as mean "
+                        "+- std (needs matplotlib)")
+    g.add_argument("--plot-out", default=None, metavar="FILE",
+                   help="with --plot: the PNG to write; default: plot.png in the run's folder (one run), else "
+                        "here")
+    g = parser.add_argument_group("RL stage: Dr. GRPO with textual feedback on the tool-use tasks")
+    g.add_argument("--stage", default=None, choices=["pretrain", "rl", "both"],
+                   help="pretrain then RL, pretraining only, or RL only (from --resume); default: both, but only "
+                        "pretraining with --data or --init-from (the RL tasks are this project's tool-use tasks, "
+                        "not your corpus)")
+    g.add_argument("--init", default=None, choices=["scratch"],
+                   help="scratch: let --stage rl start from random weights (a smoke test: it earns no reward)")
+    g.add_argument("--rl-steps", type=int, default=None,
+                   help="RL steps (each: sample, then --ppo-epochs x --ppo-minibatches updates); default 16, 12 "
+                        "with --rl-tasks code")
+    g.add_argument("--group-size", type=int, default=8, help="rollouts per task (the GRPO group)")
+    g.add_argument("--rl-tasks", default="short", choices=["short", "long", "code"],
+                   help="short: nested expressions of 1-4 calls (a CPU learns them in minutes); long: chains of "
+                        "8 x level calls that run past the context (summaries; a slip costs the reward little); "
+                        "code: feature deletion, the policy a coding agent (tasks.CodeEnv) rewarded by verify, "
+                        "on micro-repositories made while it trains, or on --task-dir")
+    g.add_argument("--verify-workers", type=int, default=2,
+                   help="with --rl-tasks code: threads that verify finished episodes while the others sample "
+                        "(0: each verify holds up sampling)")
+    g.add_argument("--task-dir", default=None, metavar="DIR",
+                   help="with --rl-tasks code: RL on the tasks `python tasks.py make` wrote in DIR (each runs "
+                        "its tests with the --python it was made with) instead of micro-repositories")
+    g.add_argument("--max-gen-tokens", type=int, default=None,
+                   help="tokens a rollout may write over all its turns (L_max, also the loss's constant "
+                        "normaliser); default 512 for long tasks, 128 for short")
+    g.add_argument("--tasks-per-step", type=int, default=None,
+                   help="tasks (groups) per RL step, a multiple of the world size (each rank samples its own); "
+                        "default: 8 (--rl-tasks code: 4) rounded up to a multiple of the world size")
+    g.add_argument("--rl-lr", type=float, default=5e-4, help="RL learning rate (both groups)")
+    g.add_argument("--feedback-coef", type=float, default=0.1, help="lambda of the feedback KL (0: pure RL)")
+    g.add_argument("--feedback-rules", default=None,
+                   help=f"comma-separated hint rules of feedback.py: {', '.join(name for name, _ in RULES)}")
+    g.add_argument("--feedback-estimator", default="full", choices=["full", "sampled"],
+                   help="full: exact KL over the vocabulary; sampled: the sampled-token estimator (reweighted to "
+                        "T = 1 when --temperature is not 1)")
+    g.add_argument("--feedback-teacher", default="frozen", choices=["frozen", "current", "ema"],
+                   help="the hinted teacher: the policy RL started from, the current policy, or an EMA of the "
+                        "policy (a current teacher drifts with the student: on the default run the pass rate "
+                        "collapses after about 15 RL steps; experiments.md)")
+    g.add_argument("--feedback-ema-decay", type=float, default=0.99, help="the EMA teacher's decay a RL step")
+    g.add_argument("--kl-coef", type=float, default=0.0,
+                   help="KL to the starting policy (0: none, no reference kept)")
+    g.add_argument("--kl-estimator", default="k1", choices=["k1", "k2", "k3"],
+                   help="k1: folded into the reward; k2: in the loss, per token the gradient of KL(pi||ref) at "
+                        "the visited states; k3: in the loss, per token that of KL(ref||pi)")
+    g.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling temperature (the trainer's log-probs use it too)")
+    g.add_argument("--ppo-epochs", type=int, default=2,
+                   help="passes over each RL batch (PPO's clip acts from the 2nd; 2 updates a batch learn more "
+                        "in the default run's 16 steps than 1: experiments.md)")
+    g.add_argument("--ppo-minibatches", type=int, default=1,
+                   help="optimizer steps a pass, each on whole groups of this rank's (split as evenly "
+                        "as they allow)")
+    g.add_argument("--rl-eval-every", type=int, default=8, help="RL steps between held-out evaluations")
+    g.add_argument("--rl-eval-tasks", type=int, default=None,
+                   help="held-out tasks a level (1 and 2) per evaluation; 0: none (default 64; code: 24, "
+                        "from held-out micro-repositories)")
+    g.add_argument("--sampler-bits", type=int, default=0, choices=[0, 8],
+                   help="8: sample with 8-bit block-quantised weights (MXFP8-like), corrected by truncated "
+                        "importance weights")
+    g.add_argument("--sample-gather", default="rollout", choices=["rollout", "forward"],
+                   help="under FSDP, sampling with the sharded model gathers each unit once for the whole "
+                        "rollout and keeps it (rollout: fast; a rank holds the dense weights whole and its EP "
+                        "share of the experts) or at every forward (forward: one unit at a time, an all-gather "
+                        "per unit per token)")
+    g.add_argument("--rollout-ranks", type=int, default=0, metavar="K",
+                   help="asynchronous RL: the launch's last K ranks only sample (each with a whole copy of the "
+                        "policy), the others only train and send the new policy after each step (0: every rank "
+                        "samples, then trains)")
+    g.add_argument("--max-staleness", type=int, default=0, metavar="S",
+                   help="with --rollout-ranks: step i is sampled with the policy of step max(0, i - 1 - S), so "
+                        "the rollout ranks run up to S steps ahead of the trainers (0: synchronous RL; exactly, "
+                        "when sampling is fp32)")
+    g.add_argument("--count-comm", action="store_true",
+                   help="count the calls and bytes of every collective in the second step and print them")
+    return parser
 
 
-def cp_union(trajs):
-    """This rank's trajectories -> those of its CP group, in CP-rank order (whole groups):
-    what it trains on."""
-    if layout.cp == 1:
-        return trajs
-    everyone = [None] * layout.cp
-    dist.all_gather_object(everyone, [replace(t, env=None) for t in trajs], group=trainer.group)
-    return [t for part in everyone for t in part]
+def parse_flags(argv=None):
+    return make_parser().parse_args(argv)
 
 
-def episode_stats(envs, trajs):
-    """What a batch of episodes did, summed over the ranks: calls, absent-tool calls, "Call" calls,
-    malformed messages, summaries (segments past the first), episodes."""
-    return sum_over_ranks([sum(e.tool_calls for e in envs), sum(e.tool_errors for e in envs),
-                           sum(e.capital for e in envs), sum(e.malformed for e in envs),
-                           sum(len(t.segments) - 1 for t in trajs), len(envs)])
-
-
-def code_stats(envs):
-    """Coding episodes, summed over the ranks: edits of a file not read first (feedback's read_first rule),
-    trajectories the monitor flagged, test runs, submits."""
-    reply = lambda turns, i: turns[i + 1][1] if i + 1 < len(turns) and turns[i + 1][0] == "tool" else None
-    blind = sum(read_first(text, reply(turns, i), turns[:i]) is not None
-                for turns in (e.turns for e in envs) for i, (role, text) in enumerate(turns)
-                if role == "assistant")
-    return sum_over_ranks([blind, sum(bool(e.flags) for e in envs), sum(e.tests for e in envs),
-                           sum(e.done and e.turns[-1][1].strip().endswith("submit()") for e in envs)])
-
-
-verified = {"verify_s": 0.0, "verify_wait_s": 0.0, "verifies": 0, "verifies_shared": 0}  # so far
-
-
-def code_record(envs, n_episodes, calls, rl_step, batch=None):
-    """An RL step's coding figures: edits of unread files, flagged trajectories (each written with its steps
-    to flagged.jsonl), visible test runs and submits an episode; the verification time of the rank that
-    sampled (all of it, and what the sampler waited; with --rollout-ranks, the batch brings the rollout
-    rank's), and the tasks its pool has made."""
-    blind, flagged, tests, submits = code_stats(envs)
-    for e in envs:
-        if e.flags:
-            print(f"rank {rank}: RL step {rl_step}, task {e.dir.name}: flagged {e.flags}", flush=True)
-            with open(Path(args.out) / f"flagged-rank{rank}.jsonl", "a") as f:
-                f.write(json.dumps({"rl_step": rl_step, "task": str(e.dir), "flags": e.flags,
-                                    "steps": e.steps}) + "\n")
-    now = batch["verified"] if batch else verifier.stats()
-    spent = {k: now[k] - verified[k] for k in now}
-    verified.update(now)
-    return {"blind_edit_rate": blind / max(1, calls), "hack_flags": flagged, "tests": tests / n_episodes,
-            "submit_rate": submits / n_episodes, "verify_ms": 1000 * spent["verify_s"],
-            "verify_wait_ms": 1000 * spent["verify_wait_s"], "verifies": spent["verifies"],
-            "verifies_shared": spent["verifies_shared"],
-            "tasks_made": batch["tasks_made"] if batch else code_pool(rank).made}
-
-
-# What the README promises of the default run, from the first held-out evaluation to the last: RL raises the
-# pass rate (mean of the levels) by PASS_GAIN or more, feedback cuts the "Call" rate by CALL_CUT times or
-# more, and the tool-not-found rate does not rise. Of --rl-tasks code: the pass rate rises by CODE_GAIN or
-# more, edits of unread files and absent tools do not rise, and the monitor flags nothing.
-PASS_GAIN, CALL_CUT, CODE_GAIN = 0.1, 2.0, 0.15
-evals = []  # this process's held-out evaluations
-
-
-def verdict(first, last):
-    """One line, in words: did RL and feedback do what the README says they do?"""
-    pass0, pass1 = ((r["pass_level1"] + r["pass_level2"]) / 2 for r in (first, last))
-    call0, call1 = first["capital_rate"], last["capital_rate"]
-    tnf0, tnf1 = first["tool_error_rate"], last["tool_error_rate"]
-    gain = CODE_GAIN if CODE else PASS_GAIN
-    checks = [(pass1 - pass0 >= gain, f"the pass rate rose less than {gain}",
-               f"held-out pass rate {pass0:.3f} -> {pass1:.3f} ({pass1 - pass0:+.3f}, README: +{gain} "
-               f"or more)")]
-    if CODE:
-        blind0, blind1 = first["blind_edit_rate"], last["blind_edit_rate"]
-        flags = sum(r.get("hack_flags", 0) for r in evals)
-        checks += [(blind1 <= blind0, "edits of unread files rose",
-                    f"edits of unread files {blind0:.3f} -> {blind1:.3f} (README: not higher)"),
-                   (flags == 0, "the monitor flagged held-out episodes",
-                    f"{flags:g} held-out episodes flagged (README: 0)")]
-    else:
-        checks += [(call1 * CALL_CUT <= call0, f"'Call' fell less than {CALL_CUT:g}x",
-                    f"'Call' rate {call0:.3f} -> {call1:.3f} ({call0 / max(call1, 1e-9):.1f}x fewer, README: "
-                    f"{CALL_CUT:g}x or more)")]
-    checks += [(tnf1 <= tnf0, "tool-not-found rose",
-                f"tool-not-found rate {tnf0:.3f} -> {tnf1:.3f} (README: not higher)")]
-    failed = [short for good, short, _ in checks if not good]
-    return (f"verdict after {last['rl_step']} RL steps: " +
-            ("NOT as the README expects: " + ", ".join(failed) if failed else
-             "RL learned and feedback removed the habits, as the README expects") +
-            " | " + "; ".join(what for _, _, what in checks))
-
-
-@torch.no_grad()
-def rl_eval(rl_step, per_level=args.rl_eval_tasks):
-    """Pass rate, the targeted rates (absent-tool calls and "Call" calls, per call) and summaries on the same
-    held-out tasks every time (levels 1 and 2, sampling seeded alike), so evaluations differ only by the
-    policy; the tasks are split over the ranks."""
-    if not per_level:  # --rl-eval-tasks 0: no held-out evaluation
-        return
-    print0(f"rl eval after {rl_step:3d} steps | sampling {2 * per_level} held-out episodes ...", end="\r")
-    rng, gen_eval = random.Random(10**6), torch.Generator().manual_seed(10**6 + rank)
-    if CODE:
-        mine = held_out_code()
-        envs = [code_env(d) for _, d in mine]
-    else:
-        held_out = [(lvl, make_task(rng, lvl)) for lvl in (1, 2) for _ in range(per_level)]
-        mine = held_out[rank::world_size]
-        envs = [make_env(task) for _, task in mine]
-    trajs = sample(envs, gen_eval)
-    with open(Path(args.out) / f"samples-rank{rank}.jsonl", "a") as f:  # what the policy did, to read
-        for t, (lvl, _) in zip(trajs, mine):
-            f.write(json.dumps({"rl_step": rl_step, "level": lvl, "reward": t.reward,
-                                "turns": t.turns}) + "\n")
-    passed = sum_over_ranks([sum(t.reward for t, (lvl, _) in zip(trajs, mine) if lvl == lv) for lv in (1, 2)]
-                            + [sum(lvl == lv for lvl, _ in mine) for lv in (1, 2)])
-    calls, errors, capital, _, summaries, episodes = episode_stats(envs, trajs)
-    record = {"stage": "rl_eval", "step": steps_before_rl + rl_step, "rl_step": rl_step,
-              "pass_level1": passed[0] / max(1, passed[2]), "pass_level2": passed[1] / max(1, passed[3]),
-              "tool_error_rate": errors / max(1, calls), "capital_rate": capital / max(1, calls),
-              "summaries": summaries / episodes}
-    if CODE:
-        blind, flagged, tests, submits = code_stats(envs)
-        record.update(blind_edit_rate=blind / max(1, calls), hack_flags=flagged, tests=tests / episodes,
-                      submit_rate=submits / episodes)
-    log(record)
-    evals.append(record)
-    print0(f"rl eval after {rl_step:3d} steps | held-out pass rate level 1 {record['pass_level1']:.3f}, "
-           f"level 2 {record['pass_level2']:.3f} | of calls: tool not found {record['tool_error_rate']:.3f}, "
-           f"'Call' {record['capital_rate']:.3f} | {record['summaries']:.1f} summaries an episode"
-           + (f" | edits unread {record['blind_edit_rate']:.3f}, submitted {record['submit_rate']:.2f}, "
-              f"hack flags {record['hack_flags']}" if CODE else ""))
-
-
-if args.stage != "pretrain":
-    rl_start = meta["rl_step"] if rl_resumed else 0
-    steps_before_rl = step - rl_start  # the optimizer steps before RL: rl_step + this is the step number
-    trainer = ContextParallel(model, dense_mesh["cp"].get_group()) if layout.cp > 1 else model
-
-    feedback = Feedback(model, FeedbackConfig(coef=args.feedback_coef, estimator=args.feedback_estimator,
-                                              teacher=args.feedback_teacher,
-                                              ema_decay=args.feedback_ema_decay,
-                                              temperature=args.temperature),
-                        rules=[rule for rule in RULES if rule[0] in args.feedback_rules.split(",")],
-                        tokenizer=grpo_cfg.tokenizer)
-    for name in wanted_copies - set(copies):  # the policy RL starts from (a resumed run loaded them above)
-        copies[name] = Weights(model)
-    feedback.teacher = copies.get("teacher")  # None: the current policy
-    # A fresh optimizer: the pretraining momentum points nowhere useful for RL. Muon's update has the same
-    # size whatever the gradient's, so the RL learning rate alone sets how far a step moves.
-    if not rl_resumed:
-        optimizer = make_optimizer(args.rl_lr, 0.0)
-    for group in optimizer.param_groups:
-        group["lr"] = args.rl_lr
-    if rl_resumed:
-        difficulty.load_state_dict(meta["difficulty"])
-        if "code_pool" in meta:
-            code_pool(rank).load_state_dict(meta["code_pool"])
-    groups = args.tasks_per_step // world_size  # this rank's share of the step's tasks
-    print0(f"RL: {args.rl_steps} steps x {args.tasks_per_step} tasks x {args.group_size} rollouts "
-           f"({groups} a rank), lr {args.rl_lr}, feedback lambda {args.feedback_coef}, "
-           f"KL coef {args.kl_coef}" +
-           (f" | CP {layout.cp}: the CP ranks train on their {groups * layout.cp} groups together, each "
-            "sequence split over them" if layout.cp > 1 else ""))
-    # the rollout ranks start from here: where RL starts and ends, the policy RL starts from
-    if bridge is not None:
-        publish(rl_start, start=rl_start, steps=args.rl_steps, difficulty=difficulty.state_dict())
-    if rl_start == 0:  # (while the rollout ranks sample the first step)
-        rl_eval(0)
-    for rl_step in range(rl_start + 1, args.rl_steps + 1):
-        t0 = time.perf_counter()
-        if bridge is None:
-            level, envs, gen = episodes(rl_step, rank)
-            trajs, lag = sample(envs, gen), {"staleness": 0}
-            lag["sample_ms"] = 1000 * (time.perf_counter() - t0)  # tasks, rollouts and their rewards
-        else:  # sampled by a rollout rank, with the policy of step max(rl_start, rl_step - 1 - S)
-            batch = receive(rl_step)
-            level, trajs = batch["level"], batch["trajs"]
-            envs = [t.env for t in trajs]
-            lag = {"staleness": rl_step - 1 - batch["version"],
-                   "trainer_wait_ms": 1000 * (time.perf_counter() - t0),
-                   "sample_ms": 1000 * batch["sample_s"], "rollout_wait_ms": 1000 * batch["wait_s"]}
-        # under CP each trained trajectory is on layout.cp ranks: sums below divide by it
-        train = cp_union(trajs)
-        # PPO: every minibatch's log-probs under the policy that sampled it. The first minibatch's come from
-        # its own first forward (no update has run before it); the others' are taken before the first update.
-        parts = minibatches(train, args.ppo_minibatches, args.group_size)
-        with amp:
-            olds = [None] + [logprobs(trainer, part, grpo_cfg) for part in parts[1:]]
-            if "reference" in copies:  # the reference's log-probs, its weights loaded in turn
-                with copies["reference"].loaded(model):
-                    refs = [logprobs(trainer, part, grpo_cfg) for part in parts]
-        updates, grad_norms = [], []
-        targets = [None] * len(parts)  # the feedback teacher's, a minibatch
-        for epoch in range(args.ppo_epochs):
-            for k, part in enumerate(parts):
-                with amp:
-                    # the teacher's pass before the student's forward (a teacher's weights are swapped in for
-                    # it); a frozen or EMA teacher does not move within a step, so its pass runs once
-                    if args.feedback_coef and (epoch == 0 or feedback.teacher is None):
-                        targets[k] = feedback.targets(trainer, part)
-                    ref = refs[k] if "reference" in copies else None
-                    loss, stats, olds[k], logits = grpo_loss(trainer, part, grpo_cfg, old_logp=olds[k],
-                                                             ref_logp=ref)
-                    fb_stats = {}
-                    if args.feedback_coef:  # lambda = 0 leaves the RL loss exactly as it is
-                        fb_loss, fb_stats = feedback.loss(trainer, part, len(part) * grpo_cfg.max_gen_tokens,
-                                                          logits=logits, targets=targets[k])
-                        loss = loss + args.feedback_coef * fb_loss
-                stats = {**stats, "loss": loss.item()}
-                loss.backward()
-                grad_norms.append(clip_grad_norm(args.grad_clip))
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                if args.qk_clip:
-                    model.qk_clip(args.qk_clip, world_group)
-                updates.append((epoch, stats, fb_stats))
-        first = [(st, fs) for epoch, st, fs in updates if epoch == 0]  # each policy token once
-        stats = {"gen_tokens": sum(st["gen_tokens"] * len(p)
-                                   for (st, _), p in zip(first, parts)) / len(train),
-                 "loss": sum(st["loss"] for st, _ in first),  # the first epoch's, over the minibatches
-                 "kl": sum(st["kl"] for st, _ in first) / len(first),  # to the reference, a policy token
-                 "clip_frac": sum(st["clip_frac"] for _, st, _ in updates) / len(updates),
-                 "tis_min": min(st["tis_min"] for st, _ in first),
-                 "tis_max": max(st["tis_max"] for st, _ in first)}
-        # feedback means weighted by their counts: the KL by all targets, each teacher/student probe by its
-        # rule's targets
-        weighted = [("feedback_kl", "feedback_targets")] + [
-            (f"p_{who}_{name}", name) for name, _ in feedback.rules for who in ("student", "teacher")]
-        fb_sums = [sum(f.get(key, 0.0) * f.get(count, 0) for _, f in first) / layout.cp
-                   for key, count in weighted]
-        fb_counts = [sum(f.get(count, 0) for _, f in first) / layout.cp for _, count in weighted]
-        # the router bias stays as pretraining left it: an RL batch is small and padded, so its load counts
-        # would mostly count padding
-        for moe in model.moe_layers():
-            moe.tokens_per_expert.zero_()
-        feedback.update(model)
-        # the last S are never used
-        if bridge is not None and rl_step <= args.rl_steps - 1 - args.max_staleness:
-            t1 = time.perf_counter()
-            publish(rl_step)
-            lag["publish_ms"] = 1000 * (time.perf_counter() - t1)
-        rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float64, device=device)
-        if world_size > 1:  # every rank's rewards move the one difficulty sampler
-            gathered = [torch.empty_like(rewards) for _ in range(world_size)]
-            dist.all_gather(gathered, rewards)
-            rewards = torch.cat(gathered)
-        for r in rewards.tolist():
-            difficulty.update(level, r)
-        # the learning signal: a group whose rewards are all equal has zero advantage everywhere
-        by_group = rewards.view(-1, args.group_size)
-        signal_stats = {"groups_all_equal": (by_group == by_group[:, :1]).all(-1).double().mean().item(),
-                        "reward_std_in_group": by_group.std(-1, unbiased=False).mean().item(),
-                        "grad_norm": sum(grad_norms) / len(grad_norms)}
-        calls, errors, capital, malformed, summaries, n_episodes = episode_stats(envs, trajs)
-        tokens, stopping, *fb_all = sum_over_ranks([stats["gen_tokens"] * len(train) / layout.cp,
-                                                    stop_signal is not None, *fb_sums, *fb_counts])
-        fb_sums, fb_counts = fb_all[:len(weighted)], fb_all[len(weighted):]
-        fb_means = {key: total / count if count else None  # None: no target of that rule in this step
-              for (key, _), total, count in zip(weighted, fb_sums, fb_counts)}
-        record = {"stage": "rl", "step": steps_before_rl + rl_step, "rl_step": rl_step, "level": level,
-                  "reward": rewards.mean().item(), "tool_error_rate": errors / max(1, calls),
-                  "capital_rate": capital / max(1, calls), "malformed_rate": malformed / n_episodes,
-                  "summaries": summaries / n_episodes, "gen_tokens": tokens / n_episodes,
-                  "feedback_targets": fb_counts[0], "feedback_kl": fb_means["feedback_kl"] or 0.0,
-                  **({k: v for k, v in fb_means.items() if k.startswith("p_")} if args.feedback_coef else {}),
-                  "loss": mean_over_ranks(stats["loss"]), "clip_frac": mean_over_ranks(stats["clip_frac"]),
-                  **({"kl": mean_over_ranks(stats["kl"])} if args.kl_coef else {}),
-                  **signal_stats, **lag,
-                  "ms": 1000 * (time.perf_counter() - t0)}
-        low, high = sum_over_ranks([-stats["tis_min"], stats["tis_max"]], op="max")
-        record.update(tis_min=-low, tis_max=high)  # the spread of trainer / sampler over all ranks
-        if CODE:
-            record.update(code_record(envs, n_episodes, calls, rl_step, None if bridge is None else batch))
-        log(record)
-        print0(f"rl step {rl_step:4d}/{args.rl_steps} | level {level} | reward {record['reward']:.3f} | "
-               f"of calls: tool not found {record['tool_error_rate']:.3f}, "
-               + (f"edits unread {record['blind_edit_rate']:.3f} | hack flags {record['hack_flags']} | "
-                  f"verify {record['verify_ms']:.0f} ms ({record['verify_wait_ms']:.0f} ms waited) | "
-                  if CODE else f"'Call' {record['capital_rate']:.3f} | ") +
-               f"feedback KL {record['feedback_kl']:.4f} | {record['gen_tokens']:.0f} tokens | "
-               f"{record['ms']:.0f} ms")
-        saving = rl_step % args.rl_eval_every == 0 or rl_step == args.rl_steps
-        if saving:
-            rl_eval(rl_step)
-        rl_state = {"stage": "rl", "rl_step": rl_step, "difficulty": difficulty.state_dict(),
-                    **({"code_pool": code_pool(rank).state_dict()} if CODE and bridge is None else {})}
-        if saving:
-            save_checkpoint(steps_before_rl + rl_step, **rl_state)
-        if stopping:
-            stop_here(steps_before_rl + rl_step, saving, **rl_state)
-if args.save_hf:  # every rank: each sharded tensor is gathered whole, rank 0 writes
-    try:
-        save_hf(model, args.save_hf, torch.bfloat16 if args.save_hf_dtype == "bf16" else torch.float32,
-                hf_base, extra_files=[Path(args.init_from, f) for f in TOKENIZER_FILES
-                                      if args.init_from and Path(args.init_from, f).is_file()])
-    except CheckpointError as e:
-        die(f"--save-hf: {e} (the run's own checkpoint {checkpoints()[-1]} is complete)")
-    print0(f"wrote {args.save_hf}: a Hugging Face DeepSeek-V3 checkpoint ({args.save_hf_dtype})")
-print0(f"done: checkpoint {checkpoints()[-1]}, metrics {metrics_path}, "
-       f"peak memory {peak_memory() / 2**30:.2f} GiB (rank 0)")
-if len(evals) > 1:  # the last line says whether the run did what it should
-    print0(verdict(evals[0], evals[-1]))
-if bridge is not None:
-    try:
-        bridge.flush()
-    except PeerLost as e:
-        peer_lost(e)
-if world_size > 1 or bridge is not None:
-    dist.barrier()
-    dist.destroy_process_group()
+if __name__ == "__main__":
+    sys.exit(main())
