@@ -3,22 +3,25 @@ process to torchrun on many nodes.
 
 main() reads as the recipe: the flags, the run (processes and meshes, the run folder, data, model and
 optimizer), pretrain(), then rl(); the machinery follows in the order main() needs it, the run folder (lock,
-resume, checkpoints, metrics, signals) as one object, then the data, the checks and the flags. With no
-arguments it trains the `tiny` preset on a laptop CPU in
-four to six minutes: pretraining on generated transcripts of the tool-use tasks (tasks.py: nothing to
-download, nothing read from files, so the same seed trains the same model whatever else the checkout holds),
-then Dr. GRPO with textual feedback (grpo.py, feedback.py) on those tasks. For real runs `--data`
-takes a folder of llm.c-style token shards (memory-mapped; the read position is checkpointed), a raw uint16
-.bin file (nanoGPT's) or a folder of text. Under torchrun the same code shards dense weights with FSDP2/HSDP
-on the dense mesh and expert weights on the expert mesh (mesh.py), with expert parallelism (--ep) and context
-parallelism (--cp; in RL the cp ranks act as data-parallel ones) folded onto the same ranks; in the RL stage
-each rank samples its own rollouts, or with --rollout-ranks K the last K ranks only sample, up to
---max-staleness policy versions ahead of the ranks that train (asynchronous RL). On CUDA it computes in bf16
-(FSDP2's mixed precision, fp32 weights and reductions). Checkpoints are checksummed and written atomically;
---resume continues from any of them (or falls back past a damaged one), and Ctrl-C or SIGTERM saves the
-current step and prints the command that resumes. --init-from starts from a released checkpoint in the Hugging
-Face layout (DeepSeek-V3, Kimi K2/K2.5, Moonlight; each rank reads only its shards) and --save-hf writes the
-trained model back in that layout.
+resume, checkpoints, metrics, signals) as one object, then the data, the checks and the flags.
+
+With no arguments it trains the `tiny` preset on a laptop CPU in four to six minutes: pretraining on generated
+transcripts of the tool-use tasks (tasks.py: nothing to download, nothing read from files, so the same seed
+trains the same model whatever else the checkout holds), then Dr. GRPO with textual feedback (grpo.py,
+feedback.py) on those tasks.
+
+For real runs `--data` takes a folder of llm.c-style token shards (memory-mapped; the read position is
+checkpointed), a raw uint16 .bin file (nanoGPT's) or a folder of text. Under torchrun the same code shards
+dense weights with FSDP2/HSDP on the dense mesh and expert weights on the expert mesh (mesh.py), with expert
+parallelism (--ep) and context parallelism (--cp; in RL the cp ranks act as data-parallel ones) folded onto
+the same ranks; in the RL stage each rank samples its own rollouts, or with --rollout-ranks K the last K ranks
+only sample, up to --max-staleness policy versions ahead of the ranks that train (asynchronous RL). On CUDA it
+computes in bf16 (FSDP2's mixed precision, fp32 weights and reductions).
+
+Checkpoints are checksummed and written atomically; --resume continues from any of them (or falls back past a
+damaged one), and Ctrl-C or SIGTERM saves the current step and prints the command that resumes. --init-from
+starts from a released checkpoint in the Hugging Face layout (DeepSeek-V3, Kimi K2/K2.5, Moonlight; each rank
+reads only its shards) and --save-hf writes the trained model back in that layout.
 
     python train.py                                      # tiny preset, CPU: pretraining, then RL
     python train.py --stage pretrain --out pre           # pretraining only; then RL from its checkpoint:
@@ -42,6 +45,7 @@ import faulthandler
 import functools
 import hashlib
 import importlib
+import importlib.util
 import json
 import logging
 import math
@@ -210,7 +214,8 @@ def pretrain(t):
             record["train_loss_eval"], record["val_loss"] = evaluate(t)
             print0(f"step {step:5d} | train loss {record['train_loss_eval']:.4f} | "
                    f"val loss {record['val_loss']:.4f}")
-        run.log(record)  # before its checkpoint appears: a resumed run never lacks its checkpoint step's record
+        # logged before its checkpoint appears: a resumed run never lacks its checkpoint step's record
+        run.log(record)
         if saving:
             run.save(t, step, stage="pretrain")
             t_log = time.perf_counter()  # evaluation and saving are not training time
@@ -371,7 +376,8 @@ def rl(t, step):
                   "summaries": summaries / n_episodes, "gen_tokens": tokens / n_episodes,
                   "feedback_targets": fb_counts[0], "feedback_kl": fb_means["feedback_kl"] or 0.0,
                   **({k: v for k, v in fb_means.items() if k.startswith("p_")} if args.feedback_coef else {}),
-                  "loss": mean_over_ranks(t, stats["loss"]), "clip_frac": mean_over_ranks(t, stats["clip_frac"]),
+                  "loss": mean_over_ranks(t, stats["loss"]),
+                  "clip_frac": mean_over_ranks(t, stats["clip_frac"]),
                   **({"kl": mean_over_ranks(t, stats["kl"])} if args.kl_coef else {}),
                   **signal_stats, **lag,
                   "ms": 1000 * (time.perf_counter() - t0)}
@@ -392,7 +398,8 @@ def rl(t, step):
         if saving:
             rl_eval(t, rl_step)
         rl_state = {"stage": "rl", "rl_step": rl_step, "difficulty": work.difficulty.state_dict(),
-                    **({"code_pool": work.code_pool(t.rank).state_dict()} if code and t.bridge is None else {})}
+                    **({"code_pool": work.code_pool(t.rank).state_dict()}
+                       if code and t.bridge is None else {})}
         if saving:
             run.save(t, t.steps_before_rl + rl_step, **rl_state)
         if stopping:
@@ -689,7 +696,8 @@ class RLTasks:
             return level, [self.code_env(d) for d in (self.code_pool(data_rank).take(level)
                                                       for _ in range(groups))
                            for _ in range(args.group_size)], gen
-        return level, [self.make_env(task) for task in (self.make_task(task_rng, level) for _ in range(groups))
+        return level, [self.make_env(task)
+                       for task in (self.make_task(task_rng, level) for _ in range(groups))
                        for _ in range(args.group_size)], gen
 
 
@@ -752,9 +760,10 @@ def build_model(t):
     if device.type == "cuda":
         available = torch.cuda.mem_get_info(device)[0]
     else:
-        pages = os.sysconf("SC_AVPHYS_PAGES") if "SC_AVPHYS_PAGES" in getattr(os, "sysconf_names", {}) else None
-        available = pages * os.sysconf("SC_PAGE_SIZE") / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) \
-            if pages else need  # unknown (macOS, Windows): try it
+        known = "SC_AVPHYS_PAGES" in getattr(os, "sysconf_names", {})  # not on macOS, Windows: try it
+        pages = os.sysconf("SC_AVPHYS_PAGES") if known else None
+        ranks_here = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        available = pages * os.sysconf("SC_PAGE_SIZE") / ranks_here if pages else need
     if need > available:
         die(f"preset {args.preset} ({job.total / 1e9:.1f}B parameters) needs ~{need / 2**30:,.0f} GiB a rank "
             f"({in_gib(plan)}), more than the {available / 2**30:,.0f} GiB free on {device}; see --dry-run")
@@ -1038,9 +1047,7 @@ def plot_command(args):
     """--plot: draw the runs and exit."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         die("--plot draws in one process: run it with python, not torchrun")
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("matplotlib") is None:
         die("--plot needs matplotlib: pip install matplotlib")
     try:
         print(f"wrote {plot_runs(args.plot, args.plot_out)}")
@@ -1125,7 +1132,8 @@ class Run:
                 self.lock.unlink()
 
     def checkpoints(self):
-        return sorted(p for p in self.out.glob("step-*") if p.is_dir() and re.fullmatch(r"step-\d{8}", p.name))
+        return sorted(p for p in self.out.glob("step-*")
+                      if p.is_dir() and re.fullmatch(r"step-\d{8}", p.name))
 
     def damage(self, path):
         """-> None when the checkpoint's files match the checksums in its meta.json, else what is wrong with
@@ -1165,7 +1173,8 @@ class Run:
                 print0(f"warning: checkpoint {path} is corrupt ({err}); resuming from an older one",
                        file=sys.stderr)
             if meta.get("stage") == "rl" and args.stage == "pretrain":
-                die(f"--resume: {resume_path} was written by the RL stage; pretraining does not continue from "
+                die(f"--resume: {resume_path} was written by the RL stage; pretraining does not continue "
+                    "from "
                     f"an RL checkpoint (pass --stage rl, or --resume with a pretraining checkpoint)")
             if meta.get("stage") == "rl" and meta["rl_step"] >= args.rl_steps:
                 die(f"--resume: {resume_path} is already at RL step {meta['rl_step']} of --rl-steps "
@@ -1194,7 +1203,8 @@ class Run:
         if not self.meta:
             return
         if self.meta["config"] != asdict(t.cfg):
-            die(f"--resume: {self.resume_path} holds a different model (preset {self.meta['args']['preset']!r}, "
+            die(f"--resume: {self.resume_path} holds a different model (preset "
+                f"{self.meta['args']['preset']!r}, "
                 f"vocab {self.meta['config']['vocab_size']}) than this run ({self.args.preset!r}, vocab "
                 f"{t.cfg.vocab_size})")
         state = self.state_dicts(t)
@@ -1216,9 +1226,9 @@ class Run:
         for room, and the banner line."""
         args, out = self.args, self.out
         # metrics.jsonl is append-only: every record is flushed as it is written, and each run (fresh or
-        # resumed) first writes {"event": "start", "keep": K}: of the lines above it only the first K belong to
-        # the run's history (records past the resumed checkpoint are about to be redone). A reader applies that
-        # rule, as read_metrics (--plot) does.
+        # resumed) first writes {"event": "start", "keep": K}: of the lines above it only the first K belong
+        # to the run's history (records past the resumed checkpoint are about to be redone). A reader applies
+        # that rule, as read_metrics (--plot) does.
         self.metrics_path = out / "metrics.jsonl"
         if is_rank0():
             text = self.metrics_path.read_bytes() if self.metrics_path.exists() else b""
@@ -1243,27 +1253,32 @@ class Run:
         self.log({"event": "start",
                   "keep": (min(self.meta.get("metrics_lines", self.metrics_lines), self.metrics_lines)
                            if same_folder else 0),
-                  "step": self.start_step, "resumed_from": str(self.resume_path) if self.resume_path else None,
+                  "step": self.start_step,
+                  "resumed_from": str(self.resume_path) if self.resume_path else None,
                   "argv": sys.argv[1:], "world_size": self.world_size})
-        # SIGINT (Ctrl-C) and SIGTERM (a preempted job; torchrun passes it on) finish the current step on every
-        # rank, which agree at the step's end (the flag rides on the loss's all-reduce), save it and print how
-        # to resume.
+        # SIGINT (Ctrl-C) and SIGTERM (a preempted job; torchrun passes it on) finish the current step on
+        # every rank, which agree at the step's end (the flag rides on the loss's all-reduce), save it and
+        # print how to resume.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self.on_signal)
         free = shutil.disk_usage(out).free if is_rank0() else 0
         err = agree(self.world_size,
                     f"--out {out} has {free / 2**20:,.0f} MiB free, less than two checkpoints need "
-                    f"({2 * t.checkpoint_bytes / 2**20:,.0f} MiB: one being written while the last one is kept)"
+                    f"({2 * t.checkpoint_bytes / 2**20:,.0f} MiB: one being written while the last one is "
+                    "kept)"
                     if is_rank0() and free < 2 * t.checkpoint_bytes else None)
         if err:
             die(err)
         t.peak, peak_source = device_peak(t.device, t.bf16)  # per rank
         layout, data, cfg = t.layout, t.data, t.cfg
-        print0(f"preset {args.preset}: {t.job.total / 1e6:.2f}M parameters, {t.job.active / 1e6:.2f}M active | "
-               f"{sum(map(len, data.train_shards)):,} train / {sum(map(len, data.val_shards)):,} val tokens in "
+        print0(f"preset {args.preset}: {t.job.total / 1e6:.2f}M parameters, {t.job.active / 1e6:.2f}M active "
+               "| "
+               f"{sum(map(len, data.train_shards)):,} train / {sum(map(len, data.val_shards)):,} val tokens "
+               "in "
                f"{len(data.train_shards)} + {len(data.val_shards)} shards | {t.world_size} x {t.device} "
                f"({torch.get_num_threads()} threads each) | dense mesh (dp_replicate={layout.dp_replicate}, "
-               f"dp_shard={layout.dp_shard}, cp={layout.cp}) expert mesh (ep_replicate={layout.ep_replicate}, "
+               f"dp_shard={layout.dp_shard}, cp={layout.cp}) expert mesh "
+               f"(ep_replicate={layout.ep_replicate}, "
                f"ep_shard={layout.ep_shard}, ep={layout.ep})" +
                (f", {cfg.num_experts // layout.ep} experts a rank, FSDP "
                 f"Shard({expert_shard_dim(layout, cfg.num_experts)})" if t.world_size > 1 else "") +
@@ -1341,7 +1356,8 @@ class Run:
         free = shutil.disk_usage(self.out).free
         if getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e) or free < checkpoint_bytes:
             return (f"no space left on device: checkpoint {path} could not be written "
-                    f"({free / 2**20:,.0f} MiB free, a checkpoint takes ~{checkpoint_bytes / 2**20:,.0f} MiB); "
+                    f"({free / 2**20:,.0f} MiB free, a checkpoint takes ~{checkpoint_bytes / 2**20:,.0f} "
+                    "MiB); "
                     "the partial checkpoint was removed and the run stopped; free space, then resume")
         return f"checkpoint {path} could not be written ({last_line(e)})"
 
@@ -1369,7 +1385,8 @@ class Run:
             self.save(t, step, **run_state)
         world_size = self.world_size
         sig = signal.Signals(self.stop_signal or signal.SIGTERM)  # the rank that got it may not be this one
-        argv = [a for a in sys.argv[1:] if not a.startswith("--resume=")]  # the same flags, resuming from --out
+        # the same flags, resuming from --out
+        argv = [a for a in sys.argv[1:] if not a.startswith("--resume=")]
         if "--resume" in argv:
             i = argv.index("--resume")
             del argv[i:i + (1 if self.args.resume == "latest" else 2)]
@@ -1377,7 +1394,8 @@ class Run:
             ["torchrun", f"--nproc_per_node={os.environ.get('LOCAL_WORLD_SIZE', world_size)}"] + \
             ([f"--nnodes={world_size // int(os.environ['LOCAL_WORLD_SIZE'])}", "<your rendezvous flags>"]
              if int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) != world_size else [])
-        print0(f"stopped by {sig.name} after step {step} (checkpoint {self.out / f'step-{step:08d}'}); resume "
+        print0(f"stopped by {sig.name} after step {step} (checkpoint {self.out / f'step-{step:08d}'}); "
+               "resume "
                f"with: {shlex.join(launcher + [sys.argv[0]] + argv + ['--resume'])}", file=sys.stderr)
         sys.exit(128 + sig)
 
@@ -1576,8 +1594,8 @@ class Data:
         # a tokenizer's vocab from the shard header, else the largest id (a small corpus); a .bin from another
         # tokenizer (e.g. GPT-2's 50257) widens the embedding
         cfg = t.cfg
-        vocab_size = max(cfg.vocab_size, shard_vocab or 1 + max(int(s.max()) for s in
-                                                                 self.train_shards + self.val_shards if len(s)))
+        shards = self.train_shards + self.val_shards
+        vocab_size = max(cfg.vocab_size, shard_vocab or 1 + max(int(s.max()) for s in shards if len(s)))
         if args.init_from and vocab_size != cfg.vocab_size:
             die(f"--data {args.data}: its tokens need a vocabulary of {vocab_size} "
                 f"(the shard header, or the largest id + 1), the checkpoint has {cfg.vocab_size}: make the "
@@ -1730,7 +1748,8 @@ def check(args):
         if getattr(args, flag) <= 0:
             die(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     if args.seq_len > cfg.max_seq_len:
-        die(f"--seq-len {args.seq_len} exceeds the {args.preset} preset's context of {cfg.max_seq_len} tokens")
+        die(f"--seq-len {args.seq_len} exceeds the {args.preset} preset's context of {cfg.max_seq_len} "
+            "tokens")
     if args.lr <= 0:
         die(f"--lr must be positive, got {args.lr}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -1740,13 +1759,15 @@ def check(args):
             die(f"--rollout-ranks and --max-staleness must be >= 0, "
                 f"got {args.rollout_ranks} and {args.max_staleness}")
         if not args.rollout_ranks:
-            die(f"--max-staleness {args.max_staleness} needs --rollout-ranks: without rollout ranks every rank "
+            die(f"--max-staleness {args.max_staleness} needs --rollout-ranks: without rollout ranks every "
+                "rank "
                 "samples with the current policy (synchronous RL)")
         if args.rollout_ranks >= world_size:
             die(f"--rollout-ranks {args.rollout_ranks} leaves no trainer rank: the launch has {world_size} "
                 "rank(s); launch more (torchrun --nproc_per_node) or roll out on fewer")
         if args.rollout_ranks > world_size - args.rollout_ranks:
-            die(f"--rollout-ranks {args.rollout_ranks}: a rollout rank samples for whole trainer ranks, so there "
+            die(f"--rollout-ranks {args.rollout_ranks}: a rollout rank samples for whole trainer ranks, so "
+                "there "
                 "can be at most as many as trainer ranks "
                 f"({world_size - args.rollout_ranks} of the {world_size})")
         if args.stage != "rl":
@@ -1766,7 +1787,8 @@ def check(args):
     except LayoutError as e:
         die(f"layout: {e}")
     if args.batch_size // layout.dp % args.grad_accum:
-        die(f"--grad-accum {args.grad_accum} does not divide the {args.batch_size // layout.dp} sequences a rank "
+        die(f"--grad-accum {args.grad_accum} does not divide the {args.batch_size // layout.dp} sequences a "
+            "rank "
             f"gets (--batch-size {args.batch_size} over {layout.dp} data-parallel ranks)")
     # RL: the tool tasks, not --data
     args.stage = args.stage or ("pretrain" if args.data or args.init_from else "both")
@@ -1784,7 +1806,8 @@ def check(args):
             "`python train.py --stage rl --resume` (or pass --init scratch to start RL from random weights)")
     if args.stage != "pretrain":
         args.tasks_per_step = args.tasks_per_step or -(-(4 if code else 8) // world_size) * world_size
-        if min(args.rl_steps, args.tasks_per_step, args.rl_lr, args.rl_eval_every) <= 0 or args.group_size < 2:
+        if (min(args.rl_steps, args.tasks_per_step, args.rl_lr, args.rl_eval_every) <= 0
+                or args.group_size < 2):
             die("the RL stage needs --rl-steps, --tasks-per-step, --rl-lr and --rl-eval-every > 0, "
                 "--group-size >= 2")
         if args.rl_eval_tasks < 0:
@@ -1802,7 +1825,8 @@ def check(args):
             die(f"--feedback-rules: unknown rule(s) {', '.join(sorted(unknown))}; choose from "
                 f"{', '.join(n for n, _ in RULES)}")
         if args.tasks_per_step % world_size:
-            die(f"--tasks-per-step {args.tasks_per_step} does not split over {world_size} ranks (each samples "
+            die(f"--tasks-per-step {args.tasks_per_step} does not split over {world_size} ranks (each "
+                "samples "
                 f"its own groups); pass a multiple of {world_size}, e.g. --tasks-per-step "
                 f"{-(-args.tasks_per_step // world_size) * world_size}")
     wanted_copies = {name for name, on in (("reference", args.kl_coef > 0),
@@ -1912,7 +1936,8 @@ def make_parser():
     g = parser.add_argument_group("model")
     g.add_argument("--preset", default=None, help=f"model size, one of {list(PRESETS)} (default: tiny)")
     g.add_argument("--init-from", default=None, metavar="DIR",
-                   help="start from a released checkpoint: a Hugging Face folder (config.json, *.safetensors) of "
+                   help="start from a released checkpoint: a Hugging Face folder (config.json, "
+                        "*.safetensors) of "
                         "a DeepSeek-V3-architecture model (DeepSeek-V3, Kimi K2, Kimi K2.5, Moonlight); its "
                         "config.json is the model. Needs the safetensors package; pretraining needs --data "
                         "shards made with its tokenizer, RL its tokenizer.json and chat template (the "
@@ -1924,7 +1949,8 @@ def make_parser():
                    help="optimizer steps in total (a resumed run stops here too); default 700, 800 with "
                         "--rl-tasks code")
     g.add_argument("--batch-size", type=int, default=None,
-                   help="global batch in sequences, whatever the layout; default 8, 4 with --rl-tasks code (its "
+                   help="global batch in sequences, whatever the layout; default 8, 4 with --rl-tasks code "
+                        "(its "
                         "sequences are 2.5x as long)")
     g.add_argument("--grad-accum", type=int, default=1,
                    help="micro-batches a step: a rank runs batch-size/(data-parallel ranks x N) sequences a "
@@ -1942,15 +1968,19 @@ def make_parser():
                         "AdamW-style lr serves the matrices and the embeddings/head/router/norms alike")
     g.add_argument("--weight-decay", type=float, default=0.1, help="decoupled weight decay")
     g.add_argument("--qk-clip", type=float, default=0.0, metavar="TAU",
-                   help="MuonClip's QK-Clip (Kimi K2 uses 100): after each optimizer step, rescale the query/key "
+                   help="MuonClip's QK-Clip (Kimi K2 uses 100): after each optimizer step, rescale the "
+                        "query/key "
                         "weights of every head whose largest attention logit exceeded TAU (0: off)")
     g.add_argument("--ns", default="standard", choices=["standard", "gram"],
-                   help="Muon's Newton-Schulz: the standard iteration, or Gram Newton-Schulz, which iterates on "
+                   help="Muon's Newton-Schulz: the standard iteration, or Gram Newton-Schulz, which iterates "
+                        "on "
                         "X X^T where that takes fewer FLOPs (1.43x fewer on Kimi K2's experts)")
-    g.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm to this (0: off)")
+    g.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm to this (0: "
+                                                                "off)")
     g.add_argument("--warmup", type=int, default=30, help="linear warmup steps, then cosine decay to 10%%")
     g.add_argument("--seed", type=int, default=1337, help="seeds the weights and the data order")
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if "
+                                                                                     "available")
     g.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"],
                    help="compute dtype; weights, gradient reduction and optimizer state stay fp32 (FSDP2's "
                         "MixedPrecisionPolicy under torchrun, autocast in one process). auto: bf16 on CUDA, "
@@ -1978,7 +2008,8 @@ def make_parser():
                         "'val' are validation), one .bin file (with that header, or raw uint16 as nanoGPT's; "
                         "val.bin beside it is validation), or a folder of text files; default: generated "
                         "transcripts of the tool-use tasks")
-    g.add_argument("--out", default="out", help="folder for metrics.jsonl and the checkpoints (step-NNNNNNNN/)")
+    g.add_argument("--out", default="out", help="folder for metrics.jsonl and the checkpoints "
+                                                "(step-NNNNNNNN/)")
     g.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
                    help="continue from the newest intact checkpoint in OUT, or from the step-NNNNNNNN "
                         "folder given")
@@ -1988,7 +2019,8 @@ def make_parser():
     g.add_argument("--save-hf-dtype", default="bf16", choices=["bf16", "fp32"],
                    help="the weights' dtype in --save-hf")
     g.add_argument("--keep", type=int, default=1,
-                   help="checkpoints kept: the newest KEEP, plus the last one of each stage (pretraining, RL)")
+                   help="checkpoints kept: the newest KEEP, plus the last one of each stage (pretraining, "
+                        "RL)")
     g.add_argument("--log-every", type=int, default=20, help="steps between progress lines")
     g.add_argument("--eval-every", type=int, default=200,
                    help="steps between validation evaluations and checkpoints")
@@ -2001,60 +2033,75 @@ def make_parser():
                         "WANDB_MODE=offline keeps it local)")
     g.add_argument("--plot", nargs="+", default=None, metavar="RUN",
                    help="draw runs' metrics.jsonl into a PNG and exit (no training): RUN is an --out folder, "
-                        "or NAME=DIR1,DIR2,...: one run under a name, or a group of runs (seeds) drawn as mean "
+                        "or NAME=DIR1,DIR2,...: one run under a name, or a group of runs (seeds) drawn as "
+                        "mean "
                         "+- std (needs matplotlib)")
     g.add_argument("--plot-out", default=None, metavar="FILE",
-                   help="with --plot: the PNG to write; default: plot.png in the run's folder (one run), else "
+                   help="with --plot: the PNG to write; default: plot.png in the run's folder (one run), "
+                        "else "
                         "here")
     g = parser.add_argument_group("RL stage: Dr. GRPO with textual feedback on the tool-use tasks")
     g.add_argument("--stage", default=None, choices=["pretrain", "rl", "both"],
-                   help="pretrain then RL, pretraining only, or RL only (from --resume); default: both, but only "
-                        "pretraining with --data or --init-from (the RL tasks are this project's tool-use tasks, "
+                   help="pretrain then RL, pretraining only, or RL only (from --resume); default: both, but "
+                        "only "
+                        "pretraining with --data or --init-from (the RL tasks are this project's tool-use "
+                        "tasks, "
                         "not your corpus)")
     g.add_argument("--init", default=None, choices=["scratch"],
-                   help="scratch: let --stage rl start from random weights (a smoke test: it earns no reward)")
+                   help="scratch: let --stage rl start from random weights (a smoke test: it earns no "
+                        "reward)")
     g.add_argument("--rl-steps", type=int, default=None,
-                   help="RL steps (each: sample, then --ppo-epochs x --ppo-minibatches updates); default 16, 12 "
+                   help="RL steps (each: sample, then --ppo-epochs x --ppo-minibatches updates); default 16, "
+                        "12 "
                         "with --rl-tasks code")
     g.add_argument("--group-size", type=int, default=8, help="rollouts per task (the GRPO group)")
     g.add_argument("--rl-tasks", default="short", choices=["short", "long", "code"],
-                   help="short: nested expressions of 1-4 calls (a CPU learns them in minutes); long: chains of "
-                        "8 x level calls that run past the context (summaries; a slip costs the reward little); "
-                        "code: feature deletion, the policy a coding agent (tasks.CodeEnv) rewarded by verify, "
+                   help="short: nested expressions of 1-4 calls (a CPU learns them in minutes); long: chains "
+                        "of "
+                        "8 x level calls that run past the context (summaries; a slip costs the reward "
+                        "little); "
+                        "code: feature deletion, the policy a coding agent (tasks.CodeEnv) rewarded by "
+                        "verify, "
                         "on micro-repositories made while it trains, or on --task-dir")
     g.add_argument("--verify-workers", type=int, default=2,
                    help="with --rl-tasks code: threads that verify finished episodes while the others sample "
                         "(0: each verify holds up sampling)")
     g.add_argument("--task-dir", default=None, metavar="DIR",
-                   help="with --rl-tasks code: RL on the tasks `python tasks.py make` wrote in DIR (each runs "
+                   help="with --rl-tasks code: RL on the tasks `python tasks.py make` wrote in DIR (each "
+                        "runs "
                         "its tests with the --python it was made with) instead of micro-repositories")
     g.add_argument("--max-gen-tokens", type=int, default=None,
                    help="tokens a rollout may write over all its turns (L_max, also the loss's constant "
                         "normaliser); default 512 for long tasks, 128 for short")
     g.add_argument("--tasks-per-step", type=int, default=None,
-                   help="tasks (groups) per RL step, a multiple of the world size (each rank samples its own); "
+                   help="tasks (groups) per RL step, a multiple of the world size (each rank samples its "
+                        "own); "
                         "default: 8 (--rl-tasks code: 4) rounded up to a multiple of the world size")
     g.add_argument("--rl-lr", type=float, default=5e-4, help="RL learning rate (both groups)")
     g.add_argument("--feedback-coef", type=float, default=0.1, help="lambda of the feedback KL (0: pure RL)")
     g.add_argument("--feedback-rules", default=None,
                    help=f"comma-separated hint rules of feedback.py: {', '.join(name for name, _ in RULES)}")
     g.add_argument("--feedback-estimator", default="full", choices=["full", "sampled"],
-                   help="full: exact KL over the vocabulary; sampled: the sampled-token estimator (reweighted to "
+                   help="full: exact KL over the vocabulary; sampled: the sampled-token estimator "
+                        "(reweighted to "
                         "T = 1 when --temperature is not 1)")
     g.add_argument("--feedback-teacher", default="frozen", choices=["frozen", "current", "ema"],
-                   help="the hinted teacher: the policy RL started from, the current policy, or an EMA of the "
+                   help="the hinted teacher: the policy RL started from, the current policy, or an EMA of "
+                        "the "
                         "policy (a current teacher drifts with the student: on the default run the pass rate "
                         "collapses after about 15 RL steps; experiments.md)")
     g.add_argument("--feedback-ema-decay", type=float, default=0.99, help="the EMA teacher's decay a RL step")
     g.add_argument("--kl-coef", type=float, default=0.0,
                    help="KL to the starting policy (0: none, no reference kept)")
     g.add_argument("--kl-estimator", default="k1", choices=["k1", "k2", "k3"],
-                   help="k1: folded into the reward; k2: in the loss, per token the gradient of KL(pi||ref) at "
+                   help="k1: folded into the reward; k2: in the loss, per token the gradient of KL(pi||ref) "
+                        "at "
                         "the visited states; k3: in the loss, per token that of KL(ref||pi)")
     g.add_argument("--temperature", type=float, default=1.0,
                    help="sampling temperature (the trainer's log-probs use it too)")
     g.add_argument("--ppo-epochs", type=int, default=2,
-                   help="passes over each RL batch (PPO's clip acts from the 2nd; 2 updates a batch learn more "
+                   help="passes over each RL batch (PPO's clip acts from the 2nd; 2 updates a batch learn "
+                        "more "
                         "in the default run's 16 steps than 1: experiments.md)")
     g.add_argument("--ppo-minibatches", type=int, default=1,
                    help="optimizer steps a pass, each on whole groups of this rank's (split as evenly "
@@ -2068,16 +2115,22 @@ def make_parser():
                         "importance weights")
     g.add_argument("--sample-gather", default="rollout", choices=["rollout", "forward"],
                    help="under FSDP, sampling with the sharded model gathers each unit once for the whole "
-                        "rollout and keeps it (rollout: fast; a rank holds the dense weights whole and its EP "
-                        "share of the experts) or at every forward (forward: one unit at a time, an all-gather "
+                        "rollout and keeps it (rollout: fast; a rank holds the dense weights whole and its "
+                        "EP "
+                        "share of the experts) or at every forward (forward: one unit at a time, an "
+                        "all-gather "
                         "per unit per token)")
     g.add_argument("--rollout-ranks", type=int, default=0, metavar="K",
-                   help="asynchronous RL: the launch's last K ranks only sample (each with a whole copy of the "
-                        "policy), the others only train and send the new policy after each step (0: every rank "
+                   help="asynchronous RL: the launch's last K ranks only sample (each with a whole copy of "
+                        "the "
+                        "policy), the others only train and send the new policy after each step (0: every "
+                        "rank "
                         "samples, then trains)")
     g.add_argument("--max-staleness", type=int, default=0, metavar="S",
-                   help="with --rollout-ranks: step i is sampled with the policy of step max(0, i - 1 - S), so "
-                        "the rollout ranks run up to S steps ahead of the trainers (0: synchronous RL; exactly, "
+                   help="with --rollout-ranks: step i is sampled with the policy of step max(0, i - 1 - S), "
+                        "so "
+                        "the rollout ranks run up to S steps ahead of the trainers (0: synchronous RL; "
+                        "exactly, "
                         "when sampling is fp32)")
     g.add_argument("--count-comm", action="store_true",
                    help="count the calls and bytes of every collective in the second step and print them")
