@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from grpo import Weights, device_of, rows as grpo_rows
-from model import BYTES, TOKEN
+from model import BYTES
 from tasks import FORMAT_REMINDER, READ_FIRST, STYLE_REMINDER, reminder
 
 
@@ -306,7 +306,7 @@ if __name__ == "__main__":
     import random
     import time
     from grpo import Segment, Trajectory
-    from model import PRESETS, Transformer, encode
+    from model import PRESETS, TOKEN, Transformer, encode
     from muon import Muon, param_groups
     from tasks import TOOLS, gold_transcript, make_tool_task, render
     ap = argparse.ArgumentParser(description="Cursor's 'tool not found' example on a tiny model, "

@@ -36,7 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from model import BYTES, KVCache, Transformer, local
+from model import BYTES, KVCache, local
 
 
 @dataclass
@@ -529,7 +529,7 @@ def serve_rollouts(model, bridge, cfg, episodes, difficulty, staleness, me, roll
 
 if __name__ == "__main__":
     import random
-    from model import PRESETS
+    from model import PRESETS, Transformer
     from tasks import ToolEnv, make_tool_task
     torch.manual_seed(0)
     model = Transformer(PRESETS["tiny"])

@@ -1,8 +1,9 @@
-"""Tests for the whole stack: honest, small, and under five minutes on two cores. Sections follow the README's
-reading order (model.py, muon.py, train.py with mesh.py, grpo.py, feedback.py, tasks.py), then the README's
-own commands; each section's first line names the file it covers.
+"""Tests for the whole stack: honest, small, and under five minutes on two cores. The README's own commands
+first, as a user meets them; then sections in the README's reading order (model.py, muon.py, train.py with
+mesh.py, grpo.py, feedback.py, tasks.py); each section's first line names the file it covers.
 
-    python -m pytest -q -n auto test_all.py     # a test process a core (pytest-xdist), one thread each
+    # a test process a core (pytest-xdist), one thread each; a free process takes tests from a busy one
+    python -m pytest -q -n auto --dist worksteal test_all.py
 """
 import concurrent.futures
 import contextlib
@@ -47,6 +48,180 @@ from tasks import (MALFORMED, TOOLS, DifficultySampler, ToolEnv, corpus, gold_tr
 from muon import CLASSIC, POLAR_EXPRESS, Muon, msign, ns_band, ns_flops, param_groups
 
 HERE = Path(__file__).resolve().parent
+
+
+# -----------------------------------------------------------------------------
+# README: every python/torchrun command in it runs as written (shortened)
+
+SHORT = {"train.py": ["--eval-every", "2", "--eval-batches", "1", "--rl-eval-tasks", "0", "--group-size", "2",
+                      "--max-gen-tokens", "32", "--ppo-epochs", "1"],
+         "feedback.py": ["--pretrain-steps", "3"],
+         "muon.py": ["--presets", "tiny", "--repeats", "1", "--ns-max-batch", "4", "--k2", "none"],
+         "model.py --bench-decode": ["--presets", "tiny", "--contexts", "64"],
+         "tasks.py make": ["--n", "1"],
+         "feedback.py --ablation": ["--seeds", "1", "--rl-steps", "1", "--steps", "2", "--eval-every", "2",
+                                    "--eval-batches", "1", "--rl-eval-tasks", "1", "--group-size", "2",
+                                    "--max-gen-tokens", "32"]}
+
+
+def readme_commands():
+    """-> groups of command lines that run one of this project's scripts with python or torchrun, in reading
+    order: each ```bash block is one group (its lines run in order in one folder), each `inline` command a
+    group of its own. A line holding several commands (`;`, `&&`) gives each; duplicates run once, and so does
+    a command that an earlier group runs with an --out added."""
+    groups = []
+    for i, part in enumerate(re.split(r"^```.*$", (HERE / "README.md").read_text(), flags=re.M)):
+        if i % 2:  # a fenced block: join continued lines, drop comments
+            found = [c for line in part.replace("\\\n", " ").splitlines()
+                     for c in re.split(r";|&&", line.split(" #")[0])]
+        else:
+            found = re.findall(r"`((?:python|torchrun) [^`]*)`", part)
+        found = [" ".join(c.split()) for c in found
+                 # python -m pytest: this very file
+                 if re.match(r"\s*(python|torchrun) ", c) and " -m " not in c
+                 and any((HERE / a).is_file() for a in c.split() if a.endswith(".py"))]
+        groups += [found] if i % 2 and found else [[c] for c in found]
+    unique, no_out = [], lambda c: re.sub(r" --out \S+", "", c)
+    for g in groups:
+        if not (g in unique or len(g) == 1 and any(no_out(g[0]) == no_out(c) for u in unique for c in u)):
+            unique.append(g)
+    return unique
+
+
+@functools.cache
+def index_reachable():
+    """Whether pip can download from the package index here (tests that build environments need it)."""
+    with tempfile.TemporaryDirectory() as d:
+        return subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", d,
+                               "pytest-timeout"],
+                              capture_output=True, timeout=120).returncode == 0
+
+
+def run_readme_command(line, cwd, quick_start_out):
+    """Run one README command in cwd, shortened. -> None, or why it was not run here. quick_start_out() ->
+    the quick start's out folder, once that run is done."""
+    argv = shlex.split(line.replace("$HEAD_NODE", "head").replace("$JOB_ID", "1"))
+    at = next(i for i, a in enumerate(argv) if a.endswith(".py"))
+    launch, script, flags = argv[:at], argv[at], argv[at + 1:]
+    opt = dict(re.fullmatch(r"--([a-z_]+)=(\d+)", a).groups()
+               for a in launch if re.fullmatch(r"--[a-z_]+=\d+", a))
+    if "cuda" in flags and not torch.cuda.is_available():
+        return "needs CUDA"
+    if flags[:1] == ["env"] and not index_reachable():
+        return "needs the package index"
+    if "--init-from" in flags and not importlib.util.find_spec("safetensors"):
+        return "needs safetensors"
+    if "--init-from" in flags and "rl" in flags and not importlib.util.find_spec("tokenizers"):
+        return "needs tokenizers"
+    if "--plot" in flags and not importlib.util.find_spec("matplotlib"):
+        return "needs matplotlib"
+    for spec in flags[flags.index("--plot") + 1:] if "--plot" in flags else []:  # the runs it draws: copies
+        if spec.startswith("-"):  # of the quick start's
+            break
+        for run in spec.partition("=")[2].split(",") if "=" in spec else [spec]:
+            if not (cwd / run).exists():
+                shutil.copytree(quick_start_out(), cwd / run)
+    if "MODEL" in flags and not (cwd / "MODEL").exists():  # a released checkpoint and shards of its tokenizer
+        M.save_hf(tiny_model(vocab_size=300, max_seq_len=4096), cwd / "MODEL", torch.float32)
+        if importlib.util.find_spec("tokenizers"):  # what RL on it speaks
+            released_tokenizer(cwd / "MODEL")
+        (cwd / "SHARDS").mkdir()
+        for split in ("train", "val"):
+            write_shard(cwd / "SHARDS" / f"corpus_{split}_000000.bin", np.arange(20000) * 7 % 300, vocab=300)
+    if int(opt.get("nnodes", 1)) > 1:  # many nodes: plan the same flags for that world instead
+        launch, flags = ["python"], [*flags, "--dry-run", "--world",
+                                     str(int(opt["nnodes"]) * int(opt["nproc_per_node"]))]
+    else:
+        if script == "train.py" and "--dry-run" not in flags:
+            out = cwd / flags[flags.index("--out") + 1] if "--out" in flags else cwd / "out"
+            at = flags.index("--resume") + 1 if "--resume" in flags else 0
+            named = at and at < len(flags) and not flags[at].startswith("-")  # --resume RUN/step-N
+            run = (cwd / flags[at]).parent if named else out
+            if at and not run.exists():
+                shutil.copytree(quick_start_out(), run)  # a resume needs a run before it: the quick start's
+            default_steps = re.search(r'\("steps", (\d+), (\d+)\)',  # (flag, default, with --rl-tasks code)
+                                      (HERE / "train.py").read_text())[2 if "code" in flags else 1]
+            # a pretraining checkpoint of the full-length run -> the shortened run's
+            for k, a in enumerate(flags):
+                if re.fullmatch(r".*step-\d{8}", a) and not (cwd / a).exists():
+                    assert int(a[-8:]) == int(default_steps), (
+                        f"{line}: the default run ends at {default_steps}")
+                    flags[k] = str(max(p for p in (cwd / a).parent.glob("step-*")
+                                       if json.loads((p / "meta.json").read_text())["stage"] == "pretrain"))
+            source = (cwd / flags[at] if at < len(flags) and not flags[at].startswith("-")
+                      else max(out.glob("step-*"))) if at else None
+            meta = json.loads((source / "meta.json").read_text()) if source else {}
+            # one RL task a rank; one RL step more than the checkpoint's
+            world = int(opt.get("nproc_per_node", 1))
+            flags += SHORT[script] + ["--steps", str(meta.get("step", 1) + 1), "--rl-steps",
+                                      str(meta.get("rl_step", 0) + 1), "--tasks-per-step", str(world)]
+        else:
+            flags = [a.replace("/ID", "/" + min(p.name for p in (cwd / "TASKS").iterdir()))
+                     if "TASKS/" in a else a for a in flags]
+            flags += SHORT.get(next((k for k in SHORT if k.split()[1:] and k.split()[0] == script
+                                     and k.split()[1] in flags), script), [])
+            if script == "muon.py" and "--world" in flags:  # the sharded benchmark on 1 and 2 processes
+                flags += ["--world", "1", "2"]
+    cmd = [sys.executable, *(["-m", "torch.distributed.run", "--standalone", *launch[1:]]
+                             if launch[0] == "torchrun" else []), str(HERE / script), *flags]
+    # the quick start as a real process; the rest fork from the preloaded server, torchrun's ranks with its
+    # environment (a real torchrun: the SIGTERM test)
+    if line == "python train.py":
+        r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    else:
+        world = int(opt["nproc_per_node"]) if launch[0] == "torchrun" else 1
+        proc = Launched(script, *flags, world=world, cwd=cwd)
+        r = finish(proc, timeout=600)
+        if r.returncode and world > 1:  # each rank's last words: the one that failed first is not the last
+            r.stderr = "".join(f"--- rank {k} (exit {p.exitcode}):\n{err[-1500:]}\n"
+                               for k, ((_, err), p) in enumerate(zip(proc.outputs, proc.procs)))
+    assert r.returncode == 0, f"{line}\n  ran as: {shlex.join(cmd)}\n{r.stderr[-6000:]}"
+    return None
+
+
+def test_every_readme_command_runs(tmp_path):
+    """Each python/torchrun command in README.md runs as written, shortened (for train.py --steps/--rl-steps,
+    one validation batch, no held-out RL evaluation, one PPO epoch; fewer pretraining steps for feedback.py;
+    the tiny preset for muon.py's benchmarks, and --world 1 2 for its sharded one; one task for tasks.py
+    make), and exits 0. A `--resume` with nothing to resume, or a checkpoint of a run that is not there,
+    starts from a copy of the quick start's run; a checkpoint the README names is mapped to the shortened
+    run's; REPO, TASKS/ID and TRAJECTORY.jsonl are a fixture repository, the task `make` wrote and a clean
+    trajectory. The quick start runs as a real process, beside the other groups, the rest fork from the
+    preloaded server (Launched; torchrun's ranks with its environment). Many-node commands are planned with
+    --dry-run at their world size; MODEL and SHARDS are a tiny checkpoint in the Hugging Face layout and token
+    shards. CUDA commands are skipped on a machine without CUDA, `tasks.py env` where the package index cannot
+    be reached, --init-from without the safetensors package (RL from it: without the tokenizers package), and
+    nothing else."""
+    forkserver()  # started before the threads below
+    groups = readme_commands()
+    assert groups[0] == ["python train.py"]  # the quick start: the run the resume examples continue
+    assert sum(len(g) for g in groups) >= 25
+    skipped = []
+
+    def run_group(k):
+        cwd = tmp_path / f"g{k}"
+        commit(write_fixture(cwd / "REPO"))
+        (cwd / "TRAJECTORY.jsonl").write_text(json.dumps({"action": "bash", "command": "pytest -q",
+                                                          "output": "3 passed"}) + "\n")
+        for line in groups[k]:
+            why = run_readme_command(line, cwd, quick_start_out)
+            if why:
+                skipped.append((line, why))
+
+    def quick_start_out():
+        quick_start.result()  # raises if it failed
+        return tmp_path / "g0" / "out"
+
+    cost = lambda k: sum(4 if c.startswith("torchrun") else 1 for c in groups[k])  # the longest start first
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        quick_start = pool.submit(run_group, 0)  # beside the others; only a resume without its run waits
+        list(pool.map(run_group, sorted(range(1, len(groups)), key=cost, reverse=True)))
+        quick_start.result()
+    assert all(why == "needs CUDA" and "--device cuda" in line
+               or why == "needs the package index" and " env " in line
+               or why == "needs safetensors" and "--init-from" in line
+               or why == "needs matplotlib" and "--plot" in line for line, why in skipped), skipped
 
 
 # -----------------------------------------------------------------------------
@@ -4766,178 +4941,6 @@ def test_real_package_tinydb(tmp_path):
     steps = [s for s in read_metrics(tmp_path / "run") if s.get("stage") == "rl"]
     assert [s["rl_step"] for s in steps] == [1, 2] and all(s["verifies"] + s["verifies_shared"] >= 1
                                                            for s in steps), steps
-
-
-# -----------------------------------------------------------------------------
-# README: every python/torchrun command in it runs as written (shortened)
-
-SHORT = {"train.py": ["--eval-every", "2", "--eval-batches", "1", "--rl-eval-tasks", "0", "--group-size", "2",
-                      "--max-gen-tokens", "32", "--ppo-epochs", "1"],
-         "feedback.py": ["--pretrain-steps", "3"],
-         "muon.py": ["--presets", "tiny", "--repeats", "1", "--ns-max-batch", "4", "--k2", "none"],
-         "model.py --bench-decode": ["--presets", "tiny", "--contexts", "64"],
-         "feedback.py --ablation": ["--seeds", "1", "--rl-steps", "1", "--steps", "2", "--eval-every", "2",
-                                    "--eval-batches", "1", "--rl-eval-tasks", "1", "--group-size", "2",
-                                    "--max-gen-tokens", "32"]}
-
-
-def readme_commands():
-    """-> groups of command lines that run one of this project's scripts with python or torchrun, in reading
-    order: each ```bash block is one group (its lines run in order in one folder), each `inline` command a
-    group of its own. A line holding several commands (`;`, `&&`) gives each; duplicates run once, and so does
-    a command that an earlier group runs with an --out added."""
-    groups = []
-    for i, part in enumerate(re.split(r"^```.*$", (HERE / "README.md").read_text(), flags=re.M)):
-        if i % 2:  # a fenced block: join continued lines, drop comments
-            found = [c for line in part.replace("\\\n", " ").splitlines()
-                     for c in re.split(r";|&&", line.split(" #")[0])]
-        else:
-            found = re.findall(r"`((?:python|torchrun) [^`]*)`", part)
-        found = [" ".join(c.split()) for c in found
-                 # python -m pytest: this very file
-                 if re.match(r"\s*(python|torchrun) ", c) and " -m " not in c
-                 and any((HERE / a).is_file() for a in c.split() if a.endswith(".py"))]
-        groups += [found] if i % 2 and found else [[c] for c in found]
-    unique, no_out = [], lambda c: re.sub(r" --out \S+", "", c)
-    for g in groups:
-        if not (g in unique or len(g) == 1 and any(no_out(g[0]) == no_out(c) for u in unique for c in u)):
-            unique.append(g)
-    return unique
-
-
-@functools.cache
-def index_reachable():
-    """Whether pip can download from the package index here (tests that build environments need it)."""
-    with tempfile.TemporaryDirectory() as d:
-        return subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", d,
-                               "pytest-timeout"],
-                              capture_output=True, timeout=120).returncode == 0
-
-
-def run_readme_command(line, cwd, quick_start_out):
-    """Run one README command in cwd, shortened. -> None, or why it was not run here. quick_start_out() ->
-    the quick start's out folder, once that run is done."""
-    argv = shlex.split(line.replace("$HEAD_NODE", "head").replace("$JOB_ID", "1"))
-    at = next(i for i, a in enumerate(argv) if a.endswith(".py"))
-    launch, script, flags = argv[:at], argv[at], argv[at + 1:]
-    opt = dict(re.fullmatch(r"--([a-z_]+)=(\d+)", a).groups()
-               for a in launch if re.fullmatch(r"--[a-z_]+=\d+", a))
-    if "cuda" in flags and not torch.cuda.is_available():
-        return "needs CUDA"
-    if flags[:1] == ["env"] and not index_reachable():
-        return "needs the package index"
-    if "--init-from" in flags and not importlib.util.find_spec("safetensors"):
-        return "needs safetensors"
-    if "--init-from" in flags and "rl" in flags and not importlib.util.find_spec("tokenizers"):
-        return "needs tokenizers"
-    if "--plot" in flags and not importlib.util.find_spec("matplotlib"):
-        return "needs matplotlib"
-    for spec in flags[flags.index("--plot") + 1:] if "--plot" in flags else []:  # the runs it draws: copies
-        if spec.startswith("-"):  # of the quick start's
-            break
-        for run in spec.partition("=")[2].split(",") if "=" in spec else [spec]:
-            if not (cwd / run).exists():
-                shutil.copytree(quick_start_out(), cwd / run)
-    if "MODEL" in flags and not (cwd / "MODEL").exists():  # a released checkpoint and shards of its tokenizer
-        M.save_hf(tiny_model(vocab_size=300, max_seq_len=4096), cwd / "MODEL", torch.float32)
-        if importlib.util.find_spec("tokenizers"):  # what RL on it speaks
-            released_tokenizer(cwd / "MODEL")
-        (cwd / "SHARDS").mkdir()
-        for split in ("train", "val"):
-            write_shard(cwd / "SHARDS" / f"corpus_{split}_000000.bin", np.arange(20000) * 7 % 300, vocab=300)
-    if int(opt.get("nnodes", 1)) > 1:  # many nodes: plan the same flags for that world instead
-        launch, flags = ["python"], [*flags, "--dry-run", "--world",
-                                     str(int(opt["nnodes"]) * int(opt["nproc_per_node"]))]
-    else:
-        if script == "train.py" and "--dry-run" not in flags:
-            out = cwd / flags[flags.index("--out") + 1] if "--out" in flags else cwd / "out"
-            at = flags.index("--resume") + 1 if "--resume" in flags else 0
-            named = at and at < len(flags) and not flags[at].startswith("-")  # --resume RUN/step-N
-            run = (cwd / flags[at]).parent if named else out
-            if at and not run.exists():
-                shutil.copytree(quick_start_out(), run)  # a resume needs a run before it: the quick start's
-            default_steps = re.search(r'\("steps", (\d+), (\d+)\)',  # (flag, default, with --rl-tasks code)
-                                      (HERE / "train.py").read_text())[2 if "code" in flags else 1]
-            # a pretraining checkpoint of the full-length run -> the shortened run's
-            for k, a in enumerate(flags):
-                if re.fullmatch(r".*step-\d{8}", a) and not (cwd / a).exists():
-                    assert int(a[-8:]) == int(default_steps), (
-                        f"{line}: the default run ends at {default_steps}")
-                    flags[k] = str(max(p for p in (cwd / a).parent.glob("step-*")
-                                       if json.loads((p / "meta.json").read_text())["stage"] == "pretrain"))
-            source = (cwd / flags[at] if at < len(flags) and not flags[at].startswith("-")
-                      else max(out.glob("step-*"))) if at else None
-            meta = json.loads((source / "meta.json").read_text()) if source else {}
-            # one RL task a rank; one RL step more than the checkpoint's
-            world = int(opt.get("nproc_per_node", 1))
-            flags += SHORT[script] + ["--steps", str(meta.get("step", 1) + 1), "--rl-steps",
-                                      str(meta.get("rl_step", 0) + 1), "--tasks-per-step", str(world)]
-        else:
-            flags = [a.replace("/ID", "/" + min(p.name for p in (cwd / "TASKS").iterdir()))
-                     if "TASKS/" in a else a for a in flags]
-            flags += SHORT.get(next((k for k in SHORT if k.split()[1:] and k.split()[0] == script
-                                     and k.split()[1] in flags), script), [])
-            if script == "muon.py" and "--world" in flags:  # the sharded benchmark on 1 and 2 processes
-                flags += ["--world", "1", "2"]
-    cmd = [sys.executable, *(["-m", "torch.distributed.run", "--standalone", *launch[1:]]
-                             if launch[0] == "torchrun" else []), str(HERE / script), *flags]
-    # the quick start as a real process; the rest fork from the preloaded server, torchrun's ranks with its
-    # environment (a real torchrun: the SIGTERM test)
-    if line == "python train.py":
-        r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600,
-                           env={**os.environ, "OMP_NUM_THREADS": "1"})
-    else:
-        world = int(opt["nproc_per_node"]) if launch[0] == "torchrun" else 1
-        proc = Launched(script, *flags, world=world, cwd=cwd)
-        r = finish(proc, timeout=600)
-        if r.returncode and world > 1:  # each rank's last words: the one that failed first is not the last
-            r.stderr = "".join(f"--- rank {k} (exit {p.exitcode}):\n{err[-1500:]}\n"
-                               for k, ((_, err), p) in enumerate(zip(proc.outputs, proc.procs)))
-    assert r.returncode == 0, f"{line}\n  ran as: {shlex.join(cmd)}\n{r.stderr[-6000:]}"
-    return None
-
-
-def test_every_readme_command_runs(tmp_path):
-    """Each python/torchrun command in README.md runs as written, shortened (for train.py --steps/--rl-steps,
-    one validation batch, no held-out RL evaluation, one PPO epoch; fewer pretraining steps for feedback.py;
-    the tiny preset for muon.py's benchmarks, and --world 1 2 for its sharded one), and exits 0. A `--resume`
-    with nothing to resume, or a checkpoint of a run that is not there, starts from a copy of the quick
-    start's run; a checkpoint the README names is mapped to the shortened run's; REPO, TASKS/ID and
-    TRAJECTORY.jsonl are a fixture repository, the task `make` wrote and a clean trajectory. The quick start
-    runs as a real process, beside the other groups, the rest fork from the preloaded server (Launched;
-    torchrun's ranks with its environment). Many-node commands are planned with --dry-run at their world size;
-    MODEL and SHARDS are a tiny checkpoint in the Hugging Face layout and token shards. CUDA commands are
-    skipped on a machine without CUDA, `tasks.py env` where the package index cannot be reached, --init-from
-    without the safetensors package (RL from it: without the tokenizers package), and nothing else."""
-    forkserver()  # started before the threads below
-    groups = readme_commands()
-    assert groups[0] == ["python train.py"]  # the quick start: the run the resume examples continue
-    assert sum(len(g) for g in groups) >= 25
-    skipped = []
-
-    def run_group(k):
-        cwd = tmp_path / f"g{k}"
-        commit(write_fixture(cwd / "REPO"))
-        (cwd / "TRAJECTORY.jsonl").write_text(json.dumps({"action": "bash", "command": "pytest -q",
-                                                          "output": "3 passed"}) + "\n")
-        for line in groups[k]:
-            why = run_readme_command(line, cwd, quick_start_out)
-            if why:
-                skipped.append((line, why))
-
-    def quick_start_out():
-        quick_start.result()  # raises if it failed
-        return tmp_path / "g0" / "out"
-
-    cost = lambda k: sum(4 if c.startswith("torchrun") else 1 for c in groups[k])  # the longest start first
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        quick_start = pool.submit(run_group, 0)  # beside the others; only a resume without its run waits
-        list(pool.map(run_group, sorted(range(1, len(groups)), key=cost, reverse=True)))
-        quick_start.result()
-    assert all(why == "needs CUDA" and "--device cuda" in line
-               or why == "needs the package index" and " env " in line
-               or why == "needs safetensors" and "--init-from" in line
-               or why == "needs matplotlib" and "--plot" in line for line, why in skipped), skipped
 
 
 # -----------------------------------------------------------------------------
