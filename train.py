@@ -1174,8 +1174,7 @@ class Run:
                        file=sys.stderr)
             if meta.get("stage") == "rl" and args.stage == "pretrain":
                 die(f"--resume: {resume_path} was written by the RL stage; pretraining does not continue "
-                    "from "
-                    f"an RL checkpoint (pass --stage rl, or --resume with a pretraining checkpoint)")
+                    "from an RL checkpoint (pass --stage rl, or --resume with a pretraining checkpoint)")
             if meta.get("stage") == "rl" and meta["rl_step"] >= args.rl_steps:
                 die(f"--resume: {resume_path} is already at RL step {meta['rl_step']} of --rl-steps "
                     f"{args.rl_steps}; raise --rl-steps to continue RL")
@@ -1272,14 +1271,11 @@ class Run:
         t.peak, peak_source = device_peak(t.device, t.bf16)  # per rank
         layout, data, cfg = t.layout, t.data, t.cfg
         print0(f"preset {args.preset}: {t.job.total / 1e6:.2f}M parameters, {t.job.active / 1e6:.2f}M active "
-               "| "
-               f"{sum(map(len, data.train_shards)):,} train / {sum(map(len, data.val_shards)):,} val tokens "
-               "in "
-               f"{len(data.train_shards)} + {len(data.val_shards)} shards | {t.world_size} x {t.device} "
-               f"({torch.get_num_threads()} threads each) | dense mesh (dp_replicate={layout.dp_replicate}, "
-               f"dp_shard={layout.dp_shard}, cp={layout.cp}) expert mesh "
-               f"(ep_replicate={layout.ep_replicate}, "
-               f"ep_shard={layout.ep_shard}, ep={layout.ep})" +
+               f"| {sum(map(len, data.train_shards)):,} train / {sum(map(len, data.val_shards)):,} val "
+               f"tokens in {len(data.train_shards)} + {len(data.val_shards)} shards | {t.world_size} x "
+               f"{t.device} ({torch.get_num_threads()} threads each) | dense mesh "
+               f"(dp_replicate={layout.dp_replicate}, dp_shard={layout.dp_shard}, cp={layout.cp}) expert "
+               f"mesh (ep_replicate={layout.ep_replicate}, ep_shard={layout.ep_shard}, ep={layout.ep})" +
                (f", {cfg.num_experts // layout.ep} experts a rank, FSDP "
                 f"Shard({expert_shard_dim(layout, cfg.num_experts)})" if t.world_size > 1 else "") +
                f" | {'bf16' if t.bf16 else 'fp32'} compute | peak {t.peak / 1e9:,.1f} GFLOP/s a rank "
@@ -1355,10 +1351,9 @@ class Run:
         pos', so a failure with less than a checkpoint's size free is called what it is."""
         free = shutil.disk_usage(self.out).free
         if getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e) or free < checkpoint_bytes:
-            return (f"no space left on device: checkpoint {path} could not be written "
-                    f"({free / 2**20:,.0f} MiB free, a checkpoint takes ~{checkpoint_bytes / 2**20:,.0f} "
-                    "MiB); "
-                    "the partial checkpoint was removed and the run stopped; free space, then resume")
+            return (f"no space left on device: checkpoint {path} could not be written ({free / 2**20:,.0f} "
+                    f"MiB free, a checkpoint takes ~{checkpoint_bytes / 2**20:,.0f} MiB); the partial "
+                    "checkpoint was removed and the run stopped; free space, then resume")
         return f"checkpoint {path} could not be written ({last_line(e)})"
 
     def retire_old(self):
@@ -1395,8 +1390,7 @@ class Run:
             ([f"--nnodes={world_size // int(os.environ['LOCAL_WORLD_SIZE'])}", "<your rendezvous flags>"]
              if int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) != world_size else [])
         print0(f"stopped by {sig.name} after step {step} (checkpoint {self.out / f'step-{step:08d}'}); "
-               "resume "
-               f"with: {shlex.join(launcher + [sys.argv[0]] + argv + ['--resume'])}", file=sys.stderr)
+               f"resume with: {shlex.join(launcher + [sys.argv[0]] + argv + ['--resume'])}", file=sys.stderr)
         sys.exit(128 + sig)
 
 
@@ -1760,16 +1754,14 @@ def check(args):
                 f"got {args.rollout_ranks} and {args.max_staleness}")
         if not args.rollout_ranks:
             die(f"--max-staleness {args.max_staleness} needs --rollout-ranks: without rollout ranks every "
-                "rank "
-                "samples with the current policy (synchronous RL)")
+                "rank samples with the current policy (synchronous RL)")
         if args.rollout_ranks >= world_size:
             die(f"--rollout-ranks {args.rollout_ranks} leaves no trainer rank: the launch has {world_size} "
                 "rank(s); launch more (torchrun --nproc_per_node) or roll out on fewer")
         if args.rollout_ranks > world_size - args.rollout_ranks:
             die(f"--rollout-ranks {args.rollout_ranks}: a rollout rank samples for whole trainer ranks, so "
-                "there "
-                "can be at most as many as trainer ranks "
-                f"({world_size - args.rollout_ranks} of the {world_size})")
+                f"there can be at most as many as trainer ranks ({world_size - args.rollout_ranks} of the "
+                f"{world_size})")
         if args.stage != "rl":
             die("--rollout-ranks: rollout ranks sample RL rollouts only; pass --stage rl (after pretraining, "
                 "--resume it)")
@@ -1788,8 +1780,7 @@ def check(args):
         die(f"layout: {e}")
     if args.batch_size // layout.dp % args.grad_accum:
         die(f"--grad-accum {args.grad_accum} does not divide the {args.batch_size // layout.dp} sequences a "
-            "rank "
-            f"gets (--batch-size {args.batch_size} over {layout.dp} data-parallel ranks)")
+            f"rank gets (--batch-size {args.batch_size} over {layout.dp} data-parallel ranks)")
     # RL: the tool tasks, not --data
     args.stage = args.stage or ("pretrain" if args.data or args.init_from else "both")
     # RL writes and reads turns through a tokenizer: this project's bytes, or a released model's own (its
@@ -1826,8 +1817,7 @@ def check(args):
                 f"{', '.join(n for n, _ in RULES)}")
         if args.tasks_per_step % world_size:
             die(f"--tasks-per-step {args.tasks_per_step} does not split over {world_size} ranks (each "
-                "samples "
-                f"its own groups); pass a multiple of {world_size}, e.g. --tasks-per-step "
+                f"samples its own groups); pass a multiple of {world_size}, e.g. --tasks-per-step "
                 f"{-(-args.tasks_per_step // world_size) * world_size}")
     wanted_copies = {name for name, on in (("reference", args.kl_coef > 0),
                                            ("teacher", args.feedback_teacher != "current"))
@@ -1937,11 +1927,10 @@ def make_parser():
     g.add_argument("--preset", default=None, help=f"model size, one of {list(PRESETS)} (default: tiny)")
     g.add_argument("--init-from", default=None, metavar="DIR",
                    help="start from a released checkpoint: a Hugging Face folder (config.json, "
-                        "*.safetensors) of "
-                        "a DeepSeek-V3-architecture model (DeepSeek-V3, Kimi K2, Kimi K2.5, Moonlight); its "
-                        "config.json is the model. Needs the safetensors package; pretraining needs --data "
-                        "shards made with its tokenizer, RL its tokenizer.json and chat template (the "
-                        "tokenizers package)")
+                        "*.safetensors) of a DeepSeek-V3-architecture model (DeepSeek-V3, Kimi K2, Kimi "
+                        "K2.5, Moonlight); its config.json is the model. Needs the safetensors package; "
+                        "pretraining needs --data shards made with its tokenizer, RL its tokenizer.json and "
+                        "chat template (the tokenizers package)")
     g.add_argument("--num-experts", type=int, default=None,
                    help="routed experts per MoE layer (default: the preset's)")
     g = parser.add_argument_group("run")
@@ -1950,8 +1939,7 @@ def make_parser():
                         "--rl-tasks code")
     g.add_argument("--batch-size", type=int, default=None,
                    help="global batch in sequences, whatever the layout; default 8, 4 with --rl-tasks code "
-                        "(its "
-                        "sequences are 2.5x as long)")
+                        "(its sequences are 2.5x as long)")
     g.add_argument("--grad-accum", type=int, default=1,
                    help="micro-batches a step: a rank runs batch-size/(data-parallel ranks x N) sequences a "
                         "forward, gradients add up and FSDP reduce-scatters them once, after the last (with "
@@ -1969,12 +1957,10 @@ def make_parser():
     g.add_argument("--weight-decay", type=float, default=0.1, help="decoupled weight decay")
     g.add_argument("--qk-clip", type=float, default=0.0, metavar="TAU",
                    help="MuonClip's QK-Clip (Kimi K2 uses 100): after each optimizer step, rescale the "
-                        "query/key "
-                        "weights of every head whose largest attention logit exceeded TAU (0: off)")
+                        "query/key weights of every head whose largest attention logit exceeded TAU (0: off)")
     g.add_argument("--ns", default="standard", choices=["standard", "gram"],
-                   help="Muon's Newton-Schulz: the standard iteration, or Gram Newton-Schulz, which iterates "
-                        "on "
-                        "X X^T where that takes fewer FLOPs (1.43x fewer on Kimi K2's experts)")
+                   help="Muon's Newton-Schulz: the standard iteration, or Gram Newton-Schulz, which "
+                        "iterates on X X^T where that takes fewer FLOPs (1.43x fewer on Kimi K2's experts)")
     g.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm to this (0: "
                                                                 "off)")
     g.add_argument("--warmup", type=int, default=30, help="linear warmup steps, then cosine decay to 10%%")
@@ -2032,77 +2018,63 @@ def make_parser():
                    help="also log every metrics.jsonl figure to Weights & Biases (needs the wandb package; "
                         "WANDB_MODE=offline keeps it local)")
     g.add_argument("--plot", nargs="+", default=None, metavar="RUN",
-                   help="draw runs' metrics.jsonl into a PNG and exit (no training): RUN is an --out folder, "
-                        "or NAME=DIR1,DIR2,...: one run under a name, or a group of runs (seeds) drawn as "
-                        "mean "
-                        "+- std (needs matplotlib)")
+                   help="draw runs' metrics.jsonl into a PNG and exit (no training): RUN is an --out "
+                        "folder, or NAME=DIR1,DIR2,...: one run under a name, or a group of runs (seeds) "
+                        "drawn as mean +- std (needs matplotlib)")
     g.add_argument("--plot-out", default=None, metavar="FILE",
                    help="with --plot: the PNG to write; default: plot.png in the run's folder (one run), "
-                        "else "
-                        "here")
+                        "else here")
     g = parser.add_argument_group("RL stage: Dr. GRPO with textual feedback on the tool-use tasks")
     g.add_argument("--stage", default=None, choices=["pretrain", "rl", "both"],
                    help="pretrain then RL, pretraining only, or RL only (from --resume); default: both, but "
-                        "only "
-                        "pretraining with --data or --init-from (the RL tasks are this project's tool-use "
-                        "tasks, "
-                        "not your corpus)")
+                        "only pretraining with --data or --init-from (the RL tasks are this project's "
+                        "tool-use tasks, not your corpus)")
     g.add_argument("--init", default=None, choices=["scratch"],
                    help="scratch: let --stage rl start from random weights (a smoke test: it earns no "
                         "reward)")
     g.add_argument("--rl-steps", type=int, default=None,
-                   help="RL steps (each: sample, then --ppo-epochs x --ppo-minibatches updates); default 16, "
-                        "12 "
-                        "with --rl-tasks code")
+                   help="RL steps (each: sample, then --ppo-epochs x --ppo-minibatches updates); default "
+                        "16, 12 with --rl-tasks code")
     g.add_argument("--group-size", type=int, default=8, help="rollouts per task (the GRPO group)")
     g.add_argument("--rl-tasks", default="short", choices=["short", "long", "code"],
-                   help="short: nested expressions of 1-4 calls (a CPU learns them in minutes); long: chains "
-                        "of "
-                        "8 x level calls that run past the context (summaries; a slip costs the reward "
-                        "little); "
-                        "code: feature deletion, the policy a coding agent (tasks.CodeEnv) rewarded by "
-                        "verify, "
-                        "on micro-repositories made while it trains, or on --task-dir")
+                   help="short: nested expressions of 1-4 calls (a CPU learns them in minutes); long: "
+                        "chains of 8 x level calls that run past the context (summaries; a slip costs the "
+                        "reward little); code: feature deletion, the policy a coding agent (tasks.CodeEnv) "
+                        "rewarded by verify, on micro-repositories made while it trains, or on --task-dir")
     g.add_argument("--verify-workers", type=int, default=2,
                    help="with --rl-tasks code: threads that verify finished episodes while the others sample "
                         "(0: each verify holds up sampling)")
     g.add_argument("--task-dir", default=None, metavar="DIR",
                    help="with --rl-tasks code: RL on the tasks `python tasks.py make` wrote in DIR (each "
-                        "runs "
-                        "its tests with the --python it was made with) instead of micro-repositories")
+                        "runs its tests with the --python it was made with) instead of micro-repositories")
     g.add_argument("--max-gen-tokens", type=int, default=None,
                    help="tokens a rollout may write over all its turns (L_max, also the loss's constant "
                         "normaliser); default 512 for long tasks, 128 for short")
     g.add_argument("--tasks-per-step", type=int, default=None,
                    help="tasks (groups) per RL step, a multiple of the world size (each rank samples its "
-                        "own); "
-                        "default: 8 (--rl-tasks code: 4) rounded up to a multiple of the world size")
+                        "own); default: 8 (--rl-tasks code: 4) rounded up to a multiple of the world size")
     g.add_argument("--rl-lr", type=float, default=5e-4, help="RL learning rate (both groups)")
     g.add_argument("--feedback-coef", type=float, default=0.1, help="lambda of the feedback KL (0: pure RL)")
     g.add_argument("--feedback-rules", default=None,
                    help=f"comma-separated hint rules of feedback.py: {', '.join(name for name, _ in RULES)}")
     g.add_argument("--feedback-estimator", default="full", choices=["full", "sampled"],
                    help="full: exact KL over the vocabulary; sampled: the sampled-token estimator "
-                        "(reweighted to "
-                        "T = 1 when --temperature is not 1)")
+                        "(reweighted to T = 1 when --temperature is not 1)")
     g.add_argument("--feedback-teacher", default="frozen", choices=["frozen", "current", "ema"],
                    help="the hinted teacher: the policy RL started from, the current policy, or an EMA of "
-                        "the "
-                        "policy (a current teacher drifts with the student: on the default run the pass rate "
-                        "collapses after about 15 RL steps; experiments.md)")
+                        "the policy (a current teacher drifts with the student: on the default run the pass "
+                        "rate collapses after about 15 RL steps; experiments.md)")
     g.add_argument("--feedback-ema-decay", type=float, default=0.99, help="the EMA teacher's decay a RL step")
     g.add_argument("--kl-coef", type=float, default=0.0,
                    help="KL to the starting policy (0: none, no reference kept)")
     g.add_argument("--kl-estimator", default="k1", choices=["k1", "k2", "k3"],
                    help="k1: folded into the reward; k2: in the loss, per token the gradient of KL(pi||ref) "
-                        "at "
-                        "the visited states; k3: in the loss, per token that of KL(ref||pi)")
+                        "at the visited states; k3: in the loss, per token that of KL(ref||pi)")
     g.add_argument("--temperature", type=float, default=1.0,
                    help="sampling temperature (the trainer's log-probs use it too)")
     g.add_argument("--ppo-epochs", type=int, default=2,
                    help="passes over each RL batch (PPO's clip acts from the 2nd; 2 updates a batch learn "
-                        "more "
-                        "in the default run's 16 steps than 1: experiments.md)")
+                        "more in the default run's 16 steps than 1: experiments.md)")
     g.add_argument("--ppo-minibatches", type=int, default=1,
                    help="optimizer steps a pass, each on whole groups of this rank's (split as evenly "
                         "as they allow)")
@@ -2116,22 +2088,16 @@ def make_parser():
     g.add_argument("--sample-gather", default="rollout", choices=["rollout", "forward"],
                    help="under FSDP, sampling with the sharded model gathers each unit once for the whole "
                         "rollout and keeps it (rollout: fast; a rank holds the dense weights whole and its "
-                        "EP "
-                        "share of the experts) or at every forward (forward: one unit at a time, an "
-                        "all-gather "
-                        "per unit per token)")
+                        "EP share of the experts) or at every forward (forward: one unit at a time, an "
+                        "all-gather per unit per token)")
     g.add_argument("--rollout-ranks", type=int, default=0, metavar="K",
                    help="asynchronous RL: the launch's last K ranks only sample (each with a whole copy of "
-                        "the "
-                        "policy), the others only train and send the new policy after each step (0: every "
-                        "rank "
-                        "samples, then trains)")
+                        "the policy), the others only train and send the new policy after each step (0: "
+                        "every rank samples, then trains)")
     g.add_argument("--max-staleness", type=int, default=0, metavar="S",
                    help="with --rollout-ranks: step i is sampled with the policy of step max(0, i - 1 - S), "
-                        "so "
-                        "the rollout ranks run up to S steps ahead of the trainers (0: synchronous RL; "
-                        "exactly, "
-                        "when sampling is fp32)")
+                        "so the rollout ranks run up to S steps ahead of the trainers (0: synchronous RL; "
+                        "exactly, when sampling is fp32)")
     g.add_argument("--count-comm", action="store_true",
                    help="count the calls and bytes of every collective in the second step and print them")
     return parser
