@@ -294,39 +294,7 @@ def rl(t, step):
                    "sample_ms": 1000 * batch["sample_s"], "rollout_wait_ms": 1000 * batch["wait_s"]}
         # under CP each trained trajectory is on layout.cp ranks: sums below divide by it
         train = cp_union(t, trajs)
-        # PPO: every minibatch's log-probs under the policy that sampled it. The first minibatch's come from
-        # its own first forward (no update has run before it); the others' are taken before the first update.
-        parts = minibatches(train, args.ppo_minibatches, args.group_size)
-        with t.amp:
-            olds = [None] + [logprobs(trainer, part, cfg) for part in parts[1:]]
-            if "reference" in copies:  # the reference's log-probs, its weights loaded in turn
-                with copies["reference"].loaded(model):
-                    refs = [logprobs(trainer, part, cfg) for part in parts]
-        updates, grad_norms = [], []
-        targets = [None] * len(parts)  # the feedback teacher's, a minibatch
-        for epoch in range(args.ppo_epochs):
-            for k, part in enumerate(parts):
-                with t.amp:
-                    # the teacher's pass before the student's forward (a teacher's weights are swapped in for
-                    # it); a frozen or EMA teacher does not move within a step, so its pass runs once
-                    if args.feedback_coef and (epoch == 0 or feedback.teacher is None):
-                        targets[k] = feedback.targets(trainer, part)
-                    ref = refs[k] if "reference" in copies else None
-                    loss, stats, olds[k], logits = grpo_loss(trainer, part, cfg, old_logp=olds[k],
-                                                             ref_logp=ref)
-                    fb_stats = {}
-                    if args.feedback_coef:  # lambda = 0 leaves the RL loss exactly as it is
-                        fb_loss, fb_stats = feedback.loss(trainer, part, len(part) * cfg.max_gen_tokens,
-                                                          logits=logits, targets=targets[k])
-                        loss = loss + args.feedback_coef * fb_loss
-                stats = {**stats, "loss": loss.item()}
-                loss.backward()
-                grad_norms.append(clip_grad_norm(t, args.grad_clip))
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                if args.qk_clip:
-                    model.qk_clip(args.qk_clip, t.world_group)
-                updates.append((epoch, stats, fb_stats))
+        parts, updates, grad_norms = update(t, trainer, feedback, train)  # GRPO + lambda x feedback KL
         first = [(st, fs) for epoch, st, fs in updates if epoch == 0]  # each policy token once
         stats = {"gen_tokens": sum(st["gen_tokens"] * len(p)
                                    for (st, _), p in zip(first, parts)) / len(train),
@@ -404,6 +372,47 @@ def rl(t, step):
             run.save(t, t.steps_before_rl + rl_step, **rl_state)
         if stopping:
             run.stop_here(t, t.steps_before_rl + rl_step, saving, **rl_state)
+
+
+def update(t, trainer, feedback, train):
+    """One RL step's policy update on its trajectories: --ppo-epochs passes over --ppo-minibatches minibatches
+    of whole groups, each an optimizer step on the Dr. GRPO loss + lambda x the feedback KL.
+    -> (the minibatches, [(epoch, loss stats, feedback stats)] an optimizer step, the gradient norms)"""
+    args, model, optimizer, cfg, copies = t.args, t.model, t.optimizer, t.work.cfg, t.copies
+    # PPO: every minibatch's log-probs under the policy that sampled it. The first minibatch's come from
+    # its own first forward (no update has run before it); the others' are taken before the first update.
+    parts = minibatches(train, args.ppo_minibatches, args.group_size)
+    with t.amp:
+        olds = [None] + [logprobs(trainer, part, cfg) for part in parts[1:]]
+        if "reference" in copies:  # the reference's log-probs, its weights loaded in turn
+            with copies["reference"].loaded(model):
+                refs = [logprobs(trainer, part, cfg) for part in parts]
+    updates, grad_norms = [], []
+    targets = [None] * len(parts)  # the feedback teacher's, a minibatch
+    for epoch in range(args.ppo_epochs):
+        for k, part in enumerate(parts):
+            with t.amp:
+                # the teacher's pass before the student's forward (a teacher's weights are swapped in for
+                # it); a frozen or EMA teacher does not move within a step, so its pass runs once
+                if args.feedback_coef and (epoch == 0 or feedback.teacher is None):
+                    targets[k] = feedback.targets(trainer, part)
+                ref = refs[k] if "reference" in copies else None
+                loss, stats, olds[k], logits = grpo_loss(trainer, part, cfg, old_logp=olds[k],
+                                                         ref_logp=ref)
+                fb_stats = {}
+                if args.feedback_coef:  # lambda = 0 leaves the RL loss exactly as it is
+                    fb_loss, fb_stats = feedback.loss(trainer, part, len(part) * cfg.max_gen_tokens,
+                                                      logits=logits, targets=targets[k])
+                    loss = loss + args.feedback_coef * fb_loss
+            stats = {**stats, "loss": loss.item()}
+            loss.backward()
+            grad_norms.append(clip_grad_norm(t, args.grad_clip))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if args.qk_clip:
+                model.qk_clip(args.qk_clip, t.world_group)
+            updates.append((epoch, stats, fb_stats))
+    return parts, updates, grad_norms
 
 
 def finish(t):
