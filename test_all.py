@@ -1422,6 +1422,29 @@ def write_shard(path, tokens, dtype=np.uint16, vocab=0, n=None):
     path.write_bytes(header.tobytes() + np.asarray(tokens, dtype=dtype).tobytes())
 
 
+def test_train_py_is_a_main_over_functions():
+    """train.py reads top down: at its top level only imports, constants, functions, classes and the
+    `__main__` guard (no run state), main() first, and no function or class reads a module-level name
+    assigned below it."""
+    import ast
+    tree = ast.parse((HERE / "train.py").read_text())
+    body = [n for n in tree.body if not isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert isinstance(body[0], ast.Expr) and isinstance(body[-1], ast.If)  # the docstring; the guard
+    assert ast.unparse(body[-1].test) == "__name__ == '__main__'"
+    assigned = {}
+    for n in body[1:-1]:
+        assert isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.Assign)), ast.unparse(n)[:80]
+        if isinstance(n, ast.Assign):  # constants only: UPPER_CASE names
+            names = [x.id for t in n.targets for x in ast.walk(t) if isinstance(x, ast.Name)]
+            assert all(x.isupper() for x in names), names
+            assigned.update((x, n.lineno) for x in names)
+    functions = [n for n in body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    assert functions[0].name == "main"
+    upward = [(f.name, x.id) for f in functions for x in ast.walk(f)
+              if isinstance(x, ast.Name) and assigned.get(x.id, 0) > f.lineno]
+    assert upward == []
+
+
 def test_train_learns_and_resume_continues_on_the_next_unseen_window(tmp_path, par_data):
     """Learning on the default corpus; then a folder of llm.c-style shards (uint16 and uint32, the vocab size
     in the header, a validation shard) read for 16 steps, across an epoch boundary: stopped at step 8 and
