@@ -245,7 +245,8 @@ def rl(t, step):
     args, model, run, work, layout, cfg = t.args, t.model, t.run, t.work, t.layout, t.work.cfg
     rl_start = run.meta["rl_step"] if run.rl_resumed else 0
     t.steps_before_rl = step - rl_start  # the optimizer steps before RL: rl_step + this is the step number
-    trainer = ContextParallel(model, t.meshes[0]["cp"].get_group()) if layout.cp > 1 else model
+    dense_mesh = t.meshes[0]
+    trainer = ContextParallel(model, dense_mesh["cp"].get_group()) if layout.cp > 1 else model
     t.cp_group = trainer.group if layout.cp > 1 else None
     feedback = Feedback(model, FeedbackConfig(coef=args.feedback_coef, estimator=args.feedback_estimator,
                                               teacher=args.feedback_teacher,
@@ -261,8 +262,7 @@ def rl(t, step):
     # size whatever the gradient's, so the RL learning rate alone sets how far a step moves.
     if not run.rl_resumed:
         t.optimizer = make_optimizer(t, args.rl_lr, 0.0)
-    optimizer = t.optimizer
-    for group in optimizer.param_groups:
+    for group in t.optimizer.param_groups:
         group["lr"] = args.rl_lr
     if run.rl_resumed:
         work.difficulty.load_state_dict(run.meta["difficulty"])
