@@ -306,7 +306,7 @@ if __name__ == "__main__":
     import random
     import time
     from grpo import Segment, Trajectory
-    from model import PRESETS, TOKEN, Transformer, encode
+    from model import PRESETS, Transformer, encode
     from muon import Muon, param_groups
     from tasks import TOOLS, gold_transcript, make_tool_task, render
     ap = argparse.ArgumentParser(description="Cursor's 'tool not found' example on a tiny model, "
@@ -361,8 +361,8 @@ if __name__ == "__main__":
     task = make_tool_task(random.Random(a.seed + 1), 1)
     absent = next(n for n in TOOLS if n not in task.tools)
     first = [("user", task.question)]
-    ctx = [tok for role, text in first for tok in BYTES.turn(role, text)] + [TOKEN["<|assistant|>"]]
-    bad = encode(f"call {absent}(1,2)") + [TOKEN["<|end|>"]]
+    ctx = [tok for role, text in first for tok in BYTES.turn(role, text)] + BYTES.opens["assistant"]
+    bad = encode(f"call {absent}(1,2)") + [BYTES.end]
     seg = Segment()
     seg.add(ctx)
     seg.add(bad, policy=True, logps=[0.0] * len(bad))
@@ -378,7 +378,7 @@ if __name__ == "__main__":
         names = list(TOOLS)
         seqs = [context + encode("call " + n + "(") for n in names]
         T = max(map(len, seqs))
-        logits, _ = model(torch.tensor([q + [TOKEN["<|pad|>"]] * (T - len(q)) for q in seqs]))
+        logits, _ = model(torch.tensor([q + [BYTES.pad] * (T - len(q)) for q in seqs]))
         logp = logits.log_softmax(-1)
         start = len(context) + len(encode("call "))
         return {n: logp[i, start - 1 + torch.arange(len(n) + 1),
