@@ -72,6 +72,7 @@ import configparser
 import contextlib
 import copy
 import copyreg
+import csv
 import functools
 import hashlib
 import importlib
@@ -687,6 +688,8 @@ def build_task(work, tdir, tid, feats, mode, stable, reach, box, source):
                                     "lines_removed": removed}})
         (tdir / "task.json").write_text(json.dumps(task, indent=1))
         (tdir / "oracle.json").write_text(json.dumps(oracle))
+        for f in ("gold.patch", "task.json", "oracle.json"):  # the host's alone (the sandbox runs as nobody)
+            os.chmod(tdir / f, 0o600)
         missing = []
         reward, why = verify(tdir, patch=tdir / "gold.patch", box=box, missing=missing)
         if reward == 1:
@@ -761,6 +764,10 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reac
         except (SyntaxError, ValueError) as e:
             why = e.msg if isinstance(e, SyntaxError) else e
             raise TaskError(f"{repo / rel} is not Python source this interpreter can parse ({why})") from None
+    if box.sees(out):
+        raise TaskError(f"--out {out} lies where the sandbox can read it: task files must be out of its "
+                        f"reach")
+    check_interpreter(box, repo)
     t0, executed = time.time(), box.executed
     with scratch() as tmp:
         work = Path(tmp, "repo")
@@ -979,6 +986,9 @@ def verify(task_dir, workdir=None, patch=None, box=None, missing=None):
         raise TaskError(f"no task.json in {task_dir}")
     task, snap = json.loads((task_dir / "task.json").read_text()), task_dir / "repo"
     box = box or Sandbox(python=task.get("python", sys.executable), timeout=600)
+    if box.sees(task_dir):
+        raise TaskError(f"{task_dir} lies where the sandbox can read it: task files must be out of its reach")
+    check_interpreter(box, snap)
     deadline = time.time() + box.timeout
     oracle = json.loads((task_dir / "oracle.json").read_text()) if (task_dir / "oracle.json").is_file() \
         else {"calls": []}
@@ -1128,6 +1138,8 @@ def solution_files(snap, workdir, deadline, allowed=None):
             deleted.append(rel)
         elif kind != "file":
             raise Refused(f"{rel} is {kind}")
+        elif b.st_nlink > 1:  # a hard link is another file's bytes (a task's oracle.json is valid Python)
+            raise Refused(f"{rel} has {b.st_nlink} hard links: a solution's files are its own")
         elif data is None or len(data) > EDIT_AT_MOST:
             raise Refused(f"{rel} is over {EDIT_AT_MOST} bytes")
         else:
@@ -1954,8 +1966,8 @@ def scan(root, task=None, site_dirs=()):
             if found:
                 add(rel_d / f, *found)
     findings += scan_git(root, nmap, task)
-    for p in installed_copies(root, site_dirs):
-        add(p, "site-packages", ["installed copy"])
+    for p, what in installed_copies(site_dirs, [package_name(p) for p in packages(root)]):
+        add(p, "site-packages", [what])
     return findings
 
 
@@ -2001,15 +2013,65 @@ def deleted_lines(nmap):
     return {k: v for k, v in nmap.items() if v.startswith("deleted line")}
 
 
-def installed_copies(root, site_dirs):
-    """The repository's packages as installed in the environment: a copy of the deleted code, whole."""
-    for sp in site_dirs:
-        for pkg in packages(root):
-            name = package_name(pkg)
-            for p in sorted(Path(sp).glob(f"{name}*")) if Path(sp).is_dir() else []:
-                if p.name == name or re.match(rf"{re.escape(name)}-[^/]*\.(dist|egg)-info$"
-                                              rf"|{re.escape(name)}\.py$", p.name):
-                    yield p
+def installed_copies(site_dirs, names):
+    """(path, what) for each copy of the packages `names` in site directories, in any form: the package or
+    module itself, its bytecode (a module's __pycache__ entry outlives its source, and a loader runs it
+    without one), .pth and .egg-link lines and editable-install finders that lead to a checkout, and the
+    metadata (what is "metadata": it holds no code)."""
+    for sp in map(Path, site_dirs):
+        entries = sorted([*sp.iterdir(), *Path(sp, "__pycache__").glob("*")]) if sp.is_dir() else []
+        for p, name in ((p, name) for p in entries for name in names):
+            if p.name in (name, f"{name}.py") or p.name.startswith(f"{name}.") and p.suffix in (".pyc",
+                                                                                             ".so"):
+                yield p, "bytecode" if p.suffix == ".pyc" else "installed copy"
+            elif re.fullmatch(rf"{re.escape(name)}-[^/]*\.(dist|egg)-info", p.name):
+                yield p, "metadata"
+            elif p.suffix in (".pth", ".egg-link") or p.name.startswith("__editable__"):
+                with contextlib.suppress(OSError, ValueError):
+                    text = p.read_text(errors="replace")[:1 << 20]
+                    paths = [Path(sp, x.strip()) for x in text.splitlines() if x.strip()
+                             and not x.startswith(("import", "#"))]
+                    if any(Path(x, name).exists() or Path(x, f"{name}.py").exists() for x in paths) \
+                            or p.suffix == ".py" and re.search(r"['\"]%s['\"]" % re.escape(name), text):
+                        yield p, "link to a checkout"
+
+
+# Run in the sandbox in an empty folder with the task's interpreter: what a solution could load of the
+# repository's packages from the interpreter alone, by import or by a loader pointed at leftover bytecode.
+INTERPRETER_CHILD = "\n".join(["import contextlib, importlib.util, json, os, re, sys",
+                                "from pathlib import Path", inspect.getsource(installed_copies), """
+names, found = json.loads(sys.argv[1]), []
+for n in names:
+    spec = None
+    with contextlib.suppress(Exception):
+        spec = importlib.util.find_spec(n)
+    if spec is not None:
+        found.append(f"it imports {n} from {spec.origin or ', '.join(spec.submodule_search_locations or [])}")
+dirs = [d for d in sys.path if d and os.path.isdir(d) and os.path.realpath(d) != os.getcwd()]
+found += [f"{p} ({what})" for p, what in installed_copies(dirs, names) if what != "metadata"]
+print(json.dumps(found))"""])
+
+
+@functools.cache
+def interpreter_copies(python, isolate, names):
+    """What the interpreter holds of the packages `names` (a tuple), as a sandboxed run sees it: [] when it
+    holds nothing, the gold in no form."""
+    with scratch() as empty:
+        rc, out = Sandbox(python, isolate, 120).run(["-c", INTERPRETER_CHILD, json.dumps(names)], empty)
+    try:
+        return json.loads(out.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return [f"the check did not run (exit {rc}): {out.strip()[-200:]}"]
+
+
+def check_interpreter(box, root):
+    """TaskError unless the interpreter that runs the tests holds no copy of root's packages: with the work
+    tree absent, importing each must fail, and no bytecode of theirs may lie where a loader finds it."""
+    found = interpreter_copies(box.python, box.isolate, tuple(package_name(p) for p in packages(root)))
+    if found:
+        more = f" and {len(found) - 1} more" if len(found) > 1 else ""
+        raise TaskError(f"the interpreter {box.python} holds a copy of the code a task deletes ({found[0]}"
+                        f"{more}): run tasks with one from `tasks.py env`, which holds none")
 
 
 def scrub(root, findings):
@@ -3139,6 +3201,15 @@ class Sandbox:
             raise TaskError(f"cannot sandbox the tests: {sandbox_problem()}; "
                             "pass --no-sandbox to run them unisolated")
 
+    def sees(self, path):
+        """Whether an isolated run can read path: it lies inside what the sandbox mounts from the host."""
+        if not self.isolate:
+            return False
+        exe = os.path.dirname(os.path.realpath(self.python))
+        mounts = {os.path.realpath(m) for m in (*SYSTEM, "/etc", self.prefix, self.base, exe)}
+        path = os.path.realpath(path)
+        return any(path == m or path.startswith(m.rstrip("/") + "/") for m in mounts)
+
     def bwrap(self, root, home, path, writable, readonly, network):
         """The bubblewrap command that runs the launcher. As root it runs without a user namespace and the
         launcher becomes nobody itself: inside a namespace, nobody could not reach an interpreter under
@@ -3360,8 +3431,10 @@ pytest_sessionfinish = _reporter.pytest_sessionfinish
 # -----------------------------------------------------------------------------
 # Environment: a virtual environment per repository, holding its dependencies and the test requirements it
 # declares, so its pytest configuration runs as its authors meant (plugins, coverage options, doctests). The
-# repository's own code is removed from the venv after install (its metadata stays): the tests import the work
-# folder's copy, and an installed copy of deleted code would be a leak.
+# repository's own code is removed from the venv after install in every form (installed_copies: the package,
+# its bytecode, links to a checkout; its metadata stays, less the hashes of the files removed): the tests
+# import the work folder's copy, and any copy of deleted code would be a leak. make and verify check it
+# (check_interpreter): in the sandbox, with no work tree, nothing of the packages imports or lies in bytecode.
 
 TEST_EXTRAS = ("test", "tests", "testing", "dev")
 # ini keys of a pytest configuration that only a plugin understands
@@ -3569,9 +3642,8 @@ def make_env(repo, venv, isolate=True, log=print):
                 rc, out = box.run([*pip, d], src, writable=[venv], network=True, extra_env=keep)
                 if rc:
                     log(f"  {d}: {pip_failure(out)}")
-    kept = 0
-    for pkg in packages(repo):
-        name = package_name(pkg)
+    kept, names = 0, [package_name(pkg) for pkg in packages(repo)]
+    for name in names:
         installed = site_dir / name
         for f in sorted(installed.rglob("*")) if installed.is_dir() else []:
             suffix = next((x for x in importlib.machinery.EXTENSION_SUFFIXES if f.name.endswith(x)), None)
@@ -3580,8 +3652,16 @@ def make_env(repo, venv, isolate=True, log=print):
                 to.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(f, to)
                 kept += 1
-        shutil.rmtree(installed, ignore_errors=True)
-        (site_dir / (name + ".py")).unlink(missing_ok=True)
+    copies = list(installed_copies([site_dir], names))
+    for p, what in copies:
+        if what != "metadata":
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    for p, what in copies:  # metadata stays (version lookups), without the hashes of the files removed
+        if what == "metadata" and Path(p, "RECORD").is_file():
+            rows = [r for r in csv.reader(Path(p, "RECORD").read_text().splitlines())
+                    if r and os.path.lexists(site_dir / r[0])]
+            with open(Path(p, "RECORD"), "w", newline="") as f:
+                csv.writer(f, lineterminator="\n").writerows(rows)
     log(f"environment for {repo.name} ready in {time.time() - t0:.0f} s"
         + (f", {kept} compiled modules kept for the tests" if kept else "")
         + f"; run its tests with --python {python}")

@@ -4087,6 +4087,70 @@ attempt("connect", lambda: socket.create_connection(("127.0.0.1", {server.getsoc
             and p.stdout.startswith("reward 0: the oracle disagrees on")), p.stdout + p.stderr
 
 
+
+def test_no_gold_within_reach_of_the_task_or_its_interpreter(made, tmp_path):
+    """The gold in no form a sandboxed run can read. An interpreter holding the repository's packages (an
+    installed copy, a module's orphaned __pycache__ entry that a loader runs without its source, an editable
+    install's finder or .pth) is refused by make and verify in one line; task files are the host's alone
+    (mode 0600, never under a folder the sandbox mounts, never through CodeEnv), and a hard link is not a
+    solution's file. Each of these gave a hostile solution reward 1 before (the bytecode one through
+    importlib.machinery.SourcelessFileLoader)."""
+    d, t = task_dir(made, "mean")
+    site = tmp_path / "site"
+    checkout = tmp_path / "checkout"
+    (checkout / "calc").mkdir(parents=True)
+    pyc = f"__pycache__/calc.{sys.implementation.cache_tag}.pyc"
+    expect = {"calc": "installed copy", "calc.py": "installed copy", pyc: "bytecode",
+              "calc-1.0.dist-info": "metadata", "__editable__.calc-1.0.pth": "link to a checkout",
+              "__editable___calc_1_0_finder.py": "link to a checkout", "calc.egg-link": "link to a checkout"}
+    planted = [*expect, "calculus/__init__.py", "other.pth", pyc.replace("calc", "calculus")]
+    for rel in [r if r not in ("calc", "calc-1.0.dist-info") else r + "/x" for r in planted]:
+        Path(site, rel).parent.mkdir(parents=True, exist_ok=True)
+        Path(site, rel).write_text("x")
+    for rel in ("__editable__.calc-1.0.pth", "calc.egg-link"):
+        Path(site, rel).write_text(f"{checkout}\n")
+    Path(site, "__editable___calc_1_0_finder.py").write_text(f"MAPPING = {{'calc': '{checkout}/calc'}}\n")
+    Path(site, "other.pth").write_text("import os; os.environ.get('local')\n")
+    found = {str(p.relative_to(site)): what for p, what in tasks.installed_copies([site], ["calc"])}
+    assert found == expect, found
+
+    # a venv whose site-packages holds calc's bytecode (what pip leaves of a one-module project it compiled),
+    # then an installed copy: refused before anything runs, in one line
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")], check=True)
+    sp = next(tmp_path.glob("venv/lib/python3*/site-packages"))
+    orphan = sp / "__pycache__" / f"calc.{sys.implementation.cache_tag}.pyc"
+    orphan.parent.mkdir()
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, "calc.py").write_text(CORE)
+        py_compile.compile(str(Path(tmp, "calc.py")), cfile=str(orphan), doraise=True)
+    box = tasks.Sandbox(str(tmp_path / "venv/bin/python"), timeout=60)
+    with pytest.raises(tasks.TaskError, match=rf"^the interpreter .*venv/bin/python holds a copy of the code "
+                                              rf"a task deletes \(.*{re.escape(orphan.name)} \(bytecode\)\): "
+                                              rf"run tasks with one from `tasks.py env`, which holds none$"):
+        tasks.make(made["repo"], tmp_path / "out", box=box, log=lambda s: None)
+    shutil.copytree(made["repo"] / "calc", sp / "calc")
+    tasks.interpreter_copies.cache_clear()
+    with pytest.raises(tasks.TaskError, match=r"\(it imports calc from .*site-packages/calc/__init__.py and "
+                                              r"2 more\)"):
+        tasks.verify(d, patch=d / "gold.patch", box=box)
+    assert not list(tmp_path.glob("out/*"))
+
+    # task files: the host's alone, never where the sandbox reads, never through CodeEnv or a link
+    assert {Path(d, f).stat().st_mode & 0o777 for f in ("task.json", "oracle.json", "gold.patch")} == {0o600}
+    inside = Path(tasks.Sandbox().base, "featdel-tasks-here")
+    with pytest.raises(tasks.TaskError, match=r"^--out .*featdel-tasks-here lies where the sandbox can read"):
+        tasks.make(made["repo"], inside, log=lambda s: None)
+    assert not inside.exists()
+    env = tasks.CodeEnv(d, verifier=object())
+    for path in ("../oracle.json", "repo/../../oracle.json", str(d / "oracle.json")):
+        reply, _ = env.step(f"call read({path})")
+        assert reply.startswith("error: ") and "encoding" not in reply, reply
+    w = tmp_path / "hardlink"
+    shutil.copytree(d / "repo", w)
+    os.link(d / "oracle.json", w / "calc/_results.py")  # valid Python: a dict of the expected results
+    assert tasks.verify(d, workdir=w) == (0, "rejected: calc/_results.py has 2 hard links: a solution's "
+                                             "files are its own")
+
 # -----------------------------------------------------------------------------
 # tasks.py, feature deletion: scan and scrub, one planted leak per kind
 
@@ -4916,6 +4980,10 @@ def test_env_installs_what_the_configuration_needs(tmp_path):
         python = tasks.make_env(repo, tmp_path / "venv", log=lambda s: None)
         # the package itself is not installed; its compiled module is kept for the tests
         assert not list(tmp_path.glob("venv/lib/python3*/site-packages/calc"))
+        # ...in no form: nothing a sandboxed run imports or loads, no hash of its files in the metadata
+        assert tasks.interpreter_copies(python, True, ("calc",)) == []
+        assert "calc/" not in next(tmp_path.glob("venv/lib/python3*/site-packages/calc-0.1.dist-info/RECORD")
+                                   ).read_text()
         assert list(tmp_path.glob(f"venv/{tasks.COMPILED}/calc/_speed.*.so"))
         (task,) = tasks.make(repo, tmp_path / "out", n=1, box=tasks.Sandbox(python), log=lambda s: None)
         d = tmp_path / "out" / task["id"]
