@@ -22,6 +22,7 @@ The map, in file order:
     Make           make: baseline, map, pick, delete, validate, scrub, scan, record the oracle, write a task
     Splicing       delete_edit: byte ranges that delete a feature (stub or remove), the rest byte-identical
     Verify         verify: the oracle on the solution's packages, then the task's tests and canaries
+    Strength       strength: the share of the gold's mutants the tests alone and the tests plus oracle kill
     Edits          solution_files: source inside the packages only, read by lstat; static_findings
     Oracle         Recorder, Copier: the feature's inputs copied while the gold runs its tests; canon,
                    mutants: held-out inputs and canonical results in a child without tests
@@ -56,7 +57,9 @@ records the commit) and runs its tests with the interpreter from `env`.
                                    # the difficulty sampler
     python tasks.py env --repo DIR --venv DIR   # the repository's test environment; prints its interpreter
     python tasks.py make --repo DIR --out DIR [--n N] [--mode stub|remove] [--group K] [--python PY]
+                   [--strength K]
     python tasks.py verify TASK_DIR (--workdir DIR | --patch FILE) [--python PY] [--no-sandbox]
+    python tasks.py strength TASK_DIR... [--k K] [--jobs J] [--min-strength 0.8]
     python tasks.py scan DIR [--task TASK.json] [--site-packages]
     python tasks.py monitor TRAJECTORY.jsonl
     python tasks.py survey --draw 30 --out DIR  # make and verify on packages nobody here chose
@@ -73,6 +76,8 @@ import contextlib
 import copy
 import copyreg
 import csv
+import dataclasses
+import difflib
 import functools
 import hashlib
 import importlib
@@ -743,11 +748,13 @@ def baseline(work, box, repo, log):
 
 
 def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reach=None, jobs=1,
-         stats=None, min_lines=2):
+         stats=None, min_lines=2, strength_k=0):
     """Up to n validated, scan-clean tasks from repo into out/; returns the task dicts. box: how the
     repository's tests run (default: this interpreter, in bubblewrap, 300 s a run); reach: the largest share
     of the suite a feature may be reached by (default: REACH_STEPS); jobs: tries run side by side; stats: a
-    dict that gets the suite's size, the candidates, the tries and the test executions."""
+    dict that gets the suite's size, the candidates, the tries and the test executions; strength_k: mutants
+    each made task's strength is measured with (a verify each; 0, the default here, measures none, and an
+    unmeasured task is not served; the command line measures STRENGTH_K)."""
     stats = {} if stats is None else stats
     repo, out, box = Path(repo), Path(out), box or Sandbox()
     if not repo.is_dir():
@@ -838,14 +845,26 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reac
         + (f", {executed / len(tasks):.0f} per task" if tasks else "")
         + ("" if len(tasks) >= n or not reasons else f"; the most common failure: "
            f"{collections.Counter(reasons).most_common(1)[0][0]}"))
+    for task in tasks if strength_k else []:
+        try:
+            task["strength"] = strength(out / task["id"], strength_k, box, jobs=jobs)
+            log(strength_lines(task["id"], task["strength"]))
+        except TaskError as e:  # a gold that fails now (a flaky test, say): that task is not served
+            log(f"{task['id']}: strength not measured, not served: {e}")
     return tasks
 
 
-def served(out, unrecorded=False):
-    """The task folders in out that RL is served: those whose oracle covers every deleted feature (with
-    unrecorded=True, also those judged by their tests alone)."""
-    return [d for d in sorted(Path(out).iterdir()) if (d / "task.json").is_file()
-            and (unrecorded or json.loads((d / "task.json").read_text()).get("oracle", {}).get("covered"))]
+MIN_STRENGTH = 0.8  # served only when the tests plus the oracle kill this share of the gold's mutants
+
+
+def served(out, unrecorded=False, min_strength=MIN_STRENGTH):
+    """The task folders in out that RL is served: those whose oracle covers every deleted feature and whose
+    verifier kills at least min_strength of the gold's mutants (`strength`; a task never measured is not
+    served), or with unrecorded=True, also those judged by their tests alone."""
+    tasks = {d: json.loads((d / "task.json").read_text()) for d in sorted(Path(out).iterdir())
+             if (d / "task.json").is_file()}
+    return [d for d, t in tasks.items() if unrecorded or t.get("oracle", {}).get("covered")
+            and t.get("strength", {}).get("score", -1) >= min_strength]
 
 
 # -----------------------------------------------------------------------------
@@ -972,13 +991,43 @@ def add_canaries(work, need):
     return f"{home}::{names[0]}", f"{home}::{names[1]}"
 
 
-def verify(task_dir, workdir=None, patch=None, box=None, missing=None):
+def tests_verdict(r, need, must_pass, must_fail, missing=None):
+    """Why the verifier's report of a test run fails the solution, or None. missing: as verify's."""
+    rc, outcomes, passed = r.rc, r.outcomes, r.passed
+    if outcomes is None:
+        return f"runner tampered: the verifier's report is not what its plugin writes; pytest exit {rc}"
+    if r.end is None:
+        return f"runner tampered or crashed: pytest's session never finished; pytest exit {rc}"
+    failed = [t for t in need if t not in passed]
+    (missing if missing is not None else []).extend(failed)
+    if failed:
+        return f"{len(failed)} of {len(need)} required tests did not pass (skipped counts as failed), " \
+               f"e.g. {failed[0]}; pytest exit {rc}"
+    if must_fail in passed or outcomes.get(must_fail, {}).get("call") != "failed" or must_pass not in passed:
+        return f"runner tampered: a canary did not behave ({outcomes.get(must_fail)}, " \
+               f"{outcomes.get(must_pass)}); pytest exit {rc}"
+    if rc != 1 or r.end != 1:
+        return f"all {len(need)} required tests passed but pytest exited {rc} " \
+               f"(1 expected: the must-fail canary alone fails)"
+    return None
+
+
+def patched(snap, patch, dest):
+    """Copy snap to dest and apply patch there with git: None, or why it does not apply."""
+    shutil.copytree(snap, dest, symlinks=True)
+    p = subprocess.run(["git", "apply", "--whitespace=nowarn", str(Path(patch).resolve())],
+                       cwd=dest, capture_output=True, text=True, timeout=60)
+    return p.stderr.strip()[:200] if p.returncode else None
+
+
+def verify(task_dir, workdir=None, patch=None, box=None, missing=None, verdicts=None):
     """(reward, reason). Reward 1 only when the solution changes nothing but Python source inside the
     packages, the oracle agrees with the gold on every recorded call, and the verifier's own report says every
     required test passed, both canaries behaved and pytest's exit code is 1 (the must-fail canary's failure,
     nothing else). box: how code runs (default: the task's interpreter, in bubblewrap); its timeout bounds the
     whole verify. missing: a list that gets the required tests that did not pass (make drops those that fail
-    on the gold)."""
+    on the gold). verdicts: a dict that gets each judge's reason for 0 (None: it passed) under "oracle" and
+    "tests"; given, the tests run even when the oracle disagrees (strength counts both)."""
     task_dir = Path(task_dir)
     if not task_dir.is_dir():
         raise TaskError(f"no such task folder: {task_dir}")
@@ -998,11 +1047,8 @@ def verify(task_dir, workdir=None, patch=None, box=None, missing=None):
     with scratch() as tmp:
         if patch is not None:  # a patch is applied to its own copy of the snapshot, then read like a work dir
             workdir = Path(tmp, "agent")
-            shutil.copytree(snap, workdir, symlinks=True)
-            p = subprocess.run(["git", "apply", "--whitespace=nowarn", str(Path(patch).resolve())],
-                               cwd=workdir, capture_output=True, text=True, timeout=60)
-            if p.returncode:
-                return 0, f"patch does not apply: {p.stderr.strip()[:200]}"
+            if (error := patched(snap, patch, workdir)) is not None:
+                return 0, f"patch does not apply: {error}"
         if not Path(workdir).is_dir():
             raise TaskError(f"no such work dir: {workdir}")
         try:
@@ -1016,6 +1062,7 @@ def verify(task_dir, workdir=None, patch=None, box=None, missing=None):
         for rel, data in files.items():
             Path(work, rel).parent.mkdir(parents=True, exist_ok=True)
             Path(work, rel).write_bytes(data)
+        disagrees = None
         if oracle["calls"]:  # before the tests: their run may rewrite the solution's own files
             got = oracle_run(box, work, oracle["features"], [c[:2] for c in oracle["calls"]],
                              timeout=max(1, deadline - time.time()))
@@ -1025,32 +1072,205 @@ def verify(task_dir, workdir=None, patch=None, box=None, missing=None):
                 first = got.get(wrong[0], "gave no result")  # what it returned, never what was expected
                 first = (" ".join(first.split()[:2]) if first.startswith("raises ")
                          else first.split(";")[0][:120])
-                return 0, (f"the oracle disagrees on {len(wrong)} of {len(oracle['calls'])} calls ({held} of "
-                           f"them held-out), e.g. the solution {first}")
+                disagrees = (f"the oracle disagrees on {len(wrong)} of {len(oracle['calls'])} calls ({held} "
+                             f"of them held-out), e.g. the solution {first}")
+                if verdicts is None:
+                    return 0, disagrees
         need = task["fail_to_pass"] + task["pass_to_pass"]
         must_pass, must_fail = add_canaries(work, need)
         files = sorted({t.split("::")[0] for t in [*need, must_pass]})  # whole files: far faster than ids
         r = box.pytest(work, files, readonly=protected_paths(work, need),
                        timeout=max(1, deadline - time.time()))
-    rc, outcomes, passed = r.rc, r.outcomes, r.passed
-    if outcomes is None:
-        return 0, f"runner tampered: the verifier's report is not what its plugin writes; pytest exit {rc}"
-    if r.end is None:
-        return 0, f"runner tampered or crashed: pytest's session never finished; pytest exit {rc}"
-    failed = [t for t in need if t not in passed]
-    (missing if missing is not None else []).extend(failed)
-    if failed:
-        return 0, f"{len(failed)} of {len(need)} required tests did not pass (skipped counts as failed), " \
-                  f"e.g. {failed[0]}; pytest exit {rc}"
-    if must_fail in passed or outcomes.get(must_fail, {}).get("call") != "failed" or must_pass not in passed:
-        return 0, f"runner tampered: a canary did not behave ({outcomes.get(must_fail)}, " \
-                  f"{outcomes.get(must_pass)}); pytest exit {rc}"
-    if rc != 1 or r.end != 1:
-        return 0, f"all {len(need)} required tests passed but pytest exited {rc} " \
-                  f"(1 expected: the must-fail canary alone fails)"
+    failing = tests_verdict(r, need, must_pass, must_fail, missing)
+    if verdicts is not None:
+        verdicts.update(oracle=disagrees, tests=failing)
+    if disagrees or failing:
+        return 0, disagrees or failing
     return 1, (f"all {len(task['fail_to_pass'])} fail-to-pass and {len(task['pass_to_pass'])} pass-to-pass "
                f"tests passed, canaries intact; "
                + (f"the oracle agrees on {len(oracle['calls'])} calls" if oracle["calls"] else "no oracle"))
+
+
+# -----------------------------------------------------------------------------
+# Strength: how much of the gold's behaviour the verifier pins down, measured by mutation (as mutmut and
+# cosmic-ray measure a test suite). A mutant is the gold with one small change inside a deleted definition: an
+# operator swapped, a comparison negated or moved by one, a constant nudged, a returned value dropped, a
+# statement dropped, a branch dropped or its condition negated. Each is verified once: one that scores 1
+# survives. Most mutants are wrong code, so a verifier that passes many is weaker than the gold's reward says;
+# the survivors are listed for a person to judge, since some behave exactly like the gold (an error message
+# nothing reads). The tests alone and the tests plus the oracle are judged in the same verify, so what the
+# oracle adds is measured too.
+
+STRENGTH_K = 12  # mutants a task; each is a verify of a few seconds
+
+SWAPPED = {ast.Add: [ast.Sub], ast.Sub: [ast.Add], ast.Mult: [ast.Div], ast.Div: [ast.Mult, ast.FloorDiv],
+           ast.FloorDiv: [ast.Div], ast.Mod: [ast.FloorDiv], ast.Pow: [ast.Mult], ast.MatMult: [ast.Mult],
+           ast.LShift: [ast.RShift], ast.RShift: [ast.LShift], ast.BitAnd: [ast.BitOr],
+           ast.BitOr: [ast.BitAnd], ast.BitXor: [ast.BitAnd], ast.And: [ast.Or], ast.Or: [ast.And]}
+NEGATED = {ast.Eq: ast.NotEq, ast.NotEq: ast.Eq, ast.Lt: ast.GtE, ast.GtE: ast.Lt, ast.Gt: ast.LtE,
+           ast.LtE: ast.Gt, ast.Is: ast.IsNot, ast.IsNot: ast.Is, ast.In: ast.NotIn, ast.NotIn: ast.In}
+OFF_BY_ONE = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt}
+
+
+def nudged(value):
+    """A constant changed as mutation testing changes it, or None (None, ..., complex: left alone)."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return {0: 1, 1: 0}.get(value, value + 1)
+    if isinstance(value, float):
+        return value + 1
+    if isinstance(value, (str, bytes)):
+        xx = "XX" if isinstance(value, str) else b"XX"
+        return xx + value + xx
+    return None
+
+
+def mutation_sites(fn):
+    """(node, replacement source, kind) for every single change to the code of fn. Its docstring, bare
+    strings, annotations and f-strings (whose parts have no reliable positions) are left alone."""
+    left = set()
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str):
+            left |= {id(n), id(n.value)}
+        for part in [n] if isinstance(n, ast.JoinedStr) else [getattr(n, "annotation", None),
+                                                              getattr(n, "returns", None)]:
+            left |= {id(x) for x in ast.walk(part)} if isinstance(part, ast.AST) else set()
+    sites = []
+
+    def put(node, new, kind):  # an expression in parentheses: it fits wherever the old one stood
+        sites.append((node, f"({ast.unparse(new)})" if isinstance(new, ast.AST) else new, kind))
+
+    def changed(node, **fields):
+        new = copy.copy(node)
+        for name, value in fields.items():
+            setattr(new, name, value)
+        return new
+
+    for stmt in code_body(fn):
+        for n in ast.walk(stmt):
+            if id(n) in left:
+                continue
+            for op in SWAPPED.get(type(getattr(n, "op", None)), []):  # binary, boolean, augmented
+                new = changed(n, op=op())
+                put(n, ast.unparse(new) if isinstance(n, ast.stmt) else new, "operator")
+            if isinstance(n, ast.UnaryOp) and not isinstance(n.op, ast.UAdd):
+                put(n, n.operand, "operator")
+            if isinstance(n, ast.Compare):
+                for i, op in enumerate(n.ops):
+                    for table in (NEGATED, OFF_BY_ONE):
+                        if type(op) in table:
+                            ops = [*n.ops[:i], table[type(op)](), *n.ops[i + 1:]]
+                            put(n, changed(n, ops=ops), "comparison")
+            if isinstance(n, ast.Constant) and nudged(n.value) is not None:
+                put(n, ast.Constant(nudged(n.value)), "constant")
+            if isinstance(n, ast.Return) and n.value is not None:
+                put(n.value, "None", "returned value dropped")
+            # `if not x` negated is the `not` dropped, and an if without else dropped is the statement dropped
+            if isinstance(n, (ast.If, ast.While, ast.IfExp)) and not (isinstance(n.test, ast.UnaryOp)
+                                                                       and isinstance(n.test.op, ast.Not)):
+                put(n.test, ast.UnaryOp(ast.Not(), n.test), "condition negated")
+            if isinstance(n, ast.If) and n.orelse:
+                put(n.test, "False", "branch dropped")
+                put(n.test, "True", "branch dropped")
+            if isinstance(n, ast.stmt) and not isinstance(n, ast.Pass):
+                put(n, "pass", "statement dropped")
+    return sites
+
+
+def mutations(gold, deleted, k, seed=0):
+    """Up to k mutants of the deleted definitions (task.json's "deleted") in the gold tree, drawn by seed:
+    [(file, what changed, the mutated file's bytes)], each a valid parse whose tree differs from the
+    gold's."""
+    srcs = {e["file"]: Path(gold, e["file"]).read_bytes() for e in deleted}
+    trees = {rel: ast.dump(ast.parse(src)) for rel, src in srcs.items()}
+    sites = [(e, *site) for e in deleted
+             for site in mutation_sites(find_def(ast.parse(srcs[e["file"]]), e["qualname"]))]
+    random.Random(seed).shuffle(sites)
+    out, seen, short = [], set(), lambda t: t if len(t) <= 60 else t[:57] + "..."
+    for e, node, new, kind in sites:
+        rel, src = e["file"], srcs[e["file"]]
+        ls = line_starts(src)
+        a, b = ls[node.lineno - 1] + node.col_offset, ls[node.end_lineno - 1] + node.end_col_offset
+        data = apply_edits(src, [(a, b, new.encode())])
+        try:
+            same = ast.dump(ast.parse(data)) == trees[rel]
+        except (SyntaxError, ValueError):  # a pattern or target that takes no parentheses, say
+            continue
+        if same or data in seen:
+            continue
+        seen.add(data)
+        old = " ".join(src[a:b].decode("utf-8", "replace").split())
+        what = f"{rel}:{node.lineno} {e['qualname']}, {kind}: `{short(old)}` -> `{short(new)}`"
+        out.append((rel, what, data))
+        if len(out) == k:
+            break
+    return out
+
+
+def strength(task_dir, k=STRENGTH_K, box=None, seed=0, jobs=2):
+    """The verifier's mutation score on a task: up to k mutants of the gold (mutations), each laid over the
+    snapshot and verified, jobs at a time; written into task.json as "strength" and returned: {mutants,
+    killed_by_tests, killed (by tests plus oracle: verify's reward 0), score_tests, score, seed, survivors:
+    [{mutant, diff}], missed_by_tests: [what changed]}. A mutant verify refuses before its tests run counts
+    as killed by both. The gold is verified first: a gold that fails here would make every mutant look
+    killed. Each mutant gets five times the gold's time, at least 30 s (a mutant may loop forever)."""
+    task_dir = Path(task_dir)
+    if not (task_dir / "task.json").is_file():
+        raise TaskError(f"no task at {task_dir}: "
+                        + ("it has no task.json" if task_dir.is_dir() else "no such folder"))
+    if k < 1 or jobs < 1:
+        raise TaskError(f"--k and --jobs must be >= 1, got {k} and {jobs}")
+    task = json.loads((task_dir / "task.json").read_text())
+    box = box or Sandbox(python=task.get("python", sys.executable), timeout=600)
+    with scratch() as tmp:
+        gold = Path(tmp, "gold")
+        if (error := patched(task_dir / "repo", task_dir / "gold.patch", gold)) is not None:
+            raise TaskError(f"{task_dir / 'gold.patch'} does not apply: {error}")
+        t0 = time.time()
+        reward, why = verify(task_dir, workdir=gold, box=box)
+        if reward != 1:
+            raise TaskError(f"the gold of {task_dir} scores 0 here (a mutant's 0 would mean nothing): {why}")
+        box = dataclasses.replace(box, timeout=int(min(box.timeout, max(30, 5 * (time.time() - t0)))))
+        found = mutations(gold, task["deleted"], k, seed)
+
+        def judge(mutant):  # (reward, the tests' reason for 0 or None)
+            rel, _, data = mutant
+            with scratch() as mine:
+                shutil.copytree(gold, Path(mine, "m"), symlinks=True)
+                Path(mine, "m", rel).write_bytes(data)
+                verdicts = {}
+                reward, why = verify(task_dir, workdir=Path(mine, "m"), box=box, verdicts=verdicts)
+            return reward, verdicts.get("tests", why)
+        with stoppable(jobs) as pool:
+            judged = list(pool.map(judge, found))
+        gold_src = {rel: Path(gold, rel).read_bytes().decode("utf-8", "replace") for rel, _, _ in found}
+    n, survivors = len(found), []
+    for (rel, what, data), (reward, _) in zip(found, judged):
+        if reward == 1:
+            diff = difflib.unified_diff(gold_src[rel].splitlines(keepends=True),
+                                        data.decode("utf-8", "replace").splitlines(keepends=True),
+                                        f"a/{rel}", f"b/{rel}")
+            survivors.append({"mutant": what, "diff": "".join(diff)})
+    a, b = sum(tests is not None for _, tests in judged), sum(reward == 0 for reward, _ in judged)
+    result = {"mutants": n, "killed_by_tests": a, "killed": b, "score_tests": a / n if n else 0.0,
+              "score": b / n if n else 0.0, "seed": seed, "survivors": survivors,
+              "missed_by_tests": [what for (_, what, _), (_, tests) in zip(found, judged) if tests is None]}
+    task = json.loads((task_dir / "task.json").read_text())  # as it is now: only "strength" changes
+    task["strength"] = result
+    temp = task_dir / f".task.json.{secrets.token_hex(4)}"
+    temp.write_text(json.dumps(task, indent=1))
+    os.replace(temp, task_dir / "task.json")  # a reader sees the old task.json or the new, never half of one
+    return result
+
+
+def strength_lines(tid, s):
+    """What `strength` prints for a task: its figures, then each survivor."""
+    n = s["mutants"]
+    share = lambda x: f"{x} ({x / n:.0%})" if n else "0"
+    return "\n".join([f"{tid}: {n} mutants, killed by the tests alone {share(s['killed_by_tests'])}, by "
+                      f"tests and oracle {share(s['killed'])}; survivors {len(s['survivors'])}"]
+                     + [f"  survives: {x['mutant']}" for x in s["survivors"]])
 
 
 # -----------------------------------------------------------------------------
@@ -3802,15 +4022,26 @@ def cli(argv=None) -> int:
                         f"{TESTS_AT_MOST}, widened to {', '.join(map(str, REACH_STEPS[1:]))} while there are "
                         f"fewer than 2 x --n candidates")
     m.add_argument("--jobs", type=int, default=1, help="tries run side by side")
+    m.add_argument("--strength", type=int, default=STRENGTH_K, metavar="K",
+                   help=f"measure each made task's strength with K mutants (0: not measured, so not served; "
+                        f"default {STRENGTH_K})")
     v = sub.add_parser("verify", help="score an agent's work on a task: 1 when every required test passes")
     v.add_argument("task_dir", help="a task dir written by make")
     g = v.add_mutually_exclusive_group(required=True)
     g.add_argument("--workdir", help="the agent's edited copy of the snapshot")
     g.add_argument("--patch", help="a unified diff against the snapshot")
     v.add_argument("--timeout", type=int, default=600, help="seconds allowed for the test run")
-    for x in (m, v):
+    st = sub.add_parser("strength", help="the share of the gold's mutants the tests alone and the tests plus "
+                                         "the oracle kill; written into each task.json")
+    st.add_argument("task_dirs", nargs="+", metavar="TASK_DIR", help="task dirs written by make")
+    st.add_argument("--k", type=int, default=STRENGTH_K, help="mutants per task (each is one verify)")
+    st.add_argument("--jobs", type=int, default=2, help="mutants verified side by side")
+    st.add_argument("--seed", type=int, default=0, help="seed of the mutants drawn")
+    st.add_argument("--min-strength", type=float, default=MIN_STRENGTH,
+                    help="the share of mutants killed a task needs to be served (exit 1 when one is below)")
+    for x in (m, v, st):
         x.add_argument("--python", help="interpreter that runs the tests (from `env`; default: this one for "
-                                        "make, the task's for verify)")
+                                        "make, the task's for verify and strength)")
         x.add_argument("--no-sandbox", action="store_true",
                        help="run the tests without bubblewrap (not isolated)")
     e = sub.add_parser("env",
@@ -3846,8 +4077,18 @@ def cli(argv=None) -> int:
             return 0
         if a.cmd == "make":
             box = Sandbox(a.python or sys.executable, not a.no_sandbox, a.timeout)
-            tasks = make(a.repo, a.out, a.n, a.seed, a.mode, a.group, box, reach=a.reach, jobs=a.jobs)
+            tasks = make(a.repo, a.out, a.n, a.seed, a.mode, a.group, box, reach=a.reach, jobs=a.jobs,
+                         strength_k=a.strength)
             return 0 if tasks else 1
+        if a.cmd == "strength":
+            weak = 0
+            for d in a.task_dirs:
+                task = Path(d, "task.json")
+                python = a.python or (json.loads(task.read_text()).get("python") if task.is_file() else None)
+                s = strength(d, a.k, Sandbox(python or sys.executable, not a.no_sandbox, 600), a.seed, a.jobs)
+                print(strength_lines(Path(d).name, s))
+                weak += s["score"] < a.min_strength
+            return 1 if weak else 0
         if a.cmd == "verify":
             if not Path(a.task_dir, "task.json").is_file():
                 raise TaskError(f"no task at {a.task_dir}: "
@@ -3898,7 +4139,7 @@ def cli(argv=None) -> int:
 
 
 def main():
-    if sys.argv[1:2] and sys.argv[1] in ("env", "make", "verify", "survey", "scan", "monitor"):
+    if sys.argv[1:2] and sys.argv[1] in ("env", "make", "verify", "strength", "survey", "scan", "monitor"):
         # a SIGTERM unwinds like an exception, so temporary folders and cgroups go (after SIGKILL, the next
         # start's sweep removes them)
         signal.signal(signal.SIGTERM, stop)

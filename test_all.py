@@ -3698,14 +3698,62 @@ def test_make_picks_the_right_features_and_test_sets(made):
     shutil.copytree(d / "repo", again, ignore=shutil.ignore_patterns(".git"))
     tasks.fresh_git(again)
     assert tasks.git(again, "rev-parse", "HEAD") == tasks.git(d / "repo", "rev-parse", "HEAD")
-    # Every task has an oracle, so every one is served
+    # Every task has an oracle, but none is served before its strength is measured (make's default here)
     assert all(t["oracle"]["covered"] for t in made["stub"])
-    assert tasks.served(made["out"]) == sorted(made["out"].iterdir())
+    assert tasks.served(made["out"]) == [] and tasks.served(made["out"], unrecorded=True) == sorted(
+        made["out"].iterdir())
     # Dynamic difficulty: remove mode deleted two related features together.
     (hard,) = made["hard"]
     assert hard["difficulty"]["entities"] == 2 and hard["mode"] == "remove"
     assert hard["difficulty"]["tests_failed"] == len(short(hard["fail_to_pass"])) >= 2
     assert short(hard["fail_to_pass"]) == set().union(*(EXPECTED[e["qualname"]] for e in hard["deleted"]))
+
+
+def test_strength_counts_the_gold_mutants_the_tests_and_the_oracle_kill(made, tmp_path, capsys):
+    """mean's mutants, drawn by seed 1 (6 of its 8): the tests alone miss two, an error message nothing reads
+    (it survives: equivalent) and `/` made `//` (mean([1, 2, 3]) is 2 either way), which the oracle kills."""
+    d = tmp_path / "mean"
+    shutil.copytree(task_dir(made, "mean")[0], d, symlinks=True)
+    task, inode = json.loads((d / "task.json").read_text()), (d / "task.json").stat().st_ino
+    tasks.patched(d / "repo", d / "gold.patch", tmp_path / "gold")
+    gold = (tmp_path / "gold/calc/core.py").read_bytes()
+    # every mutant parses and changes mean's body, nothing else; the draw depends on the seed alone
+    everyone = tasks.mutations(tmp_path / "gold", task["deleted"], 100)
+    head, tail = gold[:gold.index(b'"""Arithmetic mean')], gold[gold.index(b"\n\n\ndef clamp"):]
+    for rel, what, data in everyone:
+        assert rel == "calc/core.py" and what.startswith("calc/core.py:") and compile(data, rel, "exec")
+        assert data != gold and data.startswith(head) and data.endswith(tail), what
+    assert len(everyone) == 8 and len({data for _, _, data in everyone}) == 8
+    drawn = tasks.mutations(tmp_path / "gold", task["deleted"], 6, seed=1)
+    assert drawn == tasks.mutations(tmp_path / "gold", task["deleted"], 6, seed=1)
+    assert drawn != tasks.mutations(tmp_path / "gold", task["deleted"], 6, seed=2)
+    assert tasks.cli(["strength", str(d), "--k", "6", "--seed", "1", "--jobs", "2"]) == 0
+    out = capsys.readouterr().out
+    after = json.loads((d / "task.json").read_text())
+    s = after.pop("strength")
+    assert after == task and (d / "task.json").stat().st_ino != inode  # replaced whole, nothing else changed
+    assert sorted(p.name for p in d.iterdir()) == ["gold.patch", "oracle.json", "repo", "task.json"]
+    assert out == tasks.strength_lines("mean", s) + "\n"
+    assert out.splitlines()[0] == ("mean: 6 mutants, killed by the tests alone 4 (67%), by tests and oracle "
+                                   "5 (83%); survivors 1")
+    assert (s["mutants"], s["killed_by_tests"], s["killed"]) == (6, 4, 5) and s["score"] >= tasks.MIN_STRENGTH
+    assert s["score"] > s["score_tests"] and s["seed"] == 1
+    whats = [what for _, what, _ in drawn]
+    assert set(s["missed_by_tests"]) <= set(whats) and len(s["missed_by_tests"]) == 2
+    floor = next(w for w in s["missed_by_tests"] if "`(sum(values) // len(values))`" in w)
+    (survivor,) = s["survivors"]
+    assert floor not in [x["mutant"] for x in s["survivors"]] and survivor["mutant"] in whats
+    assert "mean of nothing is undefined" in survivor["mutant"]
+    assert survivor["diff"].startswith("--- a/calc/core.py\n+++ b/calc/core.py\n@@ ")
+    assert [line[0] for line in survivor["diff"].splitlines()[3:] if line[:1] in "-+"] == ["-", "+"]
+    # served: covered and measured at or above the bar
+    assert tasks.served(tmp_path) == [d] and tasks.served(tmp_path, min_strength=0.9) == []
+    # bad input: one line, exit 2
+    here = Path(tasks.__file__)
+    for args in [["strength", str(tmp_path / "nope")], ["strength", str(d), "--k", "0"]]:
+        p = subprocess.run([sys.executable, str(here), *args], capture_output=True, text=True, timeout=30)
+        assert (p.returncode == 2 and p.stderr.startswith("error: ")
+                and p.stderr.count("\n") == 1), (args, p.stderr)
 
 
 # -----------------------------------------------------------------------------
