@@ -98,6 +98,7 @@ import shutil
 import signal
 import site
 import sqlite3
+import statistics
 import stat
 import subprocess
 import sys
@@ -1128,11 +1129,14 @@ def nudged(value):
 
 def mutation_sites(fn):
     """(node, replacement source, kind) for every single change to the code of fn. Its docstring, bare
-    strings, annotations and f-strings (whose parts have no reliable positions) are left alone."""
+    strings, annotations, f-strings (whose parts have no reliable positions) and the constants of a raised
+    exception (its message: the verifier compares exception classes, as tests mostly do) are left alone."""
     left = set()
     for n in ast.walk(fn):
         if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str):
             left |= {id(n), id(n.value)}
+        if isinstance(n, ast.Raise) and n.exc is not None:
+            left |= {id(x) for x in ast.walk(n.exc) if isinstance(x, ast.Constant)}
         for part in [n] if isinstance(n, ast.JoinedStr) else [getattr(n, "annotation", None),
                                                               getattr(n, "returns", None)]:
             left |= {id(x) for x in ast.walk(part)} if isinstance(part, ast.AST) else set()
@@ -3174,7 +3178,7 @@ def survey_one(spec, root, n, timeout, isolate):
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
     row = {"package": spec, "tests": None, "env_s": None, "make_s": None, "made": 0, "tried": 0, "gold": [],
-           "untouched": [], "executed": None, "why": ""}
+           "untouched": [], "executed": None, "strength": [], "served": 0, "why": ""}
     with open(d / "log.txt", "w", buffering=1) as f:
         def log(line):
             f.write(line + "\n")
@@ -3185,7 +3189,7 @@ def survey_one(spec, root, n, timeout, isolate):
             python = make_env(repo, d / "venv", isolate, log=log)
             row["env_s"], t0, stats = time.time() - t0, time.time(), {}
             box = Sandbox(python, isolate, timeout)
-            made = make(repo, d / "tasks", n=n, box=box, log=log, stats=stats)
+            made = make(repo, d / "tasks", n=n, box=box, log=log, stats=stats, strength_k=STRENGTH_K)
             row.update(make_s=time.time() - t0, made=len(made), tests=stats.get("tests"),
                        tried=stats.get("tried"), executed=stats.get("executed"))
             for t in made:
@@ -3195,6 +3199,9 @@ def survey_one(spec, root, n, timeout, isolate):
                     reward, why = verify(tdir, box=box, **kw)
                     row[key].append(reward)
                     log(f"verify {key} {t['id']}: reward {reward}: {why}")
+                st = t.get("strength", {})
+                row["strength"].append([st.get("score_tests"), st.get("score")])
+            row["served"] = len(served(d / "tasks")) if made else 0
             if len(made) < n:
                 row["why"] = (collections.Counter(stats["reasons"]).most_common(1)[0][0] if stats["reasons"]
                               else f"only {stats['candidates']} candidate features (functions reached by 1.."
@@ -3215,17 +3222,20 @@ def valid_tasks(row):
 def survey_line(r):
     valid = valid_tasks(r)
     num = (lambda x, f: "-" if x is None else f % x)
+    score = lambda x: "-" if x is None else f"{100 * x:.0f}"
+    killed = " ".join(f"{score(a)}/{score(b)}" for a, b in r.get("strength", [])) or "-"
     return (f"{r['package']:<32} {num(r['tests'], '%6d'):>6} {num(r['env_s'], '%5.0f'):>5} "
             f"{num(r['make_s'], '%6.0f'):>6} {r['made']:>2}/{r['tried'] or 0:<2} {valid:>5} "
             f"{''.join(map(str, r['gold'])) or '-':>4} {''.join(map(str, r['untouched'])) or '-':>4} "
-            f"{num(r['executed'], '%7d'):>7}  {r['why']}")
+            f"{num(r['executed'], '%7d'):>7} {killed:>23} {r.get('served', 0):>6}  {r['why']}")
 
 
 def survey(specs, root, n=3, jobs=2, timeout=300, isolate=True, log=print):
     """Every spec through survey_one, up to jobs at once; prints a row as each finishes and the table at the
     end. Returns the rows."""
     Path(root).mkdir(parents=True, exist_ok=True)
-    head = (f"{'package':<32} {'tests':>6} {'env s':>5} {'make s':>6} made  valid gold untc   execs  why")
+    head = (f"{'package':<32} {'tests':>6} {'env s':>5} {'make s':>6} made  valid gold untc   execs "
+            f"{'% killed: tests/+oracle':>23} served  why")
     log(head)
     with stoppable(jobs) as pool:
         futs = [pool.submit(survey_one, spec, root, n, timeout, isolate) for spec in specs]
@@ -3235,6 +3245,12 @@ def survey(specs, root, n=3, jobs=2, timeout=300, isolate=True, log=print):
     good = sum(valid_tasks(r) >= n for r in rows)
     log("\n" + "\n".join([head, *map(survey_line, rows)]))
     log(f"{good} of {len(rows)} packages gave {n} valid tasks (gold 1, untouched 0)")
+    scores = [x for r in rows for x in r["strength"] if None not in x]
+    if scores:
+        both, alone = (100 * statistics.median(x[i] for x in scores) for i in (1, 0))
+        log(f"mutants killed on the median task: {both:.0f}% by tests and oracle, {alone:.0f}% by the tests "
+            f"alone; "
+            f"{sum(r['served'] for r in rows)} of {sum(r['made'] for r in rows)} tasks made are served")
     (Path(root) / "survey.json").write_text(json.dumps(rows, indent=1))
     return rows
 
