@@ -2214,6 +2214,12 @@ def cut(text, limit):
     return f"{keep}\n... cut: {len(text.encode()) - len(keep.encode())} more bytes"
 
 
+def line_number(arg):
+    """The number an argument spells in ASCII digits, else None (int() also reads other scripts' digits, '1_0'
+    and 4,000 digits, and refuses the superscripts isdigit() accepts)."""
+    return int(arg) if re.fullmatch(r"[0-9]{1,9}", arg) else None
+
+
 def task_level(task):
     """A task's difficulty level: 1 one feature stubbed, 2 several stubbed, 3 removed (the policy writes the
     definitions, signatures and all)."""
@@ -2248,7 +2254,7 @@ class CodeEnv:
     def path(self, arg):
         """-> (a path inside the copy, None) or (None, the error)."""
         rel = posixpath.normpath(arg.strip().strip("'\""))
-        if not arg.strip() or rel.startswith("/") or rel.split("/")[0] in ("..", "."):
+        if not arg.strip() or rel.startswith("/") or rel.split("/")[0] in ("..", ".") or "\0" in rel:
             return None, f"error: {arg.strip() or 'no path'}: name a file inside the repository"
         return rel, None
 
@@ -2257,11 +2263,11 @@ class CodeEnv:
         if rel in self.edits:
             return self.edits[rel]
         p = self.snap
-        for part in rel.split("/")[:-1]:
-            p = p / part
-            if not p.is_dir() or p.is_symlink():
-                return None
-        try:
+        try:  # a name the file system refuses (too long, through a file) is no file either
+            for part in rel.split("/")[:-1]:
+                p = p / part
+                if not p.is_dir() or p.is_symlink():
+                    return None
             return read_regular(self.snap / rel, EDIT_AT_MOST)
         except OSError:
             return None
@@ -2292,9 +2298,8 @@ class CodeEnv:
         lines, err = (None, err) if err else self.text_lines(rel)
         if err:
             return err
-        try:
-            first, last = (int(args[1]), int(args[2])) if len(args) == 3 else (1, None)
-        except ValueError:
+        first, last = (line_number(args[1]), line_number(args[2])) if len(args) == 3 else (1, None)
+        if None in (first, last) and len(args) == 3:
             return "error: read(FILE) or read(FILE,FIRST,LAST)"
         shown = numbered("\n".join(lines).encode() + b"\n", max(1, first), last).split("\n")
         size, keep = 0, 0
@@ -2332,7 +2337,9 @@ class CodeEnv:
         need = self.task["fail_to_pass"] + self.task["pass_to_pass"]
         if is_protected(rel) or rel in {t.split("::")[0] for t in need} or rel.split("/")[0] == ".git":
             return None, None, f"error: {rel} is read-only: tests and test configuration do not change"
-        if linked(self.snap, rel):
+        # the episode's own files count too: no file inside a file it wrote, none where one is inside
+        if linked(self.snap, rel) or any(rel.startswith(f"{e}/") or e.startswith(f"{rel}/")
+                                         for e in self.edits):
             return None, None, f"error: {rel} is behind a link or not a file: only regular files change"
         if len(args) != n:
             return None, None, None
@@ -2344,10 +2351,7 @@ class CodeEnv:
         rel, lines, err = self.editable_path(args, 3)
         if err or rel is None:
             return err or "error: replace(FILE,FIRST,LAST) and the new lines below"
-        try:
-            first, last = int(args[1]), int(args[2])
-        except ValueError:
-            first = last = 0
+        first, last = line_number(args[1]) or 0, line_number(args[2]) or 0
         if not 1 <= first <= last <= len(lines):
             return f"error: lines {args[1]}-{args[2]} are not in {rel} (1-{len(lines)})"
         return self.write(rel, lines[:first - 1] + body.split("\n") + lines[last:], body)
@@ -2360,8 +2364,8 @@ class CodeEnv:
             rel, lines, err = rel, [], None
         if err or rel is None:
             return err or "error: insert(FILE,AFTER) and the new lines below"
-        at = int(args[1]) if args[1].isdigit() else -1
-        if not 0 <= at <= len(lines):
+        at = line_number(args[1])
+        if at is None or at > len(lines):
             return f"error: {args[1]} is not a line of {rel} (0-{len(lines)})"
         return self.write(rel, lines[:at] + body.split("\n") + lines[at:], body, new)
 
@@ -2372,15 +2376,17 @@ class CodeEnv:
         self.tests += 1
         for t in targets:  # test files or node ids of the copy, never options
             rel, err = self.path(t.split("::")[0])
-            if err or self.data(rel) is None:
-                return err or f"error: no such test file: {rel}"
+            if err or rel.startswith("-") or "\0" in t or self.data(rel) is None:
+                return err or f"error: no such test: {t}"
         return (self.verifier or VERIFIER).test(self, targets)
 
     def step(self, assistant_text: str) -> tuple[Optional[str], bool]:
         if self.done:
             raise RuntimeError("step() after the episode ended")
         self.turns.append(("assistant", assistant_text))
-        m = CODE_CALL.fullmatch(assistant_text.lstrip(" \n").rstrip())
+        text = assistant_text.lstrip(" \n").rstrip()
+        # a lone surrogate: no text the model's bytes decode to, nor one a file or a reply can hold
+        m = CODE_CALL.fullmatch(text) if text.encode(errors="replace").decode() == text else None
         reply = None
         if m is None:
             self.malformed += 1
@@ -2395,7 +2401,11 @@ class CodeEnv:
             elif name == "submit":
                 self.done = True
             else:
-                reply = cut(getattr(self, f"do_{name}")(args, body), self.reply_limit)
+                try:
+                    reply = getattr(self, f"do_{name}")(args, body)
+                except Exception as e:  # a policy's turn can be any bytes: one such sample must not end a run
+                    reply = f"error: {name} failed: {type(e).__name__}"
+                reply = cut(reply, self.reply_limit)
         if reply is not None:
             self.turns.append(("tool", reply))
         self.done = self.done or sum(role == "assistant" for role, _ in self.turns) >= self.max_turns
@@ -2411,11 +2421,14 @@ def linked(root, rel):
     """Whether writing rel under root would go through a link or onto something that is not a regular file
     (a repository may hold a link to anywhere)."""
     p = Path(root)
-    for i, part in enumerate(rel.split("/")):
-        p = p / part
-        last = i == len(rel.split("/")) - 1
-        if p.is_symlink() or (p.exists() and not (p.is_file() if last else p.is_dir())):
-            return True
+    try:
+        for i, part in enumerate(rel.split("/")):
+            p = p / part
+            last = i == len(rel.split("/")) - 1
+            if p.is_symlink() or (p.exists() and not (p.is_file() if last else p.is_dir())):
+                return True
+    except OSError:  # a name the file system refuses (too long): nothing can be written there either
+        return True
     return False
 
 

@@ -5075,6 +5075,124 @@ def test_code_env_scripted_policies(made, tmp_path):
     assert "tamper-code" in flagged["report-fd"] and "tamper-code" in flagged["runtest-disguised"]
 
 
+def tree_hash(root):
+    """One digest of every file under root: its path, kind and bytes."""
+    h = hashlib.sha256()
+    for d, dirs, names in sorted(os.walk(root)):
+        dirs.sort()
+        for name in sorted(names):
+            p = Path(d, name)
+            h.update(f"{p.relative_to(root)}\0{p.is_symlink()}\0".encode())
+            h.update(os.readlink(p).encode() if p.is_symlink() else p.read_bytes())
+    return h.hexdigest()
+
+
+class CountingVerifier:
+    """The Verifier's interface without a sandbox: test and result answer at once; start does what a real one
+    does first, the monitor on the steps and the final tree materialized (a tree that cannot be written would
+    end a training run there), once for each set of files written."""
+
+    def __init__(self, tmp):
+        self.tmp, self.calls, self.trees = tmp, Counter(), set()
+
+    def test(self, env, targets):
+        self.calls["test"] += 1
+        return "1 passed"
+
+    def start(self, env):
+        self.calls["start"] += 1
+        tasks.monitor(env.steps, env.task.get("static_allowed"))
+        if frozenset(env.edits) not in self.trees:
+            self.trees.add(frozenset(env.edits))
+            shutil.rmtree(tasks.materialize(env.snap, env.edits, self.tmp / "tree"))
+
+    def result(self, env):
+        self.calls["result"] += 1
+        return 0, "not verified"
+
+
+CODE_PATHS = [  # the first six are editable, or nearly
+    "calc/core.py", "calc/text.py", "calc/new.py", "calc/new.py/x.py", "calc/new", "calc/new/y.py",
+    "calc/core.py/b", "calc/x\0.py", "calc\0", "a" * 255, "a" * 256, "é" * 200, "/".join(["d"] * 120),
+    "calc/\ud800.py", "calc/\udcff.py", "calc/²", "../gold.patch", "../task.json", "repo/../oracle.json",
+    "/etc/passwd", "~", ".git/config", "tests/test_calc.py", "pyproject.toml", "calc", ".", "..", "",
+    "./calc/core.py", "calc//core.py", "'calc/core.py'", "-p", "--co", "tests/test_calc.py::\0",
+    "tests/test_calc.py::test_mean", "calc/core.py\n"]
+CODE_NUMBERS = ["-1", "47", "²", "1²", "①", "٣", "१", "9" * 200, "1_0", " 1", "0x10", "1e3", "+1", "", "∞",
+                "\0", str(2 ** 64)]
+CODE_BODIES = ["", "x = 1", "\0", "\ud800", "é\r\n" * 3, "def f(:\n", "import gc\n", "\n" * 50]
+
+
+def hostile_turn(rng):
+    """A turn a byte-level policy can emit: random bytes decoded either way, or a call of any tool (now and
+    then none) with odd paths, numbers and bodies, half the time of the right shape."""
+    if rng.random() < 0.25:
+        text = bytes(rng.randrange(256) for _ in range(rng.randrange(80))).decode(
+            "utf-8", rng.choice(["replace", "surrogateescape"]))
+        return rng.choice(["", "call read(", "call insert(calc/core.py,", "Call "]) + text
+    tool = rng.choice(tasks.CODE_TOOLS if rng.random() < 0.9 else ["cat", "do_read", "__init__", "path"])
+    n = {"read": 3, "replace": 3, "insert": 2}.get(tool, 1) if rng.random() < 0.7 else rng.randrange(5)
+    args = [rng.choice(CODE_PATHS[:6] if rng.random() < 0.5 else CODE_PATHS)]
+    args += [rng.choice(CODE_NUMBERS) if rng.random() < 0.5 else str(rng.randrange(5)) for _ in range(n - 1)]
+    body = "#" * (tasks.EDIT_AT_MOST + 1) if rng.random() < 0.002 else rng.choice(CODE_BODIES)
+    call = f"{rng.choice(['call', 'Call'])} {tool}({','.join(args)[:256]})"
+    return call + (f"\n{body}" if rng.random() < 0.7 else rng.choice(["", ")", "(x)", "\n"]))
+
+
+def test_code_env_answers_every_turn_and_never_changes_the_task(made, tmp_path):
+    """10,000 hostile turns over CodeEnv episodes (random bytes, Unicode digits, NUL, huge numbers, deep and
+    odd paths, files through files, every tool, malformed calls): none raises, every reply is text the
+    tokenizer encodes, every finished episode's tree materializes, and the task folder stays byte for byte as
+    made. The tool-use environments take the same random bytes and odd digits."""
+    d, _ = task_dir(made, "mean")
+    before, rng, verifier = tree_hash(d), random.Random(44), CountingVerifier(tmp_path)
+    turns = episodes = 0
+    while turns < 10_000:
+        env = tasks.CodeEnv(d, verifier=verifier, max_turns=rng.choice([12, 40]))
+        while not env.done:
+            reply, done = env.step(hostile_turn(rng))
+            turns += 1
+            assert reply is None and done or isinstance(reply, str) and reply.encode(), reply
+        episodes += 1
+        assert env.reward() == 0
+    assert tree_hash(d) == before
+    assert verifier.calls["start"] == verifier.calls["result"] == episodes and verifier.calls["test"] > 100
+    for k in range(2000):
+        env = tasks.ToolEnv(make_tool_task(rng, 1 + k % 4)) if k % 2 else \
+            tasks.ChainEnv(tasks.make_chain_task(rng, 1 + k % 4))
+        while not env.done:
+            text = rng.choice(["call add(١,٢)", "call mul(999999,999999)", "call mod(7,-0)", "answer ²",
+                               "call sub(\0,1)", hostile_turn(rng)])
+            reply, done = env.step(text)
+            assert reply is None and done or isinstance(reply, str) and reply.encode(), reply
+        assert env.reward() in (0, 1)
+
+
+def test_code_env_answers_crashing_turns_with_an_error(made, tmp_path):
+    """Turns that crashed the environment at ced77a6, and with it the training run: a line number in
+    superscript, a NUL in a path or a test id, a module written inside a file the episode wrote (its tree
+    could not be written for the verify). Each now gets an error reply; a hostile test id that reaches the
+    sandbox gets its reply too, and a tool that raises all the same an error reply."""
+    d, _ = task_dir(made, "mean")
+    n = len(Path(d, "repo/calc/core.py").read_text().splitlines())
+    env = episode(d, ["call insert(calc/core.py,1²)\n# the mean of the values", "call read(calc/core.py\0)",
+                      "call test(tests/test_calc.py::\0)",
+                      "call insert(calc/_speedups.py,0)\nfrom .core import *",
+                      "call insert(calc/_speedups.py/__init__.py,0)\nfrom ..core import *", "call submit()"],
+                  verifier=CountingVerifier(tmp_path))
+    assert [text for role, text in env.turns if role == "tool"] == [
+        f"error: 1² is not a line of calc/core.py (0-{n})",
+        "error: calc/core.py\0: name a file inside the repository",
+        "error: no such test: tests/test_calc.py::\0", "ok: new file",
+        "error: calc/_speedups.py/__init__.py is behind a link or not a file: only regular files change"]
+    assert env.done and env.verifier.calls["start"] == 1 and list(env.edits) == ["calc/_speedups.py"]
+    env = tasks.CodeEnv(d, verifier=tasks.Verifier(workers=0))
+    hostile = "call test(tests/test_calc.py::test_mean[²],tests/test_calc.py::ü)"
+    assert env.step(hostile) == ("0 passed", False)
+    env.do_grep = lambda args, body: 1 / 0
+    assert env.step("call grep(mean)") == ("error: grep failed: ZeroDivisionError", False)
+
+
 def test_micro_repositories_make_tasks_and_their_gold_episodes_replay(tmp_path):
     """Each level's task comes out of make; the gold episode a pretraining transcript shows (with a wrong
     edit, its failing test run and the fix) gets, call for call, the replies the environment gives, and earns
