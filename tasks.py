@@ -2273,7 +2273,7 @@ class CodeEnv:
         if rel in self.edits:
             return self.edits[rel]
         p = self.snap
-        try:  # a name the file system refuses (too long, through a file) is no file either
+        try:  # a name the file system refuses (too long) is no file either
             for part in rel.split("/")[:-1]:
                 p = p / part
                 if not p.is_dir() or p.is_symlink():

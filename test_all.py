@@ -5201,8 +5201,8 @@ def hostile_turn(rng):
 def test_code_env_answers_every_turn_and_never_changes_the_task(made, tmp_path):
     """10,000 hostile turns over CodeEnv episodes (random bytes, Unicode digits, NUL, huge numbers, deep and
     odd paths, files through files, every tool, malformed calls): none raises, every reply is text the
-    tokenizer encodes, every finished episode's tree materializes, and the task folder stays byte for byte as
-    made. The tool-use environments take the same random bytes and odd digits."""
+    tokenizer encodes (never empty), every finished episode's tree materializes, and the task folder stays
+    byte for byte as made. The tool-use environments take the same random bytes and odd digits."""
     d, _ = task_dir(made, "mean")
     before, rng, verifier = tree_hash(d), random.Random(44), CountingVerifier(tmp_path)
     turns = episodes = 0
