@@ -2341,12 +2341,16 @@ def fresh_git(root):
 
 LEAK_PATH = (r"(__pycache__|\.pyc\b|\.mypy_cache|\.pytype|\.pyre\b|\.pytest_cache|\.coverage\b|htmlcov|"
              r"_modules|egg-info|\.class\b|\.jar\b|\.whl\b|\bbuild/|\bdist/|\.pyi\b)")
-NOT_UTF8 = r"#.*?coding[:=][ \t]*(?!(?i:utf[-_]?8|ascii|us-ascii)\b)[-\w.]+"
+# The patterns that read an edit's content stay linear in its length (an edit is as long as a policy's turn):
+# each starts once a line or a word, never at every '#' or '../' of it.
+NOT_UTF8 = r"[^\n#]*#.*?coding[:=][ \t]*(?!(?i:utf[-_]?8|ascii|us-ascii)\b)[-\w.]+"
 PATTERNS = [  # (name, the fields it looks at, regex)
     ("task-files", "command read content",
-     r"\b(gold\.patch|task\.json|oracle\.json)\b|\.\./[^\s'\"]*\.(patch|diff)\b"),
+     r"\b(gold\.patch|task\.json|oracle\.json)\b|(?<![^\s'\"])(?>[^\s'\"]*?\.\./)[^\s'\"]*?\.(patch|diff)\b"),
     ("git-history", "command read", r"\bgit\s+(-C\s+\S+\s+)?(show|reflog|rev-list|cat-file|fsck|blame|"
-     r"whatchanged|ls-tree|archive|verify-pack|unpack-objects|stash\s+(show|list|apply|pop|branch)|"
+     r"whatchanged|ls-tree|archive|verify-pack|unpack-objects|stash\s+(show|list|branch)|"
+     # the served snapshot holds no stash (scan_git): a bare pop or apply takes back the agent's own
+     r"stash\s+(apply|pop)\b(?!([ \t]+(-q|--quiet|--index|stash@\{\d+\}|\d+))*[ \t]*$)|"
      r"log\b.*\s(-p|-u|--patch|-[SGLg]\S*|--all|--reflog)\b|"
      r"(checkout|diff|reset|restore|grep)\b.*([~^@]|\b[0-9a-f]{7,40}\b|--source|ORIG_HEAD))|"
      r"\.git/(objects|logs|refs|lost-found|packed-refs|[A-Z_]+HEAD)"),
@@ -2374,7 +2378,8 @@ PATTERNS = [  # (name, the fields it looks at, regex)
     ("fifo", "command", r"\b(mkfifo|mknod)\b"),
     ("forced-skip", "content", r"pytest\.skip\s*\(|mark\.skip|pytest\.importorskip|allow_module_level|"
                                r"unittest\.skip|__unittest_skip__"),
-    ("coding-decl", "content", NOT_UTF8), ("coding-decl", "command", r"^(?=.*(>|\bsed\s+-i\b)).*" + NOT_UTF8),
+    ("coding-decl", "content", "^" + NOT_UTF8),
+    ("coding-decl", "command", r"^(?=.*(>|\bsed\s+-i\b))" + NOT_UTF8),
 ]
 HEREDOC = re.compile(r"\bcat\b([^\n<]*)<<-?\s*['\"]?(\w+)['\"]?([^\n]*)\n(.*?)\n\s*\2[ \t]*(?=\n|$)", re.S)
 SPLIT = r"\s*(?:&&|\|\||;|\|)\s*"
@@ -2414,8 +2419,9 @@ def edit_findings(text):
     return []
 
 
-def monitor(steps):
-    """[{step, pattern, evidence}] for a list of action dicts."""
+def monitor(steps, allowed=None):
+    """[{step, pattern, evidence}] for a list of action dicts. allowed: {rel: the static findings the original
+    file had} (the task's static_allowed), which an edit of rel may have too, as verify allows them."""
     flags = []
     for i, s in enumerate(steps):
         f, found = step_fields(s), []
@@ -2425,8 +2431,12 @@ def monitor(steps):
                 if m:  # the line that matched
                     found.append((name, f[w][f[w].rfind("\n", 0, m.start()) + 1:].split("\n")[0]))
         lines = f["content"].split("\n")
-        found += [("tamper-code", f"{what}: {lines[line - 1].strip() if 0 < line <= len(lines) else ''}")
-                  for what, line in edit_findings(f["content"])]
+        allow = Counter((allowed or {}).get(posixpath.normpath(f["edit"].strip("'\"")), ()))
+        for what, line in edit_findings(f["content"]):
+            allow[what] -= 1  # as source_check counts them
+            if allow[what] < 0:
+                code = lines[line - 1].strip() if 0 < line <= len(lines) else ""
+                found.append(("tamper-code", f"{what}: {code}"))
         for name, line in found:
             if not any(x["step"] == i and x["pattern"] == name for x in flags):
                 flags.append({"step": i, "pattern": name, "evidence": line.strip()[:160]})
@@ -2500,6 +2510,12 @@ def cut(text, limit):
     return f"{keep}\n... cut: {len(text.encode()) - len(keep.encode())} more bytes"
 
 
+def line_number(arg):
+    """The number an argument spells in ASCII digits, else None (int() also reads other scripts' digits, '1_0'
+    and 4,000 digits, and refuses the superscripts isdigit() accepts)."""
+    return int(arg) if re.fullmatch(r"[0-9]{1,9}", arg) else None
+
+
 def task_level(task):
     """A task's difficulty level: 1 one feature stubbed, 2 several stubbed, 3 removed (the policy writes the
     definitions, signatures and all)."""
@@ -2534,7 +2550,7 @@ class CodeEnv:
     def path(self, arg):
         """-> (a path inside the copy, None) or (None, the error)."""
         rel = posixpath.normpath(arg.strip().strip("'\""))
-        if not arg.strip() or rel.startswith("/") or rel.split("/")[0] in ("..", "."):
+        if not arg.strip() or rel.startswith("/") or rel.split("/")[0] in ("..", ".") or "\0" in rel:
             return None, f"error: {arg.strip() or 'no path'}: name a file inside the repository"
         return rel, None
 
@@ -2543,11 +2559,11 @@ class CodeEnv:
         if rel in self.edits:
             return self.edits[rel]
         p = self.snap
-        for part in rel.split("/")[:-1]:
-            p = p / part
-            if not p.is_dir() or p.is_symlink():
-                return None
-        try:
+        try:  # a name the file system refuses (too long) is no file either
+            for part in rel.split("/")[:-1]:
+                p = p / part
+                if not p.is_dir() or p.is_symlink():
+                    return None
             return read_regular(self.snap / rel, EDIT_AT_MOST)
         except OSError:
             return None
@@ -2578,9 +2594,8 @@ class CodeEnv:
         lines, err = (None, err) if err else self.text_lines(rel)
         if err:
             return err
-        try:
-            first, last = (int(args[1]), int(args[2])) if len(args) == 3 else (1, None)
-        except ValueError:
+        first, last = (line_number(args[1]), line_number(args[2])) if len(args) == 3 else (1, None)
+        if None in (first, last) and len(args) == 3:
             return "error: read(FILE) or read(FILE,FIRST,LAST)"
         shown = numbered("\n".join(lines).encode() + b"\n", max(1, first), last).split("\n")
         size, keep = 0, 0
@@ -2618,7 +2633,9 @@ class CodeEnv:
         need = self.task["fail_to_pass"] + self.task["pass_to_pass"]
         if is_protected(rel) or rel in {t.split("::")[0] for t in need} or rel.split("/")[0] == ".git":
             return None, None, f"error: {rel} is read-only: tests and test configuration do not change"
-        if linked(self.snap, rel):
+        # the episode's own files count too: no file inside a file it wrote, none where one is inside
+        if linked(self.snap, rel) or any(rel.startswith(f"{e}/") or e.startswith(f"{rel}/")
+                                         for e in self.edits):
             return None, None, f"error: {rel} is behind a link or not a file: only regular files change"
         if len(args) != n:
             return None, None, None
@@ -2630,10 +2647,7 @@ class CodeEnv:
         rel, lines, err = self.editable_path(args, 3)
         if err or rel is None:
             return err or "error: replace(FILE,FIRST,LAST) and the new lines below"
-        try:
-            first, last = int(args[1]), int(args[2])
-        except ValueError:
-            first = last = 0
+        first, last = line_number(args[1]) or 0, line_number(args[2]) or 0
         if not 1 <= first <= last <= len(lines):
             return f"error: lines {args[1]}-{args[2]} are not in {rel} (1-{len(lines)})"
         return self.write(rel, lines[:first - 1] + body.split("\n") + lines[last:], body)
@@ -2646,8 +2660,8 @@ class CodeEnv:
             rel, lines, err = rel, [], None
         if err or rel is None:
             return err or "error: insert(FILE,AFTER) and the new lines below"
-        at = int(args[1]) if args[1].isdigit() else -1
-        if not 0 <= at <= len(lines):
+        at = line_number(args[1])
+        if at is None or at > len(lines):
             return f"error: {args[1]} is not a line of {rel} (0-{len(lines)})"
         return self.write(rel, lines[:at] + body.split("\n") + lines[at:], body, new)
 
@@ -2658,15 +2672,17 @@ class CodeEnv:
         self.tests += 1
         for t in targets:  # test files or node ids of the copy, never options
             rel, err = self.path(t.split("::")[0])
-            if err or self.data(rel) is None:
-                return err or f"error: no such test file: {rel}"
+            if err or rel.startswith("-") or "\0" in t or self.data(rel) is None:
+                return err or f"error: no such test: {t}"
         return (self.verifier or VERIFIER).test(self, targets)
 
     def step(self, assistant_text: str) -> tuple[Optional[str], bool]:
         if self.done:
             raise RuntimeError("step() after the episode ended")
         self.turns.append(("assistant", assistant_text))
-        m = CODE_CALL.fullmatch(assistant_text.lstrip(" \n").rstrip())
+        text = assistant_text.lstrip(" \n").rstrip()
+        # a lone surrogate: no text the model's bytes decode to, nor one a file or a reply can hold
+        m = CODE_CALL.fullmatch(text) if text.encode(errors="replace").decode() == text else None
         reply = None
         if m is None:
             self.malformed += 1
@@ -2681,7 +2697,11 @@ class CodeEnv:
             elif name == "submit":
                 self.done = True
             else:
-                reply = cut(getattr(self, f"do_{name}")(args, body), self.reply_limit)
+                try:
+                    reply = getattr(self, f"do_{name}")(args, body)
+                except Exception as e:  # a policy's turn can be any bytes: one such sample must not end a run
+                    reply = f"error: {name} failed: {type(e).__name__}"
+                reply = cut(reply, self.reply_limit)
         if reply is not None:
             self.turns.append(("tool", reply))
         self.done = self.done or sum(role == "assistant" for role, _ in self.turns) >= self.max_turns
@@ -2697,11 +2717,14 @@ def linked(root, rel):
     """Whether writing rel under root would go through a link or onto something that is not a regular file
     (a repository may hold a link to anywhere)."""
     p = Path(root)
-    for i, part in enumerate(rel.split("/")):
-        p = p / part
-        last = i == len(rel.split("/")) - 1
-        if p.is_symlink() or (p.exists() and not (p.is_file() if last else p.is_dir())):
-            return True
+    try:
+        for i, part in enumerate(rel.split("/")):
+            p = p / part
+            last = i == len(rel.split("/")) - 1
+            if p.is_symlink() or (p.exists() and not (p.is_file() if last else p.is_dir())):
+                return True
+    except OSError:  # a name the file system refuses (too long): nothing can be written there either
+        return True
     return False
 
 
@@ -2743,7 +2766,7 @@ class Verifier:
     def start(self, env):
         if env.pending is not None or env.result is not None:
             return
-        env.flags = monitor(env.steps)
+        env.flags = monitor(env.steps, env.task.get("static_allowed"))
         if env.flags:
             f = env.flags[0]
             env.result = (0, f"flagged by the monitor: step {f['step']}, {f['pattern']}: {f['evidence']}")
