@@ -831,8 +831,8 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reac
     executed = stats["executed"] = box.executed - executed
     stats.update(tried=tried, reasons=reasons)
     log(f"made {len(tasks)} tasks of {tried} tried in {time.time() - t0:.1f}s, "
-        f"{sum(t['oracle']['covered'] for t in tasks)} covered (at least {HELD_OUT_AT_LEAST} held-out inputs "
-        f"a feature: served); {executed} test executions"
+        f"{sum(t['oracle']['covered'] for t in tasks)} covered by their oracle (at least {HELD_OUT_AT_LEAST} "
+        f"held-out inputs a feature; the rest are not served); {executed} test executions"
         + (f", {executed / len(tasks):.0f} per task" if tasks else "")
         + ("" if len(tasks) >= n or not reasons else f"; the most common failure: "
            f"{collections.Counter(reasons).most_common(1)[0][0]}"))
@@ -1041,7 +1041,7 @@ def verify(task_dir, workdir=None, patch=None, box=None, missing=None):
                 with contextlib.suppress(ValueError, RecursionError, TypeError, IndexError):
                     first = "raises " + ".".join(json.loads(first[7:])[0]) if first.startswith("raises ") \
                         else first
-                first = " ".join(first.split(";")[0].split())[:120]
+                first = " ".join(first.split())[:160]  # with the state the call left
                 return 0, (f"the oracle disagrees on {len(wrong)} of {len(oracle['calls'])} calls ({held} of "
                            f"them held-out), e.g. the solution {first}")
         need = task["fail_to_pass"] + task["pass_to_pass"]
@@ -1520,8 +1520,9 @@ pytest_sessionfinish = _recorder.pytest_sessionfinish
 def canon(x, depth=0, seen=(), only=None):
     """A canonical string for a value: equal for equal plain data in any process, never an address. Numbers
     compare as numbers (2 == 2.0, floats to 12 digits), containers by their items (sets and dicts sorted),
-    iterators by their first 1,000 items, functions and classes by name (a local one only as local), other
-    objects by their class and attributes (only: of x's own __dict__, these names alone)."""
+    iterators by their first 1,000 items, files by what they hold, functions and classes by name (a local one
+    only as local), other objects by their class and attributes (only: of x's own __dict__, these names
+    alone)."""
     t = type(x)
     if x is None or t in (bool, int):
         return repr(x)
@@ -1542,6 +1543,14 @@ def canon(x, depth=0, seen=(), only=None):
         return (name or "dict") + "{%s}" % ", ".join(sorted(f"{rec(k)}: {rec(v)}" for k, v in x.items()))
     if isinstance(x, BaseException):
         return f"{t.__qualname__}{rec(x.args)}"
+    if isinstance(x, io.IOBase):  # never by its name: a temporary file's differs from run to run
+        with contextlib.suppress(OSError, ValueError):
+            at = x.tell()
+            x.seek(0)
+            data = x.read(1 << 20)
+            x.seek(at)
+            return f"{t.__qualname__}<{rec(data)}>"
+        return f"{t.__qualname__}<{'closed' if x.closed else 'unreadable'}>"
     if isinstance(x, type) or callable(x) and hasattr(x, "__qualname__") and not hasattr(x, "__next__"):
         # by name; a lambda or local function is only a function (a re-implementation may name its own)
         return "<local>" if "<" in x.__qualname__ else f"<{getattr(x, '__module__', '?')}.{x.__qualname__}>"
@@ -1571,7 +1580,10 @@ def mutants(value, rng, depth=0):
     def changed(key, *new):  # a copy with one key (of a dict) or attribute (of an object) replaced or removed
         c = copy.copy(value)
         items = c if isinstance(c, dict) else vars(c)
-        items.update({key: new[0]}) if new else items.pop(key)
+        if new:
+            items[key] = new[0]
+        else:
+            del items[key]
         return c
 
     if isinstance(value, enum.Enum):  # before int: an IntEnum's variants are its siblings
@@ -1609,8 +1621,8 @@ def mutants(value, rng, depth=0):
 
 
 def like(t, x):
-    """x as a t, the type of the value it was made from (a subclass of x's own: a Counter, a namedtuple, a str
-    enum); None where t cannot take it."""
+    """x as a t, the type of the value it was made from (a subclass of x's own: a namedtuple, a str or int
+    subclass); None where t cannot take it."""
     if type(x) is t:
         return x
     try:
