@@ -1551,10 +1551,12 @@ def canon(x, depth=0, seen=(), only=None):
             x.seek(at)
             return f"{t.__qualname__}<{rec(data)}>"
         return f"{t.__qualname__}<{'closed' if x.closed else 'unreadable'}>"
-    if isinstance(x, type) or callable(x) and hasattr(x, "__qualname__") and not hasattr(x, "__next__"):
+    # what a thing is, by its type: an object whose __getattr__ makes attributes on demand claims them all
+    if isinstance(x, type) or callable(x) and isinstance(getattr(x, "__qualname__", None), str) \
+            and not hasattr(t, "__next__"):
         # by name; a lambda or local function is only a function (a re-implementation may name its own)
         return "<local>" if "<" in x.__qualname__ else f"<{getattr(x, '__module__', '?')}.{x.__qualname__}>"
-    if hasattr(x, "__next__") and hasattr(x, "__iter__"):  # generators, map, zip, itertools...
+    if hasattr(t, "__next__") and hasattr(t, "__iter__"):  # generators, map, zip, itertools...
         items = [rec(v) for v, _ in zip(x, range(1000))]
         return "iter[%s]" % ", ".join(items)
     if t.__module__.partition(".")[0] in sys.stdlib_module_names | {"builtins"}:
@@ -1578,8 +1580,12 @@ def mutants(value, rng, depth=0):
     inner = lambda v: mutants(v, rng, depth + 1)[:2] if depth < 3 else []
 
     def changed(key, *new):  # a copy with one key (of a dict) or attribute (of an object) replaced or removed
-        c = copy.copy(value)
-        items = c if isinstance(c, dict) else vars(c)
+        if isinstance(value, dict):
+            c = items = copy.copy(value)
+        else:  # as Copier sends it: never asked for __setstate__, which a __getattr__ may not answer
+            c = t.__new__(t)
+            items = vars(c)
+            items.update(vars(value))
         if new:
             items[key] = new[0]
         else:
@@ -1613,8 +1619,7 @@ def mutants(value, rng, depth=0):
         k = rng.choice(list(value))
         out = [changed(k), *(changed(k, m) for m in inner(value[k]))]
     elif attributes(value):
-        out = [changed(a, m) for a in rng.sample(sorted(vars(value)), min(2, len(vars(value))))
-               for m in inner(vars(value)[a])]
+        out = [changed(a, m) for a in sorted(vars(value)) for m in inner(vars(value)[a])]
     else:
         return []
     return [m for m in map(functools.partial(like, t), out) if m is not None]
