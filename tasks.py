@@ -1651,25 +1651,45 @@ def oracle_main(mode, root, inputs, fd):
     out = os.fdopen(int(fd), "w", buffering=1)
     funcs = [oracle_resolve(module, qualname) for module, qualname in spec["features"]]
     if mode == "mutate":
-        per = collections.Counter(i for i, _ in spec["calls"])
-        for k, (i, data) in enumerate(spec["calls"]):
-            rng = random.Random(k)
-            try:
+        calls = []  # [feature, {position or name: argument}]
+        for i, data in spec["calls"]:
+            with contextlib.suppress(Exception):
                 args, kwargs = pickle.loads(base64.b64decode(data))
-            except Exception:
-                continue
-            pool = []  # one argument changed (a method's receiver too, by an attribute)
-            for key, old in [*enumerate(args), *kwargs.items()]:
+                calls.append((i, {**dict(enumerate(args)), **kwargs}))
+        pools = []
+        for k, (i, given) in enumerate(calls):
+            rng = random.Random(k)
+            # one argument changed (a method's receiver too, by an attribute): mutated, or as another of the
+            # feature's calls gave it
+            pool = []
+            for key, old in given.items():
                 with contextlib.suppress(Exception):
                     pool += [(key, m) for m in mutants(old, rng) if m != old]
-            # 2 a call, more where the feature has few calls: twice what it needs, as a run may drop some
-            for key, m in rng.sample(pool, min(len(pool), max(2, -(-2 * HELD_OUT_AT_LEAST // per[i])))):
-                new_args, new_kwargs = list(args), dict(kwargs)
-                (new_args if isinstance(key, int) else new_kwargs)[key] = m
+                with contextlib.suppress(Exception):
+                    pool += [(key, c[key]) for j, c in calls if j == i and key in c and c[key] != old]
+            rng.shuffle(pool)
+            pools.append(pool)
+        # new inputs: at least 2 a call, and twice what a feature needs in all (a run may drop some), shared
+        # out among its calls, those with the fewest variants first
+        left, known = collections.Counter(i for i, _ in calls), {data for _, data in spec["calls"]}
+        need = {i: 2 * HELD_OUT_AT_LEAST for i in left}
+        for k in sorted(range(len(calls)), key=lambda k: len(pools[k])):
+            (i, given), made = calls[k], 0
+            budget, left[i] = max(2, -(-need[i] // left[i])), left[i] - 1
+            for key, m in pools[k]:
+                new = {**given, key: m}
                 with contextlib.suppress(Exception):
                     buffer = io.BytesIO()
-                    Copier(buffer).dump((tuple(new_args), new_kwargs))
-                    out.write(json.dumps([i, base64.b64encode(buffer.getvalue()).decode()]) + "\n")
+                    Copier(buffer).dump((tuple(v for p, v in new.items() if isinstance(p, int)),
+                                         {n: v for n, v in new.items() if isinstance(n, str)}))
+                    data = base64.b64encode(buffer.getvalue()).decode()
+                    if data not in known:
+                        known.add(data)
+                        out.write(json.dumps([i, data]) + "\n")
+                        made += 1
+                if made >= budget:
+                    break
+            need[i] -= made
         return
 
     class Timeout(BaseException):
