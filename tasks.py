@@ -1651,11 +1651,12 @@ def oracle_main(mode, root, inputs, fd):
     out = os.fdopen(int(fd), "w", buffering=1)
     funcs = [oracle_resolve(module, qualname) for module, qualname in spec["features"]]
     if mode == "mutate":
-        calls = []  # [feature, {position or name: argument}]
-        for i, data in spec["calls"]:
+        calls, known = [], set()  # [feature, {position or name: argument}]; the inputs there are, by value
+        for i, data in spec["calls"]:  # (two pickles of one input may differ in their bytes)
             with contextlib.suppress(Exception):
                 args, kwargs = pickle.loads(base64.b64decode(data))
                 calls.append((i, {**dict(enumerate(args)), **kwargs}))
+                known.add(canon(pickle.loads(base64.b64decode(data))))
         pools = []
         for k, (i, given) in enumerate(calls):
             rng = random.Random(k)
@@ -1671,7 +1672,7 @@ def oracle_main(mode, root, inputs, fd):
             pools.append(pool)
         # new inputs: at least 2 a call, and twice what a feature needs in all (a run may drop some), shared
         # out among its calls, those with the fewest variants first
-        left, known = collections.Counter(i for i, _ in calls), {data for _, data in spec["calls"]}
+        left = collections.Counter(i for i, _ in calls)
         need = {i: 2 * HELD_OUT_AT_LEAST for i in left}
         for k in sorted(range(len(calls)), key=lambda k: len(pools[k])):
             (i, given), made = calls[k], 0
@@ -1682,10 +1683,10 @@ def oracle_main(mode, root, inputs, fd):
                     buffer = io.BytesIO()
                     Copier(buffer).dump((tuple(v for p, v in new.items() if isinstance(p, int)),
                                          {n: v for n, v in new.items() if isinstance(n, str)}))
-                    data = base64.b64encode(buffer.getvalue()).decode()
-                    if data not in known:
-                        known.add(data)
-                        out.write(json.dumps([i, data]) + "\n")
+                    value = canon(pickle.loads(buffer.getvalue()))  # a copy: canon may consume an iterator
+                    if value not in known:
+                        known.add(value)
+                        out.write(json.dumps([i, base64.b64encode(buffer.getvalue()).decode()]) + "\n")
                         made += 1
                 if made >= budget:
                     break
