@@ -1677,7 +1677,7 @@ def oracle_main(mode, root, inputs, fd):
         for k in sorted(range(len(calls)), key=lambda k: len(pools[k])):
             (i, given), made = calls[k], 0
             budget, left[i] = max(2, -(-need[i] // left[i])), left[i] - 1
-            for key, m in pools[k]:
+            for key, m in pools[k][:10 * budget]:  # bounded: a pool of inputs seen before is tried no further
                 new = {**given, key: m}
                 with contextlib.suppress(Exception):
                     buffer = io.BytesIO()
@@ -1723,8 +1723,9 @@ def oracle_main(mode, root, inputs, fd):
                 result = f(*args, **kwargs)
                 if inspect.iscoroutine(result) or inspect.isasyncgen(result):  # an async feature: run it
                     result = asyncio.run(result if inspect.iscoroutine(result) else drain(result))
+                result = canon(result)  # first: a generator changes what it changes as it runs
                 after = [canon(v, only=o) for v, o in zip(values, only)]
-                line = f"returns {canon(result)}; after {json.dumps(after)}"
+                line = f"returns {result}; after {json.dumps(after)}"
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
         except Timeout:

@@ -3881,6 +3881,30 @@ CLOCK_ATTACKS = {
 }
 
 
+def test_mutants_vary_every_argument_type_and_keep_it():
+    """Held-out inputs for any argument the traces show: variants of the value's own type (a Counter stays a
+    Counter), none equal to it, containers and objects by one recursive rule."""
+    import collections, datetime, decimal, enum, fractions
+
+    class Point:
+        def __init__(self):
+            self.x, self.tags = 1, ["a"]
+
+    values = [7, 2.5, 1 + 2j, decimal.Decimal("1.5"), fractions.Fraction(1, 3), True, "PT1H30M", b"a1",
+              bytearray(b"x9"), [1, [2]], (1, 2), collections.namedtuple("P", "x y")(1, 2), {1, 2},
+              frozenset("ab"), {"a": 1}, Counter(a=2), collections.OrderedDict(a=1),
+              collections.defaultdict(list, a=[1]), datetime.date(2024, 3, 8),
+              datetime.datetime(2024, 3, 8, 12), datetime.time(10, 30), datetime.timedelta(hours=2),
+              enum.Enum("Color", "RED GREEN BLUE").GREEN, Point()]
+    for v in values:
+        ms = tasks.mutants(v, random.Random(0))
+        assert ms and all(type(m) is type(v) and m != v for m in ms), (v, ms)
+    assert "PT1H40M" in tasks.mutants("PT1H30M", random.Random(0))  # a digit changed: still well formed
+    assert [1, [3]] in tasks.mutants([1, [2]], random.Random(0))  # an item of an item
+    assert all(m.default_factory is list for m in tasks.mutants(values[17], random.Random(0)))
+    assert sorted(vars(m)["x"] for m in tasks.mutants(values[-1], random.Random(0))) == [0, 1, 1, 2]
+    assert tasks.mutants(None, random.Random(0)) == []
+
 def test_every_served_feature_has_held_out_inputs_and_in_place_changes_count(clock, tmp_path):
     d, task = clock
     o, oracle = task["oracle"], json.loads(Path(d, "oracle.json").read_text())
