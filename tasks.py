@@ -77,7 +77,11 @@ import copy
 import copyreg
 import csv
 import dataclasses
+import datetime
+import decimal
 import difflib
+import enum
+import fractions
 import functools
 import hashlib
 import importlib
@@ -829,9 +833,9 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reac
                 o = task["oracle"] if task else {}
                 log(f"  {tid}: {', '.join(q for _, q in feats)} -> {why}"
                     + (f" (fail-to-pass {len(task['fail_to_pass'])}, leaks scrubbed "
-                       f"{len(task['scan']['before_scrub'])}, "
-                       + (f"oracle {o['traced']} traced + {o['held_out']} held-out calls)" if o["covered"]
-                          else f"no oracle, not served by default: {'; '.join(o['why'])})") if task else ""))
+                       f"{len(task['scan']['before_scrub'])}, oracle {o['traced']} traced + {o['held_out']} "
+                       f"held-out calls" + ("" if o["covered"] else f"; not served: {'; '.join(o['why'])}")
+                       + ")" if task else ""))
                 tasks += [task] if task else []
                 reasons += [] if task else [why]
                 while len(running) < jobs and len(tasks) < n:
@@ -842,7 +846,8 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reac
     executed = stats["executed"] = box.executed - executed
     stats.update(tried=tried, reasons=reasons)
     log(f"made {len(tasks)} tasks of {tried} tried in {time.time() - t0:.1f}s, "
-        f"{sum(t['oracle']['covered'] for t in tasks)} with an oracle; {executed} test executions"
+        f"{sum(t['oracle']['covered'] for t in tasks)} covered by their oracle (at least {HELD_OUT_AT_LEAST} "
+        f"held-out inputs a feature; the rest are not served); {executed} test executions"
         + (f", {executed / len(tasks):.0f} per task" if tasks else "")
         + ("" if len(tasks) >= n or not reasons else f"; the most common failure: "
            f"{collections.Counter(reasons).most_common(1)[0][0]}"))
@@ -858,14 +863,36 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reac
 MIN_STRENGTH = 0.8  # served only when the tests plus the oracle kill this share of the gold's mutants
 
 
-def served(out, unrecorded=False, min_strength=MIN_STRENGTH):
-    """The task folders in out that RL is served: those whose oracle covers every deleted feature and whose
-    verifier kills at least min_strength of the gold's mutants (`strength`; a task never measured is not
-    served), or with unrecorded=True, also those judged by their tests alone."""
-    tasks = {d: json.loads((d / "task.json").read_text()) for d in sorted(Path(out).iterdir())
-             if (d / "task.json").is_file()}
-    return [d for d, t in tasks.items() if unrecorded or t.get("oracle", {}).get("covered")
-            and t.get("strength", {}).get("score", -1) >= min_strength]
+def serving(task, min_strength=MIN_STRENGTH):
+    """Why a task (its task.json) is not served to RL, a line a rule; none: it is. Coverage: its oracle,
+    written by this version of tasks.py, compares HELD_OUT_AT_LEAST held-out inputs on every deleted
+    feature. Strength: the tests plus the oracle kill at least min_strength of the gold's mutants."""
+    why, oracle, strong = [], task.get("oracle") or {}, task.get("strength")
+    if oracle.get("encoding") != ENCODING:
+        why.append("its oracle was written by another version of tasks.py: make the task again")
+    elif not oracle.get("covered"):
+        why.append(f"its oracle has fewer than {HELD_OUT_AT_LEAST} held-out inputs on a feature"
+                   + "".join(f"; {w}" for w in oracle.get("why", [])))
+    if strong is None:
+        why.append("its strength was never measured (tasks.py strength)")
+    elif strong["score"] < min_strength:
+        why.append(f"its tests and oracle kill {strong['score']:.0%} of the gold's mutants, under "
+                   f"{min_strength:.0%}")
+    return why
+
+
+def served(out, refused=None, min_strength=MIN_STRENGTH):
+    """The task folders in out that RL is served (by TaskPool, train.py --task-dir): those serving() finds
+    nothing against. refused: a dict that gets each other task folder's reasons."""
+    found, refused = [], {} if refused is None else refused
+    for d in sorted(Path(out).iterdir()):
+        if (d / "task.json").is_file():
+            why = serving(json.loads((d / "task.json").read_text()), min_strength)
+            if why:
+                refused[d] = why
+            else:
+                found.append(d)
+    return found
 
 
 # -----------------------------------------------------------------------------
@@ -1071,8 +1098,10 @@ def verify(task_dir, workdir=None, patch=None, box=None, missing=None, verdicts=
             if wrong:
                 held = sum(oracle["calls"][k][3] == "held-out" for k in wrong)
                 first = got.get(wrong[0], "gave no result")  # what it returned, never what was expected
-                first = (" ".join(first.split()[:2]) if first.startswith("raises ")
-                         else first.split(";")[0][:120])
+                with contextlib.suppress(ValueError, RecursionError, TypeError, IndexError):
+                    first = "raises " + ".".join(json.loads(first[7:])[0]) if first.startswith("raises ") \
+                        else first
+                first = " ".join(first.split())[:160]  # with the state the call left
                 disagrees = (f"the oracle disagrees on {len(wrong)} of {len(oracle['calls'])} calls ({held} "
                              f"of them held-out), e.g. the solution {first}")
                 if verdicts is None:
@@ -1531,16 +1560,19 @@ def folded(node):
 # (Recorder) copies the arguments of the calls the tests make into the feature while the gold code runs,
 # pickled at the call, receiver included; a sandboxed child adds held-out inputs by type-aware mutation of
 # those (EvalPlus, Liu et al. 2023, "Is Your Code Generated by ChatGPT Really Correct?"); two more children
-# run the gold on all of them, and every input whose canonical result differs between the two runs is dropped
-# (so is a held-out one whose gold raises). The expected results stay in the task folder, which no sandbox
-# mounts. At verify time a fresh sandboxed child that sees only the solution's packages (no tests, no pytest)
-# calls the feature on the recorded inputs and writes the canonical encoding of each result; the host compares
-# them with the expected ones, which the child never sees. A stub that forges the test run still raises
-# NotImplementedError here; an answer read from the calling test has no test to read; code that special-cases
-# the tests' inputs fails the held-out ones. The host never unpickles anything: inputs are opaque bytes to it,
-# results are strings.
+# run the gold on all of them, and every input whose canonical result differs between the two runs is dropped.
+# A result is what the call returns or raises and the state it leaves: every argument, the receiver included,
+# canonical again after the call, so an in-place change counts. The expected results stay in the task folder,
+# which no sandbox mounts. At verify time a fresh sandboxed child that sees only the solution's packages (no
+# tests, no pytest) calls the feature on the recorded inputs and writes the canonical encoding of each result;
+# the host compares them with the expected ones, which the child never sees. A stub that forges the test run
+# still raises NotImplementedError here; an answer read from the calling test has no test to read; code that
+# special-cases the tests' inputs fails the held-out ones, so a task is served only when every feature has
+# HELD_OUT_AT_LEAST of them. The host never unpickles anything: inputs are opaque bytes to it, results are
+# strings.
 
-RECORD_AT_MOST = 40  # distinct inputs kept per feature from the tests (and up to 2 held-out ones for each)
+RECORD_AT_MOST = 40  # distinct inputs kept per feature from the tests (2 held-out ones made of each, or more)
+HELD_OUT_AT_LEAST = 3  # held-out inputs the oracle compares on each feature of a task that is served
 
 
 class Copier(pickle.Pickler):
@@ -1723,11 +1755,12 @@ pytest_sessionfinish = _recorder.pytest_sessionfinish
 # make time the gold's) packages under ROOT. MODE "run": one line [k, encoding] per call to FD; MODE "mutate":
 # lines [feature, base64 pickle] of held-out inputs. Its functions are plain code here, sent as source.
 
-def canon(x, depth=0, seen=()):
+def canon(x, depth=0, seen=(), only=None):
     """A canonical string for a value: equal for equal plain data in any process, never an address. Numbers
     compare as numbers (2 == 2.0, floats to 12 digits), containers by their items (sets and dicts sorted),
-    iterators by their first 1,000 items, functions and classes by name (a local one only as local), other
-    objects by their class and attributes."""
+    iterators by their first 1,000 items, files by what they hold, functions and classes by name (a local one
+    only as local), other objects by their class and attributes (only: of x's own __dict__, these names
+    alone)."""
     t = type(x)
     if x is None or t in (bool, int):
         return repr(x)
@@ -1748,15 +1781,25 @@ def canon(x, depth=0, seen=()):
         return (name or "dict") + "{%s}" % ", ".join(sorted(f"{rec(k)}: {rec(v)}" for k, v in x.items()))
     if isinstance(x, BaseException):
         return f"{t.__qualname__}{rec(x.args)}"
-    if isinstance(x, type) or callable(x) and hasattr(x, "__qualname__") and not hasattr(x, "__next__"):
+    if isinstance(x, io.IOBase):  # never by its name: a temporary file's differs from run to run
+        with contextlib.suppress(OSError, ValueError):
+            at = x.tell()
+            x.seek(0)
+            data = x.read(1 << 20)
+            x.seek(at)
+            return f"{t.__qualname__}<{rec(data)}>"
+        return f"{t.__qualname__}<{'closed' if x.closed else 'unreadable'}>"
+    # what a thing is, by its type: an object whose __getattr__ makes attributes on demand claims them all
+    if isinstance(x, type) or callable(x) and isinstance(getattr(x, "__qualname__", None), str) \
+            and not hasattr(t, "__next__"):
         # by name; a lambda or local function is only a function (a re-implementation may name its own)
         return "<local>" if "<" in x.__qualname__ else f"<{getattr(x, '__module__', '?')}.{x.__qualname__}>"
-    if hasattr(x, "__next__") and hasattr(x, "__iter__"):  # generators, map, zip, itertools...
+    if hasattr(t, "__next__") and hasattr(t, "__iter__"):  # generators, map, zip, itertools...
         items = [rec(v) for v, _ in zip(x, range(1000))]
         return "iter[%s]" % ", ".join(items)
     if t.__module__.partition(".")[0] in sys.stdlib_module_names | {"builtins"}:
         return t.__qualname__ + "<" + canon(repr(x))[1:-1] + ">"  # Decimal, date, Path...: a value repr
-    state = dict(getattr(x, "__dict__", None) or {})
+    state = {a: v for a, v in (getattr(x, "__dict__", None) or {}).items() if only is None or a in only}
     for cls in t.__mro__:
         slots = getattr(cls, "__slots__", ())
         for name in [slots] if isinstance(slots, str) else slots:
@@ -1765,29 +1808,78 @@ def canon(x, depth=0, seen=()):
     return f"{t.__module__}.{t.__qualname__}({rec(state)})"
 
 
-def mutants(value, rng):
-    """Type-aware variants of one argument (EvalPlus): numbers nudged, strings and sequences cut, grown and
-    reversed, one item of a container mutated in turn."""
-    t = type(value)
+def mutants(value, rng, depth=0):
+    """Type-aware variants of one value (EvalPlus), each of the value's own type where it can take it (a
+    Counter stays a Counter): numbers, durations, dates and times moved and scaled; another member of an enum;
+    strings and sequences cut, grown and reversed; and by one rule for every container and object, a copy with
+    one item, key or attribute mutated in turn (a digit, of a string, so that a parser's input may stay well
+    formed)."""
+    t, day = type(value), datetime.timedelta(days=1)
+    inner = lambda v: mutants(v, rng, depth + 1)[:2] if depth < 3 else []
+
+    def changed(key, *new):  # a copy with one key (of a dict) or attribute (of an object) replaced or removed
+        if isinstance(value, dict):
+            c = items = copy.copy(value)
+        else:  # as Copier sends it: never asked for __setstate__, which a __getattr__ may not answer
+            c = t.__new__(t)
+            items = vars(c)
+            items.update(vars(value))
+        if new:
+            items[key] = new[0]
+        else:
+            del items[key]
+        return c
+
+    if isinstance(value, enum.Enum):  # before int: an IntEnum's variants are its siblings
+        return [m for m in t if m is not value][:3]
     if t is bool:
         return [not value]
-    if t is int:
-        return [value + 1, value - 1, -value, value * 2, 0]
-    if t is float:
-        return [value * 1.5, -value, value + 0.5, 0.0]
-    if t in (str, bytes):
-        return [value + value[:1], value[1:], value[::-1], value[:1] + value]
-    if t in (list, tuple):
-        out = [value[::-1], value[:-1], value + value[:1]]
-        if value:
-            i = rng.randrange(len(value))
-            out += [value[:i] + t([m]) + value[i + 1:] for m in mutants(value[i], rng)[:2]]
-        return out
-    if t is dict and value:
+    if isinstance(value, (int, float, complex, decimal.Decimal, fractions.Fraction, datetime.timedelta)):
+        one = day if isinstance(value, datetime.timedelta) else 1
+        out = [value + one, value - one, -value, value * 2, value * 0]
+    elif isinstance(value, datetime.date):  # and datetime
+        out = [value + day, value - day, value + 7 * day, value - 366 * day, value.replace(day=1)]
+    elif isinstance(value, datetime.time):
+        out = [value.replace(hour=(value.hour + 1) % 24), value.replace(minute=(value.minute + 7) % 60)]
+    elif isinstance(value, (str, bytes, bytearray, list, tuple)):
+        out = [value + value[:1], value[1:], value[::-1], value[:1] + value]
+        text = not isinstance(value, (list, tuple))
+        digits = "0123456789" if isinstance(value, str) else b"0123456789"
+        spots = [i for i in range(len(value)) if not text or value[i:i + 1] in digits]
+        if spots:
+            i = rng.choice(spots)
+            news = [digits[(digits.index(value[i:i + 1]) + 1) % 10:][:1]] if text else inner(value[i])
+            out = [value[:i] + (m if text else type(value[:0])([m])) + value[i + 1:] for m in news] + out
+    elif isinstance(value, (set, frozenset)) and value:
+        x = rng.choice(sorted(value, key=repr))
+        out = [value - {x}, *(value - {x} | {m} for m in inner(x))]
+    elif isinstance(value, dict) and value:
         k = rng.choice(list(value))
-        return [{a: b for a, b in value.items() if a != k},
-                *({**value, k: m} for m in mutants(value[k], rng)[:2])]
-    return []
+        out = [changed(k), *(changed(k, m) for m in inner(value[k]))]
+    elif attributes(value):
+        out = [changed(a, m) for a in sorted(vars(value)) for m in inner(vars(value)[a])]
+    else:
+        return []
+    return [m for m in map(functools.partial(like, t), out) if m is not None]
+
+
+def like(t, x):
+    """x as a t, the type of the value it was made from (a subclass of x's own: a namedtuple, a str or int
+    subclass); None where t cannot take it."""
+    if type(x) is t:
+        return x
+    try:
+        return t._make(x) if hasattr(t, "_make") else t(x)
+    except Exception:
+        return None
+
+
+def attributes(x):
+    """An object's own attributes, or None for what has none or is taken by name (classes, functions,
+    modules)."""
+    d = getattr(x, "__dict__", None)
+    return d if type(d) is dict and not (inspect.isclass(x) or inspect.isroutine(x) or inspect.ismodule(x)) \
+        else None
 
 
 def oracle_main(mode, root, inputs, fd):
@@ -1797,37 +1889,46 @@ def oracle_main(mode, root, inputs, fd):
     out = os.fdopen(int(fd), "w", buffering=1)
     funcs = [oracle_resolve(module, qualname) for module, qualname in spec["features"]]
     if mode == "mutate":
-        for k, (i, data) in enumerate(spec["calls"]):
-            rng = random.Random(k)
-            try:
+        calls, known = [], set()  # [feature, {position or name: argument}]; the inputs there are, by value
+        for i, data in spec["calls"]:  # (two pickles of one input may differ in their bytes)
+            with contextlib.suppress(Exception):
                 args, kwargs = pickle.loads(base64.b64decode(data))
-            except Exception:
-                continue
-            # one argument changed, or for a method one attribute of its receiver (a shallow copy)
-            where = [("arg", a) for a in range("." in spec["features"][i][1], len(args))]
-            where += [("kw", key) for key in kwargs]
-            where += [("attr", a) for a in vars(args[0])] if "." in spec["features"][i][1] and args \
-                and hasattr(args[0], "__dict__") and not isinstance(args[0], type) else []
-            rng.shuffle(where)
-            made = 0
-            for kind, a in where:  # at most 2 held-out inputs a call
-                old = args[a] if kind == "arg" else kwargs[a] if kind == "kw" else vars(args[0])[a]
-                for m in [m for m in mutants(old, rng) if m != old][:2 - made]:
-                    new_args, new_kwargs = list(args), dict(kwargs)
-                    if kind == "arg":
-                        new_args[a] = m
-                    elif kind == "kw":
-                        new_kwargs[a] = m
-                    else:
-                        new_args[0] = copy.copy(args[0])
-                        vars(new_args[0])[a] = m
-                    with contextlib.suppress(Exception):
-                        buffer = io.BytesIO()
-                        Copier(buffer).dump((tuple(new_args), new_kwargs))
+                calls.append((i, {**dict(enumerate(args)), **kwargs}))
+                known.add(canon(pickle.loads(base64.b64decode(data))))
+        pools = []
+        for k, (i, given) in enumerate(calls):
+            rng = random.Random(k)
+            # one argument changed (a method's receiver too, by an attribute): mutated, or as another of the
+            # feature's calls gave it
+            pool = []
+            for key, old in given.items():
+                with contextlib.suppress(Exception):
+                    pool += [(key, m) for m in mutants(old, rng) if m != old]
+                with contextlib.suppress(Exception):
+                    pool += [(key, c[key]) for j, c in calls if j == i and key in c and c[key] != old]
+            rng.shuffle(pool)
+            pools.append(pool)
+        # new inputs: at least 2 a call, and twice what a feature needs in all (a run may drop some), shared
+        # out among its calls, those with the fewest variants first
+        left = collections.Counter(i for i, _ in calls)
+        need = {i: 2 * HELD_OUT_AT_LEAST for i in left}
+        for k in sorted(range(len(calls)), key=lambda k: len(pools[k])):
+            (i, given), made = calls[k], 0
+            budget, left[i] = max(2, -(-need[i] // left[i])), left[i] - 1
+            for key, m in pools[k][:10 * budget]:  # bounded: a pool of inputs seen before is tried no further
+                new = {**given, key: m}
+                with contextlib.suppress(Exception):
+                    buffer = io.BytesIO()
+                    Copier(buffer).dump((tuple(v for p, v in new.items() if isinstance(p, int)),
+                                         {n: v for n, v in new.items() if isinstance(n, str)}))
+                    value = canon(pickle.loads(buffer.getvalue()))  # a copy: canon may consume an iterator
+                    if value not in known:
+                        known.add(value)
                         out.write(json.dumps([i, base64.b64encode(buffer.getvalue()).decode()]) + "\n")
                         made += 1
-                if made >= 2:
+                if made >= budget:
                     break
+            need[i] -= made
         return
 
     class Timeout(BaseException):
@@ -1848,28 +1949,42 @@ def oracle_main(mode, root, inputs, fd):
             out.write(json.dumps([k, f"unresolved: {f}"]) + "\n")
             continue
         try:
-            # what the call may change: the receiver's attributes as they were (all that __init__ sets), and
-            # mutable arguments; attributes a method adds later are caches a re-implementation need not keep
+            # what the call may change: every argument, the receiver included; of an object, the attributes
+            # it had before (all that __init__ sets): attributes added later are caches a re-implementation
+            # need not keep
             init = getattr(f, "__name__", "") == "__init__"
-            before = set(getattr(args[0], "__dict__", ())) if args and not init else set()
+            values = [*args, *kwargs.values()]
+            only = [None if init and j == 0 or attributes(v) is None else set(attributes(v))
+                    for j, v in enumerate(values)]
             signal.setitimer(signal.ITIMER_REAL, 5)
             try:
                 result = f(*args, **kwargs)
                 if inspect.iscoroutine(result) or inspect.isasyncgen(result):  # an async feature: run it
                     result = asyncio.run(result if inspect.iscoroutine(result) else drain(result))
-                result = canon(result)
+                result = canon(result)  # first: a generator changes what it changes as it runs
+                after = [canon(v, only=o) for v, o in zip(values, only)]
+                line = f"returns {result}; after {json.dumps(after)}"
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
-            after = {a: v for a, v in getattr(args[0], "__dict__", {}).items() if init or a in before} \
-                if args else {}
-            changed = [v for v in (*args, *kwargs.values()) if type(v) in (list, dict, set, bytearray)]
-            line = f"returns {result}; self {canon(after)}; args {canon(changed)}"
         except Timeout:
             line = "timeout"
-        except Exception as e:  # its classes, so that a subclass of the gold's exception agrees
-            line = "raises " + " ".join(f"{c.__module__}.{c.__qualname__}" for c in type(e).__mro__
-                                        if c not in (Exception, BaseException, object))
+        except Exception as e:  # its classes, by names that lead to them: a subclass of the gold's agrees
+            line = "raises " + json.dumps(named(type(e)))
         out.write(json.dumps([k, line]) + "\n")
+
+
+def named(cls):
+    """[module, qualname] of each class cls is (its MRO, object aside) that its name leads to in this
+    process: a name a class only claims, by its __qualname__ or __module__, is left out."""
+    out = []
+    for c in cls.__mro__[:-1]:
+        with contextlib.suppress(Exception):
+            found = sys.modules[c.__module__]
+            for part in c.__qualname__.split("."):
+                found = getattr(found, part)
+            if found is c:
+                out.append([c.__module__, c.__qualname__])
+    return out
 
 
 async def drain(agen, limit=1000):
@@ -1903,10 +2018,12 @@ def oracle_resolve(module, qualname):
 
 
 ORACLE_CHILD = "\n".join(["import contextlib, copy, copyreg, hashlib, importlib, io, json, marshal, os",
-                          "import asyncio, inspect, pickle, re, sys, tempfile",
-                          "import threading, types",
+                          "import asyncio, collections, datetime, decimal, enum, fractions, functools",
+                          "import inspect, pickle, re, sys, tempfile, threading, types",
+                          f"HELD_OUT_AT_LEAST = {HELD_OUT_AT_LEAST}",
                           *map(inspect.getsource, (Copier, restore, reopen)), COPY_MODULE,
-                          *map(inspect.getsource, (canon, mutants, oracle_main, drain, oracle_resolve)),
+                          *map(inspect.getsource, (canon, mutants, like, attributes, oracle_main, named,
+                                                   drain, oracle_resolve)),
                           "oracle_main(*sys.argv[1:])"])
 
 
@@ -1947,16 +2064,22 @@ def oracle_run(box, tree, features, calls, mode="run", timeout=None):
 
 
 def agrees(expected, got):
-    """The same result, or an exception of the gold's class or a subclass of it."""
+    """The same result, or an exception of the gold's class or a subclass of it: the first class the gold's
+    exception is, by [module, qualname], is one of the classes the solution's is."""
     if expected.startswith("raises ") and got.startswith("raises "):
-        return expected.split()[1] in got.split()[1:]
+        try:
+            want, have = json.loads(expected[7:]), json.loads(got[7:])
+        except (ValueError, RecursionError):
+            return False
+        return bool(want) and isinstance(have, list) and want[0] in have
     return got == expected
 
 
 def make_oracle(gold, feats, records, box):
     """The oracle of a task from the calls recorded while the gold code ran its tests: (oracle, summary).
     oracle: {encoding: ENCODING, features: [[module, qualname]], calls: [[feature, base64 input, expected,
-    traced|held-out]]}."""
+    traced|held-out]]}. summary: covered when every feature has HELD_OUT_AT_LEAST held-out calls (the serving
+    rule), and why not."""
     features = [[module_name(rel), q] for rel, q in feats]
     traced = [r for r in records if isinstance(r, list) and len(r) == 2]
     known = {r[1] for r in traced}
@@ -1967,22 +2090,24 @@ def make_oracle(gold, feats, records, box):
             held.append([i, data])
     calls = traced + held
     first, second = (oracle_run(box, gold, features, calls) for _ in range(2))
+    ok = [first.get(k) == second.get(k) and first.get(k, "").startswith(("returns", "raises"))
+          for k in range(len(calls))]
     kept = [[i, data, first[k], "traced" if k < len(traced) else "held-out"]
-            for k, (i, data) in enumerate(calls)
-            if first.get(k) == second.get(k) and first.get(k, "").startswith(("returns", "raises"))
-            and (k < len(traced) or first[k].startswith("returns"))]  # held-out: no error cases
-    per = [sum(c[0] == i for c in kept) for i in range(len(feats))]
+            for k, (i, data) in enumerate(calls) if ok[k]]
+    per = [sum(c[0] == i and c[3] == "held-out" for c in kept) for i in range(len(feats))]
     kinds = Counter(c[3] for c in kept)
     summary = {"traced": kinds["traced"], "held_out": kinds["held-out"], "recorded": len(traced),
-               "covered": all(per)}
+               "held_out_per_feature": per, "covered": min(per) >= HELD_OUT_AT_LEAST, "encoding": ENCODING}
     for i, ((_, q), n) in enumerate(zip(feats, per)):
-        if not n:  # why not, call by call
-            mine = [k for k, c in enumerate(traced) if c[0] == i]
+        if n < HELD_OUT_AT_LEAST:  # why not, call by call
+            mine = [k for k, c in enumerate(calls) if c[0] == i]
             lost = Counter("not loadable outside the tests" if first.get(k, "").startswith("unloadable")
                            else "not the same twice" if first.get(k) != second.get(k) else "timed out"
-                           for k in mine)
+                           for k in mine if not ok[k])
+            made = sum(k >= len(traced) for k in mine)
             summary.setdefault("why", []).append(
-                f"{q}: {len(mine)} calls recorded (arguments that cannot be copied are not)"
+                f"{q}: {n} held-out calls of {HELD_OUT_AT_LEAST}, from {len(mine) - made} recorded "
+                f"(arguments that cannot be copied are not) and {made} made"
                 + "".join(f", {v} {w}" for w, v in sorted(lost.items())))
     return {"encoding": ENCODING, "features": features, "calls": kept}, summary
 
@@ -3030,8 +3155,8 @@ class TaskPool:
     trains on depends on its seed alone, never on timing. A background thread makes the slots asked for, in
     the order asked; take(level) serves the level's next task `uses` times, asking for `ahead` slots beyond
     it, and waits for a make only when the pool has run dry. From a folder of tasks made by make (source DIR):
-    its tasks by level, in turn. held_out: the micro-repositories no transcript or training task draws
-    from."""
+    those it serves (served()) by level, in turn. held_out: the micro-repositories no transcript or training
+    task draws from."""
 
     def __init__(self, out, seed, box=None, ahead=2, uses=1, source=None, held_out=False, workers=1):
         self.out, self.seed, self.box, self.ahead, self.uses = Path(out), seed, box, ahead, uses
@@ -3040,10 +3165,14 @@ class TaskPool:
         self.made, self.error, self.cond = 0, None, threading.Condition()
         self.listed = {level: [] for level in MICRO_LEVELS}
         if source is not None:
-            for d in served(source, unrecorded=True):
+            refused = {}
+            for d in served(source, refused):
                 self.listed[task_level(json.loads((d / "task.json").read_text()))].append(d)
             if not any(self.listed.values()):
-                raise TaskError(f"no task made by `tasks.py make` in {source}")
+                first = next(iter(refused.items()), None)
+                raise TaskError(f"no task in {source} is served (" + (
+                    f"{len(refused)} refused, e.g. {first[0].name}: {first[1][0]}" if first
+                    else "none made by `tasks.py make`") + ")")
         else:
             for _ in range(workers):
                 threading.Thread(target=self.work, daemon=True, name="task-maker").start()

@@ -3700,8 +3700,9 @@ def test_make_picks_the_right_features_and_test_sets(made):
     assert tasks.git(again, "rev-parse", "HEAD") == tasks.git(d / "repo", "rev-parse", "HEAD")
     # Every task has an oracle, but none is served before its strength is measured (make's default here)
     assert all(t["oracle"]["covered"] for t in made["stub"])
-    assert tasks.served(made["out"]) == [] and tasks.served(made["out"], unrecorded=True) == sorted(
-        made["out"].iterdir())
+    refused = {}
+    assert tasks.served(made["out"], refused) == [] and sorted(refused) == sorted(made["out"].iterdir())
+    assert {tuple(why) for why in refused.values()} == {("its strength was never measured (tasks.py strength)",)}
     # Dynamic difficulty: remove mode deleted two related features together.
     (hard,) = made["hard"]
     assert hard["difficulty"]["entities"] == 2 and hard["mode"] == "remove"
@@ -3804,6 +3805,230 @@ def test_verify_gold_and_honest_styles_score_1_untouched_0(made):
     with pytest.raises(tasks.TaskError, match=r"oracle.json was written by another version of tasks.py .*: "
                                               r"make the task again$"):
         tasks.verify(old, patch=old / "gold.patch")
+
+
+# The oracle's coverage. A second fixture repository: a date argument, a parser and a Counter updated in
+# place, deleted together (one task, three features). Each feature gets held-out inputs the tests never gave
+# it (dates moved, a digit of the parser's input changed, those whose gold raises kept), and the state after
+# the call counts; without them a lookup table of the tests' inputs, or a no-op with its tests disarmed,
+# scored 1.
+CLOCK = '''"""Dates, durations and word counts."""
+import datetime
+import re
+from collections import Counter
+
+
+def next_weekday(d):
+    """The first date after d that falls on Monday to Friday."""
+    d += datetime.timedelta(days=1)
+    while d.weekday() >= 5:
+        d += datetime.timedelta(days=1)
+    return d
+
+
+def parse_duration(text):
+    """Seconds in an ISO 8601 duration of hours and minutes, such as PT1H30M."""
+    m = re.fullmatch(r"PT(?:(\\d+)H)?(?:(\\d+)M)?", text)
+    if not m or not any(m.groups()):
+        raise ValueError(f"not a duration: {text!r}")
+    return int(m[1] or 0) * 3600 + int(m[2] or 0) * 60
+
+
+def tally(words, counts):
+    """Count each word, in lower case, into counts (a Counter), in place."""
+    for w in words:
+        counts[w.lower()] += 1
+'''
+CLOCK_TESTS = '''import datetime
+from collections import Counter
+
+from clock import next_weekday, parse_duration, tally
+
+
+def test_next_weekday_friday(): assert next_weekday(datetime.date(2024, 3, 8)) == datetime.date(2024, 3, 11)
+def test_next_weekday_tuesday(): assert next_weekday(datetime.date(2024, 3, 5)) == datetime.date(2024, 3, 6)
+def test_parse_duration(): assert parse_duration("PT1H30M") == 5400
+def test_parse_minutes(): assert parse_duration("PT45M") == 2700
+def test_tally():
+    counts = Counter()
+    tally(["a", "Rose", "is", "a", "rose"], counts)
+    assert counts == Counter({"a": 2, "rose": 2, "is": 1})
+def test_report():
+    counts = Counter()
+    tally(["Go"], counts)
+    assert (next_weekday(datetime.date(2024, 3, 9)), parse_duration("PT2H"), counts) == (
+        datetime.date(2024, 3, 11), 7200, Counter(go=1))
+def test_weekday(): assert datetime.date(2024, 1, 1).weekday() == 0
+def test_sum(): assert sum([1, 2]) == 3
+def test_join(): assert "-".join("ab") == "a-b"
+def test_sorted(): assert sorted("ba") == ["a", "b"]
+'''
+
+
+@pytest.fixture(scope="module")
+def clock(tmp_path_factory):
+    """One make: the three features of clock/core.py deleted together (stub)."""
+    base = tmp_path_factory.mktemp("clock")
+    for rel, text in {"clock/__init__.py": "from .core import next_weekday, parse_duration, tally\n",
+                      "clock/core.py": CLOCK, "tests/test_clock.py": CLOCK_TESTS,
+                      "pyproject.toml": "[tool.pytest.ini_options]\ntestpaths = [\"tests\"]\n"}.items():
+        Path(base, "repo", rel).parent.mkdir(parents=True, exist_ok=True)
+        Path(base, "repo", rel).write_text(text)
+    (task,) = tasks.make(commit(base / "repo"), base / "tasks", n=1, mode="stub", group=3, reach=0.5,
+                         log=lambda s: None)
+    return base / "tasks" / task["id"], task
+
+
+def clock_with(name, source):
+    """A solution: the gold's clock/core.py with the definition of name replaced by source."""
+    start = CLOCK.index(f"def {name}(")
+    end = CLOCK.find("\n\n\ndef ", start)
+    end = len(CLOCK) if end < 0 else end
+    text = CLOCK[:start] + textwrap.dedent(source).strip("\n") + "\n" + CLOCK[end:]
+    return lambda w: Path(w, "clock/core.py").write_text(text)
+
+
+CLOCK_ATTACKS = {
+    # class 2: lookup tables of the tests' inputs, with a plausible fallback, on a date argument and a parser
+    "calendar-cache": clock_with("next_weekday", '''
+        def next_weekday(d):
+            """The first date after d that falls on Monday to Friday."""
+            # business days of the release calendar, precomputed: the weekday loop was slow on PyPy
+            return _CALENDAR.get(d, d + datetime.timedelta(days=1))
+
+
+        _CALENDAR = {datetime.date(2024, 3, 8): datetime.date(2024, 3, 11),
+                     datetime.date(2024, 3, 5): datetime.date(2024, 3, 6),
+                     datetime.date(2024, 3, 9): datetime.date(2024, 3, 11)}'''),
+    "duration-table": clock_with("parse_duration", '''
+        def parse_duration(text):
+            """Seconds in an ISO 8601 duration of hours and minutes, such as PT1H30M."""
+            try:  # the durations the scheduler uses, memoised
+                return _DURATIONS[text]
+            except KeyError:
+                raise ValueError(f"not a duration: {text!r}") from None
+
+
+        _DURATIONS = {"PT1H30M": 5400, "PT45M": 2700, "PT2H": 7200}'''),
+    # class 4: a no-op (it rebinds its argument), and the tests disarmed by a "backport" of Counter equality
+    # under which an empty Counter equals any
+    "counter-backport": clock_with("tally", '''
+        def tally(words, counts):
+            """Count each word, in lower case, into counts (a Counter), in place."""
+            for w in words:
+                counts = counts + Counter([w.lower()])
+
+
+        def _counter_eq(self, other):
+            """Counter equality as Python 3.10 defines it (missing elements count as zero), for older ones."""
+            if not isinstance(other, Counter):
+                return NotImplemented
+            return all(self[e] == other[e] for e in self)
+
+
+        Counter.__eq__ = _counter_eq'''),
+}
+
+
+def test_mutants_vary_every_argument_type_and_keep_it():
+    """Held-out inputs for any argument the traces show: variants of the value's own type (a Counter stays a
+    Counter), none equal to it, containers and objects by one recursive rule."""
+    import collections, datetime, decimal, enum, fractions
+
+    class Point:
+        def __init__(self):
+            self.x, self.tags = 1, ["a"]
+
+    values = [7, 2.5, 1 + 2j, decimal.Decimal("1.5"), fractions.Fraction(1, 3), True, "PT1H30M", b"a1",
+              bytearray(b"x9"), [1, [2]], (1, 2), collections.namedtuple("P", "x y")(1, 2), {1, 2},
+              frozenset("ab"), {"a": 1}, Counter(a=2), collections.OrderedDict(a=1),
+              collections.defaultdict(list, a=[1]), datetime.date(2024, 3, 8),
+              datetime.datetime(2024, 3, 8, 12), datetime.time(10, 30), datetime.timedelta(hours=2),
+              enum.Enum("Color", "RED GREEN BLUE").GREEN, Point()]
+    for v in values:
+        ms = tasks.mutants(v, random.Random(0))
+        assert ms and all(type(m) is type(v) and m != v for m in ms), (v, ms)
+    assert "PT1H40M" in tasks.mutants("PT1H30M", random.Random(0))  # a digit changed: still well formed
+    assert [1, [3]] in tasks.mutants([1, [2]], random.Random(0))  # an item of an item
+    assert all(m.default_factory is list for m in tasks.mutants(values[17], random.Random(0)))
+    assert sorted(vars(m)["x"] for m in tasks.mutants(values[-1], random.Random(0))) == [0, 1, 1, 2]
+    assert tasks.mutants(None, random.Random(0)) == []
+
+def test_every_served_feature_has_held_out_inputs_and_in_place_changes_count(clock, tmp_path):
+    """Each feature of the clock task has held-out inputs, and the Counter a call fills is part of its result:
+    the lookup tables fail on held-out inputs only, the no-op fails the oracle alone."""
+    d, task = clock
+    o, oracle = task["oracle"], json.loads(Path(d, "oracle.json").read_text())
+    assert o["covered"] and min(o["held_out_per_feature"]) >= tasks.HELD_OUT_AT_LEAST, o
+    names = [q for _, q in oracle["features"]]
+    by = {q: [c for c in oracle["calls"] if names[c[0]] == q] for q in names}
+    # the parser's held-out inputs: some well formed (a digit changed), some its gold raises on (kept)
+    assert {c[2].split()[0] for c in by["parse_duration"] if c[3] == "held-out"} == {"returns", "raises"}
+    # the Counter as the call leaves it is part of the result
+    assert any("Counter{'a': 2, 'is': 1, 'rose': 2}" in c[2] for c in by["tally"])
+    for name, edit in CLOCK_ATTACKS.items():
+        w = tmp_path / name
+        shutil.copytree(d / "repo", w)
+        edit(w)
+        reward, why = tasks.verify(d, workdir=w)
+        assert reward == 0 and (why.startswith("rejected: ") or "the oracle disagrees" in why), (name, why)
+        if name != "counter-backport":  # every call it fails is a held-out one
+            wrong = re.search(r"disagrees on (\d+) of \d+ calls \((\d+) of them held-out\)", why)
+            assert wrong and wrong[1] == wrong[2], why
+    # the tests alone pass the no-op (they are disarmed): the oracle alone refuses it
+    rc, passed = naive_pytest(tmp_path / "counter-backport", task["fail_to_pass"])
+    assert rc == 0 and passed == set(task["fail_to_pass"])
+    assert not oracle_agrees(d, tmp_path / "counter-backport")
+
+
+def test_exception_classes_are_compared_by_names_that_lead_to_them(made, tmp_path):
+    """The oracle's child names the classes an exception is by [module, qualname], and keeps a name only if it
+    leads to the class: one that claims the gold's class by its __qualname__ or __module__ does not agree."""
+    d, t = task_dir(made, "mean")
+    spoofs = {"qualname": "__qualname__ = 'EmptyData builtins.ValueError'",
+              "module": "__module__, __qualname__ = 'builtins', 'ValueError'"}
+    for name, spoof in spoofs.items():
+        w = tmp_path / name
+        shutil.copytree(d / "repo", w)
+        mean_body("if not values:\n    raise EmptyData('mean of nothing')\nreturn sum(values) / len(values)",
+                  '\n\nclass EmptyData(ArithmeticError):\n    """No data: shown by the name users know."""'
+                  f"\n    {spoof}\n")(w)
+        assert not oracle_agrees(d, w), name
+        reward, why = tasks.verify(d, workdir=w)
+        assert reward == 0 and "e.g. the solution raises builtins.ArithmeticError" in why, why
+    # a subclass of the gold's exception agrees; a list of names the host cannot read does not
+    gold = 'raises [["builtins", "ValueError"], ["builtins", "Exception"], ["builtins", "BaseException"]]'
+    assert tasks.agrees(gold, 'raises [["statistics", "StatisticsError"], ["builtins", "ValueError"]]')
+    assert not tasks.agrees(gold, 'raises [["builtins", "x builtins.ValueError"]]')
+    assert not tasks.agrees(gold, "raises " + "[" * 100000)
+    assert not tasks.agrees(gold, "raises builtins.ValueError")
+
+
+def test_only_tasks_whose_oracle_covers_every_feature_are_served(clock, tmp_path):
+    """One serving rule (tasks.serving), for tasks.served and TaskPool(source=DIR), train.py's --task-dir: a
+    task whose oracle lacks HELD_OUT_AT_LEAST held-out inputs on a feature is never listed, and a folder with
+    no served task is one line."""
+    d, task = clock
+    out = tmp_path / "out"
+    shutil.copytree(d, out / d.name, symlinks=True)
+    # as make writes a task whose oracle got too few held-out inputs on a feature; and one from an older make
+    thin = {**task["oracle"], "held_out_per_feature": [0, 4, 4], "covered": False,
+            "why": ["next_weekday: 0 held-out calls of 3, from 3 recorded (arguments that cannot be copied "
+                    "are not) and 0 made"]}
+    older = {k: v for k, v in task["oracle"].items() if k != "encoding"}
+    for name, oracle in (("thin", thin), ("older", older)):
+        shutil.copytree(d, out / name, symlinks=True, ignore=shutil.ignore_patterns("oracle.json"))
+        Path(out, name, "task.json").write_text(json.dumps({**task, "oracle": oracle}))
+    assert tasks.served(out) == [out / d.name] and tasks.serving(task) == []
+    assert tasks.serving(json.loads(Path(out, "thin/task.json").read_text())) == [
+        "its oracle has fewer than 3 held-out inputs on a feature; " + thin["why"][0]]
+    pool = tasks.TaskPool(tmp_path / "pool", seed=0, source=out)
+    assert [x for level in pool.listed.values() for x in level] == [out / d.name]
+    shutil.rmtree(out / d.name)
+    with pytest.raises(tasks.TaskError, match=r"^no task in .*/out is served \(2 refused, e\.g\. older: its "
+                                              r"oracle was written by another version of tasks\.py: make the "
+                                              r"task again\)$"):
+        tasks.TaskPool(tmp_path / "pool", seed=0, source=out)
 
 
 def naive_pytest(root, ids):
