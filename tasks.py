@@ -3041,13 +3041,14 @@ def micro_repo(root, seed, held_out=False):
 
 
 def make_micro(out, seed, level, box=None, n=1, held_out=False):
-    """Up to n tasks of a level from the micro-repository of seed, into out: their folders."""
+    """Up to n tasks of a level from the micro-repository of seed, into out: the folders of those served
+    (the same rule as any task's: coverage and strength)."""
     mode, group = MICRO_LEVELS[level]
     with scratch() as tmp:
         repo = micro_repo(Path(tmp, f"micro-{seed}"), seed, held_out)
         made = make(repo, out, n=n, seed=0, mode=mode, group=group, box=box, log=lambda s: None, reach=0.5,
-                    min_lines=1)
-    return [Path(out, t["id"]) for t in made if task_level(t) == level]
+                    min_lines=1, strength_k=STRENGTH_K)
+    return [Path(out, t["id"]) for t in made if task_level(t) == level and not serving(t)]
 
 
 def code_transcript(rng, level, p_blind=0.0, p_hint=0.0, p_absent=0.0, p_mistake=0.0, budget=None,

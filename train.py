@@ -1739,6 +1739,11 @@ def check(args):
         die("--task-dir holds feature-deletion tasks: pass --rl-tasks code with it")
     if args.task_dir is not None and not Path(args.task_dir).is_dir():
         die(f"--task-dir {args.task_dir}: no such folder")
+    if args.task_dir is not None:
+        try:  # the tasks it serves: coverage and strength, as for any task (tasks.serving)
+            tasks.TaskPool(Path(args.task_dir), 0, source=args.task_dir)
+        except tasks.TaskError as e:
+            die(f"--task-dir {args.task_dir}: {e}")
     code = args.rl_tasks == "code"
     for flag, default, code_default in (("seq_len", 256, 640), ("steps", 700, 800), ("batch_size", 8, 4),
                                 ("rl_steps", 16, 12)):
