@@ -4000,6 +4000,10 @@ def test_exception_classes_are_compared_by_names_that_lead_to_them(made, tmp_pat
     gold = 'raises [["builtins", "ValueError"], ["builtins", "Exception"], ["builtins", "BaseException"]]'
     assert tasks.agrees(gold, 'raises [["statistics", "StatisticsError"], ["builtins", "ValueError"]]')
     assert not tasks.agrees(gold, 'raises [["builtins", "x builtins.ValueError"]]')
+    # a class that inherits every built-in exception is a subclass of any gold's: it agrees with none
+    universal = [["calc.core", "Error"], *(["builtins", c] for c in ("ValueError", "TypeError", "LookupError",
+                                                                      "Exception", "BaseException"))]
+    assert not tasks.agrees(gold, "raises " + json.dumps(universal))
     assert not tasks.agrees(gold, "raises " + "[" * 100000)
     assert not tasks.agrees(gold, "raises builtins.ValueError")
 
