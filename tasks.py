@@ -1191,7 +1191,7 @@ STATIC_ATTRS = {"f_back", "f_globals", "f_locals", "f_builtins", "f_code", "f_tr
                 "SourceFileLoader", "SourcelessFileLoader", "ExtensionFileLoader", "PathFinder", "FileFinder",
                 "spec_from_file_location", "spec_from_loader", "module_from_spec", "exec_module",
                 "load_module", "sys.meta_path", "sys.path_hooks", "sys.modules", "sys.monitoring"}
-STATIC_MADE = {"types.FunctionType", "types.LambdaType", "types.CodeType"}  # judged where called
+STATIC_MADE = {"types.FunctionType", "types.LambdaType", "types.CodeType"}  # called (isinstance is honest)
 MODULE_TAKERS = {"__import__", "import_module", "find_spec", "resolve_name"}
 FD_CALLS = {"os.fdopen", "os.write", "os.writev", "os.pwrite"}
 
