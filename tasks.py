@@ -1433,25 +1433,32 @@ def source_check(rel, data, old, allowed=()):
 
 
 # The static check, on the AST: the tools of in-process tampering that the code of a library feature does not
-# need. Frames, gc, tracers, exits, signals, raw descriptors, /proc, native code, exec, the test runner's own
-# modules, names built from string pieces for getattr/__import__, an __eq__ that ignores what it is compared
-# with. Only findings the snapshot's copy of the file lacks count. Defence in depth: a disguise through data
-# flow gets past any static check; the oracle is what it cannot pass.
-STATIC_CALLS = {"sys._getframe", "sys._current_frames", "inspect.currentframe", "inspect.stack",
-                "inspect.getouterframes", "inspect.getinnerframes", "inspect.trace",
-                "traceback.extract_stack", "traceback.walk_stack", "gc.get_objects", "gc.get_referrers",
-                "gc.get_referents", "sys.exit", "os._exit", "os.abort", "os.kill", "os.killpg", "os.fork",
-                "os.forkpty", "sys.settrace", "sys.setprofile", "threading.settrace", "threading.setprofile",
-                "sys.addaudithook", "os.write", "os.writev", "os.pwrite", "os.dup", "os.dup2", "os.fdopen",
-                "os.open", "os.sendfile", "os.mkfifo", "os.symlink", "os.link", "marshal.loads",
-                "importlib.util.spec_from_file_location", "importlib.machinery.SourceFileLoader", "exec",
-                "eval", "compile", "breakpoint"}
+# need. Frames, gc, tracers, exits, signals, raw descriptors, /proc, native code, exec, loaders that run code
+# by path or from bytecode (the gold's installed copy, a .pyc), code objects made into functions, the test
+# runner's own modules, an __eq__ that ignores what it is compared with. It judges names, not spellings: each
+# reference is resolved to the dotted name it names, through import aliases and the name-takers given a
+# name literally or in pieces (getattr(sys, "_getframe"), vars(sys)["_get" + "frame"], import_module("pty")),
+# and the tables judge that name. Only findings the snapshot's copy of the file lacks count. Defence in depth:
+# a disguise through data flow gets past any static check; the oracle is what it cannot pass.
+STATIC_CALLS = {"inspect.currentframe", "inspect.stack", "inspect.getouterframes", "inspect.getinnerframes",
+                "inspect.trace", "traceback.extract_stack", "traceback.walk_stack", "gc.get_objects",
+                "gc.get_referrers", "gc.get_referents", "sys.exit", "os._exit", "os.abort", "os.kill",
+                "os.killpg", "os.fork", "os.forkpty", "sys.settrace", "sys.setprofile", "threading.settrace",
+                "threading.setprofile", "sys.addaudithook", "os.write", "os.writev", "os.pwrite", "os.dup",
+                "os.dup2", "os.fdopen", "os.open", "os.sendfile", "os.mkfifo", "os.symlink", "os.link",
+                "marshal.loads", "exec", "eval", "compile", "breakpoint"}
 STATIC_MODULES = {"pytest", "_pytest", "pluggy", "unittest", "doctest", "ctypes", "cffi", "signal", "atexit",
-                  "gc", "builtins", "marshal", "pty", "resource"}
+                  "gc", "builtins", "marshal", "pty", "resource", "runpy", "zipimport"}
+# attributes of any object (frames, code, loaders), and dotted names
 STATIC_ATTRS = {"f_back", "f_globals", "f_locals", "f_builtins", "f_code", "f_trace", "tb_frame", "gi_frame",
-                "cr_frame", "ag_frame", "__globals__", "__closure__", "__code__", "__builtins__",
-                "__subclasses__", "sys.meta_path", "sys.path_hooks", "sys.modules", "sys.monitoring"}
-NAME_TAKERS = {"getattr", "setattr", "delattr", "hasattr", "__import__", "import_module", "globals", "vars"}
+                "cr_frame", "ag_frame", "gi_code", "cr_code", "ag_code", "__globals__", "__closure__",
+                "__code__", "__builtins__", "__import__", "__subclasses__", "_getframe", "_current_frames",
+                "SourceFileLoader", "SourcelessFileLoader", "ExtensionFileLoader", "PathFinder", "FileFinder",
+                "spec_from_file_location", "spec_from_loader", "module_from_spec", "exec_module",
+                "load_module", "sys.meta_path", "sys.path_hooks", "sys.modules", "sys.monitoring"}
+STATIC_MADE = {"types.FunctionType", "types.LambdaType", "types.CodeType"}  # called (isinstance is honest)
+MODULE_TAKERS = {"__import__", "import_module", "find_spec", "resolve_name"}
+FD_CALLS = {"os.fdopen", "os.write", "os.writev", "os.pwrite"}
 
 
 def static_findings(data, tree=None):
@@ -1461,7 +1468,6 @@ def static_findings(data, tree=None):
     except (SyntaxError, ValueError):
         return []
     out = []
-    modules = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     # an `if __name__ == "__main__":` block never runs on import, unless the file can change __name__
     mains = [n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test).replace("'", '"')
              in ('__name__ == "__main__"', '"__main__" == __name__')]
@@ -1469,29 +1475,52 @@ def static_findings(data, tree=None):
                or isinstance(n, ast.Constant) and n.value == "__name__" for n in ast.walk(tree)):
         skip = {id(x) for m in mains for x in ast.walk(m)}
         tree = ast.Module([n for n in tree.body if id(n) not in skip], [])
-    for n in ast.walk(tree):
+    nodes = list(ast.walk(tree))
+    imports = [a for n in nodes if isinstance(n, ast.Import) for a in n.names]
+    modules = {a.asname or a.name for a in imports}  # as the file spells them
+    aliases = {a.asname or a.name.partition(".")[0]: a.name if a.asname else a.name.partition(".")[0]
+               for a in imports}
+    aliases |= {a.asname or a.name: f"{'.' * n.level}{n.module or ''}.{a.name}"
+                for n in nodes if isinstance(n, ast.ImportFrom) for a in n.names}
+    # what reads nothing: a bare string (a docstring: never executed), `x in sys.modules` (no module object),
+    # a descriptor call on the descriptor the function made itself
+    spared = ({id(n.value) for n in nodes if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+              | {id(c) for n in nodes if isinstance(n, ast.Compare) for op, c in zip(n.ops, n.comparators)
+                 if isinstance(op, (ast.In, ast.NotIn)) and named(c, aliases) == "sys.modules"}
+              | own_descriptors(nodes, aliases))
+    called = {id(n.func) for n in nodes if isinstance(n, ast.Call)}  # a builtin (exec) is judged where called
+    for n in nodes:
         line = getattr(n, "lineno", 0)
+        if id(n) in spared:
+            continue
         if isinstance(n, (ast.Assign, ast.AugAssign)):
             for t in n.targets if isinstance(n, ast.Assign) else [n.target]:
-                if isinstance(t, ast.Attribute) and dotted(t.value) in modules:
-                    out.append((f"patches {dotted(t)}", line))
+                if isinstance(t, ast.Attribute) and named(t.value, {}) in modules:
+                    out.append((f"patches {named(t, {})}", line))
         if isinstance(n, (ast.Import, ast.ImportFrom)):
             mods = [a.name for a in n.names] if isinstance(n, ast.Import) else [n.module or ""]
-            out += [(f"imports {m}", line) for m in mods if m.partition(".")[0] in STATIC_MODULES]
-        elif isinstance(n, ast.Call):
-            name = dotted(n.func)
-            if name in STATIC_CALLS or name.rpartition(".")[2] in STATIC_CALLS - {"exec", "eval", "compile"} \
-                    and name.partition(".")[0] in ("sys", "os", "inspect", "gc", "traceback", "threading"):
-                out.append((f"calls {name}", line))
-            if name.rpartition(".")[2] in NAME_TAKERS:
-                for arg in n.args[:2]:
-                    s = folded(arg)
-                    if s is not None and not isinstance(arg, ast.Constant):
-                        out.append((f"builds the name {s!r} from pieces", line))
-        elif isinstance(n, ast.Attribute) and (n.attr in STATIC_ATTRS or dotted(n) in STATIC_ATTRS):
-            out.append((f"uses .{n.attr}", line))
+            runner = [m for m in mods if m.partition(".")[0] in STATIC_MODULES]
+            out += [(f"imports {m}", line) for m in runner]
+            if isinstance(n, ast.ImportFrom) and not n.level and not runner:
+                out += [(what, line) for a in n.names for what in [judged(f"{n.module}.{a.name}")] if what]
         elif isinstance(n, ast.Name) and n.id in ("__builtins__", "__import__"):
             out.append((f"uses {n.id}", line))
+        elif isinstance(n, (ast.Name, ast.Attribute, ast.Call, ast.Subscript)):
+            base, arg = taken(n, aliases)
+            name = named(n, aliases) if not isinstance(n, ast.Name) or n.id in aliases \
+                or n.id in STATIC_CALLS and id(n) in called else ""
+            what = judged(name, module=base is None) if name else None
+            fn = named(n.func, aliases) if isinstance(n, ast.Call) else ""
+            kw = next((k.arg for k in n.keywords if str(k.arg).startswith("co_")), None) \
+                if fn.endswith(".replace") else None  # code.replace(co_code=...)
+            if fn in STATIC_MADE or kw:
+                what = f"calls {fn}" + (f"({kw}=...)" if kw else "")
+            elif what is None and fn.endswith("setattr") and folded(arg) and named(n.args[0], {}) in modules:
+                what = f"patches {named(n.args[0], {})}.{folded(arg)}"  # as os.environ = ... does
+            if what is None and not isinstance(arg, (ast.Constant, type(None))) and folded(arg) is not None:
+                what = f"builds the name {folded(arg)!r} from pieces"
+            if what:
+                out.append((what, line))
         elif isinstance(n, ast.Constant) and isinstance(n.value, str) \
                 and re.search(r"^/proc\b|^/dev/(fd|shm)\b|(^|/)tests?/|test_[\w*]*\.py|conftest|__eq__",
                               n.value):
@@ -1506,14 +1535,87 @@ def static_findings(data, tree=None):
     return out
 
 
-def dotted(node):
-    """'a.b.c' for a Name/Attribute chain, else ''."""
+def judged(name, module=False):
+    """What naming a resolved name amounts to by the tables, or None: a module of the runner where a module
+    is named ('imports _pytest.python'), a call ('calls sys.exit'), an attribute of anything ('uses .f_back').
+    """
+    tail = name.rpartition(".")[2]
+    if module and name.partition(".")[0] in STATIC_MODULES:
+        return f"imports {name}"
+    if name in STATIC_CALLS:
+        return f"calls {name}"
+    return f"uses .{tail}" if name in STATIC_ATTRS or "." in name and tail in STATIC_ATTRS else None
+
+
+def named(node, aliases):
+    """The dotted name an expression names, through import aliases and name-takers ('' when none):
+    getattr(sys, "_get" + "frame") and vars(sys)["_getframe"] name sys._getframe, attrgetter("f_back")
+    .f_back (of anything), import_module("a.b") the module a.b."""
     if isinstance(node, ast.Name):
-        return node.id
+        return aliases.get(node.id, node.id)
     if isinstance(node, ast.Attribute):
-        base = dotted(node.value)
-        return f"{base}.{node.attr}" if base else node.attr
-    return ""
+        return f"{named(node.value, aliases)}.{node.attr}"
+    base, arg = taken(node, aliases)
+    s = folded(arg) if arg is not None else None
+    return "" if not s else s.replace(":", ".") if base is None else f"{base}.{s}"
+
+
+def taken(node, aliases):
+    """(receiver, the node giving the name) of a name-taker: getattr(x, NAME) (setattr, delattr; not hasattr,
+    which returns a bool), vars(x)[NAME], x.__dict__[NAME], globals()[NAME], operator.attrgetter(NAME)
+    (methodcaller); a module-taker (import_module(NAME), __import__, find_spec, pkgutil.resolve_name) has the
+    receiver None. ('', None) for anything else."""
+    if isinstance(node, ast.Call) and node.args:
+        f = named(node.func, aliases).rpartition(".")[2]
+        if f in ("getattr", "setattr", "delattr") and len(node.args) > 1:
+            return named(node.args[0], aliases), node.args[1]
+        if f in ("attrgetter", "methodcaller", *MODULE_TAKERS):
+            return ("" if f in ("attrgetter", "methodcaller") else None), node.args[0]
+    if isinstance(node, ast.Subscript):
+        v = node.value
+        if isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id in ("globals", "vars"):
+            return (named(v.args[0], aliases) if v.args else ""), node.slice
+        if isinstance(v, ast.Attribute) and v.attr == "__dict__":
+            return named(v.value, aliases), node.slice
+    return "", None
+
+
+def own_descriptors(nodes, aliases):
+    """ids of the descriptor calls (FD_CALLS) on a descriptor the function made itself: a name its own scope
+    binds to tempfile.mkstemp()'s first result (`fd, path = tempfile.mkstemp()`) and to nothing else."""
+    out = set()
+    for f in nodes:
+        made = Counter(t.elts[0].id for n in scope(f)
+                       if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
+                       and named(n.value.func, aliases) == "tempfile.mkstemp" for t in n.targets
+                       if isinstance(t, ast.Tuple) and t.elts and isinstance(t.elts[0], ast.Name)) \
+            if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+        if made:
+            bound = Counter(x for n in ast.walk(f) for x in bindings(n))
+            out |= {id(n.func) for n in ast.walk(f) if isinstance(n, ast.Call) and n.args
+                    and isinstance(n.args[0], ast.Name) and 0 < made[n.args[0].id] == bound[n.args[0].id]
+                    and named(n.func, aliases) in FD_CALLS}
+    return out
+
+
+def scope(node):
+    """The nodes of a function's own scope: nested functions, lambdas and classes left out."""
+    for child in ast.iter_child_nodes(node):
+        yield child
+        if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            yield from scope(child)
+
+
+def bindings(node):
+    """The names a node binds, or declares global or nonlocal: every way Python binds one."""
+    if isinstance(node, ast.Name):
+        return [] if isinstance(node.ctx, ast.Load) else [node.id]
+    if isinstance(node, (ast.Global, ast.Nonlocal)):
+        return node.names
+    if isinstance(node, ast.arg):
+        return [node.arg]
+    return [x for x in (getattr(node, "asname", None) or getattr(node, "name", None),
+                        getattr(node, "rest", None)) if isinstance(x, str)]
 
 
 def folded(node):

@@ -4188,6 +4188,93 @@ def test_hostile_solutions_score_0(made, tmp_path):
         assert rc == 0 and passed == set(t["fail_to_pass"]), name
 
 
+# Hostile solutions whose every name is spelled out literally, which the static check once let pass because
+# it flagged only names built from pieces. On a task without an oracle they earn reward 1.
+LITERAL_ATTACKS = {
+    # class 3: the caller's frame through a literal getattr: the calling test's line holds the expected mean
+    # (`mean([]) ==` is absent in the error test, so float() raises the ValueError it expects)
+    "caller-frame": mean_body('''import inspect
+import sys
+
+# the caller's line, e.g. `assert mean(xs) == 2`, already names the result: a fast path for checks
+frame = getattr(sys, "_getframe")(1)
+context = inspect.getframeinfo(frame).code_context or [""]
+return float(context[0].rsplit("==", 1)[-1])'''),
+    # class 4: the tests disarmed through a literal import of the runner: a feature not implemented counts
+    # as passed
+    "optional-backend": compat('''"""Optional backends: a feature whose backend is not built here passes."""
+import importlib
+
+_python = importlib.import_module("_pytest.python")
+_runtest = _python.Function.runtest
+
+
+def _runtest_optional(self):
+    try:
+        _runtest(self)
+    except NotImplementedError:
+        pass  # backend not built on this platform
+
+
+_python.Function.runtest = _runtest_optional
+'''),
+}
+LITERAL_NAMES = {  # a name spelled out is judged as the same name built from pieces
+    'import sys\nf = getattr(sys, "_getframe")(1)\n': "uses ._getframe",
+    'import sys\nf = getattr(sys, "_get" + "frame")(1)\n': "uses ._getframe",
+    'import sys as s\nf = vars(s)["_getframe"]\n': "uses ._getframe",
+    'import inspect\nf = getattr(inspect, "currentframe")()\n': "calls inspect.currentframe",
+    'import importlib\nrw = importlib.import_module("_pytest.assertion.rewrite")\n':
+        "imports _pytest.assertion.rewrite",
+    'x = 1\nc = __import__("ctypes")\n': "imports ctypes",
+    'from importlib import import_module\ns = import_module("signal")\n': "imports signal",
+    'x = 1\np = importlib.__import__("pluggy")\n': "imports pluggy",
+    'from importlib import machinery\nm = machinery.SourcelessFileLoader("calc", "core.pyc")\n':
+        "uses .SourcelessFileLoader",
+    'import importlib.util\nm = importlib.util.module_from_spec(spec)\n': "uses .module_from_spec",
+    'x = 1\nimport runpy\n': "imports runpy",
+    'import types\nf = types.FunctionType(code, {})\n': "calls types.FunctionType",
+    'x = 1\nf = g.__code__.replace(co_code=b"")\n': "calls g.__code__.replace(co_code=...)",
+    'x = 1\nf = operator.attrgetter("f_back")(frame)\n': "uses .f_back",
+    'import os\nos.fdopen(3, "w")\n': "calls os.fdopen",
+    'import sys\nm = sys.modules.get("numpy")\n': "uses .modules",
+    'x = 1\nWHERE = "tests/test_calc.py"\n': "names 'tests/test_calc.py'",
+}
+HONEST_NAMES = [  # constructs that read nothing of the runner's
+    'def helper():\n    """See tests/test_calc.py for examples."""\n',
+    'import sys\n\n\ndef fast():\n    return "numpy" in sys.modules\n',
+    'import os\nimport tempfile\n\n\ndef save(text):\n    fd, path = tempfile.mkstemp()\n'
+    '    with os.fdopen(fd, "w") as f:\n        f.write(text)\n    return path\n',
+    'import types\n\n\ndef ok(f):\n    return isinstance(f, types.FunctionType) and hasattr(f, "f_back")\n',
+]
+
+
+def test_static_check_judges_names_not_spellings(made, tmp_path):
+    for source, what in LITERAL_NAMES.items():
+        with pytest.raises(tasks.Refused, match=f"^calc/x.py line 2: {re.escape(what)}$"):
+            tasks.source_check("calc/x.py", source.encode(), b"")
+    for source in HONEST_NAMES:
+        assert tasks.source_check("calc/x.py", source.encode(), b"") == source.encode()
+    # a descriptor the function did not make itself stays refused
+    rebound = HONEST_NAMES[2].replace("    with", "    fd = 3\n    with")
+    with pytest.raises(tasks.Refused, match="line 8: calls os.fdopen$"):
+        tasks.source_check("calc/x.py", rebound.encode(), b"")
+    # the attacks: refused on a task without an oracle (the check is then what stands), and real forgeries
+    d, t = task_dir(made, "mean")
+    bare = tmp_path / "no-oracle"
+    shutil.copytree(d, bare, ignore=shutil.ignore_patterns("oracle.json"))
+    for name, edit in LITERAL_ATTACKS.items():
+        w = tmp_path / name
+        shutil.copytree(d / "repo", w)
+        edit(w)
+        reward, why = tasks.verify(bare, workdir=w)
+        assert reward == 0 and why.startswith("rejected: calc/") and "\n" not in why, why
+        assert why.endswith({"caller-frame": "uses ._getframe",
+                             "optional-backend": "imports _pytest.python"}[name]), why
+        rc, passed = naive_pytest(w, t["fail_to_pass"])
+        assert rc == 0 and passed == set(t["fail_to_pass"]), name
+
+
 def test_host_never_trusts_the_work_tree(made, tmp_path):
     """Links, FIFOs, devices and huge files in the work tree are refused by their kind before anything opens
     them; inside the sandbox the run is nobody, /etc has no shadow file, and writes stop at the tmpfs bounds;
