@@ -2071,11 +2071,11 @@ def oracle_main(mode, root, inputs, fd):
         except Timeout:
             line = "timeout"
         except Exception as e:  # its classes, by names that lead to them: a subclass of the gold's agrees
-            line = "raises " + json.dumps(named(type(e)))
+            line = "raises " + json.dumps(class_names(type(e)))
         out.write(json.dumps([k, line]) + "\n")
 
 
-def named(cls):
+def class_names(cls):
     """[module, qualname] of each class cls is (its MRO, object aside) that its name leads to in this
     process: a name a class only claims, by its __qualname__ or __module__, is left out."""
     out = []
@@ -2124,13 +2124,18 @@ ORACLE_CHILD = "\n".join(["import contextlib, copy, copyreg, hashlib, importlib,
                           "import inspect, pickle, re, sys, tempfile, threading, types",
                           f"HELD_OUT_AT_LEAST = {HELD_OUT_AT_LEAST}",
                           *map(inspect.getsource, (Copier, restore, reopen)), COPY_MODULE,
-                          *map(inspect.getsource, (canon, mutants, like, attributes, oracle_main, named,
+                          *map(inspect.getsource, (canon, mutants, like, attributes, oracle_main, class_names,
                                                    drain, oracle_resolve)),
                           "oracle_main(*sys.argv[1:])"])
 
 
-# which code wrote the oracle's inputs and expected strings: a verify by other code refuses its oracle.json
-ENCODING = hashlib.sha256(ORACLE_CHILD.encode()).hexdigest()[:16]
+# which code wrote a task's oracle (its inputs and expected strings) and its static allowances (task.json's
+# static_allowed, in the static check's words): a task made by other code is not served, and verify refuses it
+ENCODING = hashlib.sha256("".join([ORACLE_CHILD, *map(inspect.getsource, (static_findings, judged, named,
+                                                                          own_descriptors, scope, bindings)),
+                                   *(repr(sorted(t)) for t in (STATIC_CALLS, STATIC_MODULES, STATIC_ATTRS,
+                                                               STATIC_MADE, MODULE_TAKERS, FD_CALLS))]
+                                  ).encode()).hexdigest()[:16]
 
 
 def module_name(rel):
