@@ -1424,12 +1424,20 @@ def source_check(rel, data, old, allowed=()):
         tree = ast.parse(data.decode(coding))
     except (UnicodeDecodeError, SyntaxError, ValueError) as e:
         raise Refused(f"{rel} is not {coding} Python source ({type(e).__name__})")
-    before = Counter(what for what, _ in static_findings(old)) | Counter(allowed)
-    for what, line in static_findings(data, tree):
-        before[what] -= 1
-        if before[what] < 0:
-            raise Refused(f"{rel} line {line}: {what}")
+    extra = unallowed(static_findings(data, tree), Counter(what for what, _ in static_findings(old))
+                      | Counter(allowed))
+    if extra:
+        raise Refused(f"{rel} line {extra[0][1]}: {extra[0][0]}")
     return data
+
+
+def unallowed(findings, allowed):
+    """The findings [(what, line)] beyond those allowed ({what: how many times}), in order."""
+    left, out = Counter(allowed), []
+    for what, line in findings:
+        left[what] -= 1
+        out += [(what, line)] if left[what] < 0 else []
+    return out
 
 
 # The static check, on the AST: the tools of in-process tampering that the code of a library feature does not
@@ -1740,8 +1748,8 @@ class Copier(pickle.Pickler):
             if isinstance(rv, tuple) and len(rv) > 1 and any(isinstance(a, type) and self.by_value(a)
                                                               for a in rv[1]):
                 return copyreg.__newobj__, (t,), dict(vars(obj)), None, None, restore
-        if hasattr(t, "__getattr__") and not hasattr(t, "__setstate__"):
-            # unpickling asks an object for __setstate__, which a __getattr__ that makes attributes on demand
+        if hasattr(t, "__getattr__") and not hasattr(t, "__setstate__") and not isinstance(obj, type):
+            # (a class is pickled by name, even one whose metaclass has a __getattr__: an Enum) unpickling asks an object for __setstate__, which a __getattr__ that makes attributes on demand
             # may never answer: restore() sets its state instead
             rv = obj.__reduce_ex__(4)
             if isinstance(rv, tuple) and len(rv) >= 3 and isinstance(rv[2], dict):
@@ -2666,11 +2674,8 @@ def monitor(steps, allowed=None):
                     found.append((name, f[w][f[w].rfind("\n", 0, m.start()) + 1:].split("\n")[0]))
         lines = f["content"].split("\n")
         allow = Counter((allowed or {}).get(posixpath.normpath(f["edit"].strip("'\"")), ()))
-        for what, line in edit_findings(f["content"]):
-            allow[what] -= 1  # as source_check counts them
-            if allow[what] < 0:
-                code = lines[line - 1].strip() if 0 < line <= len(lines) else ""
-                found.append(("tamper-code", f"{what}: {code}"))
+        found += [("tamper-code", f"{what}: {lines[line - 1].strip() if 0 < line <= len(lines) else ''}")
+                  for what, line in unallowed(edit_findings(f["content"]), allow)]
         for name, line in found:
             if not any(x["step"] == i and x["pattern"] == name for x in flags):
                 flags.append({"step": i, "pattern": name, "evidence": line.strip()[:160]})

@@ -3702,7 +3702,8 @@ def test_make_picks_the_right_features_and_test_sets(made):
     assert all(t["oracle"]["covered"] for t in made["stub"])
     refused = {}
     assert tasks.served(made["out"], refused) == [] and sorted(refused) == sorted(made["out"].iterdir())
-    assert {tuple(why) for why in refused.values()} == {("its strength was never measured (tasks.py strength)",)}
+    assert {tuple(why) for why in refused.values()} == {("its strength was never measured (tasks.py "
+                                                          "strength)",)}
     # Dynamic difficulty: remove mode deleted two related features together.
     (hard,) = made["hard"]
     assert hard["difficulty"]["entities"] == 2 and hard["mode"] == "remove"
@@ -3748,8 +3749,8 @@ def test_strength_counts_the_gold_mutants_the_tests_and_the_oracle_kill(made, tm
     shutil.copytree(task_dir(made, "Stack.pop")[0], pop, symlinks=True)
     s = tasks.strength(pop, 2, seed=1)
     (survivor,) = s["survivors"]
-    assert (s["killed"], s["score"]) == (1, 0.5) and 'raise IndexError("pop from an empty Stack")` -> `pass`' \
-        in survivor["mutant"]
+    assert (s["killed"], s["score"]) == (1, 0.5)
+    assert 'raise IndexError("pop from an empty Stack")` -> `pass`' in survivor["mutant"]
     assert survivor["diff"].startswith("--- a/calc/core.py\n+++ b/calc/core.py\n@@ ")
     assert [line[0] for line in survivor["diff"].splitlines()[3:] if line[:1] in "-+"] == ["-", "+"]
     # served: covered and measured at or above the bar
