@@ -1206,7 +1206,9 @@ def mutation_sites(fn):
             if isinstance(n, ast.If) and n.orelse:
                 put(n.test, "False", "branch dropped")
                 put(n.test, "True", "branch dropped")
-            if isinstance(n, ast.stmt) and not isinstance(n, ast.Pass):
+            # (an annotation alone, `x: int`, does nothing: dropping it is no mutant)
+            if isinstance(n, ast.stmt) and not isinstance(n, ast.Pass) \
+                    and not (isinstance(n, ast.AnnAssign) and n.value is None):
                 put(n, "pass", "statement dropped")
     return sites
 
@@ -4321,7 +4323,8 @@ def cli(argv=None) -> int:
     st.add_argument("--jobs", type=int, default=2, help="mutants verified side by side")
     st.add_argument("--seed", type=int, default=0, help="seed of the mutants drawn")
     st.add_argument("--min-strength", type=float, default=MIN_STRENGTH,
-                    help="the share of mutants killed a task needs to be served (exit 1 when one is below)")
+                    help="the share of mutants killed a task needs to be served (each task's line says whether "
+                         "it is, or why not)")
     for x in (m, v, st):
         x.add_argument("--python", help="interpreter that runs the tests (from `env`; default: this one for "
                                         "make, the task's for verify and strength)")
@@ -4363,15 +4366,14 @@ def cli(argv=None) -> int:
             tasks = make(a.repo, a.out, a.n, a.seed, a.mode, a.group, box, reach=a.reach, jobs=a.jobs,
                          strength_k=a.strength)
             return 0 if tasks else 1
-        if a.cmd == "strength":
-            weak = 0
+        if a.cmd == "strength":  # a measurement, like verify's reward: exit 0 whatever it finds
             for d in a.task_dirs:
                 task = Path(d, "task.json")
                 python = a.python or (json.loads(task.read_text()).get("python") if task.is_file() else None)
                 s = strength(d, a.k, Sandbox(python or sys.executable, not a.no_sandbox, 600), a.seed, a.jobs)
-                print(strength_lines(Path(d).name, s))
-                weak += s["score"] < a.min_strength
-            return 1 if weak else 0
+                why = serving(json.loads(task.read_text()), a.min_strength)
+                print(strength_lines(Path(d).name, s) + f"\n  {'; '.join(why) or 'served'}")
+            return 0
         if a.cmd == "verify":
             if not Path(a.task_dir, "task.json").is_file():
                 raise TaskError(f"no task at {a.task_dir}: "

@@ -58,7 +58,7 @@ SHORT = {"train.py": ["--eval-every", "2", "--eval-batches", "1", "--rl-eval-tas
          "feedback.py": ["--pretrain-steps", "3"],
          "muon.py": ["--presets", "tiny", "--repeats", "1", "--ns-max-batch", "4", "--k2", "none"],
          "model.py --bench-decode": ["--presets", "tiny", "--contexts", "64"],
-         "tasks.py make": ["--n", "1"],
+         "tasks.py make": ["--n", "1"], "tasks.py strength": ["--k", "2"],
          "feedback.py --ablation": ["--seeds", "1", "--rl-steps", "1", "--steps", "2", "--eval-every", "2",
                                     "--eval-batches", "1", "--rl-eval-tasks", "1", "--group-size", "2",
                                     "--max-gen-tokens", "32"]}
@@ -3738,9 +3738,9 @@ def test_strength_counts_the_gold_mutants_the_tests_and_the_oracle_kill(made, tm
     s = after.pop("strength")
     assert after == task and (d / "task.json").stat().st_ino != inode  # replaced whole, nothing else changed
     assert sorted(p.name for p in d.iterdir()) == ["gold.patch", "oracle.json", "repo", "task.json"]
-    assert out == tasks.strength_lines("mean", s) + "\n"
+    assert out == tasks.strength_lines("mean", s) + "\n  served\n"
     assert out == ("mean: 6 mutants, killed by the tests alone 5 (83%), by tests and oracle 6 (100%); "
-                   "survivors 0\n")
+                   "survivors 0\n  served\n")
     assert s["score"] > s["score_tests"] and s["seed"] == 1 and s["survivors"] == []
     (floor,) = s["missed_by_tests"]
     assert floor in [what for _, what, _ in drawn] and "`(sum(values) // len(values))`" in floor
