@@ -7,8 +7,11 @@ The oracle is the gold code's results on the inputs the tests gave the feature a
 them (EvalPlus), kept where no sandboxed process can read them and compared on the host with what a fresh
 sandboxed child that imports only the solution returns: evidence the solution's code cannot forge, unlike
 anything the test process reports. A solution may change only Python source inside the packages, read by a
-host that never follows the work tree. A task is served only when a leak scan finds none of the deleted code
-left in bytecode, type-checker caches, git history, archives or build output, and a trajectory monitor flags
+host that never follows the work tree. The gold is in no form a sandboxed process can read: not in the
+snapshot (a leak scan finds none of the deleted code in bytecode, type-checker caches, git history, archives or
+build output), not in the task's interpreter (checked in the sandbox), not in the task's files. A task is
+served only when its oracle compares held-out inputs on every feature and the tests plus the oracle kill most
+of the gold's mutants (its strength, measured by mutation). A trajectory monitor flags
 agent steps that read such leaks or prepare tampering (the post's reward hacks: a mypy cache read back for a
 deleted signature, Java bytecode decompiled to rebuild an API). CodeEnv makes a task an RL environment: the
 policy reads, searches, edits and tests through tool calls, and verify on its final tree is the reward;
