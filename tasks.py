@@ -8,8 +8,8 @@ them (EvalPlus), kept where no sandboxed process can read them and compared on t
 sandboxed child that imports only the solution returns: evidence the solution's code cannot forge, unlike
 anything the test process reports. A solution may change only Python source inside the packages, read by a
 host that never follows the work tree. The gold is in no form a sandboxed process can read: not in the
-snapshot (a leak scan finds none of the deleted code in bytecode, type-checker caches, git history, archives or
-build output), not in the task's interpreter (checked in the sandbox), not in the task's files. A task is
+snapshot (a leak scan finds none of the deleted code in bytecode, type-checker caches, git history, archives
+or build output), not in the task's interpreter (checked in the sandbox), not in the task's files. A task is
 served only when its oracle compares held-out inputs on every feature and the tests plus the oracle kill most
 of the gold's mutants (its strength, measured by mutation). A trajectory monitor flags
 agent steps that read such leaks or prepare tampering (the post's reward hacks: a mypy cache read back for a
@@ -1754,8 +1754,9 @@ class Copier(pickle.Pickler):
                                                               for a in rv[1]):
                 return copyreg.__newobj__, (t,), dict(vars(obj)), None, None, restore
         if hasattr(t, "__getattr__") and not hasattr(t, "__setstate__") and not isinstance(obj, type):
-            # (a class is pickled by name, even one whose metaclass has a __getattr__: an Enum) unpickling asks an object for __setstate__, which a __getattr__ that makes attributes on demand
-            # may never answer: restore() sets its state instead
+            # unpickling asks an object for __setstate__, which a __getattr__ that makes attributes on demand
+            # may never answer: restore() sets its state instead (a class goes by name, even one whose
+            # metaclass has a __getattr__: an Enum)
             rv = obj.__reduce_ex__(4)
             if isinstance(rv, tuple) and len(rv) >= 3 and isinstance(rv[2], dict):
                 return rv[0], rv[1], rv[2], None, None, restore
@@ -2201,7 +2202,7 @@ def make_oracle(gold, feats, records, box):
     """The oracle of a task from the calls recorded while the gold code ran its tests: (oracle, summary).
     oracle: {encoding: ENCODING, features: [[module, qualname]], calls: [[feature, base64 input, expected,
     traced|held-out]]}. summary: covered when every feature has HELD_OUT_AT_LEAST held-out calls (the serving
-    rule), and why not."""
+    rule; a function that takes nothing has no other input than the one the tests gave it), and why not."""
     features = [[module_name(rel), q] for rel, q in feats]
     traced = [r for r in records if isinstance(r, list) and len(r) == 2]
     known = {r[1] for r in traced}
@@ -2217,11 +2218,14 @@ def make_oracle(gold, feats, records, box):
     kept = [[i, data, first[k], "traced" if k < len(traced) else "held-out"]
             for k, (i, data) in enumerate(calls) if ok[k]]
     per = [sum(c[0] == i and c[3] == "held-out" for c in kept) for i in range(len(feats))]
+    takes = [ast.unparse(find_def(ast.parse(Path(gold, rel).read_bytes()), q).args) for rel, q in feats]
+    enough = [n >= HELD_OUT_AT_LEAST or not takes[i] and any(c[0] == i for c in kept)
+              for i, n in enumerate(per)]
     kinds = Counter(c[3] for c in kept)
     summary = {"traced": kinds["traced"], "held_out": kinds["held-out"], "recorded": len(traced),
-               "held_out_per_feature": per, "covered": min(per) >= HELD_OUT_AT_LEAST, "encoding": ENCODING}
+               "held_out_per_feature": per, "covered": all(enough), "encoding": ENCODING}
     for i, ((_, q), n) in enumerate(zip(feats, per)):
-        if n < HELD_OUT_AT_LEAST:  # why not, call by call
+        if not enough[i]:  # why not, call by call
             mine = [k for k, c in enumerate(calls) if c[0] == i]
             lost = Counter("not loadable outside the tests" if first.get(k, "").startswith("unloadable")
                            else "not the same twice" if first.get(k) != second.get(k) else "timed out"
@@ -4326,8 +4330,8 @@ def cli(argv=None) -> int:
     st.add_argument("--jobs", type=int, default=2, help="mutants verified side by side")
     st.add_argument("--seed", type=int, default=0, help="seed of the mutants drawn")
     st.add_argument("--min-strength", type=float, default=MIN_STRENGTH,
-                    help="the share of mutants killed a task needs to be served (each task's line says whether "
-                         "it is, or why not)")
+                    help="the share of mutants killed a task needs to be served (each task's line says "
+                         "whether it is, or why not)")
     for x in (m, v, st):
         x.add_argument("--python", help="interpreter that runs the tests (from `env`; default: this one for "
                                         "make, the task's for verify and strength)")

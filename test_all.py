@@ -5,6 +5,7 @@ mesh.py, grpo.py, feedback.py, tasks.py); each section's first line names the fi
     # a test process a core (pytest-xdist), one thread each; a free process takes tests from a busy one
     python -m pytest -q -n auto --dist worksteal test_all.py
 """
+import base64
 import concurrent.futures
 import contextlib
 import copy
@@ -15,6 +16,7 @@ import json
 import marshal
 import math
 import os
+import pickle
 import py_compile
 import random
 import re
@@ -4012,6 +4014,24 @@ def test_exception_classes_are_compared_by_names_that_lead_to_them(made, tmp_pat
     assert not tasks.agrees(gold, "raises " + json.dumps(universal))
     assert not tasks.agrees(gold, "raises " + "[" * 100000)
     assert not tasks.agrees(gold, "raises builtins.ValueError")
+
+
+def test_a_feature_that_takes_nothing_is_covered_by_the_call_the_tests_made(tmp_path):
+    """Held-out inputs vary a feature's arguments; a function that takes none has no input but the one the
+    tests gave it (its world: the clock, the environment), so that call covers it. One that takes any needs
+    HELD_OUT_AT_LEAST of them."""
+    Path(tmp_path, "stamp").mkdir()
+    Path(tmp_path, "stamp/__init__.py").write_text("def build_tag():\n    return 'v1'\n\n\n"
+                                                    "def label(x):\n    return f'v{x}'\n")
+    call = base64.b64encode(pickle.dumps(((), {}))).decode()
+    box = tasks.Sandbox(timeout=60)
+    feats = [("stamp/__init__.py", "build_tag")]
+    assert not tasks.make_oracle(tmp_path, feats, [], box)[1]["covered"]  # no call: nothing compared
+    oracle, summary = tasks.make_oracle(tmp_path, feats, [[0, call]], box)
+    assert summary["covered"] and summary["held_out_per_feature"] == [0] and len(oracle["calls"]) == 1
+    one = base64.b64encode(pickle.dumps(((1,), {}))).decode()
+    oracle, summary = tasks.make_oracle(tmp_path, [("stamp/__init__.py", "label")], [[0, one]], box)
+    assert summary["covered"] and summary["held_out_per_feature"][0] >= tasks.HELD_OUT_AT_LEAST
 
 
 def test_only_tasks_whose_oracle_covers_every_feature_are_served(clock, tmp_path):
