@@ -1726,10 +1726,13 @@ class Copier(pickle.Pickler):
             values = [c.cell_contents for c in obj.__closure__ or ()]
             return (types.FunctionType, (obj.__code__, {}, obj.__name__, None, cells or None),
                     (scope, obj.__defaults__, obj.__kwdefaults__, values), None, None, restore)
-        if obj is types.FunctionType or obj is types.CellType:  # named "function" and "cell" in no module
-            return getattr, (types, "FunctionType" if obj is types.FunctionType else "CellType")
+        for name in ("FunctionType", "CellType", "NoneType"):  # classes named in no module but types
+            if obj is getattr(types, name):
+                return getattr, (types, name)
         if t is types.CodeType:
             return marshal.loads, (marshal.dumps(obj),)
+        if t in (types.TracebackType, types.FrameType):  # a context manager's __exit__ gets one: sent as None,
+            return types.NoneType, ()                     # to the gold and the solution alike
         if t is types.CellType:
             return types.CellType, ()  # an empty cell: restore() fills a function's cells
         if t is types.ModuleType:
