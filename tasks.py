@@ -1938,15 +1938,15 @@ def mutants(value, rng, depth=0):
 
     def changed(key, *new):  # a copy with one key (of a dict) or attribute (of an object) replaced or removed
         if isinstance(value, dict):
-            c = items = copy.copy(value)
-        else:  # as Copier sends it: never asked for __setstate__, which a __getattr__ may not answer
-            c = t.__new__(t)
-            items = vars(c)
-            items.update(vars(value))
-        if new:
-            items[key] = new[0]
-        else:
-            del items[key]
+            c = copy.copy(value)
+            c.update({key: new[0]}) if new else c.pop(key)
+            return c
+        # an object as Copier sends it: never asked for __setstate__, which a __getattr__ may not answer;
+        # its attributes in its __dict__ or its slots
+        c = t.__new__(t)
+        for name, v in attributes(value).items():
+            object.__setattr__(c, name, v)
+        object.__setattr__(c, key, new[0]) if new else object.__delattr__(c, key)
         return c
 
     if isinstance(value, enum.Enum):  # before int: an IntEnum's variants are its siblings
@@ -1976,7 +1976,7 @@ def mutants(value, rng, depth=0):
         k = rng.choice(list(value))
         out = [changed(k), *(changed(k, m) for m in inner(value[k]))]
     elif attributes(value):
-        out = [changed(a, m) for a in sorted(vars(value)) for m in inner(vars(value)[a])]
+        out = [changed(a, m) for a, v in sorted(attributes(value).items()) for m in inner(v)]
     else:
         return []
     return [m for m in map(functools.partial(like, t), out) if m is not None]
@@ -1994,11 +1994,18 @@ def like(t, x):
 
 
 def attributes(x):
-    """An object's own attributes, or None for what has none or is taken by name (classes, functions,
-    modules)."""
+    """{name: value} of an object's own attributes, in its __dict__ and its slots, or None for what has
+    neither or is taken by name (classes, functions, modules)."""
+    if inspect.isclass(x) or inspect.isroutine(x) or inspect.ismodule(x):
+        return None
     d = getattr(x, "__dict__", None)
-    return d if type(d) is dict and not (inspect.isclass(x) or inspect.isroutine(x) or inspect.ismodule(x)) \
-        else None
+    found = dict(d) if type(d) is dict else {}
+    for cls in type(x).__mro__:
+        slots = getattr(cls, "__slots__", ())
+        for name in [slots] if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and hasattr(x, name):
+                found[name] = getattr(x, name)
+    return found if type(d) is dict or found else None
 
 
 def oracle_main(mode, root, inputs, fd):
@@ -2087,7 +2094,8 @@ def oracle_main(mode, root, inputs, fd):
                 signal.setitimer(signal.ITIMER_REAL, 0)
         except Timeout:
             line = "timeout"
-        except Exception as e:  # its classes, by names that lead to them: a subclass of the gold's agrees
+        except BaseException as e:  # its classes, by names that lead to them: a subclass of the gold's agrees
+            # (SystemExit from a main(), a BaseExceptionGroup too: a result, never the end of the child)
             line = "raises " + json.dumps(class_names(type(e)))
         out.write(json.dumps([k, line]) + "\n")
 
