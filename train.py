@@ -2060,7 +2060,8 @@ def make_parser():
                         "(0: each verify holds up sampling)")
     g.add_argument("--task-dir", default=None, metavar="DIR",
                    help="with --rl-tasks code: RL on the tasks `python tasks.py make` wrote in DIR (each "
-                        "runs its tests with the --python it was made with) instead of micro-repositories")
+                        "runs its tests with the --python it was made with) instead of micro-repositories; "
+                        "only those served: held-out inputs on every feature, strength measured and >= 0.8")
     g.add_argument("--max-gen-tokens", type=int, default=None,
                    help="tokens a rollout may write over all its turns (L_max, also the loss's constant "
                         "normaliser); default 512 for long tasks, 128 for short")
