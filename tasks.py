@@ -1731,8 +1731,8 @@ class Copier(pickle.Pickler):
                 return getattr, (types, name)
         if t is types.CodeType:
             return marshal.loads, (marshal.dumps(obj),)
-        if t in (types.TracebackType, types.FrameType):  # a context manager's __exit__ gets one: sent as None,
-            return types.NoneType, ()                     # to the gold and the solution alike
+        if t in (types.TracebackType, types.FrameType):  # as a context manager's __exit__ gets: sent as
+            return types.NoneType, ()                     # None, to the gold and the solution alike
         if t is types.CellType:
             return types.CellType, ()  # an empty cell: restore() fills a function's cells
         if t is types.ModuleType:
@@ -1919,12 +1919,18 @@ def canon(x, depth=0, seen=(), only=None):
     if t.__module__.partition(".")[0] in sys.stdlib_module_names | {"builtins"}:
         return t.__qualname__ + "<" + canon(repr(x))[1:-1] + ">"  # Decimal, date, Path...: a value repr
     state = {a: v for a, v in (getattr(x, "__dict__", None) or {}).items() if only is None or a in only}
-    for cls in t.__mro__:
+    return f"{t.__module__}.{t.__qualname__}({rec(state | slot_values(x))})"
+
+
+def slot_values(x):
+    """{name: value} of the slots x has set, in every class of its MRO."""
+    found = {}
+    for cls in type(x).__mro__:
         slots = getattr(cls, "__slots__", ())
         for name in [slots] if isinstance(slots, str) else slots:
             if name not in ("__dict__", "__weakref__") and hasattr(x, name):
-                state[name] = getattr(x, name)
-    return f"{t.__module__}.{t.__qualname__}({rec(state)})"
+                found[name] = getattr(x, name)
+    return found
 
 
 def mutants(value, rng, depth=0):
@@ -1999,12 +2005,7 @@ def attributes(x):
     if inspect.isclass(x) or inspect.isroutine(x) or inspect.ismodule(x):
         return None
     d = getattr(x, "__dict__", None)
-    found = dict(d) if type(d) is dict else {}
-    for cls in type(x).__mro__:
-        slots = getattr(cls, "__slots__", ())
-        for name in [slots] if isinstance(slots, str) else slots:
-            if name not in ("__dict__", "__weakref__") and hasattr(x, name):
-                found[name] = getattr(x, name)
+    found = (dict(d) if type(d) is dict else {}) | slot_values(x)
     return found if type(d) is dict or found else None
 
 
@@ -2149,15 +2150,16 @@ ORACLE_CHILD = "\n".join(["import contextlib, copy, copyreg, hashlib, importlib,
                           "import inspect, pickle, re, sys, tempfile, threading, types",
                           f"HELD_OUT_AT_LEAST = {HELD_OUT_AT_LEAST}",
                           *map(inspect.getsource, (Copier, restore, reopen)), COPY_MODULE,
-                          *map(inspect.getsource, (canon, mutants, like, attributes, oracle_main, class_names,
-                                                   drain, oracle_resolve)),
+                          *map(inspect.getsource, (canon, slot_values, mutants, like, attributes, oracle_main,
+                                                   class_names, drain, oracle_resolve)),
                           "oracle_main(*sys.argv[1:])"])
 
 
 # which code wrote a task's oracle (its inputs and expected strings) and its static allowances (task.json's
 # static_allowed, in the static check's words): a task made by other code is not served, and verify refuses it
 ENCODING = hashlib.sha256("".join([ORACLE_CHILD, *map(inspect.getsource, (static_findings, judged, named,
-                                                                          own_descriptors, scope, bindings)),
+                                                                          taken, own_descriptors, scope,
+                                                                          bindings, folded)),
                                    *(repr(sorted(t)) for t in (STATIC_CALLS, STATIC_MODULES, STATIC_ATTRS,
                                                                STATIC_MADE, MODULE_TAKERS, FD_CALLS))]
                                   ).encode()).hexdigest()[:16]
