@@ -4034,6 +4034,99 @@ def test_a_feature_that_takes_nothing_is_covered_by_the_call_the_tests_made(tmp_
     assert summary["covered"] and summary["held_out_per_feature"][0] >= tasks.HELD_OUT_AT_LEAST
 
 
+SHELF = """import os, sys, tempfile
+
+
+class Tags(dict):
+    \"\"\"A dict whose keys read as attributes (its own __getattr__).\"\"\"
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def first_long(words):
+    \"\"\"The first word longer than three letters, reading words once.\"\"\"
+    for w in words:
+        if len(w) > 3:
+            return w
+    return None
+
+
+def size(tags):
+    return len(tags)
+
+
+def label(tags):
+    return ",".join(sorted(tags))
+
+
+def note_file(name):
+    \"\"\"A new empty file for notes, name first.\"\"\"
+    fd, path = tempfile.mkstemp(prefix=name, dir=os.path.expanduser("~"))
+    os.close(fd)
+    return path
+
+
+def main(argv):
+    if not argv:
+        sys.exit(2)
+    return 0
+"""
+SHELF_TESTS = """import os, pytest
+from shelf import Tags, first_long, size, label, note_file, main
+
+
+def test_first_long(): assert first_long(w for w in ["a", "tree", "forest"]) == "tree"
+def test_size(): assert size(Tags()) == 0
+def test_label(): assert [label(Tags(b=1, a=2)), label(Tags(x=1)), label(Tags(c=1, d=2, e=3))] == ["a,b", "x", "c,d,e"]
+def test_note(): assert os.path.basename(note_file("log")).startswith("log")
+def test_main():
+    with pytest.raises(SystemExit):
+        main([])
+    assert main(["-v"]) == 0
+"""
+
+
+def test_held_out_inputs_from_generators_and_the_values_other_calls_take_and_results_that_vary(tmp_path):
+    """What a feature's own calls cannot give, the oracle finds elsewhere: a generator argument is recorded by
+    its items (the call still gets them all); an argument the tests only gave empty gets the values of its
+    type that they passed to other functions (a dict subclass with its own __getattr__ keeps its items); a
+    result that names a temporary file is compared but for that name (the run's home named alike in every
+    run); a main()'s exit status is compared."""
+    repo = tmp_path / "repo"
+    for rel, text in {"shelf/__init__.py": SHELF, "tests/test_shelf.py": SHELF_TESTS}.items():
+        Path(repo, rel).parent.mkdir(parents=True, exist_ok=True)
+        Path(repo, rel).write_text(text)
+    box, names = tasks.Sandbox(timeout=60), ["first_long", "size", "note_file", "main"]
+    feats = [("shelf/__init__.py", q) for q in names]
+    r, records = tasks.record_calls(repo, feats, box)
+    assert r.passed == {f"tests/test_shelf.py::test_{n}" for n in ("first_long", "size", "label", "note",
+                                                                    "main")}, r.out
+    oracle, summary = tasks.make_oracle(repo, feats, records, box)
+    assert summary["covered"], summary
+    by = {q: [c[2] for c in oracle["calls"] if c[0] == i] for i, q in enumerate(names)}
+    assert {"returns 'forest'", "returns None"} <= {x.split(";")[0] for x in by["first_long"]}, by
+    assert {"returns 1", "returns 2"} <= {x.split(";")[0] for x in by["size"]}, by  # the pool's Tags
+    assert all(x.startswith("matches ") and '"<", "home", ">", "/", null' in x for x in by["note_file"]), by
+    assert "exits 2" in by["main"] and any(x.startswith("returns 0") for x in by["main"]), by
+
+    def agrees(source):  # the oracle on a solution: does it agree on every call?
+        tree = tmp_path / "solution"
+        shutil.rmtree(tree, ignore_errors=True)
+        shutil.copytree(repo, tree)
+        Path(tree, "shelf/__init__.py").write_text(source)
+        got = tasks.oracle_run(box, tree, oracle["features"], [c[:2] for c in oracle["calls"]])
+        return all(tasks.agrees(c[2], got.get(k, "no result")) for k, c in enumerate(oracle["calls"]))
+
+    assert agrees(SHELF)
+    assert agrees(SHELF.replace("for w in words:", "for w in iter(words):"))  # honest: another way to read
+    assert not agrees(SHELF.replace("return len(tags)", "return 0"))  # the tests' one input, as a table
+    assert not agrees(SHELF.replace("dir=os.path.expanduser(\"~\")", "dir=\"/tmp\""))  # another folder
+    assert not agrees(SHELF.replace("sys.exit(2)", "sys.exit(1)"))
+
+
 def test_only_tasks_whose_oracle_covers_every_feature_are_served(clock, tmp_path):
     """One serving rule (tasks.serving), for tasks.served and TaskPool(source=DIR), train.py's --task-dir: a
     task whose oracle lacks HELD_OUT_AT_LEAST held-out inputs on a feature is never listed, and a folder with
