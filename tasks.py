@@ -1765,7 +1765,7 @@ class Copier(pickle.Pickler):
             # may never answer: restore() sets its state instead (a class goes by name, even one whose
             # metaclass has a __getattr__: an Enum)
             rv = obj.__reduce_ex__(4)
-            if isinstance(rv, tuple) and len(rv) >= 3 and isinstance(rv[2], dict):  # its items kept (a dict's)
+            if isinstance(rv, tuple) and len(rv) >= 3 and isinstance(rv[2], dict):  # a dict's items kept
                 return rv[0], rv[1], rv[2], *(rv[3:5] + (None, None))[:2], restore
         return NotImplemented
 
@@ -1872,12 +1872,16 @@ class Recorder:
                             args[j] = iter(items)
                         else:
                             kwargs[x] = iter(items)
-                taken.update(type(v) for v in (*args, *kwargs.values()) if v is not fresh)
+                with contextlib.suppress(TypeError):
+                    taken.update(type(v) for v in (*args, *kwargs.values()) if v is not fresh)
                 keep(i, (tuple(args), kwargs), fresh)
                 return
             for v in (*args, *kwargs.values()):
-                if v is not fresh and pooled(type(v)):
-                    keep(type(v), v, most=POOL_AT_MOST)
+                try:  # a class its metaclass makes unhashable, say: never an error in the tests' code
+                    if v is not fresh and pooled(type(v)):
+                        keep(type(v), v, most=POOL_AT_MOST)
+                except Exception:
+                    pass
 
         sys.setprofile(profile)
         threading.setprofile(profile)
@@ -1908,8 +1912,8 @@ class Recorder:
             json.dump(self.records, f)
 
 
-RECORDER_MODULE = f"""import copyreg, importlib, inspect, io, json, marshal, os, pickle, re, sys, tempfile
-import threading, types
+RECORDER_MODULE = f"""import contextlib, copyreg, importlib, inspect, io, json, marshal, os, pickle, re, sys
+import tempfile, threading, types
 RECORD_AT_MOST, POOL_AT_MOST, CONFIG = {RECORD_AT_MOST}, {POOL_AT_MOST}, {CONFIG!r}
 from collections import Counter
 from pathlib import Path
@@ -1998,14 +2002,16 @@ def slot_values(x):
 
 def mutants(value, rng, depth=0, read=frozenset()):
     """Type-aware variants of one value (EvalPlus), each of the value's own type where it can take it (a
-    Counter stays a Counter): numbers, durations, dates and times moved and scaled (a float to a fraction too);
-    another member of an enum; strings and sequences emptied, cut, grown and reversed; and by one rule for
-    every container and object, a copy with one item, key or attribute mutated in turn (a digit, of a string,
-    so that a parser's input may stay well formed). read: the names the feature's code uses; the keys and
-    attributes so named (or holding a dict with such keys) are mutated first, the others in random order."""
+    Counter stays a Counter): numbers, durations, dates and times moved and scaled (a float to a fraction
+    too); another member of an enum; strings and sequences emptied, cut, grown and reversed; and by one rule
+    for every container and object, a copy with one item, key or attribute mutated in turn (a digit, of a
+    string, so that a parser's input may stay well formed). read: the names the feature's code uses; the keys
+    and attributes so named (or holding a dict with such keys) are mutated first, the others in random
+    order, and an attribute so named that the object's class holds (a default, a property) is set too."""
     t, day = type(value), datetime.timedelta(days=1)
     inner = lambda v: mutants(v, rng, depth + 1, read)[:2] if depth < 3 else []
-    unread = lambda k, v: (k not in read and not (isinstance(v, dict) and not read.isdisjoint(v)), rng.random())
+    unread = lambda k, v: (k not in read and not (isinstance(v, dict) and not read.isdisjoint(v)),
+                           rng.random())
 
     def changed(key, *new, held=True):  # a copy with one key (of a dict) or attribute (of an object)
         if isinstance(value, dict):        # replaced or removed
@@ -2314,7 +2320,8 @@ def agrees(expected, got):
     pattern's open words match any one word."""
     if expected.startswith("matches "):
         want, have = json.loads(expected[8:]), WORDS.findall(got)
-        return len(want) == len(have) and all(w == h or w is None and WORD.match(h) for w, h in zip(want, have))
+        return len(want) == len(have) and all(w == h or w is None and WORD.match(h)
+                                              for w, h in zip(want, have))
     if expected.startswith("raises ") and got.startswith("raises "):
         try:
             want, have = json.loads(expected[7:]), json.loads(got[7:])

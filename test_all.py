@@ -4080,7 +4080,8 @@ from shelf import Tags, first_long, size, label, note_file, main
 
 def test_first_long(): assert first_long(w for w in ["a", "tree", "forest"]) == "tree"
 def test_size(): assert size(Tags()) == 0
-def test_label(): assert [label(Tags(b=1, a=2)), label(Tags(x=1)), label(Tags(c=1, d=2, e=3))] == ["a,b", "x", "c,d,e"]
+def test_label():
+    assert [label(Tags(b=1, a=2)), label(Tags(x=1)), label(Tags(c=1, d=2, e=3))] == ["a,b", "x", "c,d,e"]
 def test_note(): assert os.path.basename(note_file("log")).startswith("log")
 def test_main():
     with pytest.raises(SystemExit):
