@@ -3961,6 +3961,16 @@ def test_mutants_vary_every_argument_type_and_keep_it():
     assert all(m.default_factory is list for m in tasks.mutants(values[17], random.Random(0)))
     assert sorted(vars(m)["x"] for m in tasks.mutants(values[-1], random.Random(0))) == [0, 1, 1, 2]
     assert tasks.mutants(None, random.Random(0)) == []
+    # what the feature reads comes first: a key, an attribute, one its class holds (set as code would set it)
+    wide = {f"k{i}": i for i in range(20)}
+    assert tasks.mutants(wide, random.Random(0), read=frozenset({"k17"}))[2]["k17"] == 18
+    Point.label = "pt"
+    first = tasks.mutants(Point(), random.Random(0), read=frozenset({"label"}))[0]
+    assert first.label == "" and "label" not in vars(Point()) and vars(first)["x"] == 1
+    # an iterator (a generator as recorded): iterators over its items' variants; the one given is not read
+    it = iter([1, 2, 3])
+    got = [list(m) for m in tasks.mutants(it, random.Random(0))]
+    assert [] in got and [3, 2, 1] in got and next(it) == 1
 
 def test_every_served_feature_has_held_out_inputs_and_in_place_changes_count(clock, tmp_path):
     """Each feature of the clock task has held-out inputs, and the Counter a call fills is part of its result:
@@ -4126,6 +4136,12 @@ def test_held_out_inputs_from_generators_and_the_values_other_calls_take_and_res
     assert not agrees(SHELF.replace("return len(tags)", "return 0"))  # the tests' one input, as a table
     assert not agrees(SHELF.replace("dir=os.path.expanduser(\"~\")", "dir=\"/tmp\""))  # another folder
     assert not agrees(SHELF.replace("sys.exit(2)", "sys.exit(1)"))
+    # open words only where two runs of the gold differ in words; a pattern takes one word for each
+    want = tasks.pattern("returns '/tmp/a1'", "returns '/tmp/b2'")
+    assert want == 'matches ["returns", " ", "\'", "/", "tmp", "/", null, "\'"]'
+    assert tasks.agrees(want, "returns '/tmp/zz9'") and not tasks.agrees(want, "returns '/tmp/a-1'")
+    assert tasks.pattern("returns 'a-1'", "returns 'a+1'") is None
+    assert tasks.pattern("raises [1]", "raises [2]") is None
 
 
 def test_only_tasks_whose_oracle_covers_every_feature_are_served(clock, tmp_path):
