@@ -2009,7 +2009,13 @@ def mutants(value, rng, depth=0, read=frozenset()):
     and attributes so named (or holding a dict with such keys) are mutated first, the others in random
     order, and an attribute so named that the object's class holds (a default, a property) is set too."""
     t, day = type(value), datetime.timedelta(days=1)
-    inner = lambda v: mutants(v, rng, depth + 1, read)[:2] if depth < 3 else []
+
+    def inner(v):  # an item's or attribute's first variants; none where it cannot be varied (an open file)
+        try:
+            return mutants(v, rng, depth + 1, read)[:2] if depth < 3 else []
+        except Exception:
+            return []
+
     unread = lambda k, v: (k not in read and not (isinstance(v, dict) and not read.isdisjoint(v)),
                            rng.random())
 
@@ -2026,8 +2032,9 @@ def mutants(value, rng, depth=0, read=frozenset()):
         (object.__setattr__ if held else setattr)(c, key, new[0]) if new else object.__delattr__(c, key)
         return c
 
-    if hasattr(t, "__next__") and hasattr(t, "__iter__"):  # an iterator (a generator as recorded): its items
-        return [iter(m) for m in mutants(list(itertools.islice(copy.copy(value), 1000)), rng, depth)]
+    if hasattr(t, "__next__") and hasattr(t, "__iter__") and not isinstance(value, io.IOBase):
+        # an iterator (a generator as recorded): iterators over its items' variants, read from a copy
+        return [iter(m) for m in mutants(list(itertools.islice(copy.copy(value), 1000)), rng, depth, read)]
     if isinstance(value, enum.Enum):  # before int: an IntEnum's variants are its siblings
         return [m for m in t if m is not value][:3]
     if t is bool:

@@ -3971,6 +3971,11 @@ def test_mutants_vary_every_argument_type_and_keep_it():
     it = iter([1, 2, 3])
     got = [list(m) for m in tasks.mutants(it, random.Random(0))]
     assert [] in got and [3, 2, 1] in got and next(it) == 1
+    # an attribute that cannot be varied (an open file: no copy to read) leaves the others varied
+    Point.label = None
+    with open(__file__) as f:
+        (p := Point()).tags = f
+        assert {0, 2} <= {m.x for m in tasks.mutants(p, random.Random(0))}
 
 def test_every_served_feature_has_held_out_inputs_and_in_place_changes_count(clock, tmp_path):
     """Each feature of the clock task has held-out inputs, and the Counter a call fills is part of its result:
