@@ -38,7 +38,9 @@ from tasks import FORMAT_REMINDER, READ_FIRST, STYLE_REMINDER, reminder
 class FeedbackConfig:
     coef: float = 0.1  # lambda; 0 reproduces pure RL exactly (the term is not even computed)
     estimator: str = "full"  # "full": exact KL over the vocabulary; "sampled": the sampled-token estimator
-    teacher: str = "current"  # "current" policy (the seed's choice), "frozen" copy, or "ema" of the policy
+    # the teacher: a "frozen" copy of the policy RL starts from, an "ema" of the policy, or the "current" policy
+    # (the seed's choice; with it every run collapsed after 12-16 RL steps: experiments.md)
+    teacher: str = "frozen"
     ema_decay: float = 0.99
     temperature: float = 1.0  # the one the messages were sampled at ("sampled" reweights them to T = 1)
 
@@ -395,13 +397,13 @@ if __name__ == "__main__":
     print(f"P(next call names an absent tool):  student {student[0]:.3f}  teacher {teacher[0]:.3f}")
     print(f"P(next call names an offered tool): student {student[1]:.3f}  teacher {teacher[1]:.3f}")
     # 3) one update on the feedback loss alone moves the student toward the teacher at that turn
-    fb = Feedback(model, FeedbackConfig())
+    fb = Feedback(model, FeedbackConfig())  # a frozen teacher: the policy as it is now
     sgd = torch.optim.SGD(model.parameters(), lr=a.lr)
-    loss, stats = fb.loss(model, [traj], norm=len(bad))
+    loss, stats = fb.loss(model, [traj], norm=len(bad), targets=fb.targets(model, [traj]))
     loss.backward()
     sgd.step()
     after = split(p_tools(model, ctx))
-    _, stats_after = fb.loss(model, [traj], norm=len(bad))
+    _, stats_after = fb.loss(model, [traj], norm=len(bad), targets=fb.targets(model, [traj]))
     print(f"after one SGD step (lr {a.lr}) on L_fb: KL(student || teacher) on the message "
           f"{stats['feedback_kl']:.4f} -> {stats_after['feedback_kl']:.4f}; "
           f"student P(absent) {student[0]:.3f} -> {after[0]:.3f}, "

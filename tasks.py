@@ -3176,16 +3176,32 @@ class Verifier:
                 fut = self.cache[key] = concurrent.futures.Future() if self.pool is None else \
                     self.pool.submit(self.verify, env.dir, dict(env.edits), env.box)
         env.pending = fut
+        if new:  # a verify that raised (a full disk) is no result of the tree: the next episode verifies again
+            fut.add_done_callback(self.forget)
         if self.pool is None and new:  # no pool: verify now, in this thread
             with self.waiting():
-                fut.set_result(self.verify(env.dir, dict(env.edits), env.box))
+                try:
+                    fut.set_result(self.verify(env.dir, dict(env.edits), env.box))
+                except BaseException as e:  # on the future too: every episode that waits on it gets it
+                    fut.set_exception(e)
+                    raise
+
+    def forget(self, fut):
+        if fut.done() and not fut.cancelled() and fut.exception() is not None:
+            with self.lock:
+                for key in [k for k, f in self.cache.items() if f is fut]:
+                    del self.cache[key]
 
     def result(self, env):
         """The episode's (reward, reason), once its verify is done."""
         self.start(env)
         if env.result is None:
             with self.waiting():
-                env.result = env.pending.result()
+                try:
+                    env.result = env.pending.result()
+                except BaseException:  # raised here, and forgotten before the next episode asks
+                    self.forget(env.pending)
+                    raise
         return env.result
 
     @contextlib.contextmanager

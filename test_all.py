@@ -33,6 +33,7 @@ import tempfile
 import textwrap
 import time
 import zipfile
+import types
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -3067,16 +3068,17 @@ def test_feedback_reuses_the_rl_forward_and_lambda_zero_is_pure_rl():
     from grpo import grpo_loss
     model, cfg, trajs = _feedback_rollout()
     trajs[0].reward = 0.0  # a non-zero advantage, so pure RL has a gradient to compare
-    fb = Feedback(model, FeedbackConfig())
-    own, _ = fb.loss(model, trajs, norm=100.0)
+    fb = Feedback(model, FeedbackConfig())  # a frozen teacher: its pass runs before the student's forward
+    own, _ = fb.loss(model, trajs, norm=100.0, targets=fb.targets(model, trajs))
     grads = {}
     for lam in (None, 0.0):
         model.zero_grad()
         for m in model.moe_layers():
             m.tokens_per_expert.zero_()
+        targets = fb.targets(model, trajs) if lam is not None else None
         loss, _, _, logits = grpo_loss(model, trajs, cfg)
         if lam is not None:
-            fb_loss, stats = fb.loss(model, trajs, norm=100.0, logits=logits)
+            fb_loss, stats = fb.loss(model, trajs, norm=100.0, logits=logits, targets=targets)
             torch.testing.assert_close(fb_loss, own)  # no forward of its own, same value
             loss = loss + lam * fb_loss
         loss.backward()
@@ -5636,6 +5638,30 @@ def episode(d, messages, **kw):
         if env.step(m)[1]:
             break
     return env
+
+
+def test_a_verify_that_raises_never_hangs_the_run(tmp_path, monkeypatch):
+    """A verify that raises (a full disk) raises in the episode that waits on it, with a pool of threads or
+    without, and is forgotten: the next episode that ends with the same tree verifies again."""
+    calls = []
+
+    def full_disk_once(self, task_dir, edits, box):
+        calls.append(task_dir)
+        if len(calls) == 1:
+            raise OSError(28, "No space left on device")
+        return 1, "verified"
+
+    monkeypatch.setattr(tasks.Verifier, "verify", full_disk_once)
+    episode = lambda: types.SimpleNamespace(pending=None, result=None, flags=None, steps=[], dir=tmp_path,
+                                            edits={"calc/core.py": b"x = 1\n"}, box=None,
+                                            task={"fail_to_pass": ["t"], "pass_to_pass": []})
+    for workers in (0, 1):
+        calls.clear()
+        verifier = tasks.Verifier(workers)
+        with pytest.raises(OSError, match="No space left on device"):
+            verifier.result(episode())
+        assert verifier.result(episode()) == (1, "verified") and len(calls) == 2
+        assert verifier.result(episode()) == (1, "verified") and len(calls) == 2  # shared once it has one
 
 
 def test_code_env_scripted_policies(made, tmp_path):
