@@ -38,8 +38,8 @@ from tasks import FORMAT_REMINDER, READ_FIRST, STYLE_REMINDER, reminder
 class FeedbackConfig:
     coef: float = 0.1  # lambda; 0 reproduces pure RL exactly (the term is not even computed)
     estimator: str = "full"  # "full": exact KL over the vocabulary; "sampled": the sampled-token estimator
-    # the teacher: a "frozen" copy of the policy RL starts from, an "ema" of the policy, or the "current" policy
-    # (the seed's choice; with it every run collapsed after 12-16 RL steps: experiments.md)
+    # the teacher: a "frozen" copy of the policy RL starts from, an "ema" of the policy, or the "current"
+    # policy (the seed's choice; with it every run collapsed after 12-16 RL steps: experiments.md)
     teacher: str = "frozen"
     ema_decay: float = 0.99
     temperature: float = 1.0  # the one the messages were sampled at ("sampled" reweights them to T = 1)
@@ -155,14 +155,17 @@ class Feedback:
         rows = {id(s): r for r, (_, s) in enumerate(grpo_rows(trajs))}
         students, teachers, spans, names = [], [], [], []
         counts = {name: 0 for name, _ in self.rules}
-        opening = len(self.tok.opens["assistant"])  # the tokens before a message's first: the template's
         for t in trajs:
             for seg, start, end, hint, name in find_targets(t, self.rules):
-                tokens = t.segments[seg].tokens
-                h = self.tok.turn("system", hint) if hint else []
+                # the teacher's context: the turns before the message, the hint's system turn with the
+                # generation prompt after it (what the template adds there), then the message
+                tokens, messages = t.segments[seg].tokens, t.segments[seg].messages
+                opening, before = t.openings[t.spans.index((seg, start, end))]
+                h = self.tok.delta(messages[:before], [("system", hint)], prompt=True) if hint else \
+                    tokens[opening:start]
                 students.append((rows[id(t.segments[seg])], tokens[:end]))
-                teachers.append(tokens[:start - opening] + h + tokens[start - opening:end])
-                spans.append((start, end, len(h)))
+                teachers.append(tokens[:opening] + h + tokens[start:end])
+                spans.append((start, end, len(h) - (start - opening)))
                 names.append(name)
                 counts[name] += 1
         was_training = policy.training
@@ -365,12 +368,13 @@ if __name__ == "__main__":
     first = [("user", task.question)]
     ctx = [tok for role, text in first for tok in BYTES.turn(role, text)] + BYTES.opens["assistant"]
     bad = encode(f"call {absent}(1,2)") + [BYTES.end]
-    seg = Segment()
+    seg = Segment(messages=first + [("assistant", f"call {absent}(1,2)")])
     seg.add(ctx)
     seg.add(bad, policy=True, logps=[0.0] * len(bad))
     error = f"error: tool not found: {absent}. available tools: {', '.join(task.tools)}"
     traj = Trajectory([seg], turns=first + [("assistant", f"call {absent}(1,2)"), ("tool", error)],
-                      spans=[(0, len(ctx), len(ctx) + len(bad))])
+                      spans=[(0, len(ctx), len(ctx) + len(bad))],
+                      openings=[(len(ctx) - len(BYTES.opens["assistant"]), len(first))])
     hint = tool_not_found(f"call {absent}(1,2)", error, first)
     offered = [n for n in TOOLS if n in task.tools]
 

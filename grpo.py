@@ -26,6 +26,7 @@ them their batches (section at the end).
 """
 import concurrent.futures
 import contextlib
+import difflib
 import pickle
 import time
 from dataclasses import dataclass, field
@@ -68,6 +69,7 @@ class Segment:
     tokens: list = field(default_factory=list)
     policy: list = field(default_factory=list)
     sampler_logp: list = field(default_factory=list)
+    messages: list = field(default_factory=list)  # the conversation the tokens render: (role, text)
 
     def add(self, ids, policy=False, logps=None):
         self.tokens += ids
@@ -86,6 +88,8 @@ class Trajectory:
     done: bool = False
     summarizing: bool = False  # the next message answers the summary request
     spans: list = field(default_factory=list)  # (segment, start, end) of each assistant turn's policy tokens
+    openings: list = field(default_factory=list)  # each turn's (generation prompt's start, messages before)
+    retokenized: int = 0  # tokens where the turn-by-turn ids differ from the whole rendering encoded at once
 
 
 
@@ -321,6 +325,14 @@ def sample_messages(model, contexts, cfg, gen, limits=None, cache=None):
     return out
 
 
+def retokenized(built, whole):
+    """Tokens where two id sequences differ: those outside their longest common blocks."""
+    if built == whole:
+        return 0
+    blocks = difflib.SequenceMatcher(None, built, whole, autojunk=False).get_matching_blocks()
+    return max(len(built), len(whole)) - sum(b.size for b in blocks)
+
+
 @torch.no_grad()
 def rollout(policy, envs, cfg, gen, sharded=False):
     """Run one episode per env, all batched, until each ends or writes max_gen_tokens. -> [Trajectory]
@@ -333,11 +345,9 @@ def rollout(policy, envs, cfg, gen, sharded=False):
     with quantized.loaded(policy) if quantized else contextlib.nullcontext():
         trajs = []
         for env in envs:
-            t = Trajectory([Segment()], turns=list(env.first_turns()), env=env)
-            t.segments[0].add(tok.start)
-            for role, text in t.turns:
-                t.segments[0].add(tok.turn(role, text))
-            t.prompt = list(t.segments[0].tokens)
+            t = Trajectory([Segment(messages=list(env.first_turns()))], env=env)
+            t.turns, t.prompt = list(t.segments[0].messages), tok.delta([], t.segments[0].messages)
+            t.segments[0].add(t.prompt)
             trajs.append(t)
         # one cache row a live trajectory, kept across its messages: each message prefills only what came
         # since the last (its last token, the tool's reply, the role token), not the whole context again
@@ -348,25 +358,27 @@ def rollout(policy, envs, cfg, gen, sharded=False):
                 break
             cache.keep([i for i, t in enumerate(rows) if not t.done])
             rows = live
-            for t in live:  # the tokens opening the message are the template's, not the policy's
-                t.segments[-1].add(tok.opens["assistant"])
+            for t in live:  # the generation prompt that opens the message is the template's, not the policy's
+                t.openings.append((len(t.segments[-1].tokens), len(t.segments[-1].messages)))
+                t.segments[-1].add(tok.delta(t.segments[-1].messages, [], prompt=True))
             cached = cache.next_pos.tolist()  # [B] tokens of each row's segment in the cache
             msgs = sample_messages(sampler, [t.segments[-1].tokens[n:] for t, n in zip(live, cached)], cfg,
                                    gen, [min(cfg.max_message_tokens, cfg.max_gen_tokens - t.written)
                                          for t in live], cache=cache)
             stepping = []  # the trajectories whose message goes to their environment
             for row, (t, (ids, logps)) in enumerate(zip(live, msgs)):
-                start = len(t.segments[-1].tokens)
-                t.segments[-1].add(ids, True, logps)
-                if not ids or ids[-1] != tok.end:  # cut at its limit: close it (not a policy token)
-                    t.segments[-1].add([tok.end])
-                t.segments[-1].add(tok.closes["assistant"][1:])  # what the template puts after the end
+                seg, ended = t.segments[-1], bool(ids) and ids[-1] == tok.end
+                start = len(seg.tokens)
+                seg.add(ids, True, logps)
+                text = tok.decode(ids[:-1] if ended else ids)
+                seg.add(tok.closing(seg.messages, text, ended))  # what the template puts after it (the end
+                seg.messages.append(("assistant", text))         # token too, where the message was cut)
                 t.written += len(ids)
-                text = tok.decode(ids[:-1] if ids and ids[-1] == tok.end else ids)
                 if t.summarizing:  # the summary ends the segment; the next one starts from prompt + summary
-                    t.summarizing = False
-                    t.segments.append(Segment())
-                    t.segments[-1].add(t.prompt + tok.turn("assistant", text))
+                    t.openings.pop()  # no turn of its own: the first turns' place in the next segment
+                    t.summarizing, first = False, t.segments[0].messages[:t.openings[0][1]]
+                    t.segments.append(Segment(messages=[*first, ("assistant", text)]))
+                    t.segments[-1].add(t.prompt + tok.delta(first, [("assistant", text)]))
                     cache.reset(row)
                     t.done = t.written >= cfg.max_gen_tokens
                     continue
@@ -379,14 +391,18 @@ def rollout(policy, envs, cfg, gen, sharded=False):
                 t.done = done
                 if reply is not None:
                     t.turns.append(("tool", reply))
-                    t.segments[-1].add(tok.turn("tool", reply))
+                    t.segments[-1].add(tok.delta(t.segments[-1].messages, [("tool", reply)]))
+                    t.segments[-1].messages.append(("tool", reply))
                 t.done = t.done or t.written >= cfg.max_gen_tokens
                 if not t.done and len(t.segments[-1].tokens) > cfg.context_budget:
                     # environment text: never trained
-                    t.segments[-1].add(tok.turn("user", SUMMARY_REQUEST))
+                    t.segments[-1].add(tok.delta(t.segments[-1].messages, [("user", SUMMARY_REQUEST)]))
+                    t.segments[-1].messages.append(("user", SUMMARY_REQUEST))
                     t.summarizing = True
         if sharded:
             sampler.drain()
+    for t in trajs:  # the ids built turn by turn against the whole conversation rendered and encoded at once
+        t.retokenized = sum(retokenized(s.tokens, tok.rendered(s.messages)) for s in t.segments)
     for t, reward in zip(trajs, ENV_THREADS.map(lambda t: t.env.reward(), trajs)):  # verifies side by side
         t.reward = float(reward)
     policy.train(was_training)

@@ -25,6 +25,7 @@ parallelism (MLA.cp_group set; each rank holds a chunk of the sequence and gathe
 import contextlib
 import json
 import math
+import os
 import re
 import shutil
 import sys
@@ -74,20 +75,22 @@ def decode(ids) -> str:
     return "".join(out)
 
 
-# A tokenizer as RL uses it: text <-> ids, and the tokens that open and close a turn of each role of
-# tasks.render (system, user, assistant, tool). An assistant turn ends with `end`, the token sampling stops
-# on; whatever else closes it (a newline after it, say) follows as context, never as the policy's tokens.
+# A tokenizer as RL uses it: text <-> ids, and a conversation's tokens turn by turn, as the chat format
+# renders it (multi-turn RL frameworks build them so): the tokens a turn adds are the rendering of the
+# conversation up to that turn minus the rendering before it; a generation prompt opens each reply; the
+# policy's sampled tokens are kept as sampled, never re-encoded, and what the format puts after them is
+# added. An assistant turn ends with `end`, the token sampling stops on. Messages are (role, text) pairs of
+# tasks.render's roles.
 ROLES = ("system", "user", "assistant", "tool")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                    "special_tokens_map.json")
 
 
 class ByteTokenizer:
-    """This project's: UTF-8 bytes, and SPECIALS for the roles (<|user|> ... <|end|>). start: what a
-    conversation opens with before its first turn (a released model's template may put a BOS there)."""
-    vocab_size, pad, end, start = VOCAB_SIZE, TOKEN["<|pad|>"], TOKEN["<|end|>"], []
+    """This project's: UTF-8 bytes, and SPECIALS for the roles (<|user|> ... <|end|>): a turn is its role's
+    token, its text, <|end|>, so what a turn adds never depends on the turns before it."""
+    vocab_size, pad, end = VOCAB_SIZE, TOKEN["<|pad|>"], TOKEN["<|end|>"]
     opens = {r: [TOKEN[f"<|{r}|>"]] for r in ROLES}
-    closes = {r: [TOKEN["<|end|>"]] for r in ROLES}
 
     def encode(self, text):
         return encode(text)
@@ -96,7 +99,21 @@ class ByteTokenizer:
         return decode([i for i in ids if i < 256])
 
     def turn(self, role, text):
-        return self.opens[role] + self.encode(text) + self.closes[role]
+        return self.opens[role] + self.encode(text) + [self.end]
+
+    def delta(self, messages, new, prompt=False):
+        """The ids that the messages `new` add after `messages`, and a generation prompt after them if
+        prompt."""
+        return [i for role, text in new for i in self.turn(role, text)] + (self.opens["assistant"] if prompt
+                                                                           else [])
+
+    def closing(self, messages, text, ended):
+        """The ids after a sampled reply to `messages` (its text; ended: its last sampled token is `end`)."""
+        return [] if ended else [self.end]
+
+    def rendered(self, messages, prompt=False):
+        """The whole conversation's ids at once: what the ids built turn by turn must equal."""
+        return self.delta([], messages, prompt)
 
 
 BYTES = ByteTokenizer()
@@ -106,15 +123,58 @@ class TokenizerError(ValueError):
     """A checkpoint folder's tokenizer or chat template that RL cannot use: one line."""
 
 
+def chat_template(template, where, own=False):
+    """The template compiled as transformers compiles it: transformers' own environment when it is installed
+    (own=False), else the same one built here: sandboxed, trim_blocks and lstrip_blocks, loop controls, the
+    {% generation %} tag, tojson without HTML escapes, strftime_now, raise_exception."""
+    try:
+        import jinja2
+        import jinja2.ext
+        import jinja2.sandbox
+    except ImportError:
+        raise TokenizerError("jinja2 is missing (it renders the chat template): pip install jinja2") from None
+    try:
+        if not own:
+            with contextlib.suppress(ImportError, AttributeError):
+                from transformers.utils.chat_template_utils import _compile_jinja_template
+                return _compile_jinja_template(template)
+
+        class Generation(jinja2.ext.Extension):  # what the assistant wrote: rendered as it is
+            tags = {"generation"}
+
+            def parse(self, parser):
+                line = next(parser.stream).lineno
+                body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+                return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(line)
+
+            def _body(self, caller):
+                return caller()
+
+        def raise_exception(message):
+            raise jinja2.exceptions.TemplateError(message)
+
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[
+            Generation, jinja2.ext.loopcontrols])
+        env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: \
+            json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                       sort_keys=sort_keys)
+        env.globals.update(raise_exception=raise_exception, namespace=jinja2.utils.Namespace,
+                           strftime_now=lambda f: time.strftime(f))
+        return env.from_string(template)
+    except jinja2.TemplateError as e:
+        raise TokenizerError(f"{where}: the chat template does not parse ({e})") from None
+
+
 class HFTokenizer(ByteTokenizer):
     """A released model's tokenizer, read from its checkpoint folder: tokenizer.json (through the
-    `tokenizers` package) and the chat template of tokenizer_config.json (or chat_template.jinja). The
-    template is rendered (jinja2, sandboxed, as transformers renders it) around marker texts to learn what
-    opens and closes each role's turn; those strings are encoded with the tokenizer, so the template's special
-    tokens become the model's own ids, never their spelling in plain text. A template without a system or tool
-    role renders those turns as user turns; one without an assistant turn is refused."""
+    `tokenizers` package) and the chat template of tokenizer_config.json (or chat_template.jinja), rendered
+    as transformers renders it. What a turn adds is taken from renderings of the conversation, so a template
+    that puts a BOS or a default system turn first, merges the system prompt into the first user turn, or
+    opens a reply with a generation prompt unlike its in-conversation opening is followed as it is. A role
+    RL needs that the template has no place for (a tool turn after a reply, a system turn between turns) is
+    refused in one line naming it, unless `roles` maps it to one it has ({"tool": "user"})."""
 
-    def __init__(self, folder, vocab_size=None):
+    def __init__(self, folder, vocab_size=None, roles=None):
         folder = Path(folder)
         if not (folder / "tokenizer.json").is_file():
             raise TokenizerError(f"{folder}: no tokenizer.json (RL on a released model writes and reads its "
@@ -141,9 +201,10 @@ class HFTokenizer(ByteTokenizer):
             raise TokenizerError(f"{folder}/tokenizer.json has {self.vocab_size} tokens but config.json's "
                                  f"vocab_size is {vocab_size}: the tokenizer is not this model's")
         token = lambda k: config[k].get("content") if isinstance(config.get(k), dict) else config.get(k)
-        self.start, self.opens, self.closes = chat_roles(
-            template, {k: token(k) for k in ("bos_token", "eos_token")}, self.encode, folder)
-        self.end = self.closes["assistant"][0]
+        self.template, self.where = chat_template(template, folder), folder
+        self.tokens = {k: token(k) for k in ("bos_token", "eos_token")}
+        self.roles = {**{r: r for r in ROLES}, **(roles or {})}
+        self.end = self.probe()
         added = self.fast.get_added_tokens_decoder()  # {id: AddedToken}
         if not (self.end in added and added[self.end].special):
             raise TokenizerError(f"{folder}: the chat template ends an assistant turn with "
@@ -157,49 +218,63 @@ class HFTokenizer(ByteTokenizer):
     def decode(self, ids):
         return self.fast.decode(list(ids), skip_special_tokens=True)
 
-
-def chat_roles(template, tokens, encode, where):
-    """The ids before the first turn, and those that open and close a turn of each role: each message
-    rendered after a user turn, split around a marker text. -> (ids, {role: ids}, {role: ids})"""
-    try:
-        import jinja2.sandbox
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = lambda m: (_ for _ in ()).throw(TokenizerError(m))
-        compiled = env.from_string(template)
-    except ImportError:
-        raise TokenizerError("jinja2 is missing (it renders the chat template): pip install jinja2") from None
-    except jinja2.TemplateError as e:
-        raise TokenizerError(f"{where}: the chat template does not parse ({e})") from None
-
-    def render(messages, prompt=False):
+    def render(self, messages, prompt=False):
+        """The template's text of a conversation, the turns after its first reply in their mapped roles;
+        TokenizerError where the template refuses it."""
+        import jinja2
+        first = next((i for i, (role, _) in enumerate(messages) if role == "assistant"), len(messages))
+        msgs = [{"role": self.roles[role] if i > first else role, "content": text}
+                for i, (role, text) in enumerate(messages)]
         try:
-            return compiled.render(messages=messages, add_generation_prompt=prompt, **tokens)
-        except (jinja2.TemplateError, TokenizerError, TypeError, KeyError, IndexError):
-            return None
+            return self.template.render(messages=msgs, add_generation_prompt=prompt, **self.tokens)
+        except (jinja2.TemplateError, TypeError, KeyError, IndexError) as e:
+            raise TokenizerError(f"{self.where}: the chat template refuses the conversation "
+                                 f"{[m['role'] for m in msgs]} ({e})") from None
 
-    # each role's message after a user turn, or after a user and an assistant turn (templates that insist on
-    # alternation); what it adds to the rendering, split around its marker, is its opening and closing
-    first, reply = {"role": "user", "content": "\x01U\x01"}, {"role": "assistant", "content": "\x01A\x01"}
-    texts = {}
-    for role in ("assistant", "user", "system", "tool"):
-        marker = f"\x01{role.upper()}\x01"
-        for base in ([first], [first, reply]):
-            before, text = render(base), render(base + [{"role": role, "content": marker}])
-            if before is not None and text is not None and text.startswith(before) and marker in text:
-                texts[role] = text[len(before):].split(marker)
-                break
-    if "assistant" not in texts:
-        raise TokenizerError(f"{where}: the chat template renders no assistant turn after a user turn")
-    for role in ("user", "system", "tool"):  # a role the template lacks speaks as the user
-        texts.setdefault(role, texts.get("user", ["", ""]))
-    before, prompt = render([first]), render([first], prompt=True)
-    if prompt and prompt.startswith(before) and prompt[len(before):]:
-        texts["assistant"][0] = prompt[len(before):]  # the generation prompt: what opens a reply
-    if not texts["assistant"][1]:
-        raise TokenizerError(f"{where}: the chat template closes an assistant turn with nothing (no end "
-                             "token)")
-    start = before.split(first["content"])[0].removesuffix(texts["user"][0])  # a BOS, a default system turn
-    return (encode(start), {r: encode(texts[r][0]) for r in ROLES}, {r: encode(texts[r][1]) for r in ROLES})
+    def added(self, before, after):
+        """What the rendering `after` adds to the rendering `before`: the text after their common start (all
+        of it past `before` where the template renders the earlier turns alike, as it should)."""
+        return after[len(os.path.commonprefix([before, after])):]
+
+    def delta(self, messages, new, prompt=False):
+        before = self.render(messages) if messages else ""
+        return self.encode(self.added(before, self.render([*messages, *new], prompt)))
+
+    def closing(self, messages, text, ended):
+        opened = self.render(messages, True) + text
+        close = self.encode(self.added(opened, self.render([*messages, ("assistant", text)])))
+        rest = close[1:] if close[:1] == [self.end] else close  # the end token: sampled, or added here
+        return rest if ended else [self.end] + rest
+
+    def rendered(self, messages, prompt=False):
+        return self.encode(self.render(messages, prompt))
+
+    def probe(self):
+        """The turns RL writes, rendered once: refused in one line where the template has no place for a role
+        after a reply (a feedback hint, a tool's output, a summary request, a summary restart), or renders it
+        elsewhere than after the turns before it. -> the id that ends a reply."""
+        u, a = ("user", "\x01U\x01"), ("assistant", "\x01A\x01")
+        opened, replied = self.render([u], True), self.render([u, a])
+        if a[1] not in replied:
+            raise TokenizerError(f"{self.where}: the chat template renders no assistant turn after a user "
+                                 "turn")
+        close = self.encode(self.added(opened + a[1], replied))
+        if not close:
+            raise TokenizerError(f"{self.where}: the chat template closes an assistant turn with nothing (no "
+                                 "end token)")
+        for role in ("system", "tool", "user", "assistant"):
+            marker = f"\x01{role}\x01"
+            mapping = "" if role == "assistant" else \
+                f"; map it to a role it has, e.g. --chat-roles {role}=user"
+            try:
+                text = self.render([u, a, (role, marker)])
+            except TokenizerError as e:
+                raise TokenizerError(f"{e}: it has no place for a {role} turn after a reply"
+                                     f"{mapping}") from None
+            if not text.startswith(replied) or marker not in text:
+                raise TokenizerError(f"{self.where}: the chat template puts a {role} turn after a reply "
+                                     f"elsewhere than after it{mapping}")
+        return close[0]
 
 
 # -----------------------------------------------------------------------------

@@ -1819,7 +1819,7 @@ def test_rl_on_a_released_model_speaks_its_tokenizer(tmp_path):
     there; one RL step of train.py at one rank and at two (one trains, one samples) has the same loss, and its
     export loads in transformers with our logits and keeps the tokenizer."""
     from feedback import Feedback, FeedbackConfig, find_targets
-    from grpo import GRPOConfig, rollout
+    from grpo import GRPOConfig, retokenized, rollout
     tf = pytest.importorskip("transformers", reason="pip install transformers")
     needs_safetensors()
     hf = tmp_path / "hf"
@@ -1832,8 +1832,9 @@ def test_rl_on_a_released_model_speaks_its_tokenizer(tmp_path):
     turns = [("user", "add 2 and 3 using tools: add"), ("assistant", "call add(2,3)"), ("tool", "5"),
              ("system", "Reminder: Available tools: add")]
     msgs = [{"role": r, "content": c} for r, c in turns]
-    assert tok.start + sum((tok.turn(r, c) for r, c in turns), []) + tok.opens["assistant"] == \
-        render_ids(msgs, True)
+    built = sum((tok.delta(turns[:i], turns[i:i + 1]) for i in range(len(turns))), []) + \
+        tok.delta(turns, [], prompt=True)
+    assert built == render_ids(msgs, True) == tok.rendered(turns, True)
     assert tok.end == chat.convert_tokens_to_ids("<|im_end|>") and tok.decode(tok.encode("call add(2,3)")) \
         == "call add(2,3)"
     # a rollout with our model of the checkpoint: every message a feedback target (an absent tool each time)
@@ -1848,7 +1849,17 @@ def test_rl_on_a_released_model_speaks_its_tokenizer(tmp_path):
                 logp = ref(input_ids=torch.tensor([seg.tokens])).logits[0].float().log_softmax(-1)
             for i in (i for i, p in enumerate(seg.policy) if p):
                 worst, n = max(worst, abs(logp[i - 1, seg.tokens[i]].item() - seg.sampler_logp[i])), n + 1
-        assert t.segments[0].tokens[:len(tok.start) + 1] == tok.start + tok.opens["user"][:1]
+        # every token the template adds is the whole rendering's: with each sampled message encoded anew
+        # from its text (a random policy's tokens are not what encoding their text gives), the segment is the
+        # conversation rendered and encoded at once; the difference is what rollout reports
+        rebuilt, at, seg = [], 0, t.segments[0]
+        for _, a, b in t.spans:
+            ended = seg.tokens[b - 1] == tok.end
+            rebuilt += seg.tokens[at:a] + tok.encode(tok.decode(seg.tokens[a:b - ended])) + [tok.end] * ended
+            at = b
+        whole = render_ids([{"role": r, "content": c} for r, c in seg.messages], False)
+        assert rebuilt + seg.tokens[at:] == whole and len(t.segments) == 1
+        assert t.retokenized == retokenized(seg.tokens, whole) > 0
     assert n >= 12 and worst <= 1e-4, (n, worst)
     # the teacher's context of each trajectory's first target: opening, the hint's system turn, the reply's
     # opening, as the template renders them
@@ -1861,7 +1872,7 @@ def test_rl_on_a_released_model_speaks_its_tokenizer(tmp_path):
                           True) + t.segments[seg].tokens[start:end]
         with torch.no_grad():
             torch.testing.assert_close(t_logits[row, :len(want)], ours(torch.tensor([want]))[0][0])
-        assert name == "tool_not_found" and spans[row] == (start, end, len(tok.turn("system", hint)))
+        assert name == "tool_not_found" and spans[row][:2] == (start, end)
         # between two messages: the rest of the first's closing, the tool's turn, the next one's opening
         (_, _, end1, _, _), (_, start2, _, _, _) = find_targets(t)
         end1 -= t.segments[seg].tokens[end1 - 1] == tok.end  # sampled, or added when the message was cut
