@@ -79,9 +79,9 @@ import tasks
 from feedback import RULES, Feedback, FeedbackConfig, read_first
 from grpo import (SUMMARY_REQUEST, Bridge, GRPOConfig, PeerLost, Weights, grpo_loss, logprobs, minibatches,
                   pack_policy, rollout, serve_rollouts)
-from model import (BYTES, PRESETS, VOCAB_SIZE, CheckpointError, ContextParallel, HFTokenizer, ModelConfig,
-                   TOKENIZER_FILES, TokenizerError, Transformer, encode, flops_per_token, hf_config, load_hf,
-                   memory_plan, param_counts, save_hf)
+from model import (BYTES, PRESETS, ROLES, VOCAB_SIZE, CheckpointError, ContextParallel, HFTokenizer,
+                   ModelConfig, TOKENIZER_FILES, TokenizerError, Transformer, encode, flops_per_token, hf_config,
+                   load_hf, memory_plan, param_counts, save_hf)
 from muon import Muon, param_groups
 
 # what runs on this machine keep between them: the corpus's tokens, the measured peak
@@ -1802,8 +1802,12 @@ def check(args):
     tokenizer = BYTES
     if args.init_from and args.stage != "pretrain" and not args.dry_run and (
             cfg.vocab_size != VOCAB_SIZE or Path(args.init_from, "tokenizer.json").exists()):
+        roles = dict(pair.split("=", 1) for pair in args.chat_roles.split(",") if "=" in pair)
+        if any(k not in ROLES or v not in ROLES for k, v in roles.items()) or \
+                len(roles) != len([x for x in args.chat_roles.split(",") if x]):
+            die(f"--chat-roles {args.chat_roles!r}: pairs ROLE=ROLE of {', '.join(ROLES)}, comma separated")
         try:
-            tokenizer = HFTokenizer(args.init_from, cfg.vocab_size)
+            tokenizer = HFTokenizer(args.init_from, cfg.vocab_size, roles)
         except TokenizerError as e:
             die(f"--init-from {e}")
     if args.stage == "rl" and not (args.resume or args.init_from) and args.init != "scratch":
@@ -1945,6 +1949,9 @@ def make_parser():
                         "K2.5, Moonlight); its config.json is the model. Needs the safetensors package; "
                         "pretraining needs --data shards made with its tokenizer, RL its tokenizer.json and "
                         "chat template (the tokenizers package)")
+    g.add_argument("--chat-roles", default="", metavar="ROLE=ROLE,...",
+                   help="turns after the first reply that the chat template has no place for, written as "
+                        "another role it has: e.g. system=user,tool=user (refused otherwise, in one line)")
     g.add_argument("--num-experts", type=int, default=None,
                    help="routed experts per MoE layer (default: the preset's)")
     g = parser.add_argument_group("run")
