@@ -80,8 +80,8 @@ from feedback import RULES, Feedback, FeedbackConfig, read_first
 from grpo import (SUMMARY_REQUEST, Bridge, GRPOConfig, PeerLost, Weights, grpo_loss, logprobs, minibatches,
                   pack_policy, rollout, serve_rollouts)
 from model import (BYTES, PRESETS, ROLES, VOCAB_SIZE, CheckpointError, ContextParallel, HFTokenizer,
-                   ModelConfig, TOKENIZER_FILES, TokenizerError, Transformer, encode, flops_per_token, hf_config,
-                   load_hf, memory_plan, param_counts, save_hf)
+                   ModelConfig, TOKENIZER_FILES, TokenizerError, Transformer, encode, flops_per_token,
+                   hf_config, load_hf, memory_plan, param_counts, save_hf)
 from muon import Muon, param_groups
 
 # what runs on this machine keep between them: the corpus's tokens, the measured peak
