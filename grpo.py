@@ -70,6 +70,7 @@ class Segment:
     policy: list = field(default_factory=list)
     sampler_logp: list = field(default_factory=list)
     messages: list = field(default_factory=list)  # the conversation the tokens render: (role, text)
+    rendered: int = 0  # the messages whose tokens are in tokens; the later ones wait for what follows them
 
     def add(self, ids, policy=False, logps=None):
         self.tokens += ids
@@ -88,7 +89,9 @@ class Trajectory:
     done: bool = False
     summarizing: bool = False  # the next message answers the summary request
     spans: list = field(default_factory=list)  # (segment, start, end) of each assistant turn's policy tokens
-    openings: list = field(default_factory=list)  # each turn's (generation prompt's start, messages before)
+    # each turn's (where the tokens before it that are not the last reply's start, the messages in tokens
+    # there, the messages before the turn)
+    openings: list = field(default_factory=list)
     retokenized: int = 0  # tokens where the turn-by-turn ids differ from the whole rendering encoded at once
 
 
@@ -344,10 +347,10 @@ def rollout(policy, envs, cfg, gen, sharded=False):
     policy.eval()
     with quantized.loaded(policy) if quantized else contextlib.nullcontext():
         trajs = []
-        for env in envs:
+        for env in envs:  # a segment's turns since its last reply wait: the tokens they add are taken with
+            # what follows them (the next reply's generation prompt, or the end), as the template renders both
             t = Trajectory([Segment(messages=list(env.first_turns()))], env=env)
             t.turns, t.prompt = list(t.segments[0].messages), tok.delta([], t.segments[0].messages)
-            t.segments[0].add(t.prompt)
             trajs.append(t)
         # one cache row a live trajectory, kept across its messages: each message prefills only what came
         # since the last (its last token, the tool's reply, the role token), not the whole context again
@@ -358,9 +361,10 @@ def rollout(policy, envs, cfg, gen, sharded=False):
                 break
             cache.keep([i for i, t in enumerate(rows) if not t.done])
             rows = live
-            for t in live:  # the generation prompt that opens the message is the template's, not the policy's
-                t.openings.append((len(t.segments[-1].tokens), len(t.segments[-1].messages)))
-                t.segments[-1].add(tok.delta(t.segments[-1].messages, [], prompt=True))
+            for t in live:  # the turns that wait, and the generation prompt: the template's, not the policy's
+                seg = t.segments[-1]
+                t.openings.append((len(seg.tokens), seg.rendered, len(seg.messages)))
+                seg.add(tok.delta(seg.messages[:seg.rendered], seg.messages[seg.rendered:], prompt=True))
             cached = cache.next_pos.tolist()  # [B] tokens of each row's segment in the cache
             msgs = sample_messages(sampler, [t.segments[-1].tokens[n:] for t, n in zip(live, cached)], cfg,
                                    gen, [min(cfg.max_message_tokens, cfg.max_gen_tokens - t.written)
@@ -373,12 +377,11 @@ def rollout(policy, envs, cfg, gen, sharded=False):
                 text = tok.decode(ids[:-1] if ended else ids)
                 seg.add(tok.closing(seg.messages, text, ended))  # what the template puts after it (the end
                 seg.messages.append(("assistant", text))         # token too, where the message was cut)
-                t.written += len(ids)
+                seg.rendered, t.written = len(seg.messages), t.written + len(ids)
                 if t.summarizing:  # the summary ends the segment; the next one starts from prompt + summary
-                    t.openings.pop()  # no turn of its own: the first turns' place in the next segment
-                    t.summarizing, first = False, t.segments[0].messages[:t.openings[0][1]]
+                    t.openings.pop()  # no turn of its own
+                    t.summarizing, first = False, t.segments[0].messages[:t.openings[0][2]]
                     t.segments.append(Segment(messages=[*first, ("assistant", text)]))
-                    t.segments[-1].add(t.prompt + tok.delta(first, [("assistant", text)]))
                     cache.reset(row)
                     t.done = t.written >= cfg.max_gen_tokens
                     continue
@@ -389,19 +392,22 @@ def rollout(policy, envs, cfg, gen, sharded=False):
             for t, (reply, done) in zip(stepping, ENV_THREADS.map(lambda t: t.env.step(t.turns[-1][1]),
                                                                  stepping)):
                 t.done = done
+                seg = t.segments[-1]
                 if reply is not None:
                     t.turns.append(("tool", reply))
-                    t.segments[-1].add(tok.delta(t.segments[-1].messages, [("tool", reply)]))
-                    t.segments[-1].messages.append(("tool", reply))
+                    seg.messages.append(("tool", reply))
                 t.done = t.done or t.written >= cfg.max_gen_tokens
-                if not t.done and len(t.segments[-1].tokens) > cfg.context_budget:
-                    # environment text: never trained
-                    t.segments[-1].add(tok.delta(t.segments[-1].messages, [("user", SUMMARY_REQUEST)]))
-                    t.segments[-1].messages.append(("user", SUMMARY_REQUEST))
+                waiting = tok.delta(seg.messages[:seg.rendered], seg.messages[seg.rendered:])
+                if not t.done and len(seg.tokens) + len(waiting) > cfg.context_budget:
+                    seg.messages.append(("user", SUMMARY_REQUEST))  # environment text: never trained
                     t.summarizing = True
         if sharded:
             sampler.drain()
-    for t in trajs:  # the ids built turn by turn against the whole conversation rendered and encoded at once
+    for t in trajs:  # the turns still waiting (after the last reply), then the ids built turn by turn against
+        for s in t.segments:  # the whole conversation rendered and encoded at once
+            s.add(tok.delta(s.messages[:s.rendered], s.messages[s.rendered:]) if s.rendered < len(s.messages)
+                  else [])
+            s.rendered = len(s.messages)
         t.retokenized = sum(retokenized(s.tokens, tok.rendered(s.messages)) for s in t.segments)
     for t, reward in zip(trajs, ENV_THREADS.map(lambda t: t.env.reward(), trajs)):  # verifies side by side
         t.reward = float(reward)

@@ -165,6 +165,10 @@ def chat_template(template, where, own=False):
         raise TokenizerError(f"{where}: the chat template does not parse ({e})") from None
 
 
+def article(role):
+    return ("an " if role == "assistant" else "a ") + role
+
+
 class HFTokenizer(ByteTokenizer):
     """A released model's tokenizer, read from its checkpoint folder: tokenizer.json (through the
     `tokenizers` package) and the chat template of tokenizer_config.json (or chat_template.jinja), rendered
@@ -241,8 +245,10 @@ class HFTokenizer(ByteTokenizer):
         return self.encode(self.added(before, self.render([*messages, *new], prompt)))
 
     def closing(self, messages, text, ended):
-        opened = self.render(messages, True) + text
-        close = self.encode(self.added(opened, self.render([*messages, ("assistant", text)])))
+        opened, replied = self.render(messages, True) + text, self.render([*messages, ("assistant", text)])
+        # after the reply as the policy wrote it; where the template writes the reply otherwise (a space
+        # before it, say), its usual closing, and the difference is counted (rollout's retokenized)
+        close = self.encode(replied[len(opened):] if replied.startswith(opened) else self.close)
         rest = close[1:] if close[:1] == [self.end] else close  # the end token: sampled, or added here
         return rest if ended else [self.end] + rest
 
@@ -250,31 +256,52 @@ class HFTokenizer(ByteTokenizer):
         return self.encode(self.render(messages, prompt))
 
     def probe(self):
-        """The turns RL writes, rendered once: refused in one line where the template has no place for a role
-        after a reply (a feedback hint, a tool's output, a summary request, a summary restart), or renders it
-        elsewhere than after the turns before it. -> the id that ends a reply."""
-        u, a = ("user", "\x01U\x01"), ("assistant", "\x01A\x01")
-        opened, replied = self.render([u], True), self.render([u, a])
-        if a[1] not in replied:
-            raise TokenizerError(f"{self.where}: the chat template renders no assistant turn after a user "
-                                 "turn")
-        close = self.encode(self.added(opened + a[1], replied))
-        if not close:
+        """The turns RL writes, rendered once with marker texts: refused in one line where the template has no
+        place for a role after a reply (a tool's output, a summary request, a feedback hint, a summary
+        restart's next reply), renders the turns after a reply elsewhere than after it, or writes a reply
+        otherwise than right after its generation prompt (then the policy's tokens would not be the
+        template's). -> the id that ends a reply."""
+        u, a = ("user", "QqUSERqQ"), ("assistant", "QqREPLYqQ")  # markers any template keeps as they are
+        self.replies([u])
+        replied = self.render([u, a])
+        self.close = replied.split(a[1], 1)[1]  # what closes a reply
+        if not self.encode(self.close):
             raise TokenizerError(f"{self.where}: the chat template closes an assistant turn with nothing (no "
                                  "end token)")
-        for role in ("system", "tool", "user", "assistant"):
-            marker = f"\x01{role}\x01"
-            mapping = "" if role == "assistant" else \
-                f"; map it to a role it has, e.g. --chat-roles {role}=user"
+        for roles in ((), ("tool",), ("tool", "user"), ("user",), ("system",), ("tool", "system"),
+                      ("tool", "user", "system")):
+            after = [(role, f"Qq{role.upper()}{i}qQ") for i, role in enumerate(roles)]
+            mapping = f"; map it to a role it has, e.g. --chat-roles {roles[-1]}=user" if roles else ""
             try:
-                text = self.render([u, a, (role, marker)])
+                text = self.render([u, a, *after], True)
             except TokenizerError as e:
-                raise TokenizerError(f"{e}: it has no place for a {role} turn after a reply"
-                                     f"{mapping}") from None
-            if not text.startswith(replied) or marker not in text:
-                raise TokenizerError(f"{self.where}: the chat template puts a {role} turn after a reply "
-                                     f"elsewhere than after it{mapping}")
-        return close[0]
+                raise TokenizerError(f"{e}: it has no place for {article(roles[-1])} turn after "
+                                     f"{' and '.join(['a reply', *roles[:-1]])}{mapping}") from None
+            if not text.startswith(replied) or not all(x in text for _, x in after):
+                raise TokenizerError(f"{self.where}: the chat template puts {article(roles[-1])} turn after "
+                                     f"{' and '.join(['a reply', *roles[:-1]])} elsewhere than after "
+                                     f"them{mapping}")
+            self.replies([u, a, *after])
+        return self.encode(self.close)[0]
+
+    def replies(self, messages):
+        """Refuses a template that writes a reply to messages otherwise than right after its generation
+        prompt."""
+        opened, marker = self.render(messages, True), "QqNEXTqQ"
+        try:
+            head = self.render([*messages, ("assistant", marker)]).split(marker, 1)
+        except TokenizerError as e:
+            raise TokenizerError(f"{e}: it has no place for a reply after {article(messages[-1][0])} "
+                                 "turn") from None
+        if len(head) < 2:
+            raise TokenizerError(f"{self.where}: the chat template renders no assistant turn after "
+                                 f"{article(messages[-1][0])} turn")
+        same = len(os.path.commonprefix([head[0], opened]))
+        if head[0] != opened:
+            raise TokenizerError(f"{self.where}: the chat template writes a reply after "
+                                 f"{article(messages[-1][0])} turn otherwise than right after its generation "
+                                 f"prompt (it renders {head[0][same:]!r} before the reply where the prompt ends "
+                                 f"with {opened[same:]!r}): the policy's tokens would not be the template's")
 
 
 # -----------------------------------------------------------------------------
