@@ -1547,6 +1547,35 @@ def test_the_default_run_keeps_its_figures(tmp_path):
     assert r.stdout.strip().splitlines()[-1].startswith("verdict after 2 RL steps: ")
 
 
+def test_the_verdict_names_each_condition_it_finds_unmet():
+    """train.verdict on hand-made evaluation records of both families: records that do what the README says
+    give its words; each condition flipped alone gives "NOT as the README expects" naming that one alone; an
+    evaluation on the tasks training uses (--task-dir) is named train-task."""
+    import train
+
+    def first_and_last(**last):
+        same = {"eval_split": "held-out", "tool_error_rate": 0.1, "blind_edit_rate": 0.05, "hack_flags": 0}
+        return [{**same, "rl_step": 0, "pass_level1": 0.5, "pass_level2": 0.2, "capital_rate": 0.3},
+                {**same, "rl_step": 16, "pass_level1": 0.7, "pass_level2": 0.4, "capital_rate": 0.1, **last}]
+    flips = {False: {"the pass rate rose less than 0.1": dict(pass_level1=0.45),
+                     "'Call' fell less than 2x": dict(capital_rate=0.2),
+                     "tool-not-found rose": dict(tool_error_rate=0.11)},
+             True: {"the pass rate rose less than 0.15": dict(pass_level2=0.2),
+                    "edits of unread files rose": dict(blind_edit_rate=0.06),
+                    "the monitor flagged held-out episodes": dict(hack_flags=1),
+                    "tool-not-found rose": dict(tool_error_rate=0.11)}}
+    for code, unmet in flips.items():
+        head = lambda evals: train.verdict(evals, code).split(" | ")[0]
+        assert head(first_and_last()) == ("verdict after 16 RL steps: RL learned and feedback removed the "
+                                          "habits, as the README expects")
+        for short, flip in unmet.items():
+            assert head(first_and_last(**flip)) == ("verdict after 16 RL steps: NOT as the README expects: "
+                                                    + short)
+    line = train.verdict([{**r, "eval_split": "train-task"} for r in first_and_last(hack_flags=1)], True)
+    assert "the monitor flagged train-task episodes | train-task pass rate 0.350 -> 0.550" in line, line
+    assert "held-out" not in line, line
+
+
 def test_train_bad_input_is_one_clear_line(tmp_path):
     """(A bad layout and a --resume with nothing to resume: the next section, on every rank.)"""
     (tmp_path / "empty").mkdir()
@@ -2277,21 +2306,27 @@ def test_train_py_wires_the_kl_reference_and_the_ppo_old_logprobs(chain, par_dat
     """train.py's own wiring, from one pretrained checkpoint (the feedback term, at lambda 1 on every
     malformed message, moves the policy though every reward is 0). --kl-coef: the reference's log-probs come
     from the policy RL started from, so the KL is 0 in step 1 and positive in step 2 (taken from the current
-    policy it would stay 0). --ppo-epochs 2 --ppo-minibatches 2: the old log-probs are taken before the
-    step's first update, so the second minibatch and epoch see ratios away from 1 and the clip fires (taken
-    inside the loop, every ratio would be 1)."""
+    policy it would stay 0). --ppo-epochs 1 --ppo-minibatches 2: the old log-probs of the second minibatch are
+    taken before the step's first update, so in the first epoch it sees ratios away from 1 and the clip fires
+    (taken from its own forward, every ratio would be 1). The logged loss is the batch's whatever the
+    minibatches: two of them at a learning rate too small to move a parameter log step 1's loss of one."""
     root, _ = chain
     flags = [*RL_RUN, "--data", str(par_data), "--stage", "rl", "--rl-steps", "2", "--rl-eval-tasks", "0",
              "--resume", str(root / "whole" / "step-00000004"), "--feedback-rules", "malformed",
              "--feedback-coef", "1", "--rl-lr", "0.05"]
-    runs = [start_train(*flags, "--kl-coef", "0.1", "--kl-estimator", "k2", "--out", str(tmp_path / "kl")),
-            start_train(*flags, "--ppo-epochs", "2", "--ppo-minibatches", "2",
-                        "--out", str(tmp_path / "ppo"))]
+    kl_flags = ["--kl-coef", "0.1", "--kl-estimator", "k2"]
+    runs = [start_train(*flags, *kl_flags, "--out", str(tmp_path / "kl")),
+            start_train(*flags, "--ppo-epochs", "1", "--ppo-minibatches", "2",
+                        "--out", str(tmp_path / "ppo")),
+            start_train(*flags, *kl_flags, "--ppo-minibatches", "2", "--rl-lr", "1e-30", "--rl-steps", "1",
+                        "--out", str(tmp_path / "halves"))]
     for r in map(finish, runs):
         assert r.returncode == 0, r.stderr[-3000:]
-    kl, ppo = ([r for r in read_metrics(tmp_path / w) if r.get("stage") == "rl"] for w in ("kl", "ppo"))
+    kl, ppo, halves = ([r for r in read_metrics(tmp_path / w) if r.get("stage") == "rl"]
+                       for w in ("kl", "ppo", "halves"))
     assert kl[0]["kl"] < 1e-9 < 1e-6 < kl[1]["kl"], kl
     assert all(r["clip_frac"] > 0 for r in ppo), ppo
+    assert halves[0]["loss"] == pytest.approx(kl[0]["loss"], rel=1e-6), (halves, kl)
 
 
 def test_train_py_samples_at_its_temperature_and_sampler_bits(chain, par_data, tmp_path):
