@@ -2313,7 +2313,7 @@ def test_train_py_wires_the_kl_reference_and_the_ppo_old_logprobs(chain, par_dat
     root, _ = chain
     flags = [*RL_RUN, "--data", str(par_data), "--stage", "rl", "--rl-steps", "2", "--rl-eval-tasks", "0",
              "--resume", str(root / "whole" / "step-00000004"), "--feedback-rules", "malformed",
-             "--feedback-coef", "1", "--rl-lr", "0.05"]
+             "--feedback-coef", "1", "--rl-lr", "0.05", "--tasks-per-step", "3"]  # minibatches of 1 and 2 groups
     kl_flags = ["--kl-coef", "0.1", "--kl-estimator", "k2"]
     runs = [start_train(*flags, *kl_flags, "--out", str(tmp_path / "kl")),
             start_train(*flags, "--ppo-epochs", "1", "--ppo-minibatches", "2",
@@ -2326,7 +2326,7 @@ def test_train_py_wires_the_kl_reference_and_the_ppo_old_logprobs(chain, par_dat
                        for w in ("kl", "ppo", "halves"))
     assert kl[0]["kl"] < 1e-9 < 1e-6 < kl[1]["kl"], kl
     assert all(r["clip_frac"] > 0 for r in ppo), ppo
-    assert halves[0]["loss"] == pytest.approx(kl[0]["loss"], rel=1e-6), (halves, kl)
+    assert halves[0]["loss"] == pytest.approx(kl[0]["loss"], rel=1e-4), (halves, kl)
 
 
 def test_train_py_samples_at_its_temperature_and_sampler_bits(chain, par_data, tmp_path):
