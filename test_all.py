@@ -2313,7 +2313,8 @@ def test_train_py_wires_the_kl_reference_and_the_ppo_old_logprobs(chain, par_dat
     root, _ = chain
     flags = [*RL_RUN, "--data", str(par_data), "--stage", "rl", "--rl-steps", "2", "--rl-eval-tasks", "0",
              "--resume", str(root / "whole" / "step-00000004"), "--feedback-rules", "malformed",
-             "--feedback-coef", "1", "--rl-lr", "0.05", "--tasks-per-step", "3"]  # minibatches of 1 and 2 groups
+             "--feedback-coef", "1", "--rl-lr", "0.05",
+             "--tasks-per-step", "3"]  # two minibatches: of 1 and 2 groups
     kl_flags = ["--kl-coef", "0.1", "--kl-estimator", "k2"]
     runs = [start_train(*flags, *kl_flags, "--out", str(tmp_path / "kl")),
             start_train(*flags, "--ppo-epochs", "1", "--ppo-minibatches", "2",
@@ -4215,6 +4216,34 @@ def test_only_tasks_whose_oracle_covers_every_feature_are_served(clock, tmp_path
                                               r"oracle was written by another version of tasks\.py: make the "
                                               r"task again\)$"):
         tasks.TaskPool(tmp_path / "pool", seed=0, source=out)
+
+
+def test_train_py_verifies_its_evaluation_apart_and_names_a_train_task_evaluation(clock, tmp_path):
+    """train.py --rl-tasks code --task-dir: the evaluation draws from the tasks training uses, so its records,
+    its lines and the verdict say train-task, never held-out. It verifies with a verifier of its own: an RL
+    step's verifies (run or shared) are its own episodes' (the rollout rank's with --rollout-ranks), and each
+    evaluation's are in its record (one episode each: the one task)."""
+    d, task = clock
+    out = tmp_path / "tasks"
+    shutil.copytree(d, out / d.name, symlinks=True)
+    Path(out, d.name, "task.json").write_text(json.dumps({**task, "strength": {"score": 1.0}}))  # served
+    flags = ["--rl-tasks", "code", "--task-dir", str(out), "--stage", "rl", "--init", "scratch",
+             "--rl-steps", "1", "--tasks-per-step", "1", "--group-size", "2", "--max-gen-tokens", "24",
+             "--rl-eval-tasks", "1", "--ppo-epochs", "1"]
+    runs = {"one": start_train(*flags, "--out", str(tmp_path / "one")),
+            "rollout": start_train(*flags, "--rollout-ranks", "1", "--out", str(tmp_path / "rollout"),
+                                   world=2)}
+    for name, r in zip(runs, map(finish, runs.values())):
+        assert r.returncode == 0, r.stderr[-2000:]
+        rows = read_metrics(tmp_path / name)
+        (step,), evals = ([row for row in rows if row.get("stage") == stage] for stage in ("rl", "rl_eval"))
+        assert step["verifies"] + step["verifies_shared"] == 2 - step["hack_flags"], (name, step)
+        assert [(e["eval_split"], e["eval_verifies"] + e["eval_verifies_shared"] + e["hack_flags"])
+                for e in evals] == [("train-task", 1)] * 2, (name, evals)
+        lines = r.stdout.strip().splitlines()
+        assert "held-out" not in r.stdout
+        assert "rl eval after   1 steps | train-task pass rate level 1 " in r.stdout
+        assert lines[-1].startswith("verdict after 1 RL steps: ") and " | train-task pass rate " in lines[-1]
 
 
 def naive_pytest(root, ids):
