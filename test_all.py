@@ -1547,6 +1547,35 @@ def test_the_default_run_keeps_its_figures(tmp_path):
     assert r.stdout.strip().splitlines()[-1].startswith("verdict after 2 RL steps: ")
 
 
+def test_the_verdict_names_each_condition_it_finds_unmet():
+    """train.verdict on hand-made evaluation records of both families: records that do what the README says
+    give its words; each condition flipped alone gives "NOT as the README expects" naming that one alone; an
+    evaluation on the tasks training uses (--task-dir) is named train-task."""
+    import train
+
+    def first_and_last(**last):
+        same = {"eval_split": "held-out", "tool_error_rate": 0.1, "blind_edit_rate": 0.05, "hack_flags": 0}
+        return [{**same, "rl_step": 0, "pass_level1": 0.5, "pass_level2": 0.2, "capital_rate": 0.3},
+                {**same, "rl_step": 16, "pass_level1": 0.7, "pass_level2": 0.4, "capital_rate": 0.1, **last}]
+    flips = {False: {"the pass rate rose less than 0.1": dict(pass_level1=0.45),
+                     "'Call' fell less than 2x": dict(capital_rate=0.2),
+                     "tool-not-found rose": dict(tool_error_rate=0.11)},
+             True: {"the pass rate rose less than 0.15": dict(pass_level2=0.2),
+                    "edits of unread files rose": dict(blind_edit_rate=0.06),
+                    "the monitor flagged held-out episodes": dict(hack_flags=1),
+                    "tool-not-found rose": dict(tool_error_rate=0.11)}}
+    for code, unmet in flips.items():
+        head = lambda evals: train.verdict(evals, code).split(" | ")[0]
+        assert head(first_and_last()) == ("verdict after 16 RL steps: RL learned and feedback removed the "
+                                          "habits, as the README expects")
+        for short, flip in unmet.items():
+            assert head(first_and_last(**flip)) == ("verdict after 16 RL steps: NOT as the README expects: "
+                                                    + short)
+    line = train.verdict([{**r, "eval_split": "train-task"} for r in first_and_last(hack_flags=1)], True)
+    assert "the monitor flagged train-task episodes | train-task pass rate 0.350 -> 0.550" in line, line
+    assert "held-out" not in line, line
+
+
 def test_train_bad_input_is_one_clear_line(tmp_path):
     """(A bad layout and a --resume with nothing to resume: the next section, on every rank.)"""
     (tmp_path / "empty").mkdir()
@@ -2288,21 +2317,29 @@ def test_train_py_wires_the_kl_reference_and_the_ppo_old_logprobs(chain, par_dat
     """train.py's own wiring, from one pretrained checkpoint (the feedback term, at lambda 1 on every
     malformed message, moves the policy though every reward is 0). --kl-coef: the reference's log-probs come
     from the policy RL started from, so the KL is 0 in step 1 and positive in step 2 (taken from the current
-    policy it would stay 0). --ppo-epochs 2 --ppo-minibatches 2: the old log-probs are taken before the
-    step's first update, so the second minibatch and epoch see ratios away from 1 and the clip fires (taken
-    inside the loop, every ratio would be 1)."""
+    policy it would stay 0). --ppo-epochs 1 --ppo-minibatches 2: the old log-probs of the second minibatch are
+    taken before the step's first update, so in the first epoch it sees ratios away from 1 and the clip fires
+    (taken from its own forward, every ratio would be 1). The logged loss is the batch's whatever the
+    minibatches: two (of 1 and 2 groups) at a learning rate too small to move a parameter log step 1's loss of
+    one, up to the last bits a forward over another batch shape moves (a log-prob by ~1e-6, this KL ~2e-4)."""
     root, _ = chain
     flags = [*RL_RUN, "--data", str(par_data), "--stage", "rl", "--rl-steps", "2", "--rl-eval-tasks", "0",
              "--resume", str(root / "whole" / "step-00000004"), "--feedback-rules", "malformed",
-             "--feedback-coef", "1", "--rl-lr", "0.05"]
-    runs = [start_train(*flags, "--kl-coef", "0.1", "--kl-estimator", "k2", "--out", str(tmp_path / "kl")),
-            start_train(*flags, "--ppo-epochs", "2", "--ppo-minibatches", "2",
-                        "--out", str(tmp_path / "ppo"))]
+             "--feedback-coef", "1", "--rl-lr", "0.05",
+             "--tasks-per-step", "3"]  # two minibatches: of 1 and 2 groups
+    kl_flags = ["--kl-coef", "0.1", "--kl-estimator", "k2"]
+    runs = [start_train(*flags, *kl_flags, "--out", str(tmp_path / "kl")),
+            start_train(*flags, "--ppo-epochs", "1", "--ppo-minibatches", "2",
+                        "--out", str(tmp_path / "ppo")),
+            start_train(*flags, *kl_flags, "--ppo-minibatches", "2", "--rl-lr", "1e-30", "--rl-steps", "1",
+                        "--out", str(tmp_path / "split"))]
     for r in map(finish, runs):
         assert r.returncode == 0, r.stderr[-3000:]
-    kl, ppo = ([r for r in read_metrics(tmp_path / w) if r.get("stage") == "rl"] for w in ("kl", "ppo"))
+    kl, ppo, split = ([r for r in read_metrics(tmp_path / w) if r.get("stage") == "rl"]
+                      for w in ("kl", "ppo", "split"))
     assert kl[0]["kl"] < 1e-9 < 1e-6 < kl[1]["kl"], kl
     assert all(r["clip_frac"] > 0 for r in ppo), ppo
+    assert split[0]["loss"] == pytest.approx(kl[0]["loss"], rel=1e-4), (split, kl)
 
 
 def test_train_py_samples_at_its_temperature_and_sampler_bits(chain, par_data, tmp_path):
@@ -4191,6 +4228,34 @@ def test_only_tasks_whose_oracle_covers_every_feature_are_served(clock, tmp_path
                                               r"oracle was written by another version of tasks\.py: make the "
                                               r"task again\)$"):
         tasks.TaskPool(tmp_path / "pool", seed=0, source=out)
+
+
+def test_train_py_verifies_its_evaluation_apart_and_names_a_train_task_evaluation(clock, tmp_path):
+    """train.py --rl-tasks code --task-dir: the evaluation draws from the tasks training uses, so its records,
+    its lines and the verdict say train-task, never held-out. It verifies with a verifier of its own: an RL
+    step's verifies (run or shared) are its own episodes' (the rollout rank's with --rollout-ranks), and each
+    evaluation's are in its record (one episode each: the one task)."""
+    d, task = clock
+    out = tmp_path / "tasks"
+    shutil.copytree(d, out / d.name, symlinks=True)
+    Path(out, d.name, "task.json").write_text(json.dumps({**task, "strength": {"score": 1.0}}))  # served
+    flags = ["--rl-tasks", "code", "--task-dir", str(out), "--stage", "rl", "--init", "scratch",
+             "--rl-steps", "1", "--tasks-per-step", "1", "--group-size", "2", "--max-gen-tokens", "24",
+             "--rl-eval-tasks", "1", "--ppo-epochs", "1"]
+    runs = {"one": start_train(*flags, "--out", str(tmp_path / "one")),
+            "rollout": start_train(*flags, "--rollout-ranks", "1", "--out", str(tmp_path / "rollout"),
+                                   world=2)}
+    for name, r in zip(runs, map(finish, runs.values())):
+        assert r.returncode == 0, r.stderr[-2000:]
+        rows = read_metrics(tmp_path / name)
+        (step,), evals = ([row for row in rows if row.get("stage") == stage] for stage in ("rl", "rl_eval"))
+        assert step["verifies"] + step["verifies_shared"] == 2 - step["hack_flags"], (name, step)
+        assert [(e["eval_split"], e["eval_verifies"] + e["eval_verifies_shared"] + e["hack_flags"])
+                for e in evals] == [("train-task", 1)] * 2, (name, evals)
+        lines = r.stdout.strip().splitlines()
+        assert "held-out" not in r.stdout
+        assert "rl eval after   1 steps | train-task pass rate level 1 " in r.stdout
+        assert lines[-1].startswith("verdict after 1 RL steps: ") and " | train-task pass rate " in lines[-1]
 
 
 def naive_pytest(root, ids):

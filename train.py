@@ -298,7 +298,9 @@ def rl(t, step):
         first = [(st, fs) for epoch, st, fs in updates if epoch == 0]  # each policy token once
         stats = {"gen_tokens": sum(st["gen_tokens"] * len(p)
                                    for (st, _), p in zip(first, parts)) / len(train),
-                 "loss": sum(st["loss"] for st, _ in first),  # the first epoch's, over the minibatches
+                 # the first epoch's, each minibatch's by its share of the trajectories: the batch's loss,
+                 # whatever the number of minibatches
+                 "loss": sum(st["loss"] * len(p) for (st, _), p in zip(first, parts)) / len(train),
                  "kl": sum(st["kl"] for st, _ in first) / len(first),  # to the reference, a policy token
                  "clip_frac": sum(st["clip_frac"] for _, st, _ in updates) / len(updates),
                  "tis_min": min(st["tis_min"] for st, _ in first),
@@ -536,29 +538,38 @@ def code_record(t, envs, n_episodes, calls, rl_step, batch=None):
             with open(Path(t.args.out) / f"flagged-rank{t.rank}.jsonl", "a") as f:
                 f.write(json.dumps({"rl_step": rl_step, "task": str(e.dir), "flags": e.flags,
                                     "steps": e.steps}) + "\n")
-    now = batch["verified"] if batch else t.work.verifier.stats()
-    spent = {k: now[k] - t.verified.get(k, 0) for k in now}  # since the last step
-    t.verified.update(now)
     return {"blind_edit_rate": blind / max(1, calls), "hack_flags": flagged, "tests": tests / n_episodes,
-            "submit_rate": submits / n_episodes, "verify_ms": 1000 * spent["verify_s"],
-            "verify_wait_ms": 1000 * spent["verify_wait_s"], "verifies": spent["verifies"],
-            "verifies_shared": spent["verifies_shared"],
+            "submit_rate": submits / n_episodes,
+            **verify_figures(t, "", batch["verified"] if batch else t.work.verifier.stats()),
             "tasks_made": batch["tasks_made"] if batch else t.work.code_pool(t.rank).made}
+
+
+def verify_figures(t, prefix, now):
+    """A verifier's figures since the last call with the same prefix ("": training's, "eval_": the
+    evaluation's), from its stats() so far: the time verifying and the time the sampler waited on it (ms),
+    the verifies run and those shared."""
+    spent = {k: now[k] - t.verified.get(prefix + k, 0) for k in now}
+    t.verified.update((prefix + k, v) for k, v in now.items())
+    return {f"{prefix}verify_ms": 1000 * spent["verify_s"],
+            f"{prefix}verify_wait_ms": 1000 * spent["verify_wait_s"],
+            f"{prefix}verifies": spent["verifies"], f"{prefix}verifies_shared": spent["verifies_shared"]}
 
 
 @torch.no_grad()
 def rl_eval(t, rl_step):
     """Pass rate, the targeted rates (absent-tool calls and "Call" calls, per call) and summaries on the same
     held-out tasks every time (levels 1 and 2, sampling seeded alike), so evaluations differ only by the
-    policy; the tasks are split over the ranks."""
-    per_level, code, work = t.args.rl_eval_tasks, t.job.code, t.work
+    policy; the tasks are split over the ranks. With --task-dir they are tasks training uses: the record and
+    the lines say "train-task" (eval_split). Coding tasks are verified by a verifier of their own, whose
+    figures (this rank's) the record holds as eval_verify_ms etc., training's counting training alone."""
+    per_level, code, work, split = t.args.rl_eval_tasks, t.job.code, t.work, t.work.eval_split
     if not per_level:  # --rl-eval-tasks 0: no held-out evaluation
         return
-    print0(f"rl eval after {rl_step:3d} steps | sampling {2 * per_level} held-out episodes ...", end="\r")
+    print0(f"rl eval after {rl_step:3d} steps | sampling {2 * per_level} {split} episodes ...", end="\r")
     rng, gen_eval = random.Random(10**6), torch.Generator().manual_seed(10**6 + t.rank)
     if code:
         mine = work.held_out_code()
-        envs = [work.code_env(d) for _, d in mine]
+        envs = [work.code_env(d, work.eval_verifier) for _, d in mine]
     else:
         held_out = [(lvl, work.make_task(rng, lvl)) for lvl in (1, 2) for _ in range(per_level)]
         mine = held_out[t.rank::t.world_size]
@@ -572,16 +583,17 @@ def rl_eval(t, rl_step):
                                 for lv in (1, 2)] + [sum(lvl == lv for lvl, _ in mine) for lv in (1, 2)])
     calls, errors, capital, _, summaries, episodes = episode_stats(t, envs, trajs)
     record = {"stage": "rl_eval", "step": t.steps_before_rl + rl_step, "rl_step": rl_step,
-              "pass_level1": passed[0] / max(1, passed[2]), "pass_level2": passed[1] / max(1, passed[3]),
-              "tool_error_rate": errors / max(1, calls), "capital_rate": capital / max(1, calls),
-              "summaries": summaries / episodes}
+              "eval_split": split, "pass_level1": passed[0] / max(1, passed[2]),
+              "pass_level2": passed[1] / max(1, passed[3]), "tool_error_rate": errors / max(1, calls),
+              "capital_rate": capital / max(1, calls), "summaries": summaries / episodes}
     if code:
         blind, flagged, tests, submits = code_stats(t, envs)
         record.update(blind_edit_rate=blind / max(1, calls), hack_flags=flagged, tests=tests / episodes,
-                      submit_rate=submits / episodes)
+                      submit_rate=submits / episodes,
+                      **verify_figures(t, "eval_", work.eval_verifier.stats()))
     t.run.log(record)
     t.evals.append(record)
-    print0(f"rl eval after {rl_step:3d} steps | held-out pass rate level 1 {record['pass_level1']:.3f}, "
+    print0(f"rl eval after {rl_step:3d} steps | {split} pass rate level 1 {record['pass_level1']:.3f}, "
            f"level 2 {record['pass_level2']:.3f} | of calls: tool not found {record['tool_error_rate']:.3f}, "
            f"'Call' {record['capital_rate']:.3f} | {record['summaries']:.1f} summaries an episode"
            + (f" | edits unread {record['blind_edit_rate']:.3f}, submitted {record['submit_rate']:.2f}, "
@@ -596,23 +608,24 @@ PASS_GAIN, CALL_CUT, CODE_GAIN = 0.1, 2.0, 0.15
 
 
 def verdict(evals, code):
-    """One line, in words: did RL and feedback do what the README says they do, from the first held-out
-    evaluation to the last?"""
+    """One line, in words: did RL and feedback do what the README says they do, from the first evaluation to
+    the last (held-out, or with --task-dir "train-task", as the records say)?"""
     first, last = evals[0], evals[-1]
+    split = last["eval_split"]
     pass0, pass1 = ((r["pass_level1"] + r["pass_level2"]) / 2 for r in (first, last))
     call0, call1 = first["capital_rate"], last["capital_rate"]
     tnf0, tnf1 = first["tool_error_rate"], last["tool_error_rate"]
     gain = CODE_GAIN if code else PASS_GAIN
     checks = [(pass1 - pass0 >= gain, f"the pass rate rose less than {gain}",
-               f"held-out pass rate {pass0:.3f} -> {pass1:.3f} ({pass1 - pass0:+.3f}, README: +{gain} "
+               f"{split} pass rate {pass0:.3f} -> {pass1:.3f} ({pass1 - pass0:+.3f}, README: +{gain} "
                f"or more)")]
     if code:
         blind0, blind1 = first["blind_edit_rate"], last["blind_edit_rate"]
         flags = sum(r.get("hack_flags", 0) for r in evals)
         checks += [(blind1 <= blind0, "edits of unread files rose",
                     f"edits of unread files {blind0:.3f} -> {blind1:.3f} (README: not higher)"),
-                   (flags == 0, "the monitor flagged held-out episodes",
-                    f"{flags:g} held-out episodes flagged (README: 0)")]
+                   (flags == 0, f"the monitor flagged {split} episodes",
+                    f"{flags:g} {split} episodes flagged (README: 0)")]
     else:
         checks += [(call1 * CALL_CUT <= call0, f"'Call' fell less than {CALL_CUT:g}x",
                     f"'Call' rate {call0:.3f} -> {call1:.3f} ({call0 / max(call1, 1e-9):.1f}x fewer, README: "
@@ -650,6 +663,10 @@ class RLTasks:
                                                   else tasks.MAX_DIFFICULTY)
         self.pools = {}  # --rl-tasks code: a task pool a data rank (micro-repositories, or --task-dir)
         self.verifier = tasks.Verifier(args.verify_workers) if job.code else None
+        # the evaluation's apart, so that an RL step's verify figures count its training episodes alone
+        self.eval_verifier = tasks.Verifier(args.verify_workers) if job.code else None
+        # --task-dir has no held-out split: the evaluation draws from the tasks training uses
+        self.eval_split = "train-task" if job.code and args.task_dir else "held-out"
 
     def make_ahead(self, bridge):
         """Start making this rank's first coding tasks and its held-out ones (a rollout rank asks when the
@@ -670,8 +687,8 @@ class RLTasks:
                                                    source=args.task_dir)
         return self.pools[data_rank]
 
-    def code_env(self, task_dir):
-        return tasks.CodeEnv(task_dir, reply_limit=CODE_REPLY, verifier=self.verifier)
+    def code_env(self, task_dir, verifier=None):
+        return tasks.CodeEnv(task_dir, reply_limit=CODE_REPLY, verifier=verifier or self.verifier)
 
     def held_out_code(self, wait=True):
         """This rank's held-out coding tasks, [(level, folder)], made from micro-repositories no transcript or
@@ -754,8 +771,8 @@ class Trainer:
         self.B_local, self.T_local = self.micro // layout.dp, args.seq_len // layout.cp
         self.world_group = dist.group.WORLD if world_size > 1 else None
         self.copies = {}  # the RL stage's other weights (RL_COPIES), this rank's shards of them
-        self.evals = []  # this process's held-out RL evaluations
-        self.verified = {}  # --rl-tasks code: the verifier's figures so far
+        self.evals = []  # this process's RL evaluations
+        self.verified = {}  # --rl-tasks code: the verifiers' figures so far (verify_figures)
         self.run = self.data = self.model = self.optimizer = self.amp = None  # main() builds them
 
 
@@ -2103,7 +2120,8 @@ def make_parser():
     g.add_argument("--rl-eval-every", type=int, default=8, help="RL steps between held-out evaluations")
     g.add_argument("--rl-eval-tasks", type=int, default=None,
                    help="held-out tasks a level (1 and 2) per evaluation; 0: none (default 64; code: 24, "
-                        "from held-out micro-repositories)")
+                        "from held-out micro-repositories; with --task-dir, its first tasks, which training "
+                        "uses: a train-task evaluation)")
     g.add_argument("--sampler-bits", type=int, default=0, choices=[0, 8],
                    help="8: sample with 8-bit block-quantised weights (MXFP8-like), corrected by truncated "
                         "importance weights")
