@@ -298,10 +298,10 @@ class HFTokenizer(ByteTokenizer):
                                  f"{article(messages[-1][0])} turn")
         same = len(os.path.commonprefix([head[0], opened]))
         if head[0] != opened:
-            raise TokenizerError(f"{self.where}: the chat template writes a reply after "
-                                 f"{article(messages[-1][0])} turn otherwise than right after its generation "
-                                 f"prompt (it renders {head[0][same:]!r} before the reply where the prompt ends "
-                                 f"with {opened[same:]!r}): the policy's tokens would not be the template's")
+            raise TokenizerError(
+                f"{self.where}: the chat template writes a reply after {article(messages[-1][0])} turn otherwise "
+                f"than right after its generation prompt (it renders {head[0][same:]!r} before the reply where "
+                f"the prompt ends with {opened[same:]!r}): the policy's tokens would not be the template's")
 
 
 # -----------------------------------------------------------------------------
