@@ -299,9 +299,10 @@ class HFTokenizer(ByteTokenizer):
         same = len(os.path.commonprefix([head[0], opened]))
         if head[0] != opened:
             raise TokenizerError(
-                f"{self.where}: the chat template writes a reply after {article(messages[-1][0])} turn otherwise "
-                f"than right after its generation prompt (it renders {head[0][same:]!r} before the reply where "
-                f"the prompt ends with {opened[same:]!r}): the policy's tokens would not be the template's")
+                f"{self.where}: the chat template writes a reply after {article(messages[-1][0])} turn "
+                f"otherwise than right after its generation prompt (it renders {head[0][same:]!r} before the "
+                f"reply where the prompt ends with {opened[same:]!r}): the policy's tokens would not be the "
+                "template's")
 
 
 # -----------------------------------------------------------------------------
