@@ -1881,13 +1881,9 @@ def test_rl_on_a_released_model_speaks_its_tokenizer(tmp_path):
         # every token the template adds is the whole rendering's: with each sampled message encoded anew
         # from its text (a random policy's tokens are not what encoding their text gives), the segment is the
         # conversation rendered and encoded at once; the difference is what rollout reports
-        rebuilt, at, seg = [], 0, t.segments[0]
-        for _, a, b in t.spans:
-            ended = seg.tokens[b - 1] == tok.end
-            rebuilt += seg.tokens[at:a] + tok.encode(tok.decode(seg.tokens[a:b - ended])) + [tok.end] * ended
-            at = b
+        seg = t.segments[0]
         whole = render_ids([{"role": r, "content": c} for r, c in seg.messages], False)
-        assert rebuilt + seg.tokens[at:] == whole and len(t.segments) == 1
+        assert anew(tok, seg) == whole and len(t.segments) == 1
         assert t.retokenized == retokenized(seg.tokens, whole) > 0
     assert n >= 12 and worst <= 1e-4, (n, worst)
     # the teacher's context of each trajectory's first target: opening, the hint's system turn, the reply's
@@ -1926,6 +1922,368 @@ def test_rl_on_a_released_model_speaks_its_tokenizer(tmp_path):
         assert (exported(input_ids=idx).logits.float() - trained(idx)[0]).abs().max() <= 1e-4
         assert (exported(input_ids=idx).logits - ref(input_ids=idx).logits).abs().max() > 0  # RL moved it
     assert (tmp_path / "export" / "tokenizer.json").read_bytes() == (hf / "tokenizer.json").read_bytes()
+
+
+# Chat templates of released model families (each one's source beside it), and a ChatML one that needs
+# jinja2's loop controls, as transformers enables them: {name: (template, bos, eos, special tokens)}.
+RELEASED_TEMPLATES = {
+    # deepseek-ai/DeepSeek-V3's tokenizer_config.json as released in Dec 2024
+    'deepseek-v3': (
+        '{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %'
+        "}{% set ns = namespace(is_first=false, is_tool=false, is_output_first=true, system_prompt='', "
+        "is_first_sp=true) %}{%- for message in messages %}{%- if message['role'] == 'system' %}{%- if "
+        "ns.is_first_sp %}{% set ns.system_prompt = ns.system_prompt + message['content'] %}{% set ns.i"
+        "s_first_sp = false %}{%- else %}{% set ns.system_prompt = ns.system_prompt + '\\n\\n' + messag"
+        "e['content'] %}{%- endif %}{%- endif %}{%- endfor %}{{bos_token}}{{ns.system_prompt}}{%- for m"
+        "essage in messages %}{%- if message['role'] == 'user' %}{%- set ns.is_tool = false -%}{{'<｜Use"
+        "r｜>' + message['content']}}{%- endif %}{%- if message['role'] == 'assistant' and message['cont"
+        "ent'] is none %}{%- set ns.is_tool = false -%}{%- for tool in message['tool_calls']%}{%- if no"
+        "t ns.is_first %}{{'<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜t"
+        "ool▁sep｜>' + tool['function']['name'] + '\\n' + '```json' + '\\n' + tool['function']['argument"
+        "s'] + '\\n' + '```' + '<｜tool▁call▁end｜>'}}{%- set ns.is_first = true -%}{%- else %}{{'\\n' + "
+        "'<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '``"
+        "`json' + '\\n' + tool['function']['arguments'] + '\\n' + '```' + '<｜tool▁call▁end｜>'}}{{'<｜too"
+        "l▁calls▁end｜><｜end▁of▁sentence｜>'}}{%- endif %}{%- endfor %}{%- endif %}{%- if message['role']"
+        " == 'assistant' and message['content'] is not none %}{%- if ns.is_tool %}{{'<｜tool▁outputs▁end"
+        "｜>' + message['content'] + '<｜end▁of▁sentence｜>'}}{%- set ns.is_tool = false -%}{%- else %}{{'"
+        "<｜Assistant｜>' + message['content'] + '<｜end▁of▁sentence｜>'}}{%- endif %}{%- endif %}{%- if me"
+        "ssage['role'] == 'tool' %}{%- set ns.is_tool = true -%}{%- if ns.is_output_first %}{{'<｜tool▁o"
+        "utputs▁begin｜><｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}{%- set ns."
+        "is_output_first = false %}{%- else %}{{'\\n<｜tool▁output▁begin｜>' + message['content'] + '<｜to"
+        "ol▁output▁end｜>'}}{%- endif %}{%- endif %}{%- endfor -%}{% if ns.is_tool %}{{'<｜tool▁outputs▁e"
+        "nd｜>'}}{% endif %}{% if add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜>'}}{% endif"
+        ' %}'
+        , '<｜begin▁of▁sentence｜>', '<｜end▁of▁sentence｜>',
+        ['<｜begin▁of▁sentence｜>', '<｜end▁of▁sentence｜>', '<｜User｜>', '<｜Assistant｜>',
+         '<｜tool▁calls▁begin｜>', '<｜tool▁call▁begin｜>', '<｜tool▁sep｜>', '<｜tool▁call▁end｜>',
+         '<｜tool▁calls▁end｜>', '<｜tool▁outputs▁begin｜>', '<｜tool▁output▁begin｜>',
+         '<｜tool▁output▁end｜>', '<｜tool▁outputs▁end｜>']),
+    # moonshotai/Kimi-K2-Instruct's of Jul 2025 (ggml-org/llama.cpp models/templates/moonshotai-Kimi-K2.jinja)
+    'kimi-k2': (
+        "{% if tools -%}\n    {{ '<|im_system|>tool_declare<|im_middle|>' -}}\n    {{- tools | tojson -"
+        "}}\n    {{ '<|im_end|>' -}}\n{%- endif -%}\n\n{%- for message in messages -%}\n  {%- if loop.f"
+        "irst and messages[0]['role'] != 'system' -%}\n    {{ '<|im_system|>system<|im_middle|>You are "
+        "a helpful assistant<|im_end|>' }}\n  {%- endif -%}\n  {%- if message['role'] == 'system' -%}\n"
+        "    {{ '<|im_system|>system<|im_middle|>' }}\n  {%- elif message['role'] == 'user' -%}\n    {{"
+        " '<|im_user|>user<|im_middle|>' }}\n  {%- elif message['role'] == 'assistant' -%}\n    {{ '<|i"
+        "m_assistant|>assistant<|im_middle|>' }}\n  {%- elif message['role'] == 'tool' -%}\n    {{ '<|i"
+        "m_system|>tool<|im_middle|>' }}\n  {%- endif -%}\n\n  {%- if message['content'] is string -%}"
+        "\n    {{- message['content'] + '<|im_end|>' -}}\n  {%- else -%}\n    {%- for content in messag"
+        "e['content'] -%}\n      {%- if content['type'] == 'image' or 'image' in content or 'image_url'"
+        " in content -%}\n        {{ '<|media_start|>image<|media_content|><|media_pad|><|media_end|>' "
+        "}}\n      {%- else -%}\n        {{ content['text'] }}\n      {%- endif -%}\n    {%- endfor -%}"
+        "\n    {{ '<|im_end|>' }}\n  {%- endif -%}\n{%- endfor -%}\n\n{%- if add_generation_prompt -%}"
+        "\n  {{ '<|im_assistant|>assistant<|im_middle|>' }}\n{%- endif -%}"
+        , '[BOS]', '[EOS]',
+        ['[BOS]', '[EOS]', '<|im_system|>', '<|im_user|>', '<|im_assistant|>', '<|im_middle|>',
+         '<|im_end|>', '<|media_start|>', '<|media_content|>', '<|media_pad|>', '<|media_end|>']),
+    # moonshotai/Moonlight-16B-A3B-Instruct's, as quoted in a tutorial rewrapped (every tag trims)
+    'moonlight': (
+        "{%- for message in messages -%}{%- if loop.first and messages[0]['role'] != 'system' -%}<|im_s"
+        "ystem|>system<|im_middle|>You are a helpful assistant<|im_end|>{%- endif -%}{%- if message['ro"
+        "le'] == 'system' -%}<|im_system|>{%- endif -%}{%- if message['role'] == 'user' -%}<|im_user|>{"
+        "%- endif -%}{%- if message['role'] == 'assistant' -%}<|im_assistant|>{%- endif -%}{{ message['"
+        "role'] }}<|im_middle|>{{ message['content'] }}<|im_end|>{%- endfor -%}{%- if add_generation_pr"
+        'ompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}'
+        , '[BOS]', '[EOS]',
+        ['[BOS]', '[EOS]', '<|im_system|>', '<|im_user|>', '<|im_assistant|>', '<|im_middle|>',
+         '<|im_end|>']),
+    # meta-llama/Llama-3.1-8B-Instruct's (huggingface.js packages/jinja/test/e2e.test.js)
+    'llama-3': (
+        '{{- bos_token }}\n{%- if custom_tools is defined %}\n    {%- set tools = custom_tools %}\n{%- '
+        'endif %}\n{%- if not tools_in_user_message is defined %}\n    {%- set tools_in_user_message = '
+        'true %}\n{%- endif %}\n{%- if not date_string is defined %}\n    {%- set date_string = "26 Jul'
+        ' 2024" %}\n{%- endif %}\n{%- if not tools is defined %}\n    {%- set tools = none %}\n{%- endi'
+        'f %}\n\n{#- This block extracts the system message, so we can slot it into the right place. #}'
+        "\n{%- if messages[0]['role'] == 'system' %}\n    {%- set system_message = messages[0]['content"
+        "']|trim %}\n    {%- set messages = messages[1:] %}\n{%- else %}\n    {%- set system_message = "
+        '"" %}\n{%- endif %}\n\n{#- System message + builtin tools #}\n{{- "<|start_header_id|>system<|'
+        'end_header_id|>\\n\\n" }}\n{%- if builtin_tools is defined or tools is not none %}\n    {{- "E'
+        'nvironment: ipython\\n" }}\n{%- endif %}\n{%- if builtin_tools is defined %}\n    {{- "Tools: '
+        '" + builtin_tools | reject(\'equalto\', \'code_interpreter\') | join(", ") + "\\n\\n"}}\n{%- e'
+        'ndif %}\n{{- "Cutting Knowledge Date: December 2023\\n" }}\n{{- "Today Date: " + date_string +'
+        ' "\\n\\n" }}\n{%- if tools is not none and not tools_in_user_message %}\n    {{- "You have acc'
+        'ess to the following functions. To call a function, please respond with JSON for a function ca'
+        'll." }}\n    {{- \'Respond in the format {"name": function name, "parameters": dictionary of a'
+        'rgument name and its value}.\' }}\n    {{- "Do not use variables.\\n\\n" }}\n    {%- for t in '
+        'tools %}\n        {{- t | tojson(indent=4) }}\n        {{- "\\n\\n" }}\n    {%- endfor %}\n{%-'
+        ' endif %}\n{{- system_message }}\n{{- "<|eot_id|>" }}\n\n{#- Custom tools are passed in a user'
+        ' message with some extra guidance #}\n{%- if tools_in_user_message and not tools is none %}\n '
+        '   {#- Extract the first user message so we can plug it in here #}\n    {%- if messages | leng'
+        "th != 0 %}\n        {%- set first_user_message = messages[0]['content']|trim %}\n        {%- s"
+        'et messages = messages[1:] %}\n    {%- else %}\n        {{- raise_exception("Cannot put tools '
+        'in the first user message when there\'s no first user message!") }}\n{%- endif %}\n    {{- \'<'
+        '|start_header_id|>user<|end_header_id|>\\n\\n\' -}}\n    {{- "Given the following functions, p'
+        'lease respond with a JSON for a function call " }}\n    {{- "with its proper arguments that be'
+        'st answers the given prompt.\\n\\n" }}\n    {{- \'Respond in the format {"name": function name'
+        ', "parameters": dictionary of argument name and its value}.\' }}\n    {{- "Do not use variable'
+        's.\\n\\n" }}\n    {%- for t in tools %}\n        {{- t | tojson(indent=4) }}\n        {{- "\\n'
+        '\\n" }}\n    {%- endfor %}\n    {{- first_user_message + "<|eot_id|>"}}\n{%- endif %}\n\n{%- f'
+        "or message in messages %}\n    {%- if not (message.role == 'ipython' or message.role == 'tool'"
+        " or 'tool_calls' in message) %}\n        {{- '<|start_header_id|>' + message['role'] + '<|end_"
+        "header_id|>\\n\\n'+ message['content'] | trim + '<|eot_id|>' }}\n    {%- elif 'tool_calls' in "
+        'message %}\n        {%- if not message.tool_calls|length == 1 %}\n            {{- raise_except'
+        'ion("This model only supports single tool-calls at once!") }}\n        {%- endif %}\n        {'
+        '%- set tool_call = message.tool_calls[0].function %}\n        {%- if builtin_tools is defined '
+        "and tool_call.name in builtin_tools %}\n            {{- '<|start_header_id|>assistant<|end_hea"
+        'der_id|>\\n\\n\' -}}\n            {{- "<|python_tag|>" + tool_call.name + ".call(" }}\n       '
+        '     {%- for arg_name, arg_val in tool_call.arguments | items %}\n                {{- arg_name'
+        ' + \'="\' + arg_val + \'"\' }}\n                {%- if not loop.last %}\n                    {'
+        '{- ", " }}\n                {%- endif %}\n                {%- endfor %}\n            {{- ")" }'
+        "}\n        {%- else  %}\n            {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n'"
+        ' -}}\n            {{- \'{"name": "\' + tool_call.name + \'", \' }}\n            {{- \'"paramet'
+        'ers": \' }}\n            {{- tool_call.arguments | tojson }}\n            {{- "}" }}\n        '
+        "{%- endif %}\n        {%- if builtin_tools is defined %}\n            {#- This means we're in "
+        'ipython mode #}\n            {{- "<|eom_id|>" }}\n        {%- else %}\n            {{- "<|eot_'
+        'id|>" }}\n        {%- endif %}\n    {%- elif message.role == "tool" or message.role == "ipytho'
+        'n" %}\n        {{- "<|start_header_id|>ipython<|end_header_id|>\\n\\n" }}\n        {%- if mess'
+        'age.content is mapping or message.content is iterable %}\n            {{- message.content | to'
+        'json }}\n        {%- else %}\n            {{- message.content }}\n        {%- endif %}\n      '
+        '  {{- "<|eot_id|>" }}\n    {%- endif %}\n{%- endfor %}\n{%- if add_generation_prompt %}\n    {'
+        "{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}\n{%- endif %}\n"
+        , '<|begin_of_text|>', '<|eot_id|>',
+        ['<|begin_of_text|>', '<|eot_id|>', '<|start_header_id|>', '<|end_header_id|>', '<|eom_id|>',
+         '<|python_tag|>']),
+    # mistralai/Mistral-7B-Instruct-v0.3's tool-use template
+    'mistral': (
+        '{%- if messages[0]["role"] == "system" %}\n    {%- set system_message = messages[0]["content"]'
+        ' %}\n    {%- set loop_messages = messages[1:] %}\n{%- else %}\n    {%- set loop_messages = mes'
+        'sages %}\n{%- endif %}\n{%- if not tools is defined %}\n    {%- set tools = none %}\n{%- endif'
+        ' %}\n{%- set user_messages = loop_messages | selectattr("role", "equalto", "user") | list %}\n'
+        '\n{#- This block checks for alternating user/assistant messages, skipping tool calling message'
+        's #}\n{%- set ns = namespace() %}\n{%- set ns.index = 0 %}\n{%- for message in loop_messages %'
+        '}\n    {%- if not (message.role == "tool" or message.role == "tool_results" or (message.tool_c'
+        'alls is defined and message.tool_calls is not none)) %}\n        {%- if (message["role"] == "u'
+        'ser") != (ns.index % 2 == 0) %}\n            {{- raise_exception("After the optional system me'
+        'ssage, conversation roles must alternate user/assistant/user/assistant/...") }}\n        {%- e'
+        'ndif %}\n        {%- set ns.index = ns.index + 1 %}\n    {%- endif %}\n{%- endfor %}\n\n{{- bo'
+        's_token }}\n{%- for message in loop_messages %}\n    {%- if message["role"] == "user" %}\n    '
+        '    {%- if tools is not none and (message == user_messages[-1]) %}\n            {{- "[AVAILABL'
+        'E_TOOLS] [" }}\n            {%- for tool in tools %}\n                {%- set tool = tool.func'
+        'tion %}\n                {{- \'{"type": "function", "function": {\' }}\n                {%- fo'
+        'r key, val in tool.items() if key != "return" %}\n                    {%- if val is string %}'
+        '\n                        {{- \'"\' + key + \'": "\' + val + \'"\' }}\n                    {%-'
+        ' else %}\n                        {{- \'"\' + key + \'": \' + val|tojson }}\n                 '
+        '   {%- endif %}\n                    {%- if not loop.last %}\n                        {{- ", "'
+        ' }}\n                    {%- endif %}\n                {%- endfor %}\n                {{- "}}"'
+        ' }}\n                {%- if not loop.last %}\n                    {{- ", " }}\n               '
+        ' {%- else %}\n                    {{- "]" }}\n                {%- endif %}\n            {%- en'
+        'dfor %}\n            {{- "[/AVAILABLE_TOOLS]" }}\n            {%- endif %}\n        {%- if loo'
+        'p.last and system_message is defined %}\n            {{- "[INST] " + system_message + "\\n\\n"'
+        ' + message["content"] + "[/INST]" }}\n        {%- else %}\n            {{- "[INST] " + message'
+        '["content"] + "[/INST]" }}\n        {%- endif %}\n    {%- elif message.tool_calls is defined a'
+        'nd message.tool_calls is not none %}\n        {{- "[TOOL_CALLS] [" }}\n        {%- for tool_ca'
+        'll in message.tool_calls %}\n            {%- set out = tool_call.function|tojson %}\n         '
+        '   {{- out[:-1] }}\n            {%- if not tool_call.id is defined or tool_call.id|length != 9'
+        ' %}\n                {{- raise_exception("Tool call IDs should be alphanumeric strings with le'
+        'ngth 9!") }}\n            {%- endif %}\n            {{- \', "id": "\' + tool_call.id + \'"}\' '
+        '}}\n            {%- if not loop.last %}\n                {{- ", " }}\n            {%- else %}'
+        '\n                {{- "]" + eos_token }}\n            {%- endif %}\n        {%- endfor %}\n   '
+        ' {%- elif message["role"] == "assistant" %}\n        {{- " " + message["content"]|trim + eos_t'
+        'oken}}\n    {%- elif message["role"] == "tool_results" or message["role"] == "tool" %}\n      '
+        '  {%- if message.content is defined and message.content.content is defined %}\n            {%-'
+        ' set content = message.content.content %}\n        {%- else %}\n            {%- set content = '
+        'message.content %}\n        {%- endif %}\n        {{- \'[TOOL_RESULTS] {"content": \' + conten'
+        't|string + ", " }}\n        {%- if not message.tool_call_id is defined or message.tool_call_id'
+        '|length != 9 %}\n            {{- raise_exception("Tool call IDs should be alphanumeric strings'
+        ' with length 9!") }}\n        {%- endif %}\n        {{- \'"call_id": "\' + message.tool_call_i'
+        'd + \'"}[/TOOL_RESULTS]\' }}\n    {%- else %}\n        {{- raise_exception("Only user and assi'
+        'stant roles are supported, with the exception of an initial optional system message!") }}\n   '
+        ' {%- endif %}\n{%- endfor %}\n'
+        , '<s>', '</s>',
+        ['<s>', '</s>', '[INST]', '[/INST]', '[AVAILABLE_TOOLS]', '[/AVAILABLE_TOOLS]', '[TOOL_CALLS]',
+         '[TOOL_RESULTS]', '[/TOOL_RESULTS]']),
+    # Qwen/Qwen2.5-7B-Instruct's (huggingface.js packages/jinja/test/e2e.test.js)
+    'qwen2.5': (
+        "{%- if tools %}\n    {{- '<|im_start|>system\\n' }}\n    {%- if messages[0]['role'] == 'system"
+        "' %}\n        {{- messages[0]['content'] }}\n    {%- else %}\n        {{- 'You are Qwen, creat"
+        'ed by Alibaba Cloud. You are a helpful assistant.\' }}\n    {%- endif %}\n    {{- "\\n\\n# Too'
+        'ls\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provide'
+        'd with function signatures within <tools></tools> XML tags:\\n<tools>" }}\n    {%- for tool in'
+        ' tools %}\n        {{- "\\n" }}\n        {{- tool | tojson }}\n    {%- endfor %}\n    {{- "\\n'
+        '</tools>\\n\\nFor each function call, return a json object with function name and arguments wi'
+        'thin <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"argume'
+        'nts\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}\n{%- else %}\n    {%- if messages['
+        "0]['role'] == 'system' %}\n        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|i"
+        "m_end|>\\n' }}\n    {%- else %}\n        {{- '<|im_start|>system\\nYou are Qwen, created by Al"
+        "ibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}\n    {%- endif %}\n{%- endif %}\n{%"
+        '- for message in messages %}\n    {%- if (message.role == "user") or (message.role == "system"'
+        ' and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}\n        {'
+        "{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}\n    {%- "
+        'elif message.role == "assistant" %}\n        {{- \'<|im_start|>\' + message.role }}\n        {'
+        "%- if message.content %}\n            {{- '\\n' + message.content }}\n        {%- endif %}\n  "
+        '      {%- for tool_call in message.tool_calls %}\n            {%- if tool_call.function is def'
+        'ined %}\n                {%- set tool_call = tool_call.function %}\n            {%- endif %}\n'
+        '            {{- \'\\n<tool_call>\\n{"name": "\' }}\n            {{- tool_call.name }}\n       '
+        '     {{- \'", "arguments": \' }}\n            {{- tool_call.arguments | tojson }}\n           '
+        " {{- '}\\n</tool_call>' }}\n        {%- endfor %}\n        {{- '<|im_end|>\\n' }}\n    {%- eli"
+        'f message.role == "tool" %}\n        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].r'
+        'ole != "tool") %}\n            {{- \'<|im_start|>user\' }}\n        {%- endif %}\n        {{- '
+        "'\\n<tool_response>\\n' }}\n        {{- message.content }}\n        {{- '\\n</tool_response>' "
+        '}}\n        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}\n            {{-'
+        " '<|im_end|>\\n' }}\n        {%- endif %}\n    {%- endif %}\n{%- endfor %}\n{%- if add_generat"
+        "ion_prompt %}\n    {{- '<|im_start|>assistant\\n' }}\n{%- endif %}\n"
+        , None, '<|im_end|>',
+        ['<|im_end|>', '<|im_start|>', '<tool_call>', '</tool_call>']),
+    # Qwen/Qwen3-0.6B's (ggml-org/llama.cpp models/templates/Qwen-Qwen3-0.6B.jinja)
+    'qwen3': (
+        "{%- if tools %}\n    {{- '<|im_start|>system\\n' }}\n    {%- if messages[0].role == 'system' %"
+        '}\n        {{- messages[0].content + \'\\n\\n\' }}\n    {%- endif %}\n    {{- "# Tools\\n\\nYo'
+        'u may call one or more functions to assist with the user query.\\n\\nYou are provided with fun'
+        'ction signatures within <tools></tools> XML tags:\\n<tools>" }}\n    {%- for tool in tools %}'
+        '\n        {{- "\\n" }}\n        {{- tool | tojson }}\n    {%- endfor %}\n    {{- "\\n</tools>'
+        '\\n\\nFor each function call, return a json object with function name and arguments within <to'
+        'ol_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": '
+        '<args-json-object>}\\n</tool_call><|im_end|>\\n" }}\n{%- else %}\n    {%- if messages[0].role '
+        "== 'system' %}\n        {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+        '\n    {%- endif %}\n{%- endif %}\n{%- set ns = namespace(multi_step_tool=true, last_query_inde'
+        'x=messages|length - 1) %}\n{%- for message in messages[::-1] %}\n    {%- set index = (messages'
+        '|length - 1) - loop.index0 %}\n    {%- if ns.multi_step_tool and message.role == "user" and no'
+        "t(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>"
+        "')) %}\n        {%- set ns.multi_step_tool = false %}\n        {%- set ns.last_query_index = i"
+        'ndex %}\n    {%- endif %}\n{%- endfor %}\n{%- for message in messages %}\n    {%- if (message.'
+        'role == "user") or (message.role == "system" and not loop.first) %}\n        {{- \'<|im_start|'
+        ">' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}\n    {%- elif message.ro"
+        'le == "assistant" %}\n        {%- set content = message.content %}\n        {%- set reasoning_'
+        "content = '' %}\n        {%- if message.reasoning_content is defined and message.reasoning_con"
+        'tent is not none %}\n            {%- set reasoning_content = message.reasoning_content %}\n   '
+        "     {%- else %}\n            {%- if '</think>' in message.content %}\n                {%- set"
+        " content = message.content.split('</think>')[-1].lstrip('\\n') %}\n                {%- set rea"
+        "soning_content = message.content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstri"
+        "p('\\n') %}\n            {%- endif %}\n        {%- endif %}\n        {%- if loop.index0 > ns.l"
+        'ast_query_index %}\n            {%- if loop.last or (not loop.last and reasoning_content) %}\n'
+        "                {{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip("
+        "'\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}\n            {%- else %}\n            "
+        "    {{- '<|im_start|>' + message.role + '\\n' + content }}\n            {%- endif %}\n        "
+        "{%- else %}\n            {{- '<|im_start|>' + message.role + '\\n' + content }}\n        {%- e"
+        'ndif %}\n        {%- if message.tool_calls %}\n            {%- for tool_call in message.tool_c'
+        'alls %}\n                {%- if (loop.first and content) or (not loop.first) %}\n             '
+        "       {{- '\\n' }}\n                {%- endif %}\n                {%- if tool_call.function %"
+        '}\n                    {%- set tool_call = tool_call.function %}\n                {%- endif %}'
+        '\n                {{- \'<tool_call>\\n{"name": "\' }}\n                {{- tool_call.name }}\n'
+        '                {{- \'", "arguments": \' }}\n                {%- if tool_call.arguments is str'
+        'ing %}\n                    {{- tool_call.arguments }}\n                {%- else %}\n         '
+        '           {{- tool_call.arguments | tojson }}\n                {%- endif %}\n                '
+        "{{- '}\\n</tool_call>' }}\n            {%- endfor %}\n        {%- endif %}\n        {{- '<|im_"
+        'end|>\\n\' }}\n    {%- elif message.role == "tool" %}\n        {%- if loop.first or (messages['
+        'loop.index0 - 1].role != "tool") %}\n            {{- \'<|im_start|>user\' }}\n        {%- endi'
+        "f %}\n        {{- '\\n<tool_response>\\n' }}\n        {{- message.content }}\n        {{- '\\n"
+        '</tool_response>\' }}\n        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") '
+        "%}\n            {{- '<|im_end|>\\n' }}\n        {%- endif %}\n    {%- endif %}\n{%- endfor %}"
+        "\n{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n' }}\n    {%- if enable_th"
+        "inking is defined and enable_thinking is false %}\n        {{- '<think>\\n\\n</think>\\n\\n' }"
+        '}\n    {%- endif %}\n{%- endif %}'
+        , None, '<|im_end|>',
+        ['<|im_end|>', '<|im_start|>', '<tool_call>', '</tool_call>', '<tool_response>',
+         '</tool_response>', '<think>', '</think>']),
+    # google/gemma-2-2b-it's (ggml-org/llama.cpp models/templates/google-gemma-2-2b-it.jinja)
+    'gemma': (
+        "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not sup"
+        "ported') }}{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop."
+        "index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate user/assistant/user/a"
+        "ssistant/...') }}{% endif %}{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{"
+        "% else %}{% set role = message['role'] %}{% endif %}{{ '<start_of_turn>' + role + '\n' + messa"
+        "ge['content'] | trim + '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{'<start"
+        "_of_turn>model\n'}}{% endif %}"
+        , '<bos>', '<eos>',
+        ['<bos>', '<eos>', '<start_of_turn>', '<end_of_turn>']),
+    # ChatML that stops at a message '<<END>>' ({% break %}) and skips empty ones ({% continue %})
+    'chatml-loopcontrols': (
+        "{#- ChatML with loop controls: a message whose content is exactly '<<END>>' ends the transcrip"
+        't\n    ({% break %}); messages with empty or null content are skipped ({% continue %}). #}\n{%'
+        "- for message in messages %}\n    {%- if message['content'] == '<<END>>' %}\n        {%- break"
+        " %}\n    {%- endif %}\n    {%- if message['content'] is none or message['content'] == '' %}\n "
+        "       {%- continue %}\n    {%- endif %}\n    {{- '<|im_start|>' + message['role'] + '\\n' + m"
+        "essage['content'] + '<|im_end|>' + '\\n' }}\n{%- endfor %}\n{%- if add_generation_prompt %}\n "
+        "   {{- '<|im_start|>assistant\\n' }}\n{%- endif %}\n"
+        , None, '<|im_end|>',
+        ['<|im_end|>', '<|im_start|>']),
+}
+
+# each family: the --chat-roles it needs, and None where the turns RL writes equal transformers' rendering id
+# for id, else the reason it is refused (one line)
+FAMILIES = {"deepseek-v3": ({"system": "user"}, None), "kimi-k2": ({}, None), "moonlight": ({}, None),
+            "llama-3": ({}, None), "qwen2.5": ({}, None), "chatml-loopcontrols": ({}, None),
+            "mistral": ({}, "it renders ' ' before the reply where the prompt ends with ''"),
+            "qwen3": ({}, "it renders '<think>\\n\\n</think>\\n\\n' before the reply"),
+            "gemma": ({}, "it has no place for a reply after an assistant turn")}
+
+
+def test_released_chat_templates_give_the_conversation_token_for_token(tmp_path):
+    """On the templates of released families, a conversation built turn by turn as RL builds it (the turns
+    after a reply taken with the next generation prompt, each reply's tokens as sampled, the template's
+    closing after it) is transformers' apply_chat_template of the whole conversation, id for id: system, user,
+    a reply, a tool's output, a user turn, a reply, and the generation prompt. A template that cannot hold the
+    turns RL writes is refused in one line naming the role or the reason; a role it has no place for is
+    refused unless --chat-roles maps it. Without transformers the template renders the same (loop controls,
+    generation tags, tojson)."""
+    from grpo import GRPOConfig, retokenized, rollout
+    tk = pytest.importorskip("tokenizers", reason="pip install tokenizers")
+    tf = pytest.importorskip("transformers", reason="pip install transformers")
+    turns = [("system", "S"), ("user", "add 2 and 3"), ("assistant", "call add(2,3)"), ("tool", "5"),
+             ("user", "and 4 and 4?"), ("assistant", "answer 8")]
+    for name, (template, bos, eos, specials) in RELEASED_TEMPLATES.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        bpe = tk.Tokenizer(tk.models.BPE())
+        bpe.pre_tokenizer, bpe.decoder = tk.pre_tokenizers.ByteLevel(add_prefix_space=False), tk.decoders.ByteLevel()
+        bpe.train_from_iterator([text for _, text in turns] * 20, tk.trainers.BpeTrainer(
+            vocab_size=300, special_tokens=specials, initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet()))
+        bpe.save(str(folder / "tokenizer.json"))
+        (folder / "tokenizer_config.json").write_text(json.dumps({
+            "bos_token": bos, "eos_token": eos, "chat_template": template,
+            "tokenizer_class": "PreTrainedTokenizerFast"}))
+        roles, refused = FAMILIES[name]
+        if roles:  # without the mapping: refused, naming the role to map
+            with pytest.raises(M.TokenizerError, match=f"--chat-roles {next(iter(roles))}=user$"):
+                M.HFTokenizer(folder)
+        if refused:
+            with pytest.raises(M.TokenizerError, match=re.escape(refused)) as e:
+                M.HFTokenizer(folder, roles=roles)
+            assert "\n" not in str(e.value)
+            continue
+        tok, chat = M.HFTokenizer(folder, roles=roles), tf.PreTrainedTokenizerFast.from_pretrained(folder)
+        ids, done = [], 0  # as rollout writes them
+        for k, (role, text) in enumerate(turns):
+            if role == "assistant":
+                ids += tok.delta(turns[:done], turns[done:k], prompt=True)
+                ids += tok.encode(text) + [tok.end] + tok.closing(turns[:k], text, ended=True)
+                done = k + 1
+        ids += tok.delta(turns[:done], turns[done:], prompt=True)
+        first = next(k for k, (role, _) in enumerate(turns) if role == "assistant")
+        msgs = [{"role": roles.get(r, r) if k > first else r, "content": c} for k, (r, c) in enumerate(turns)]
+        text = chat.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        assert ids == chat(text, add_special_tokens=False)["input_ids"] == tok.rendered(turns, True), name
+        own = M.chat_template(template, name, own=True)
+        assert own.render(messages=msgs, add_generation_prompt=True, bos_token=bos, eos_token=eos) == text, name
+        # a rollout (tool replies, a summary request, a summary restart): with each sampled message encoded
+        # anew from its text, every segment is its conversation rendered and encoded at once
+        cfg = GRPOConfig(group_size=2, max_message_tokens=6, context_budget=60, tokenizer=tok)
+        trajs = rollout(tiny_model(vocab_size=300, n_layer=2), [_ToolNotFoundEnv(1.0, 4), _ToolNotFoundEnv(0.0, 4)], cfg,
+                        torch.Generator().manual_seed(0))
+        assert any(len(t.segments) > 1 for t in trajs), name
+        for t in trajs:  # (Llama-3's template trims each message: a reply with spaces at its ends differs, and
+            # the difference is what rollout reports)
+            assert t.retokenized == sum(retokenized(s.tokens, tok.rendered(s.messages)) for s in t.segments)
+            assert name == "llama-3" or all(anew(tok, s) == tok.rendered(s.messages) for s in t.segments), name
+
+
+def anew(tok, seg):
+    """A segment's tokens with each sampled message (a run of policy tokens) encoded anew from its text: a
+    random policy's tokens are not what encoding their text gives."""
+    out, k = [], 0
+    while k < len(seg.tokens):
+        if not seg.policy[k]:
+            out.append(seg.tokens[k])
+            k += 1
+            continue
+        j = k
+        while j < len(seg.tokens) and seg.policy[j]:
+            j += 1
+        ended = seg.tokens[j - 1] == tok.end
+        out += tok.encode(tok.decode(seg.tokens[k:j - ended])) + [tok.end] * ended
+        k = j
+    return out
 
 
 def test_a_released_model_without_a_usable_tokenizer_is_one_line(tmp_path):
