@@ -2294,19 +2294,28 @@ def test_a_released_model_without_a_usable_tokenizer_is_one_line(tmp_path):
     good = tmp_path / "good"
     M.save_hf(tiny_model(seed=1, vocab_size=300), good, torch.float32)
     cases = {}
-    for name, template, vocab in (("wide", CHATML, 320), ("no-assistant", CHATML.replace(
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}", "").replace(
-            "{% for m in messages %}", "{% for m in messages if m.role != 'assistant' %}"), 300)):
+    no_tools = CHATML.replace("{% for m in messages %}", "{% for m in messages %}{% if m.role == 'tool' %}"
+                              "{{ raise_exception('no tool role') }}{% endif %}")
+    for name, template, vocab, expected in (
+            ("wide", CHATML, 320, "tokenizer.json has {size} tokens but config.json's vocab_size is 300"),
+            ("no-assistant", CHATML.replace("{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+                                            "").replace("{% for m in messages %}",
+                                                        "{% for m in messages if m.role != 'assistant' %}"), 300,
+             "the chat template renders no assistant turn after a user turn"),
+            ("no-tools", no_tools, 300, "(no tool role): it has no place for a tool turn after a reply; map it "
+                                        "to a role it has, e.g. --chat-roles tool=user")):
         shutil.copytree(good, tmp_path / name)
         size = released_tokenizer(tmp_path / name, template, vocab)
-        cases[name] = (f"tokenizer.json has {size} tokens but config.json's vocab_size is 300"
-                       if name == "wide" else "the chat template renders no assistant turn after a user turn")
+        cases[name] = expected.format(size=size)
+    shutil.copytree(tmp_path / "no-tools", tmp_path / "bad-roles")
+    cases["bad-roles"] = "--chat-roles 'tool=bash': pairs ROLE=ROLE of system, user, assistant, tool"
     for name, expected in cases.items():
-        r = run_train("--init-from", str(tmp_path / name), "--stage", "rl", "--out",
-                      str(tmp_path / f"o-{name}"))
+        r = run_train("--init-from", str(tmp_path / name), "--stage", "rl", "--out", str(tmp_path / f"o-{name}"),
+                      *(["--chat-roles", "tool=bash"] if name == "bad-roles" else []))
         err = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(err) == 1 and expected in err[0] and err[0].startswith(
-            f"error: --init-from {tmp_path / name}"), (name, r.stderr[-2000:])
+            "error: --chat-roles" if name == "bad-roles" else f"error: --init-from {tmp_path / name}"), \
+            (name, r.stderr[-2000:])
 
 
 def test_an_exported_byte_level_model_continues_into_rl(tmp_path, par_data):
