@@ -3567,6 +3567,9 @@ def test_frozen_and_ema_teachers_and_the_loss_uses_the_chosen_one():
            for name in ("current", "frozen", "ema")}
     with pytest.raises(ValueError):
         Feedback(model, FeedbackConfig(teacher="Frozen"))
+    # the library's default teacher is train.py's: the current policy collapsed every run it was tried on
+    import train
+    assert FeedbackConfig().teacher == "frozen" == train.make_parser().get_default("feedback_teacher")
     ema_before = [t.clone() for t in fbs["ema"].teacher.tensors]
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     for _ in range(2):  # policy steps on the feedback loss, with the current policy as the teacher
