@@ -89,8 +89,8 @@ class Trajectory:
     done: bool = False
     summarizing: bool = False  # the next message answers the summary request
     spans: list = field(default_factory=list)  # (segment, start, end) of each assistant turn's policy tokens
-    # each turn's (where the tokens before it that are not the last reply's start, the messages in tokens
-    # there, the messages before the turn)
+    # each turn's opening: (the token where what came since the last reply starts, before the generation
+    # prompt; the messages whose tokens precede that token; the messages before the turn)
     openings: list = field(default_factory=list)
     retokenized: int = 0  # tokens where the turn-by-turn ids differ from the whole rendering encoded at once
 
@@ -397,8 +397,9 @@ def rollout(policy, envs, cfg, gen, sharded=False):
                     t.turns.append(("tool", reply))
                     seg.messages.append(("tool", reply))
                 t.done = t.done or t.written >= cfg.max_gen_tokens
-                waiting = tok.delta(seg.messages[:seg.rendered], seg.messages[seg.rendered:])
-                if not t.done and len(seg.tokens) + len(waiting) > cfg.context_budget:
+                waiting = seg.messages[seg.rendered:]  # the tokens they would add, counted
+                if not t.done and len(seg.tokens) + len(tok.delta(seg.messages[:seg.rendered], waiting)) > \
+                        cfg.context_budget:
                     seg.messages.append(("user", SUMMARY_REQUEST))  # environment text: never trained
                     t.summarizing = True
         if sharded:
