@@ -3759,6 +3759,36 @@ def test_render_uses_exact_special_strings():
                              "<|assistant|>answer 3<|end|>")
 
 
+def test_the_copy_probe_checks_the_digits_the_gold_copies():
+    """The copy probe's positions: in a coding transcript, the digit of the name the edit's body carries (`add8`
+    -> `x + 8`), and the rest of the body; in a tool transcript, each call's operands, each a digit the
+    question or a tool's reply holds before it. A model that has the answer everywhere scores 1, one that never
+    has it 0."""
+    import train
+    for code in (True, False):
+        for tokens, copies, rest in train.probe_positions(code, 8):
+            text = M.decode(tokens)
+            assert copies and rest and all(M.decode([tokens[p]]).isdigit() for p in copies)
+            assert not any(M.decode([tokens[p]]).isdigit() for p in rest)
+            for p in copies:  # the digit was in the context before it
+                assert M.decode([tokens[p]]) in M.decode(tokens[:p]).rsplit("<|assistant|>", 1)[0]
+            if code:
+                name = re.search(r"fill in \S+ def (\w+?)(\d)\(x\)", text)
+                assert name and [M.decode([tokens[p]]) for p in copies] == [name[2]], text
+
+    class Oracle(torch.nn.Module):  # the next token's logits: certain, and right (or, shifted, wrong)
+        def __init__(self, shift):
+            super().__init__()
+            self.shift, self.w = shift, torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, idx):
+            nxt = torch.roll(idx, -1, dims=1) if not self.shift else (torch.roll(idx, -1, dims=1) + 1) % 264
+            return torch.nn.functional.one_hot(nxt, 264).float() + self.w, None
+
+    assert train.copy_probe(Oracle(False), True, "cpu") == {"copy_digits": 1.0, "copy_rest": 1.0}
+    assert train.copy_probe(Oracle(True), False, "cpu") == {"copy_digits": 0.0, "copy_rest": 0.0}
+
+
 def test_corpus_is_deterministic_per_seed():
     a, b, c = corpus(50, seed=7), corpus(50, seed=7), corpus(50, seed=8)
     assert a == b and a != c

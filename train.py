@@ -37,6 +37,7 @@ reads only its shards) and --save-hf writes the trained model back in that layou
 """
 
 import argparse
+import ast
 import atexit
 import contextlib
 import difflib
@@ -146,10 +147,15 @@ def pretrain(t):
     step, QK-Clip and the router bias; evaluations and checkpoints every --eval-every. -> the last step"""
     args, model, optimizer, run = t.args, t.model, t.optimizer, t.run
     start_step = run.start_step
+    # on the transcripts (this project's bytes), the copy probe beside each evaluation
+    probe = (lambda: copy_probe(model, t.job.code, t.device)) if not args.data and t.layout.cp == 1 else dict
+    said = lambda r: "".join(f" | {k.replace('_', ' ')} {r[k]:.3f}" for k in ("copy_digits", "copy_rest")
+                             if k in r)
     if not run.resume_path:
         train_loss, val_loss = evaluate(t)
-        print0(f"step {0:5d} | train loss {train_loss:.4f} | val loss {val_loss:.4f}")
-        run.log({"step": 0, "loss": train_loss, "val_loss": val_loss})
+        record = {"step": 0, "loss": train_loss, "val_loss": val_loss, **probe()}
+        print0(f"step {0:5d} | train loss {train_loss:.4f} | val loss {val_loss:.4f}" + said(record))
+        run.log(record)
     tokens_per_step = args.batch_size * args.seq_len
     flops_per_step = flops_per_token(model, args.seq_len) * tokens_per_step
     t_log, n_log, t_opt_sum = time.perf_counter(), 0, 0.0
@@ -212,8 +218,9 @@ def pretrain(t):
         saving = step % args.eval_every == 0 or step == args.steps
         if saving:
             record["train_loss_eval"], record["val_loss"] = evaluate(t)
+            record.update(probe())
             print0(f"step {step:5d} | train loss {record['train_loss_eval']:.4f} | "
-                   f"val loss {record['val_loss']:.4f}")
+                   f"val loss {record['val_loss']:.4f}" + said(record))
         # logged before its checkpoint appears: a resumed run never lacks its checkpoint step's record
         run.log(record)
         if saving:
@@ -895,6 +902,54 @@ def evaluate(t):
         losses.append(mean_over_ranks(t, total / (len(windows) // t.micro)))
     t.model.train()
     return losses
+
+
+# The copy probe. A small model finds a token by what it is (an operation) more easily than by where it is
+# (the digit a name carries: `mod3` -> `x % 3`; the operands a question carries: `compute min(7,8)` -> `call
+# min(7,8)`). On gold transcripts no run trains on (held-out micro-repositories; tool tasks of another seed),
+# the model's greedy next token is checked where the gold copies a digit, and, for contrast, on the rest of
+# what it writes there: (share of copied digits right, share of the rest right).
+PROBE_SEED = 10**7
+
+
+def probe_positions(code, n=None):
+    """Gold transcripts as byte tokens, each with the positions of the digits the gold copies and of the rest
+    of what it writes there. -> [(tokens, copies, rest)]"""
+    rng, out = random.Random(PROBE_SEED), []
+    for _ in range(n or (96 if code else 32)):  # ~100 copied digits either way (one an edit, ~4 a chain)
+        if code:  # the body an edit writes: `    return x % 3` after `call replace(...)`
+            files = tasks.micro_files(rng, held_out=True)
+            funcs = [f.name for f in ast.parse(files[tasks.micro_module(files)]).body]
+            turns = tasks.micro_episode(files, [rng.choice(funcs)], "stub", rng)[0]
+            body = re.compile(r"call replace\([^)]*\)\n    return (.*)")
+        else:  # the operands of every call of a level-2 tool task
+            task = tasks.make_tool_task(rng, 2)
+            turns, body = tasks.gold_transcript(task, rng), re.compile(r"call (\w+\(.*\))")
+        text, copies, rest = "", [], []
+        for role, message in turns:
+            head = len(encode(text + f"<|{role}|>", specials=True))
+            if role == "assistant" and (m := body.fullmatch(message)):
+                for i in range(m.start(1), m.end(1)):
+                    at = head + len(message[:i].encode())
+                    (copies if message[i].isdigit() else rest).append(at)
+            text += f"<|{role}|>{message}<|end|>"
+        out.append((encode(text, specials=True), copies, rest))
+    return out
+
+
+@torch.no_grad()
+def copy_probe(model, code, device):
+    """-> {copy_digits, copy_rest}: the model's greedy next token right on copied digits, and on the rest."""
+    was_training, hits = model.training, [[0, 0], [0, 0]]
+    model.eval()
+    for tokens, *where in probe_positions(code):
+        logits, _ = model(torch.tensor([tokens], device=device))
+        guess = logits[0].argmax(-1).tolist()
+        for k, positions in enumerate(where):
+            hits[k][0] += sum(guess[p - 1] == tokens[p] for p in positions)
+            hits[k][1] += len(positions)
+    model.train(was_training)
+    return {"copy_digits": hits[0][0] / max(1, hits[0][1]), "copy_rest": hits[1][0] / max(1, hits[1][1])}
 
 
 PEAK_BF16 = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense, NVIDIA datasheets
