@@ -912,6 +912,7 @@ def evaluate(t):
 PROBE_SEED = 10**7
 
 
+@functools.lru_cache(maxsize=4)
 def probe_positions(code, n=None):
     """Gold transcripts as byte tokens, each with the positions of the digits the gold copies and of the rest
     of what it writes there. -> [(tokens, copies, rest)]"""
@@ -933,21 +934,24 @@ def probe_positions(code, n=None):
                     at = head + len(message[:i].encode())
                     (copies if message[i].isdigit() else rest).append(at)
             text += f"<|{role}|>{message}<|end|>"
-        out.append((encode(text, specials=True), copies, rest))
-    return out
+        out.append((encode(text, specials=True)[:max(copies + rest) + 1], copies, rest))  # no more is read
+    return tuple(out)
 
 
 @torch.no_grad()
 def copy_probe(model, code, device):
     """-> {copy_digits, copy_rest}: the model's greedy next token right on copied digits, and on the rest."""
-    was_training, hits = model.training, [[0, 0], [0, 0]]
+    was_training, hits, probes = model.training, [[0, 0], [0, 0]], probe_positions(code)
     model.eval()
-    for tokens, *where in probe_positions(code):
-        logits, _ = model(torch.tensor([tokens], device=device))
-        guess = logits[0].argmax(-1).tolist()
-        for k, positions in enumerate(where):
-            hits[k][0] += sum(guess[p - 1] == tokens[p] for p in positions)
-            hits[k][1] += len(positions)
+    for i in range(0, len(probes), 32):  # right-padded batches: padding comes after every checked position
+        rows = probes[i:i + 32]
+        width = max(len(tokens) for tokens, _, _ in rows)
+        batch = [tokens + [BYTES.pad] * (width - len(tokens)) for tokens, _, _ in rows]
+        logits, _ = model(torch.tensor(batch, device=device))
+        for guess, (tokens, *where) in zip(logits.argmax(-1).tolist(), rows):
+            for k, positions in enumerate(where):
+                hits[k][0] += sum(guess[p - 1] == tokens[p] for p in positions)
+                hits[k][1] += len(positions)
     model.train(was_training)
     return {"copy_digits": hits[0][0] / max(1, hits[0][1]), "copy_rest": hits[1][0] / max(1, hits[1][1])}
 
