@@ -8,7 +8,8 @@ Kimi K2 technical report (arXiv 2507.20534) and config.json. Simplification: no 
 Released checkpoints in the Hugging Face layout (DeepSeek-V3, Kimi K2, Kimi K2.5's text model, Moonlight) load
 into it and are written back (section "Released checkpoints"); transformers' DeepseekV3 gives the same logits.
 RL writes and reads turns through a tokenizer: this project's bytes, or a released model's own (HFTokenizer:
-its tokenizer.json and chat template).
+its tokenizer.json and chat template, a conversation's tokens taken turn by turn from the template's rendering
+as multi-turn RL frameworks take them).
 
 Two layout choices serve the optimizer (muon.py) and the sharding (mesh.py):
 - expert weights are stacked, one tensor per projection, [num_experts, out, in];
