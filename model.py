@@ -253,9 +253,6 @@ class HFTokenizer(ByteTokenizer):
         rest = close[1:] if close[:1] == [self.end] else close  # the end token: sampled, or added here
         return rest if ended else [self.end] + rest
 
-    def rendered(self, messages, prompt=False):
-        return self.encode(self.render(messages, prompt))
-
     def probe(self):
         """The turns RL writes, rendered once with marker texts: refused in one line where the template has no
         place for a role after a reply (a tool's output, a summary request, a feedback hint, a summary

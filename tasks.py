@@ -1720,11 +1720,8 @@ class Copier(pickle.Pickler):
         if obj is self.fresh and obj is not None:
             return copyreg.__newobj__, (t,)
         if t is types.FunctionType and self.by_value(obj):
-            codes, names = [obj.__code__], {"__name__"}
-            while codes:  # the global names the function and the functions inside it use
-                c = codes.pop()
-                names |= set(c.co_names)
-                codes += [x for x in c.co_consts if type(x) is types.CodeType]
+            # the global names the function and the functions inside it use
+            names = {"__name__", *(n for c in nested_codes(obj.__code__) for n in c.co_names)}
             scope = {k: obj.__globals__[k] for k in names if k in obj.__globals__}
             cells = tuple(types.CellType() for _ in obj.__closure__ or ())  # filled by restore()
             values = [c.cell_contents for c in obj.__closure__ or ()]
@@ -1768,6 +1765,15 @@ class Copier(pickle.Pickler):
             if isinstance(rv, tuple) and len(rv) >= 3 and isinstance(rv[2], dict):  # a dict's items kept
                 return rv[0], rv[1], rv[2], *(rv[3:5] + (None, None))[:2], restore
         return NotImplemented
+
+
+def nested_codes(code):
+    """A code object and those of the functions, lambdas and classes defined inside it, at any depth."""
+    codes = [code]
+    while codes:
+        c = codes.pop()
+        yield c
+        codes += [x for x in c.co_consts if type(x) is types.CodeType]
 
 
 def restore(obj, state):
@@ -1832,10 +1838,13 @@ class Recorder:
                 tries[key, "kept"] += 1
                 self.records.append([key if type(key) is int else None, base64.b64encode(data).decode()])
 
+        def own_source(path):  # a file of the packages' own source (not their tests)
+            return path.startswith(pkgs) and not is_protected(os.path.relpath(path, repo))
+
         def pooled(t):  # whether values of type t go to the pool
             if t not in ours:
-                path = os.path.realpath(getattr(sys.modules.get(t.__module__), "__file__", None) or "/")
-                ours[t] = path.startswith(pkgs) and not is_protected(os.path.relpath(path, repo))
+                module = sys.modules.get(t.__module__)
+                ours[t] = own_source(os.path.realpath(getattr(module, "__file__", None) or "/"))
             return ours[t] or t in taken
 
         def profile(frame, event, arg):
@@ -1846,7 +1855,7 @@ class Recorder:
                 path = os.path.realpath(code.co_filename)
                 starts[code] = (targets.get((path, code.co_qualname)), next(
                     (i.offset for i in dis.get_instructions(code) if i.opname == "RESUME"), 0),
-                    path.startswith(pkgs) and not is_protected(os.path.relpath(path, repo)))
+                    own_source(path))
             i, start, inside = starts[code]
             if frame.f_lasti != start or i is None and (not inside or tries[code] >= POOL_AT_MOST):
                 return
@@ -1919,6 +1928,7 @@ from collections import Counter
 from pathlib import Path
 {inspect.getsource(is_protected)}
 {inspect.getsource(Copier)}
+{inspect.getsource(nested_codes)}
 {inspect.getsource(restore)}
 {inspect.getsource(reopen)}
 {COPY_MODULE}
@@ -2119,14 +2129,9 @@ def oracle_main(mode, root, inputs, fd):
         for _, given in calls:
             for value in given.values():
                 by_type[type(value)].append(value)
-        reads = []  # the names each feature's code uses, its inner functions' too
-        for f in funcs:
-            codes, names = [getattr(f, "__code__", None)], set()
-            while codes:
-                c = codes.pop()
-                names |= set(c.co_names) | set(c.co_varnames) if c else set()
-                codes += [x for x in c.co_consts if type(x) is types.CodeType] if c else []
-            reads.append(frozenset(names))
+        # the names each feature's code uses, its inner functions' too
+        reads = [frozenset(n for c in nested_codes(f.__code__) for n in (*c.co_names, *c.co_varnames))
+                 if hasattr(f, "__code__") else frozenset() for f in funcs]
         pools = []
         for k, (i, given) in enumerate(calls):
             rng = random.Random(k)
@@ -2257,7 +2262,7 @@ ORACLE_CHILD = "\n".join(["import contextlib, copy, copyreg, hashlib, importlib,
                           "import asyncio, collections, datetime, decimal, enum, fractions, functools",
                           "import inspect, itertools, pickle, re, sys, tempfile, threading, types",
                           f"HELD_OUT_AT_LEAST, PLACES = {HELD_OUT_AT_LEAST}, ()",
-                          *map(inspect.getsource, (Copier, restore, reopen)), COPY_MODULE,
+                          *map(inspect.getsource, (Copier, nested_codes, restore, reopen)), COPY_MODULE,
                           *map(inspect.getsource, (canon, slot_values, mutants, like, attributes, oracle_main,
                                                    class_names, drain, oracle_resolve)),
                           "oracle_main(*sys.argv[1:])"])
@@ -3176,7 +3181,7 @@ class Verifier:
                 fut = self.cache[key] = concurrent.futures.Future() if self.pool is None else \
                     self.pool.submit(self.verify, env.dir, dict(env.edits), env.box)
         env.pending = fut
-        if new:  # a verify that raised (a full disk) is no result of the tree: the next episode verifies again
+        if new:  # a verify that raised (a full disk) is no result of the tree: the next episode verifies anew
             fut.add_done_callback(self.forget)
         if self.pool is None and new:  # no pool: verify now, in this thread
             with self.waiting():

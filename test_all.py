@@ -1821,9 +1821,14 @@ CHATML = ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def released_tokenizer(folder, template=CHATML, vocab=300):
-    """A byte-level BPE tokenizer trained here (the tokenizers package), with ChatML's role markers as
-    special tokens and a chat template, written into a checkpoint folder as a released model ships them."""
+CHATML_TOKENS = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
+
+
+def released_tokenizer(folder, template=CHATML, vocab=300, specials=("<|im_start|>", "<|im_end|>"),
+                       tokens=CHATML_TOKENS):
+    """A byte-level BPE tokenizer trained here (the tokenizers package), with the template's markers and the
+    config's tokens as special tokens and a chat template, written into a checkpoint folder as a released
+    model ships them."""
     tk = pytest.importorskip("tokenizers", reason="a released model's tokenizer is optional: pip install "
                                                   "tokenizers (CI installs it with transformers)")
     tok = tk.Tokenizer(tk.models.BPE())
@@ -1831,13 +1836,12 @@ def released_tokenizer(folder, template=CHATML, vocab=300):
     tok.decoder = tk.decoders.ByteLevel()
     text = [render(ToolEnv(make_tool_task(random.Random(i), 1)).first_turns()) for i in range(50)]
     tok.train_from_iterator(text + ["call add(3,4)", "answer 7", "error: tool not found"] * 20,
-                            tk.trainers.BpeTrainer(vocab_size=vocab, special_tokens=[
-                                "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"],
+                            tk.trainers.BpeTrainer(vocab_size=vocab, special_tokens=list(dict.fromkeys(
+                                [*(x for x in tokens.values() if x), *specials])),
                                 initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet()))
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "chat_template": template,
-        "tokenizer_class": "PreTrainedTokenizerFast"}))
+        **tokens, "chat_template": template, "tokenizer_class": "PreTrainedTokenizerFast"}))
     return tok.get_vocab_size()
 
 
@@ -2218,21 +2222,14 @@ def test_released_chat_templates_give_the_conversation_token_for_token(tmp_path)
     refused unless --chat-roles maps it. Without transformers the template renders the same (loop controls,
     generation tags, tojson)."""
     from grpo import GRPOConfig, retokenized, rollout
-    tk = pytest.importorskip("tokenizers", reason="pip install tokenizers")
     tf = pytest.importorskip("transformers", reason="pip install transformers")
     turns = [("system", "S"), ("user", "add 2 and 3"), ("assistant", "call add(2,3)"), ("tool", "5"),
              ("user", "and 4 and 4?"), ("assistant", "answer 8")]
     for name, (template, bos, eos, specials) in RELEASED_TEMPLATES.items():
         folder = tmp_path / name
         folder.mkdir()
-        bpe = tk.Tokenizer(tk.models.BPE())
-        bpe.pre_tokenizer, bpe.decoder = tk.pre_tokenizers.ByteLevel(add_prefix_space=False), tk.decoders.ByteLevel()
-        bpe.train_from_iterator([text for _, text in turns] * 20, tk.trainers.BpeTrainer(
-            vocab_size=300, special_tokens=specials, initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet()))
-        bpe.save(str(folder / "tokenizer.json"))
-        (folder / "tokenizer_config.json").write_text(json.dumps({
-            "bos_token": bos, "eos_token": eos, "chat_template": template,
-            "tokenizer_class": "PreTrainedTokenizerFast"}))
+        tokens = {"bos_token": bos, "eos_token": eos}
+        assert released_tokenizer(folder, template, 300, specials, tokens) <= 300
         roles, refused = FAMILIES[name]
         if roles:  # without the mapping: refused, naming the role to map
             with pytest.raises(M.TokenizerError, match=f"--chat-roles {next(iter(roles))}=user$"):
@@ -2255,17 +2252,19 @@ def test_released_chat_templates_give_the_conversation_token_for_token(tmp_path)
         text = chat.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         assert ids == chat(text, add_special_tokens=False)["input_ids"] == tok.rendered(turns, True), name
         own = M.chat_template(template, name, own=True)
-        assert own.render(messages=msgs, add_generation_prompt=True, bos_token=bos, eos_token=eos) == text, name
+        assert own.render(messages=msgs, add_generation_prompt=True, **tokens) == text, name
         # a rollout (tool replies, a summary request, a summary restart): with each sampled message encoded
         # anew from its text, every segment is its conversation rendered and encoded at once
         cfg = GRPOConfig(group_size=2, max_message_tokens=6, context_budget=60, tokenizer=tok)
-        trajs = rollout(tiny_model(vocab_size=300, n_layer=2), [_ToolNotFoundEnv(1.0, 4), _ToolNotFoundEnv(0.0, 4)], cfg,
+        envs = [_ToolNotFoundEnv(1.0, 4), _ToolNotFoundEnv(0.0, 4)]
+        trajs = rollout(tiny_model(vocab_size=300, n_layer=2), envs, cfg,
                         torch.Generator().manual_seed(0))
         assert any(len(t.segments) > 1 for t in trajs), name
-        for t in trajs:  # (Llama-3's template trims each message: a reply with spaces at its ends differs, and
-            # the difference is what rollout reports)
+        for t in trajs:  # (Llama-3's template trims each message: a reply with spaces at its ends differs,
+            # and the difference is what rollout reports)
             assert t.retokenized == sum(retokenized(s.tokens, tok.rendered(s.messages)) for s in t.segments)
-            assert name == "llama-3" or all(anew(tok, s) == tok.rendered(s.messages) for s in t.segments), name
+            assert name == "llama-3" or all(anew(tok, s) == tok.rendered(s.messages) for s in t.segments), \
+                name
 
 
 def anew(tok, seg):
@@ -2298,19 +2297,20 @@ def test_a_released_model_without_a_usable_tokenizer_is_one_line(tmp_path):
                               "{{ raise_exception('no tool role') }}{% endif %}")
     for name, template, vocab, expected in (
             ("wide", CHATML, 320, "tokenizer.json has {size} tokens but config.json's vocab_size is 300"),
-            ("no-assistant", CHATML.replace("{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
-                                            "").replace("{% for m in messages %}",
-                                                        "{% for m in messages if m.role != 'assistant' %}"), 300,
+            ("no-assistant", CHATML
+             .replace("{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}", "")
+             .replace("{% for m in messages %}", "{% for m in messages if m.role != 'assistant' %}"), 300,
              "the chat template renders no assistant turn after a user turn"),
-            ("no-tools", no_tools, 300, "(no tool role): it has no place for a tool turn after a reply; map it "
-                                        "to a role it has, e.g. --chat-roles tool=user")):
+            ("no-tools", no_tools, 300, "(no tool role): it has no place for a tool turn after a reply; map "
+                                        "it to a role it has, e.g. --chat-roles tool=user")):
         shutil.copytree(good, tmp_path / name)
         size = released_tokenizer(tmp_path / name, template, vocab)
         cases[name] = expected.format(size=size)
     shutil.copytree(tmp_path / "no-tools", tmp_path / "bad-roles")
     cases["bad-roles"] = "--chat-roles 'tool=bash': pairs ROLE=ROLE of system, user, assistant, tool"
     for name, expected in cases.items():
-        r = run_train("--init-from", str(tmp_path / name), "--stage", "rl", "--out", str(tmp_path / f"o-{name}"),
+        r = run_train("--init-from", str(tmp_path / name), "--stage", "rl", "--out",
+                      str(tmp_path / f"o-{name}"),
                       *(["--chat-roles", "tool=bash"] if name == "bad-roles" else []))
         err = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(err) == 1 and expected in err[0] and err[0].startswith(
@@ -3760,10 +3760,10 @@ def test_render_uses_exact_special_strings():
 
 
 def test_the_copy_probe_checks_the_digits_the_gold_copies():
-    """The copy probe's positions: in a coding transcript, the digit of the name the edit's body carries (`add8`
-    -> `x + 8`), and the rest of the body; in a tool transcript, each call's operands, each a digit the
-    question or a tool's reply holds before it. A model that has the answer everywhere scores 1, one that never
-    has it 0."""
+    """The copy probe's positions: in a coding transcript, the digit of the name the edit's body carries
+    (`add8` -> `x + 8`), and the rest of the body; in a tool transcript, each call's operands, each a digit
+    the question or a tool's reply holds before it. A model that has the answer everywhere scores 1, one that
+    never has it 0."""
     import train
     for code in (True, False):
         for tokens, copies, rest in train.probe_positions(code, 8):

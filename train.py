@@ -1881,9 +1881,9 @@ def check(args):
     tokenizer = BYTES
     if args.init_from and args.stage != "pretrain" and not args.dry_run and (
             cfg.vocab_size != VOCAB_SIZE or Path(args.init_from, "tokenizer.json").exists()):
-        roles = dict(pair.split("=", 1) for pair in args.chat_roles.split(",") if "=" in pair)
-        if any(k not in ROLES or v not in ROLES for k, v in roles.items()) or \
-                len(roles) != len([x for x in args.chat_roles.split(",") if x]):
+        pairs = [pair.split("=") for pair in args.chat_roles.split(",") if pair]
+        roles = dict(p for p in pairs if len(p) == 2)
+        if len(roles) != len(pairs) or not {*roles, *roles.values()} <= set(ROLES):
             die(f"--chat-roles {args.chat_roles!r}: pairs ROLE=ROLE of {', '.join(ROLES)}, comma separated")
         try:
             tokenizer = HFTokenizer(args.init_from, cfg.vocab_size, roles)
