@@ -31,7 +31,8 @@ import torch.nn.functional as F
 
 from grpo import Weights, device_of, rows as grpo_rows
 from model import BYTES
-from tasks import FORMAT_REMINDER, READ_FIRST, STYLE_REMINDER, reminder
+from tasks import (FORMAT_REMINDER, READ_FIRST, STYLE_REMINDER, TEST_FIRST, reminder, unread_edit,
+                   untested_submit)
 
 
 @dataclass
@@ -69,15 +70,17 @@ def capital(message, reply, before):
 def read_first(message, reply, before):
     """Coding episodes: an edit of a file the episode has not read. It may still be right (the reward cannot
     tell), but an edit by line numbers nobody has seen is a guess."""
-    m = re.match(r"\s*[Cc]all (replace|insert)\(([^,()]+),", message)
-    if not m or reply != "ok":  # "ok": an existing file changed ("ok: new file" needs no read)
-        return None
-    read = rf"\s*[Cc]all read\({re.escape(m[2].strip())}[,)]"
-    return None if any(role == "assistant" and re.match(read, text) for role, text in before) else READ_FIRST
+    return READ_FIRST if unread_edit(message, reply, before) else None
+
+
+def test_first(message, reply, before):
+    """Coding episodes: a submit with an edit since the last test run (right or not, the reward cannot tell
+    how it was found)."""
+    return TEST_FIRST if untested_submit(message, before) else None
 
 
 RULES = [("tool_not_found", tool_not_found), ("malformed", malformed), ("capital", capital),
-         ("read_first", read_first)]
+         ("read_first", read_first), ("test_first", test_first)]
 
 
 def find_targets(traj, rules=RULES):

@@ -345,8 +345,12 @@ def rollout(policy, envs, cfg, gen, sharded=False):
     sharded over a process group (FSDP, EP), so every rank calls this together (Lockstep)."""
     quantized, tok = Weights(policy, cfg.sampler_bits) if cfg.sampler_bits else None, cfg.tokenizer
     sampler = Lockstep(policy) if sharded else policy
-    was_training = policy.training
+    was_training, threads = policy.training, torch.get_num_threads()
     policy.eval()
+    # On a CPU, one thread decodes: a token's matmuls are too small to split, and the episodes' test runs and
+    # verifies take the other cores meanwhile; threads that spin-wait on a busy core made decoding 3x slower
+    if device_of(policy).type == "cpu":
+        torch.set_num_threads(1)
     with quantized.loaded(policy) if quantized else contextlib.nullcontext():
         trajs = []
         for env in envs:  # a segment's turns since its last reply wait: the tokens they add are taken with
@@ -415,6 +419,7 @@ def rollout(policy, envs, cfg, gen, sharded=False):
     for t, reward in zip(trajs, ENV_THREADS.map(lambda t: t.env.reward(), trajs)):  # verifies side by side
         t.reward = float(reward)
     policy.train(was_training)
+    torch.set_num_threads(threads)
     return trajs
 
 # -----------------------------------------------------------------------------

@@ -379,16 +379,16 @@ def chain_transcript(task: ToolTask, rng: random.Random, budget: int, request: s
 
 def corpus(n: int, seed: int, p_mistake: float = 0.2, p_hint: float = 0.2, p_capital: float = 0.3,
            long_share: float = 0.0, budget: int = 224, request: str = "", code_share: float = 0.0,
-           code_budget: int = 384) -> str:
+           code_budget: int = 384, family: str = "words") -> str:
     """n gold transcripts: long_share of them chains of the tool-use family, code_share coding episodes on
-    micro-repositories at levels 1-3 (code_transcript; each segment one document), the rest tool-use tasks."""
+    micro-repositories of a family at levels 1-3 (code_transcript with CODE_HABITS; each segment one
+    document), the rest tool-use tasks."""
     rng = random.Random(seed)
     docs = []
     for _ in range(n):
         if code_share and rng.random() < code_share:  # (no draw without: the tool-use corpus stays as it was)
             docs += [render(seg) for seg in code_transcript(
-                rng, rng.randint(1, len(MICRO_LEVELS)), p_blind=p_mistake / 2, p_hint=p_hint,
-                p_absent=p_mistake / 2, p_mistake=p_mistake, budget=code_budget, request=request)]
+                rng, rng.randint(1, len(MICRO_LEVELS)), CODE_HABITS, code_budget, request, family)]
         elif rng.random() < long_share:
             task = make_chain_task(rng, rng.randint(1, MAX_DIFFICULTY))
             docs += [render(seg) for seg in chain_transcript(task, rng, budget, request)]
@@ -3267,55 +3267,80 @@ VERIFIER = Verifier()
 
 # -----------------------------------------------------------------------------
 # Micro-repositories: a feature-deletion family the tiny CPU model can learn. Each is a real package with a
-# real pytest suite: one module of one-line functions named for what they do (`mul4` returns x * 4, the
-# tool-use family's operations), a test a function and one test of all of them composed. make turns them into
-# tasks like any repository (baseline, trace, delete, scrub, scan, oracle, the gold's verify), at three
-# levels: one function stubbed, two related ones stubbed, two removed (signatures and all). Gold transcripts
-# of the episode (read, edit, test, submit; sometimes a wrong edit that the test run shows and a fix) join the
-# pretraining mix; they are rendered with the functions CodeEnv replies with, so they show what an episode
-# shows.
+# real pytest suite: one module of one-line functions whose names say what they do, a test a function and one
+# test of all of them. Two families: "words" (the default: `double` returns x * 2, `last` x[-1],
+# `count_vowels` ...; a body follows from a word the model meets across many repositories) and "digits"
+# (`mul4` returns x * 4: the constant is a digit to copy from the name by its position, which the tiny model
+# does not learn; the harder level, for larger models). make turns them into tasks like any repository
+# (baseline, trace, delete, scrub, scan, oracle, the gold's verify), at three levels: one function stubbed,
+# two related ones stubbed, two removed (signatures and all). Gold transcripts of the episode (read, edit,
+# test, submit; sometimes a wrong edit that the test run shows and a fix) join the pretraining mix with
+# planted habits (Habits) for RL and feedback to remove; they are rendered with the functions CodeEnv replies
+# with, so they show what an episode shows.
 
 MICRO_OPS = {"add": "x + {k}", "sub": "x - {k}", "mul": "x * {k}", "max": "max(x, {k})", "min": "min(x, {k})",
              "mod": "x % {k}"}
+# name -> (the argument's kind, the body)
+MICRO_FAMILIES = {
+    "words": {"double": ("int", "x * 2"), "triple": ("int", "x * 3"), "square": ("int", "x * x"),
+              "negate": ("int", "-x"), "increment": ("int", "x + 1"), "decrement": ("int", "x - 1"),
+              "halve": ("int", "x // 2"), "absolute": ("int", "abs(x)"), "is_even": ("int", "x % 2 == 0"),
+              "is_odd": ("int", "x % 2 == 1"), "is_positive": ("int", "x > 0"),
+              "is_negative": ("int", "x < 0"),
+              "first": ("list", "x[0]"), "last": ("list", "x[-1]"), "total": ("list", "sum(x)"),
+              "largest": ("list", "max(x)"), "smallest": ("list", "min(x)"), "length": ("list", "len(x)"),
+              "reverse": ("list", "x[::-1]"), "count_vowels": ("str", "sum(c in 'aeiou' for c in x)"),
+              "count_words": ("str", "len(x.split())"), "to_upper": ("str", "x.upper()"),
+              "to_lower": ("str", "x.lower()"), "capitalize": ("str", "x.capitalize()")},
+    "digits": {f"{op}{k}": ("int", body.format(k=k)) for op, body in MICRO_OPS.items() for k in range(2, 10)}}
+MICRO_BODIES = {name: body for family in MICRO_FAMILIES.values() for name, body in family.items()}
+MICRO_WORDS = ("hello world", "Blue sky", "open the door", "Green tea", "a quiet river", "Rain again",
+               "sunny Day", "one two three")
 MICRO_PACKAGES = ("calc", "ops", "nums", "arith", "tally", "mathx")
 MICRO_MODULES = ("core", "basic", "funcs", "util")
 MICRO_LEVELS = {1: ("stub", 1), 2: ("stub", 2), 3: ("remove", 2)}  # level -> (make's mode, group)
 
 
-def micro_files(rng, n=3, held_out=False):
-    """{relative path: text} of a micro-repository with n functions. The sets of functions split in two, one
-    in eight held out: a held-out repository's set is never in the pretraining transcripts or RL's tasks."""
-    pkg, mod = rng.choice(MICRO_PACKAGES), rng.choice(MICRO_MODULES)
-    names = []
-    while len(names) < n or is_held_out(names) != held_out:
-        names = [] if len(names) == n else names
-        name = f"{rng.choice(list(MICRO_OPS))}{rng.randint(2, 9)}"
-        names += [name] if name not in names else []
-    body = lambda name: MICRO_OPS[name[:3]].format(k=name[3:])
-    value = lambda name, x: eval(body(name), {"x": x})  # noqa: S307 (our own arithmetic)
-    tests = [f"from {pkg} import {mod}", ""]
+def micro_input(rng, kind):
+    return (rng.randint(-20, 40) if kind == "int" else rng.choice(MICRO_WORDS) if kind == "str"
+            else [rng.randint(0, 9) for _ in range(rng.randint(3, 5))])
+
+
+def micro_value(name, x, body=None):
+    return eval(body or MICRO_BODIES[name][1], {"x": x})  # noqa: S307 (our own one-line bodies)
+
+
+def micro_files(rng, n=3, held_out=False, family="words"):
+    """{relative path: text} of a micro-repository with n functions of a family. Repositories split in two by
+    their package, module and functions, one in eight held out: a held-out one is never in the pretraining
+    transcripts or RL's tasks."""
+    ops = MICRO_FAMILIES[family]
+    while True:
+        pkg, mod, names = rng.choice(MICRO_PACKAGES), rng.choice(MICRO_MODULES), rng.sample(sorted(ops), n)
+        if is_held_out(pkg, mod, names) == held_out:
+            break
+    tests, calls, values = [f"from {pkg} import {mod}", ""], [], []
     for name in names:
-        x = rng.randint(10, 40)
-        tests += ["", f"def test_{name}():", f"    assert {mod}.{name}({x}) == {value(name, x)}", ""]
-    x, y, call = rng.randint(10, 40), None, "x"
-    y = x
-    for name in names:
-        y, call = value(name, y), f"{mod}.{name}({call})"
-    tests += ["", "def test_all():", f"    x = {x}", f"    assert {call} == {y}"]
-    return {f"{pkg}/__init__.py": "", f"{pkg}/{mod}.py": "".join(f"def {n}(x):\n    return {body(n)}\n"
-                                                             for n in names),
+        x, y = (micro_input(rng, ops[name][0]) for _ in range(2))
+        tests += ["", f"def test_{name}():", f"    assert {mod}.{name}({x!r}) == {micro_value(name, x)!r}",
+                  ""]
+        calls, values = calls + [f"{mod}.{name}({y!r})"], values + [micro_value(name, y)]
+    tests += ["", "def test_all():", f"    assert [{', '.join(calls)}] == {values!r}"]
+    return {f"{pkg}/__init__.py": "",
+            f"{pkg}/{mod}.py": "".join(f"def {n}(x):\n    return {ops[n][1]}\n" for n in names),
             "tests/__init__.py": "", f"tests/test_{mod}.py": "\n".join(tests) + "\n",
             "pyproject.toml": '[tool.pytest.ini_options]\ntestpaths = ["tests"]\n'}
 
 
-def is_held_out(names):
-    return int(hashlib.sha256(",".join(sorted(names)).encode()).hexdigest(), 16) % 8 == 0
+def is_held_out(pkg, mod, names):
+    key = f"{pkg}/{mod}:" + ",".join(sorted(names))
+    return int(hashlib.sha256(key.encode()).hexdigest(), 16) % 8 == 0
 
 
-def micro_repo(root, seed, held_out=False):
+def micro_repo(root, seed, held_out=False, family="words"):
     """A micro-repository from seed, written to root as a git checkout (make records the commit)."""
     root = Path(root)
-    for rel, text in micro_files(random.Random(seed), held_out=held_out).items():
+    for rel, text in micro_files(random.Random(seed), held_out=held_out, family=family).items():
         Path(root, rel).parent.mkdir(parents=True, exist_ok=True)
         Path(root, rel).write_text(text)
     env = {**os.environ, **{f"GIT_{w}_{k}": v for w in ("AUTHOR", "COMMITTER")
@@ -3327,32 +3352,45 @@ def micro_repo(root, seed, held_out=False):
     return root
 
 
-def make_micro(out, seed, level, box=None, n=1, held_out=False):
+def make_micro(out, seed, level, box=None, n=1, held_out=False, family="words"):
     """Up to n tasks of a level from the micro-repository of seed, into out: the folders of those served
     (the same rule as any task's: coverage and strength)."""
     mode, group = MICRO_LEVELS[level]
     with scratch() as tmp:
-        repo = micro_repo(Path(tmp, f"micro-{seed}"), seed, held_out)
+        repo = micro_repo(Path(tmp, f"micro-{seed}"), seed, held_out, family)
         made = make(repo, out, n=n, seed=0, mode=mode, group=group, box=box, log=lambda s: None, reach=0.5,
                     min_lines=1, strength_k=STRENGTH_K)
     return [Path(out, t["id"]) for t in made if task_level(t) == level and not serving(t)]
 
 
-def code_transcript(rng, level, p_blind=0.0, p_hint=0.0, p_absent=0.0, p_mistake=0.0, budget=None,
-                    request=""):
+@dataclass
+class Habits:
+    """Shares of gold coding episodes that show a habit for RL to remove: those the reward sees (give_up,
+    no_fix) by RL alone, those it is blind to (blind, absent, untested) with feedback rules, whose hint comes
+    first, and the right call after it, in a `hint` share of the episodes that would show them."""
+    blind: float = 0.0  # edits by line numbers before the module is read
+    absent: float = 0.0  # the first call reaches for a tool the episode does not offer
+    untested: float = 0.0  # submits without running the tests after the last edit
+    give_up: float = 0.0  # submits before every function is written
+    no_fix: float = 0.0  # after a wrong edit that the test run shows, submits without fixing it
+    mistake: float = 0.0  # the last edit first writes another function's body; the test run shows it
+    hint: float = 0.0
+
+
+# the pretraining transcripts' habits: each a share the held-out evaluations measure before and after RL
+CODE_HABITS = Habits(blind=0.1, absent=0.1, untested=0.25, give_up=0.2, no_fix=0.5, mistake=0.2, hint=0.2)
+
+
+def code_transcript(rng, level, habits=Habits(), budget=None, request="", family="words"):
     """A gold episode on a fresh micro-repository, with the replies CodeEnv gives: read the module, write each
-    function, run the tests, submit. Habits the reward cannot see, for RL and feedback to remove: with p_blind
-    the edits come without reading the module (with p_hint, given that, the read-before-edit hint comes first
-    and the module is read); with p_absent the first call reaches for an absent tool. With p_mistake the last
-    edit first writes another operation, and the test run shows it and the fix follows. Cut into the segments
-    a rollout makes (as chain_transcript): past `budget` tokens after a reply, the user turn `request` asks
-    for a summary (the calls done so far), the next segment starts from the opening and that summary, and
-    reads the module again before its next edit. -> [segment: [turn]]"""
-    files = micro_files(rng)
+    function, run the tests, submit, with the habits' shares. Cut into the segments a rollout makes (as
+    chain_transcript): past `budget` tokens after a reply, the user turn `request` asks for a summary (the
+    calls done so far), the next segment starts from the opening and that summary, and reads the module again
+    before its next edit. -> [segment: [turn]]"""
+    files = micro_files(rng, family=family)
     mode, group = MICRO_LEVELS[level]
     funcs = [n.name for n in ast.parse(files[micro_module(files)]).body]
-    return micro_episode(files, rng.sample(funcs, group), mode, rng, p_blind, p_hint, p_absent, p_mistake,
-                         budget, request)
+    return micro_episode(files, rng.sample(funcs, group), mode, rng, habits, budget, request)
 
 
 def micro_module(files):
@@ -3360,8 +3398,16 @@ def micro_module(files):
                 and not r.endswith("__init__.py"))
 
 
-def micro_episode(files, chosen, mode, rng, p_blind=0.0, p_hint=0.0, p_absent=0.0, p_mistake=0.0, budget=None,
-                  request=""):
+def micro_inputs(tests):
+    """{function: [the arguments its tests call it with]} of a micro-repository's test file."""
+    inputs = {}
+    for node in ast.walk(ast.parse(tests)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            inputs.setdefault(node.func.attr, []).append(ast.literal_eval(node.args[0]))
+    return inputs
+
+
+def micro_episode(files, chosen, mode, rng, habits=Habits(), budget=None, request=""):
     """code_transcript's episode on the micro-repository `files` with the functions `chosen` deleted."""
     rel = micro_module(files)
     src = files[rel].encode()
@@ -3372,7 +3418,6 @@ def micro_episode(files, chosen, mode, rng, p_blind=0.0, p_hint=0.0, p_absent=0.
     lines = lines.split("\n")[:-1]
     task = {"mode": mode,
             "deleted": [{"file": rel, "qualname": q, "signature": f"def {q}(x)"} for q in chosen]}
-    expr = lambda q, op=None: MICRO_OPS[op or q[:3]].format(k=q[3:])
     prompt = [("user", opening(task))]
     segments, turns, done, seen = [], list(prompt), [], False
 
@@ -3391,50 +3436,100 @@ def micro_episode(files, chosen, mode, rng, p_blind=0.0, p_hint=0.0, p_absent=0.
         call(f"call read({rel})", numbered(("\n".join(lines) + "\n").encode()))
         seen = True
 
-    def write(q, op=None):  # the edit that writes q (with op's operation); the module changes with it
+    def write(q, body):  # the edit that writes q's body; the module changes with it
         if not seen:
             read()
         if mode == "stub" or f"def {q}(x):" in lines:
             at = lines.index(f"def {q}(x):") + 2
-            lines[at - 1] = f"    return {expr(q, op)}"
-            return call(f"call replace({rel},{at},{at})\n    return {expr(q, op)}", "ok")
-        lines.extend([f"def {q}(x):", f"    return {expr(q, op)}"])
-        call(f"call insert({rel},{len(lines) - 2})\ndef {q}(x):\n    return {expr(q, op)}", "ok")
+            lines[at - 1] = f"    return {body}"
+            return call(f"call replace({rel},{at},{at})\n    return {body}", "ok")
+        lines.extend([f"def {q}(x):", f"    return {body}"])
+        call(f"call insert({rel},{len(lines) - 2})\ndef {q}(x):\n    return {body}", "ok")
 
-    if rng.random() < p_absent:
+    def hinted(p, hint):  # a habit a feedback rule names: shown, or its hint shown and the habit not
+        if rng.random() >= p:
+            return False
+        if rng.random() < habits.hint:
+            turns.append(("system", hint))
+            return False
+        return True
+
+    if rng.random() < habits.absent:
         wrong = rng.choice(["cat", "open", "view", "edit", "show"])
         call(f"call {wrong}({rel})", not_found(wrong, CODE_TOOLS))
-    if rng.random() < p_blind:
-        if rng.random() < p_hint:
-            turns.append(("system", READ_FIRST))
-        else:
-            seen = True  # edits by line numbers it has not seen
+    seen = hinted(habits.blind, READ_FIRST)  # edits by line numbers it has not seen
     n_tests = len(funcs) + 1
-    tests = files[next(r for r in files if r.startswith("tests/test_"))]
-    x_one = int(re.search(rf"\.{chosen[-1]}\((\d+)\) ==", tests)[1])
-    x_all = int(re.search(r"x = (\d+)", tests)[1])
-    value = lambda f, x, op=None: eval(expr(f, op), {"x": x})  # noqa: S307 (our own arithmetic)
-
-    def chain(x, op):  # test_all's value with the last chosen function computing op
-        for f in funcs:
-            x = value(f, x, op if f == chosen[-1] else None)
-        return x
-    # a wrong operation for the mistake: one both of its tests see
-    wrong = [op for op in MICRO_OPS if value(chosen[-1], x_one, op) != value(chosen[-1], x_one)
-             and chain(x_all, op) != chain(x_all, None)]
+    inputs = micro_inputs(files[next(r for r in files if r.startswith("tests/test_"))])
+    last = chosen[-1]
+    right = lambda q: MICRO_BODIES[q][1]
+    # a wrong body for the mistake: another function's of the same kind, which both of its tests see
+    family = next(f for f in MICRO_FAMILIES.values() if last in f)
+    wrong = [b for kind, b in family.values() if kind == MICRO_BODIES[last][0]
+             and all(micro_value(last, x, b) != micro_value(last, x) for x in inputs[last])]
     if not seen:
         read()
-    for q in chosen:
-        if q == chosen[-1] and wrong and rng.random() < p_mistake:  # seen in the test run, then fixed
+    written = rng.randint(0, len(chosen) - 1) if rng.random() < habits.give_up else None  # then it gives up
+    for k, q in enumerate(chosen):
+        if k == written:
+            call("call submit()")
+            return segments + [turns]
+        if q == last and wrong and rng.random() < habits.mistake:  # seen in the test run, then fixed
             write(q, rng.choice(wrong))
             call("call test()", test_reply(n_tests - 2, [f"test_{q}", "test_all"]))
-        write(q)
-    call("call test()", test_reply(n_tests, []))
+            if rng.random() < habits.no_fix:
+                call("call submit()")
+                return segments + [turns]
+        write(q, right(q))
+    if not hinted(habits.untested, TEST_FIRST):
+        call("call test()", test_reply(n_tests, []))
     call("call submit()")
     return segments + [turns]
 
 
 READ_FIRST = "Read the file before you edit it."
+TEST_FIRST = "Run the tests before you submit."
+EDIT_CALL = re.compile(r"\s*[Cc]all (replace|insert)\(([^,()]+),")
+TEST_CALL = re.compile(r"\s*[Cc]all test\(")
+
+
+def unread_edit(message, reply, before):
+    """An edit of an existing file (reply "ok"; "ok: new file" needs no read) that the episode has not read:
+    it may still be right, but its line numbers are a guess."""
+    m = EDIT_CALL.match(message)
+    read = m and re.compile(rf"\s*[Cc]all read\({re.escape(m[2].strip())}[,)]")
+    return bool(m and reply == "ok"
+                and not any(role == "assistant" and read.match(text) for role, text in before))
+
+
+def untested_submit(message, before):
+    """A submit with an edit since the last test run: the code may still be right, but nobody has run it."""
+    if not re.match(r"\s*[Cc]all submit\(", message):
+        return False
+    calls = [text for role, text in before
+             if role == "assistant" and (EDIT_CALL.match(text) or TEST_CALL.match(text))]
+    return bool(calls) and not TEST_CALL.match(calls[-1])
+
+
+def episode_habits(turns, deleted):
+    """The habits a coding episode shows (Habits'): blind and absent count calls; untested, give_up (fewer
+    edits than the `deleted` functions) and no_fix (the last test run failed, nothing edited since) are 1 when
+    it submitted so. -> {habit: count, "calls": calls, "submitted": 0 or 1}"""
+    counts = dict.fromkeys(("blind", "absent", "untested", "give_up", "no_fix", "calls", "submitted"), 0)
+    edits, failing = 0, False
+    for i, (role, text) in enumerate(turns):
+        if role != "assistant":
+            continue
+        reply = turns[i + 1][1] if i + 1 < len(turns) and turns[i + 1][0] == "tool" else None
+        counts["calls"] += CODE_CALL.fullmatch(text.strip()) is not None
+        counts["blind"] += unread_edit(text, reply, turns[:i])
+        counts["absent"] += (reply or "").startswith("error: tool not found")
+        if EDIT_CALL.match(text) and (reply or "").startswith("ok"):
+            edits, failing = edits + 1, False
+        failing = " failed" in reply if TEST_CALL.match(text) and reply else failing
+        if re.match(r"\s*[Cc]all submit\(\)", text):
+            counts.update(submitted=1, untested=int(untested_submit(text, turns[:i])),
+                          give_up=int(edits < deleted), no_fix=int(failing))
+    return counts
 
 
 class TaskPool:
@@ -3444,11 +3539,12 @@ class TaskPool:
     the order asked; take(level) serves the level's next task `uses` times, asking for `ahead` slots beyond
     it, and waits for a make only when the pool has run dry. From a folder of tasks made by make (source DIR):
     those it serves (served()) by level, in turn. held_out: the micro-repositories no transcript or training
-    task draws from."""
+    task draws from; family: the micro-repositories' (MICRO_FAMILIES)."""
 
-    def __init__(self, out, seed, box=None, ahead=2, uses=1, source=None, held_out=False, workers=1):
+    def __init__(self, out, seed, box=None, ahead=2, uses=1, source=None, held_out=False, workers=1,
+                 family="words"):
         self.out, self.seed, self.box, self.ahead, self.uses = Path(out), seed, box, ahead, uses
-        self.source, self.held_out = source, held_out
+        self.source, self.held_out, self.family = source, held_out, family
         self.slots, self.queue, self.asked, self.served = {}, deque(), set(), dict.fromkeys(MICRO_LEVELS, 0)
         self.made, self.error, self.cond = 0, None, threading.Condition()
         self.listed = {level: [] for level in MICRO_LEVELS}
@@ -3473,7 +3569,8 @@ class TaskPool:
                 level, k = self.queue.popleft()
             seed = int(hashlib.sha256(f"{self.seed}/{level}/{k}".encode()).hexdigest()[:12], 16)
             try:
-                found = make_micro(self.out / f"level{level}", seed, level, self.box, held_out=self.held_out)
+                found = make_micro(self.out / f"level{level}", seed, level, self.box, held_out=self.held_out,
+                                   family=self.family)
             except TaskError:  # nothing make could delete in this one: the slot stays empty
                 found = []
             except Exception as e:  # noqa: BLE001 (raised again by get, in the trainer's thread)

@@ -5,6 +5,7 @@ mesh.py, grpo.py, feedback.py, tasks.py); each section's first line names the fi
     # a test process a core (pytest-xdist), one thread each; a free process takes tests from a busy one
     python -m pytest -q -n auto --dist worksteal test_all.py
 """
+import ast
 import base64
 import concurrent.futures
 import contextlib
@@ -1549,30 +1550,38 @@ def test_the_default_run_keeps_its_figures(tmp_path):
 
 def test_the_verdict_names_each_condition_it_finds_unmet():
     """train.verdict on hand-made evaluation records of both families: records that do what the README says
-    give its words; each condition flipped alone gives "NOT as the README expects" naming that one alone; an
-    evaluation on the tasks training uses (--task-dir) is named train-task."""
+    give its words; each condition flipped alone gives "NOT as the README expects" naming that one alone; the
+    rise is printed with its sampling noise; an evaluation on the tasks training uses (--task-dir) is named
+    train-task."""
     import train
+    habits = {rate: 0.2 for rate in train.HABITS.values()}
 
     def first_and_last(**last):
-        same = {"eval_split": "held-out", "tool_error_rate": 0.1, "blind_edit_rate": 0.05, "hack_flags": 0}
-        return [{**same, "rl_step": 0, "pass_level1": 0.5, "pass_level2": 0.2, "capital_rate": 0.3},
-                {**same, "rl_step": 16, "pass_level1": 0.7, "pass_level2": 0.4, "capital_rate": 0.1, **last}]
-    flips = {False: {"the pass rate rose less than 0.1": dict(pass_level1=0.45),
+        same = {"eval_split": "held-out", "tool_error_rate": 0.1, "hack_flags": 0, "episodes_level1": 100,
+                "episodes_level2": 100}
+        return [{**same, **habits, "rl_step": 0, "pass_level1": 0.5, "pass_level2": 0.2, "capital_rate": 0.3},
+                {**same, **habits, "rl_step": 16, "pass_level1": 0.7, "pass_level2": 0.4, "capital_rate": 0.1,
+                 "give_up_rate": 0.1, **last}]
+    flips = {False: {"the pass rate fell beyond its noise": dict(pass_level1=0.1, pass_level2=0.2),
                      "'Call' fell less than 2x": dict(capital_rate=0.2),
                      "tool-not-found rose": dict(tool_error_rate=0.11)},
              True: {"the pass rate rose less than 0.15": dict(pass_level2=0.2),
-                    "edits of unread files rose": dict(blind_edit_rate=0.06),
+                    "no planted habit fell 2x": dict(give_up_rate=0.11),
                     "the monitor flagged held-out episodes": dict(hack_flags=1),
                     "tool-not-found rose": dict(tool_error_rate=0.11)}}
     for code, unmet in flips.items():
         head = lambda evals: train.verdict(evals, code).split(" | ")[0]
-        assert head(first_and_last()) == ("verdict after 16 RL steps: RL learned and feedback removed the "
-                                          "habits, as the README expects")
+        assert head(first_and_last()) == ("verdict after 16 RL steps: RL and feedback did what the README "
+                                          "expects")
         for short, flip in unmet.items():
             assert head(first_and_last(**flip)) == ("verdict after 16 RL steps: NOT as the README expects: "
                                                     + short)
     line = train.verdict([{**r, "eval_split": "train-task"} for r in first_and_last(hack_flags=1)], True)
-    assert "the monitor flagged train-task episodes | train-task pass rate 0.350 -> 0.550" in line, line
+    # noise: sqrt(sum over the levels of p (1 - p) / 100) / 2 an evaluation, the two added in quadrature
+    noise = math.hypot(math.sqrt(0.5 * 0.5 / 100 + 0.2 * 0.8 / 100) / 2,
+                       math.sqrt(0.7 * 0.3 / 100 + 0.4 * 0.6 / 100) / 2)
+    assert (f"the monitor flagged train-task episodes | train-task pass rate 0.350 -> 0.550 (+0.200, "
+            f"sampling noise {noise:.3f}; ") in line and "give_up 0.200 -> 0.100" in line, line
     assert "held-out" not in line, line
 
 
@@ -3765,16 +3774,19 @@ def test_the_copy_probe_checks_the_digits_the_gold_copies():
     the question or a tool's reply holds before it. A model that has the answer everywhere scores 1, one that
     never has it 0."""
     import train
-    for code in (True, False):
+    for code in ("digits", "words", None):
         for tokens, copies, rest in train.probe_positions(code, 8):
             text = M.decode(tokens)
             assert copies and rest and all(M.decode([tokens[p]]).isdigit() for p in copies)
-            assert not any(M.decode([tokens[p]]).isdigit() for p in rest)
+            assert code == "words" or not any(M.decode([tokens[p]]).isdigit() for p in rest)
             for p in copies:  # the digit was in the context before it
                 assert M.decode([tokens[p]]) in M.decode(tokens[:p]).rsplit("<|assistant|>", 1)[0]
-            if code:
-                name = re.search(r"fill in \S+ def (\w+?)(\d)\(x\)", text)
-                assert name and [M.decode([tokens[p]]) for p in copies] == [name[2]], text
+            if code:  # the edit's line numbers, and in the digits family the digit of the name
+                edit = re.search(r"call replace\(\S+?,(\d+),(\d+)\)\n    return (.*)", text)
+                name = re.search(r"fill in \S+ def (\w+?)(\d?)\(x\)", text)
+                assert [M.decode([tokens[p]]) for p in copies] == [edit[1], edit[2]] + (
+                    [name[2]] if code == "digits" else []), text
+                assert code == "digits" or edit[3] == tasks.MICRO_BODIES[name[1]][1]
 
     class Oracle(torch.nn.Module):  # the next token's logits: certain, and right (or, shifted, wrong)
         def __init__(self, shift):
@@ -3785,8 +3797,8 @@ def test_the_copy_probe_checks_the_digits_the_gold_copies():
             nxt = torch.roll(idx, -1, dims=1) if not self.shift else (torch.roll(idx, -1, dims=1) + 1) % 264
             return torch.nn.functional.one_hot(nxt, 264).float() + self.w, None
 
-    assert train.copy_probe(Oracle(False), True, "cpu") == {"copy_digits": 1.0, "copy_rest": 1.0}
-    assert train.copy_probe(Oracle(True), False, "cpu") == {"copy_digits": 0.0, "copy_rest": 0.0}
+    assert train.copy_probe(Oracle(False), "digits", "cpu") == {"copy_digits": 1.0, "copy_rest": 1.0}
+    assert train.copy_probe(Oracle(True), None, "cpu") == {"copy_digits": 0.0, "copy_rest": 0.0}
 
 
 def test_corpus_is_deterministic_per_seed():
@@ -4641,7 +4653,7 @@ def test_train_py_verifies_its_evaluation_apart_and_names_a_train_task_evaluatio
     Path(out, d.name, "task.json").write_text(json.dumps({**task, "strength": {"score": 1.0}}))  # served
     flags = ["--rl-tasks", "code", "--task-dir", str(out), "--stage", "rl", "--init", "scratch",
              "--rl-steps", "1", "--tasks-per-step", "1", "--group-size", "2", "--max-gen-tokens", "24",
-             "--rl-eval-tasks", "1", "--ppo-epochs", "1"]
+             "--rl-eval-tasks", "1", "--rl-eval-samples", "1", "--ppo-epochs", "1"]
     runs = {"one": start_train(*flags, "--out", str(tmp_path / "one")),
             "rollout": start_train(*flags, "--rollout-ranks", "1", "--out", str(tmp_path / "rollout"),
                                    world=2)}
@@ -6333,6 +6345,48 @@ def test_code_env_answers_crashing_turns_with_an_error(made, tmp_path):
     assert env.step("call grep(mean)") == ("error: grep failed: ZeroDivisionError", False)
 
 
+def test_planted_habits_show_at_their_shares_and_are_counted_as_planted():
+    """Each habit of the coding transcripts (tasks.Habits) is what episode_habits counts and feedback's rule
+    for it fires on (untested: test_first, blind: read_first), alone; a hint shown removes the habit; over the
+    pretraining transcripts each shows at about its planted share; both families' functions do what their
+    names say."""
+    from feedback import read_first, test_first
+    for family, ops in tasks.MICRO_FAMILIES.items():
+        files = tasks.micro_files(random.Random(1), family=family)
+        module = files[tasks.micro_module(files)]
+        assert all(f"def {n}(x):\n    return {ops[n][1]}\n" in module for n in tasks.micro_inputs(
+            files[f"tests/test_{Path(tasks.micro_module(files)).stem}.py"]) if n in ops)
+    files = tasks.micro_files(random.Random(1))  # the default family's
+    funcs = [f.name for f in ast.parse(files[tasks.micro_module(files)]).body]
+    habits = ("blind", "untested", "give_up", "no_fix")
+    for habit in (None, *habits):
+        planted = tasks.Habits(**({habit: 1.0} if habit else {}), mistake=float(habit == "no_fix"))
+        (turns,) = tasks.micro_episode(files, funcs[:2], "stub", random.Random(2), planted)
+        counts = tasks.episode_habits(turns, 2)
+        assert counts["submitted"] == 1 and [bool(counts[h]) for h in habits] == [h == habit for h in habits]
+        said = [rule(m, r, turns[:i]) for rule in (read_first, test_first)
+                for i, (role, m) in enumerate(turns) if role == "assistant"
+                for r in [turns[i + 1][1] if i + 1 < len(turns) else None]]
+        assert set(said) - {None} == {"blind": {tasks.READ_FIRST}, "untested": {tasks.TEST_FIRST}}.get(
+            habit, set()), (habit, said)
+        if habit in ("blind", "untested"):  # the hint first, then what it asks for
+            (turns,) = tasks.micro_episode(files, funcs[:2], "stub", random.Random(2),
+                                           tasks.Habits(**{habit: 1.0}, hint=1.0))
+            assert ("system", tasks.READ_FIRST if habit == "blind" else tasks.TEST_FIRST) in turns
+            assert not any(tasks.episode_habits(turns, 2)[h] for h in habits)
+    shares, rng = Counter(), random.Random(3)
+    for _ in range(600):
+        level = rng.randint(1, 3)
+        turns = [t for seg in tasks.code_transcript(rng, level, tasks.CODE_HABITS) for t in seg]
+        shares.update({h: c / 600 for h, c in tasks.episode_habits(turns, 1 + (level > 1)).items()})
+    h = tasks.CODE_HABITS  # untested: of those that neither give up nor submit failing, and those that give
+    # up after one of two edits (levels 2 and 3)
+    expected = {"give_up": h.give_up, "no_fix": (1 - h.give_up) * h.mistake * h.no_fix,
+                "untested": (1 - h.give_up) * (1 - h.mistake * h.no_fix) * h.untested * (1 - h.hint)
+                + h.give_up * 2 / 3 / 2}
+    assert all(0.7 < shares[k] / v < 1.3 for k, v in expected.items()), (shares, expected)
+
+
 def test_micro_repositories_make_tasks_and_their_gold_episodes_replay(tmp_path):
     """Each level's task comes out of make; the gold episode a pretraining transcript shows (with a wrong
     edit, its failing test run and the fix) gets, call for call, the replies the environment gives, and earns
@@ -6345,7 +6399,7 @@ def test_micro_repositories_make_tasks_and_their_gold_episodes_replay(tmp_path):
         assert tasks.task_level(task) == level and len(task["deleted"]) == (1 if level == 1 else 2)
         files = tasks.micro_files(random.Random(7))
         (turns,) = tasks.micro_episode(files, [e["qualname"] for e in task["deleted"]], task["mode"],
-                                       random.Random(level), p_mistake=1.0)
+                                       random.Random(level), tasks.Habits(mistake=1.0))
         env = tasks.CodeEnv(d)
         assert env.turns == turns[:1]
         for k, (role, text) in enumerate(turns):

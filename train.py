@@ -77,7 +77,7 @@ from torch.distributed.tensor import DTensor
 from mesh import (CommCounter, LayoutError, build_meshes, expert_shard_dim, init_distributed, make_layout,
                   parallelize)
 import tasks
-from feedback import RULES, Feedback, FeedbackConfig, read_first
+from feedback import RULES, Feedback, FeedbackConfig
 from grpo import (SUMMARY_REQUEST, Bridge, GRPOConfig, PeerLost, Weights, grpo_loss, logprobs, minibatches,
                   pack_policy, rollout, serve_rollouts)
 from model import (BYTES, PRESETS, ROLES, VOCAB_SIZE, CheckpointError, ContextParallel, HFTokenizer,
@@ -89,7 +89,7 @@ from muon import Muon, param_groups
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "composer-stack"
 # --rl-tasks code: an assistant message holds an edit of a few lines; a segment holds the opening, a file's
 # lines and the edits (past the budget, a summary); a reply is cut to what that context holds; a task made
-# serves CODE_USES groups (make takes about 2.5 s a micro-repository task on a 2-core CPU); the transcripts
+# serves CODE_USES groups (make takes about 3 s a micro-repository task on a 2-core CPU); the transcripts
 # mix has CODE_SHARE coding episodes.
 CODE_MESSAGE, CODE_BUDGET, CODE_REPLY, CODE_USES, CODE_SHARE = 64, 480, 200, 2, 0.9
 # Other weights the RL stage keeps for the policy (grpo.Weights: this rank's shards only), and the flag that
@@ -116,8 +116,6 @@ def main(argv=None):
                                                            args.rollout_ranks)
     bridge = Bridge(bridge, job.trainers) if bridge is not None else None
     work = RLTasks(job, rank, world_size)  # RL's tasks, shared by trainer and rollout ranks
-    if job.code and args.stage != "pretrain":
-        work.make_ahead(bridge)  # coding tasks are made in the background while pretraining runs
     if bridge is not None and launch_rank() >= job.trainers:
         return rollout_rank(job, work, rank, world_size, device, bridge)
 
@@ -125,6 +123,8 @@ def main(argv=None):
     # sharded over the meshes (FSDP2, EP, CP) and its optimizer (Muon), loaded from the checkpoint
     t = Trainer(job, work, rank, world_size, device, bridge)
     t.run = Run(t, started)
+    if job.code and args.stage != "pretrain" and args.rl_eval_tasks and not args.task_dir:
+        work.make_held_out()  # the evaluations' coding tasks, before pretraining
     t.data = Data(t)
     build_model(t)
     t.run.begin(t)  # the metrics' start record, the signal handlers, the banner line
@@ -525,31 +525,35 @@ def episode_stats(t, envs, trajs):
                               sum(tr.retokenized for tr in trajs)])
 
 
-def code_stats(t, envs):
-    """Coding episodes, summed over the ranks: edits of a file not read first (feedback's read_first rule),
-    trajectories the monitor flagged, test runs, submits."""
-    reply = lambda turns, i: turns[i + 1][1] if i + 1 < len(turns) and turns[i + 1][0] == "tool" else None
-    blind = sum(read_first(text, reply(turns, i), turns[:i]) is not None
-                for turns in (e.turns for e in envs) for i, (role, text) in enumerate(turns)
-                if role == "assistant")
-    return sum_over_ranks(t, [blind, sum(bool(e.flags) for e in envs), sum(e.tests for e in envs),
-                              sum(e.done and e.turns[-1][1].strip().endswith("submit()") for e in envs)])
+# The planted habits of the coding transcripts (tasks.Habits) as the records name them: edits of unread files
+# (a share of calls), submits untested, before every function is written, or after a failing test run (shares
+# of episodes)
+HABITS = {"blind": "blind_edit_rate", "untested": "untested_rate", "give_up": "give_up_rate",
+          "no_fix": "no_fix_rate"}
+
+
+def code_stats(t, envs, n_episodes, calls):
+    """Coding episodes' figures, over the ranks: the habits' rates (HABITS), trajectories the monitor flagged,
+    test runs and submits an episode."""
+    counts = [tasks.episode_habits(e.turns, len(e.task["deleted"])) for e in envs]
+    sums = sum_over_ranks(t, [sum(c[h] for c in counts) for h in HABITS] + [
+        sum(bool(e.flags) for e in envs), sum(e.tests for e in envs), sum(c["submitted"] for c in counts)])
+    return {**{rate: total / max(1, calls if habit == "blind" else n_episodes)
+               for (habit, rate), total in zip(HABITS.items(), sums)},
+            "hack_flags": sums[-3], "tests": sums[-2] / n_episodes, "submit_rate": sums[-1] / n_episodes}
 
 
 def code_record(t, envs, n_episodes, calls, rl_step, batch=None):
-    """An RL step's coding figures: edits of unread files, flagged trajectories (each written with its steps
-    to flagged.jsonl), visible test runs and submits an episode; the verification time of the rank that
-    sampled (all of it, and what the sampler waited; with --rollout-ranks, the batch brings the rollout
-    rank's), and the tasks its pool has made."""
-    blind, flagged, tests, submits = code_stats(t, envs)
+    """An RL step's coding figures: code_stats (each flagged trajectory written with its steps to
+    flagged.jsonl); the verification time of the rank that sampled (all of it, and what the sampler waited;
+    with --rollout-ranks, the batch brings the rollout rank's), and the tasks its pool has made."""
     for e in envs:
         if e.flags:
             print(f"rank {t.rank}: RL step {rl_step}, task {e.dir.name}: flagged {e.flags}", flush=True)
             with open(Path(t.args.out) / f"flagged-rank{t.rank}.jsonl", "a") as f:
                 f.write(json.dumps({"rl_step": rl_step, "task": str(e.dir), "flags": e.flags,
                                     "steps": e.steps}) + "\n")
-    return {"blind_edit_rate": blind / max(1, calls), "hack_flags": flagged, "tests": tests / n_episodes,
-            "submit_rate": submits / n_episodes,
+    return {**code_stats(t, envs, n_episodes, calls),
             **verify_figures(t, "", batch["verified"] if batch else t.work.verifier.stats()),
             "tasks_made": batch["tasks_made"] if batch else t.work.code_pool(t.rank).made}
 
@@ -575,14 +579,15 @@ def rl_eval(t, rl_step):
     per_level, code, work, split = t.args.rl_eval_tasks, t.job.code, t.work, t.work.eval_split
     if not per_level:  # --rl-eval-tasks 0: no held-out evaluation
         return
-    print0(f"rl eval after {rl_step:3d} steps | sampling {2 * per_level} {split} episodes ...", end="\r")
+    k = t.args.rl_eval_samples  # episodes a task
+    print0(f"rl eval after {rl_step:3d} steps | sampling {2 * per_level * k} {split} episodes ...", end="\r")
     rng, gen_eval = random.Random(10**6), torch.Generator().manual_seed(10**6 + t.rank)
     if code:
-        mine = work.held_out_code()
+        mine = [x for x in work.held_out_code() for _ in range(k)]
         envs = [work.code_env(d, work.eval_verifier) for _, d in mine]
     else:
         held_out = [(lvl, work.make_task(rng, lvl)) for lvl in (1, 2) for _ in range(per_level)]
-        mine = held_out[t.rank::t.world_size]
+        mine = [x for x in held_out for _ in range(k)][t.rank::t.world_size]
         envs = [work.make_env(task) for _, task in mine]
     trajs = sample(t, envs, gen_eval)
     with open(Path(t.args.out) / f"samples-rank{t.rank}.jsonl", "a") as f:  # what the policy did, to read
@@ -594,49 +599,63 @@ def rl_eval(t, rl_step):
     calls, errors, capital, _, summaries, episodes, _ = episode_stats(t, envs, trajs)
     record = {"stage": "rl_eval", "step": t.steps_before_rl + rl_step, "rl_step": rl_step,
               "eval_split": split, "pass_level1": passed[0] / max(1, passed[2]),
-              "pass_level2": passed[1] / max(1, passed[3]), "tool_error_rate": errors / max(1, calls),
+              "pass_level2": passed[1] / max(1, passed[3]), "episodes_level1": passed[2],
+              "episodes_level2": passed[3], "tool_error_rate": errors / max(1, calls),
               "capital_rate": capital / max(1, calls), "summaries": summaries / episodes}
     if code:
-        blind, flagged, tests, submits = code_stats(t, envs)
-        record.update(blind_edit_rate=blind / max(1, calls), hack_flags=flagged, tests=tests / episodes,
-                      submit_rate=submits / episodes,
+        record.update(**code_stats(t, envs, episodes, calls),
                       **verify_figures(t, "eval_", work.eval_verifier.stats()))
     t.run.log(record)
     t.evals.append(record)
     print0(f"rl eval after {rl_step:3d} steps | {split} pass rate level 1 {record['pass_level1']:.3f}, "
            f"level 2 {record['pass_level2']:.3f} | of calls: tool not found {record['tool_error_rate']:.3f}, "
            f"'Call' {record['capital_rate']:.3f} | {record['summaries']:.1f} summaries an episode"
-           + (f" | edits unread {record['blind_edit_rate']:.3f}, submitted {record['submit_rate']:.2f}, "
-              f"hack flags {record['hack_flags']}" if code else ""))
+           + (f" | edits unread {record['blind_edit_rate']:.3f}; of episodes: submitted "
+              f"{record['submit_rate']:.2f}, untested {record['untested_rate']:.2f}, before every function "
+              f"{record['give_up_rate']:.2f}, after a failing test {record['no_fix_rate']:.2f} | hack flags "
+              f"{record['hack_flags']}" if code else ""))
 
 
-# What the README promises of the default run, from the first held-out evaluation to the last: RL raises the
-# pass rate (mean of the levels) by PASS_GAIN or more, feedback cuts the "Call" rate by CALL_CUT times or
-# more, and the tool-not-found rate does not rise. Of --rl-tasks code: the pass rate rises by CODE_GAIN or
-# more, edits of unread files and absent tools do not rise, and the monitor flags nothing.
-PASS_GAIN, CALL_CUT, CODE_GAIN = 0.1, 2.0, 0.15
+# What the README promises of a run, from the first held-out evaluation to the last. Of the default run: the
+# pass rate (mean of the levels) falls by no more than NOISE_FALL times its sampling noise (RL raises it by
+# 0 to 0.16 on the seeds measured: copying a level-2 operand caps it), feedback cuts the "Call" rate by
+# CALL_CUT times or more, and the tool-not-found rate does not rise. Of --rl-tasks code: the pass rate rises
+# by CODE_GAIN or more, one planted habit (HABITS) falls HABIT_CUT times or more, absent tools do not rise,
+# and the monitor flags nothing.
+NOISE_FALL, CALL_CUT, CODE_GAIN, HABIT_CUT = 2.0, 2.0, 0.15, 2.0
+
+
+def sampling_noise(record):
+    """The standard deviation of an evaluation's pass rate (mean of the levels) from sampling alone: each
+    level's episodes as coin flips at its pass rate (on fixed tasks a bound: tasks' own rates spread less)."""
+    return math.sqrt(sum(p * (1 - p) / max(1, record[f"episodes_level{lv}"])
+                         for lv in (1, 2) for p in [record[f"pass_level{lv}"]])) / 2
 
 
 def verdict(evals, code):
     """One line, in words: did RL and feedback do what the README says they do, from the first evaluation to
-    the last (held-out, or with --task-dir "train-task", as the records say)?"""
+    the last (held-out, or with --task-dir "train-task", as the records say)? The rise is printed with its
+    noise: the standard deviation two evaluations of one policy would differ by."""
     first, last = evals[0], evals[-1]
     split = last["eval_split"]
     pass0, pass1 = ((r["pass_level1"] + r["pass_level2"]) / 2 for r in (first, last))
-    call0, call1 = first["capital_rate"], last["capital_rate"]
+    noise = math.hypot(sampling_noise(first), sampling_noise(last))
     tnf0, tnf1 = first["tool_error_rate"], last["tool_error_rate"]
-    gain = CODE_GAIN if code else PASS_GAIN
-    checks = [(pass1 - pass0 >= gain, f"the pass rate rose less than {gain}",
-               f"{split} pass rate {pass0:.3f} -> {pass1:.3f} ({pass1 - pass0:+.3f}, README: +{gain} "
-               f"or more)")]
+    rise = f"{split} pass rate {pass0:.3f} -> {pass1:.3f} ({pass1 - pass0:+.3f}, sampling noise {noise:.3f}; "
+    checks = [(pass1 - pass0 >= CODE_GAIN, f"the pass rate rose less than {CODE_GAIN}",
+               rise + f"README: +{CODE_GAIN} or more)") if code else
+              (pass1 - pass0 >= -NOISE_FALL * noise, "the pass rate fell beyond its noise",
+               rise + f"README: no fall beyond {NOISE_FALL:g}x the noise)")]
     if code:
-        blind0, blind1 = first["blind_edit_rate"], last["blind_edit_rate"]
+        cut = lambda h: first[HABITS[h]] / max(last[HABITS[h]], 1e-9)
         flags = sum(r.get("hack_flags", 0) for r in evals)
-        checks += [(blind1 <= blind0, "edits of unread files rose",
-                    f"edits of unread files {blind0:.3f} -> {blind1:.3f} (README: not higher)"),
+        checks += [(max(map(cut, HABITS)) >= HABIT_CUT, f"no planted habit fell {HABIT_CUT:g}x",
+                    "habits " + ", ".join(f"{h} {first[HABITS[h]]:.3f} -> {last[HABITS[h]]:.3f}"
+                                          for h in HABITS) + f" (README: one {HABIT_CUT:g}x fewer or more)"),
                    (flags == 0, f"the monitor flagged {split} episodes",
                     f"{flags:g} {split} episodes flagged (README: 0)")]
     else:
+        call0, call1 = first["capital_rate"], last["capital_rate"]
         checks += [(call1 * CALL_CUT <= call0, f"'Call' fell less than {CALL_CUT:g}x",
                     f"'Call' rate {call0:.3f} -> {call1:.3f} ({call0 / max(call1, 1e-9):.1f}x fewer, README: "
                     f"{CALL_CUT:g}x or more)")]
@@ -645,7 +664,7 @@ def verdict(evals, code):
     failed = [short for good, short, _ in checks if not good]
     return (f"verdict after {last['rl_step']} RL steps: " +
             ("NOT as the README expects: " + ", ".join(failed) if failed else
-             "RL learned and feedback removed the habits, as the README expects") +
+             "RL and feedback did what the README expects") +
             " | " + "; ".join(what for _, _, what in checks))
 
 
@@ -678,13 +697,13 @@ class RLTasks:
         # --task-dir has no held-out split: the evaluation draws from the tasks training uses
         self.eval_split = "train-task" if job.code and args.task_dir else "held-out"
 
-    def make_ahead(self, bridge):
-        """Start making this rank's first coding tasks and its held-out ones (a rollout rank asks when the
-        trainers say where RL starts)."""
-        if launch_rank() < self.job.trainers and self.job.args.rl_eval_tasks:
-            self.held_out_code(wait=False)
-        if bridge is None:
-            self.code_pool(self.rank).ask(1, range(CODE_USES))
+    def make_held_out(self):
+        """Make this rank's held-out coding tasks now, two at a time. (Made in the background while
+        pretraining ran, their test runs slowed its steps 4x on a 2-core CPU: torch's threads wait for cores
+        the runs hold.)"""
+        t0 = time.perf_counter()
+        made = self.held_out_code()
+        print0(f"held-out coding tasks: {len(made)} made (this rank) in {time.perf_counter() - t0:.0f} s")
 
     def code_pool(self, data_rank):
         """The tasks a data-parallel rank trains on. A rank (or the rollout rank that samples for it) makes
@@ -694,17 +713,16 @@ class RLTasks:
         if data_rank not in self.pools:
             self.pools[data_rank] = tasks.TaskPool(Path(args.out) / "tasks" / f"rank{data_rank}",
                                                    f"{args.seed}/{data_rank}", uses=CODE_USES,
-                                                   source=args.task_dir)
+                                                   source=args.task_dir, family=self.job.code)
         return self.pools[data_rank]
 
     def code_env(self, task_dir, verifier=None):
         return tasks.CodeEnv(task_dir, reply_limit=CODE_REPLY, verifier=verifier or self.verifier)
 
-    def held_out_code(self, wait=True):
+    def held_out_code(self):
         """This rank's held-out coding tasks, [(level, folder)], made from micro-repositories no transcript or
         training task draws from, the same whatever the world size (slots make found nothing in are left
-        out); with --task-dir, that folder's first tasks of levels 1 and 2 (it has no held-out split).
-        wait=False: only ask for them (they are made while pretraining runs)."""
+        out); with --task-dir, that folder's first tasks of levels 1 and 2 (it has no held-out split)."""
         args = self.job.args
         mine = [(lvl, k) for lvl in (1, 2) for k in range(args.rl_eval_tasks)][self.rank::self.world_size]
         if args.task_dir:
@@ -712,11 +730,11 @@ class RLTasks:
             return [(lvl, listed[lvl][k]) for lvl, k in mine if k < len(listed[lvl])]
         if "held-out" not in self.pools:
             self.pools["held-out"] = tasks.TaskPool(Path(args.out) / "tasks" / "held-out", "held-out",
-                                                    held_out=True)
+                                                    held_out=True, family=self.job.code, workers=2)
         pool = self.pools["held-out"]
         for lvl in (1, 2):
             pool.ask(lvl, [k for lv, k in mine if lv == lvl])
-        return [(lvl, d) for lvl, k in mine for d in [pool.get(lvl, k)] if d is not None] if wait else None
+        return [(lvl, d) for lvl, k in mine for d in [pool.get(lvl, k)] if d is not None]
 
     def episodes(self, rl_step, data_rank):
         """RL step rl_step's episodes for one data-parallel rank: its groups at the difficulty sampler's
@@ -914,25 +932,29 @@ PROBE_SEED = 10**7
 
 @functools.lru_cache(maxsize=4)
 def probe_positions(code, n=None):
-    """Gold transcripts as byte tokens, each with the positions of the digits the gold copies and of the rest
-    of what it writes there. -> [(tokens, copies, rest)]"""
+    """Gold transcripts (code: a micro-repository family, or None: tools) as byte tokens, each with the
+    positions of the digits the gold copies and of the rest of what it writes there.
+    -> [(tokens, copies, rest)]"""
     rng, out = random.Random(PROBE_SEED), []
     for _ in range(n or (96 if code else 32)):  # ~100 copied digits either way (one an edit, ~4 a chain)
-        if code:  # the body an edit writes: `    return x % 3` after `call replace(...)`
-            files = tasks.micro_files(rng, held_out=True)
+        if code:  # an edit: its line (from the read's reply) and its body (`    return x % 3`: digits from
+            # the name in the digits family; in the words family what the name says, no copy)
+            files = tasks.micro_files(rng, held_out=True, family=code)
             funcs = [f.name for f in ast.parse(files[tasks.micro_module(files)]).body]
             turns = tasks.micro_episode(files, [rng.choice(funcs)], "stub", rng)[0]
-            body = re.compile(r"call replace\([^)]*\)\n    return (.*)")
+            body = re.compile(r"call replace\([^,]*,(\d+),(\d+)\)\n    return (.*)")
+            copied = (1, 2, 3) if code == "digits" else (1, 2)
         else:  # the operands of every call of a level-2 tool task
             task = tasks.make_tool_task(rng, 2)
-            turns, body = tasks.gold_transcript(task, rng), re.compile(r"call (\w+\(.*\))")
+            turns, body, copied = tasks.gold_transcript(task, rng), re.compile(r"call (\w+\(.*\))"), (1,)
         text, copies, rest = "", [], []
         for role, message in turns:
             head = len(encode(text + f"<|{role}|>", specials=True))
             if role == "assistant" and (m := body.fullmatch(message)):
-                for i in range(m.start(1), m.end(1)):
-                    at = head + len(message[:i].encode())
-                    (copies if message[i].isdigit() else rest).append(at)
+                for g in range(1, len(m.groups()) + 1):
+                    for i in range(m.start(g), m.end(g)):
+                        at = head + len(message[:i].encode())
+                        (copies if g in copied and message[i].isdigit() else rest).append(at)
             text += f"<|{role}|>{message}<|end|>"
         out.append((encode(text, specials=True)[:max(copies + rest) + 1], copies, rest))  # no more is read
     return tuple(out)
@@ -1033,7 +1055,12 @@ PANELS = [("pretraining", "step", [(None, "loss", "train loss", "-"), (None, "va
             ("rl_eval", "pass_level2", "pass level 2", ":")]),
           ("RL: targeted rates (held-out, per call)", "rl_step",
            [("rl_eval", "tool_error_rate", "tool not found", "-"),
-            ("rl_eval", "capital_rate", "'Call'", "--")])]
+            ("rl_eval", "capital_rate", "'Call'", "--"),
+            ("rl_eval", "blind_edit_rate", "edits unread", ":")]),
+          ("RL: planted habits (held-out, per episode)", "rl_step",
+           [("rl_eval", "give_up_rate", "submits before every function", "-"),
+            ("rl_eval", "no_fix_rate", "submits after a failing test", "--"),
+            ("rl_eval", "untested_rate", "submits untested", ":")])]
 
 
 class PlotError(Exception):
@@ -1093,9 +1120,13 @@ def plot_runs(specs, out=None):
     if out is None:
         single = len(specs) == 1 and "=" not in specs[0] and "," not in specs[0] and Path(specs[0]).is_dir()
         out = Path(specs[0]) / "plot.png" if single else Path("plot.png")
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(6 * len(PANELS), 4.5))
+    # the panels some run has records for (the planted habits are the coding runs'), pretraining's always
+    panels = [p for p in PANELS if p[1] == "step" or any(curve(records, stage, field, p[1])
+                                                         for _, group in runs for records in group
+                                                         for stage, field, _, _ in p[2])]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, (title, x, lines) in zip(axes, PANELS):
+    for ax, (title, x, lines) in zip(axes[0], panels):
         for i, (label, group) in enumerate(runs):
             for stage, field, name, style in lines:
                 curves = [c for c in (curve(records, stage, field, x) for records in group) if c]
@@ -1570,20 +1601,21 @@ def load_tokens(path, code):
 
 
 def transcripts(n, seed, code):
-    """Tokens of n gold transcripts (tasks.corpus, seeded), as uint16. Making them takes seconds and every run
-    (every rank) makes the same ones, so they are cached in ~/.cache/composer-stack under the hash of the code
-    that makes them (tasks.py, model.py, grpo.py's summary request and budget); a missing, unwritable or
-    unreadable cache only costs the seconds. A share of them are long chains, cut into the segments a rollout
-    makes at the RL stage's context budget."""
+    """Tokens of n gold transcripts (tasks.corpus, seeded; code: the micro-repository family of the coding
+    episodes, None: tool use only), as uint16. Making them takes seconds and every run (every rank) makes the
+    same ones, so they are cached in ~/.cache/composer-stack under the hash of the code that makes them
+    (tasks.py, model.py, grpo.py's summary request and budget); a missing, unwritable or unreadable cache only
+    costs the seconds. A share of them are long chains, cut into the segments a rollout makes at the RL
+    stage's context budget."""
     here = Path(__file__).resolve().parent
     key = hashlib.sha256(b"".join((here / f).read_bytes()
                                   for f in ("tasks.py", "model.py", "grpo.py"))).hexdigest()[:16]
-    path = CACHE / f"{'code' if code else 'tools'}-{n}-{seed}-{key}.npy"
+    path = CACHE / f"{code or 'tools'}-{n}-{seed}-{key}.npy"
     with contextlib.suppress(OSError, ValueError, EOFError):
         return np.load(path)
     text = tasks.corpus(n, seed=seed, long_share=LONG_SHARE, budget=GRPOConfig.context_budget,
                         request=SUMMARY_REQUEST, code_share=CODE_SHARE if code else 0.0,
-                        code_budget=CODE_BUDGET)
+                        code_budget=CODE_BUDGET, family=code or "words")
     tokens = np.array(encode(text, specials=True), dtype=np.uint16)
     keep_in_cache(path, lambda f: np.save(f, tokens))
     return tokens
@@ -1823,13 +1855,13 @@ def check(args):
             tasks.TaskPool(Path(args.task_dir), 0, source=args.task_dir)
         except tasks.TaskError as e:
             die(f"--task-dir {args.task_dir}: {e}")
-    code = args.rl_tasks == "code"
+    code = args.code_family if args.rl_tasks == "code" else None  # the micro-repositories' family
     for flag, default, code_default in (("seq_len", 256, 640), ("steps", 700, 800), ("batch_size", 8, 4),
-                                ("rl_steps", 16, 12)):
+                                        ("rl_steps", 16, 12), ("rl_eval_every", 8, args.rl_steps or 12),
+                                        ("rl_eval_tasks", 64, 16), ("rl_eval_samples", 1, 6)):
         if getattr(args, flag) is None:  # the code family's episodes are longer, and need fewer of them
             setattr(args, flag, code_default if code else default)
     args.max_gen_tokens = args.max_gen_tokens or {"long": 512, "code": 256}.get(args.rl_tasks, 128)
-    args.rl_eval_tasks = args.rl_eval_tasks if args.rl_eval_tasks is not None else 24 if code else 64
     for flag in ("steps", "batch_size", "grad_accum", "seq_len", "log_every", "eval_every", "eval_batches",
                  "keep", "max_gen_tokens"):
         if getattr(args, flag) <= 0:
@@ -1898,15 +1930,16 @@ def check(args):
                 or args.group_size < 2):
             die("the RL stage needs --rl-steps, --tasks-per-step, --rl-lr and --rl-eval-every > 0, "
                 "--group-size >= 2")
-        if args.rl_eval_tasks < 0:
-            die(f"--rl-eval-tasks must be >= 0 (0: no held-out evaluation), got {args.rl_eval_tasks}")
+        if args.rl_eval_tasks < 0 or args.rl_eval_samples < 1:
+            die(f"--rl-eval-tasks must be >= 0 (0: no held-out evaluation) and --rl-eval-samples >= 1, got "
+                f"{args.rl_eval_tasks} and {args.rl_eval_samples}")
         if args.temperature <= 0 or not 0 <= args.feedback_ema_decay < 1 or args.ppo_epochs < 1:
             die("--temperature must be > 0, --feedback-ema-decay in [0, 1), --ppo-epochs >= 1")
         if not 1 <= args.ppo_minibatches <= args.tasks_per_step // world_size:
             die(f"--ppo-minibatches {args.ppo_minibatches}: each is whole groups, and a rank has "
                 f"{args.tasks_per_step // world_size} (--tasks-per-step {args.tasks_per_step} "
                 f"over {world_size} ranks)")
-        args.feedback_rules = args.feedback_rules or ("tool_not_found,read_first" if code
+        args.feedback_rules = args.feedback_rules or ("tool_not_found,read_first,test_first" if code
                                                       else "tool_not_found,capital")
         unknown = set(args.feedback_rules.split(",")) - {name for name, _ in RULES}
         if unknown:
@@ -2141,6 +2174,10 @@ def make_parser():
                         "chains of 8 x level calls that run past the context (summaries; a slip costs the "
                         "reward little); code: feature deletion, the policy a coding agent (tasks.CodeEnv) "
                         "rewarded by verify, on micro-repositories made while it trains, or on --task-dir")
+    g.add_argument("--code-family", default="words", choices=list(tasks.MICRO_FAMILIES),
+                   help="with --rl-tasks code: the micro-repositories' functions are named by words that "
+                        "say the body (double, last, count_vowels), or by an operation and a digit to copy "
+                        "(mul4: x * 4; the harder level, which the tiny model does not learn)")
     g.add_argument("--verify-workers", type=int, default=2,
                    help="with --rl-tasks code: threads that verify finished episodes while the others sample "
                         "(0: each verify holds up sampling)")
@@ -2179,11 +2216,15 @@ def make_parser():
     g.add_argument("--ppo-minibatches", type=int, default=1,
                    help="optimizer steps a pass, each on whole groups of this rank's (split as evenly "
                         "as they allow)")
-    g.add_argument("--rl-eval-every", type=int, default=8, help="RL steps between held-out evaluations")
+    g.add_argument("--rl-eval-every", type=int, default=None,
+                   help="RL steps between held-out evaluations (default 8; code: --rl-steps, one at the end)")
     g.add_argument("--rl-eval-tasks", type=int, default=None,
-                   help="held-out tasks a level (1 and 2) per evaluation; 0: none (default 64; code: 24, "
+                   help="held-out tasks a level (1 and 2) per evaluation; 0: none (default 64; code: 16, "
                         "from held-out micro-repositories; with --task-dir, its first tasks, which training "
                         "uses: a train-task evaluation)")
+    g.add_argument("--rl-eval-samples", type=int, default=None,
+                   help="episodes a held-out task per evaluation (default 1; code: 6): more make two "
+                        "evaluations of one policy differ less (the verdict prints by how much)")
     g.add_argument("--sampler-bits", type=int, default=0, choices=[0, 8],
                    help="8: sample with 8-bit block-quantised weights (MXFP8-like), corrected by truncated "
                         "importance weights")
