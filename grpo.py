@@ -339,19 +339,28 @@ def retokenized(built, whole):
 
 
 @torch.no_grad()
+@contextlib.contextmanager
+def decode_threads(policy):
+    """On a CPU, one thread decodes: a token's matmuls are too small to split, and the episodes' test runs and
+    verifies take the other cores meanwhile; threads that spin-wait on a busy core made decoding 3x slower."""
+    threads = torch.get_num_threads()
+    if device_of(policy).type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def rollout(policy, envs, cfg, gen, sharded=False):
     """Run one episode per env, all batched, until each ends or writes max_gen_tokens. -> [Trajectory]
     With cfg.sampler_bits the policy samples with its fake-quantised Weights loaded. sharded: the policy is
     sharded over a process group (FSDP, EP), so every rank calls this together (Lockstep)."""
     quantized, tok = Weights(policy, cfg.sampler_bits) if cfg.sampler_bits else None, cfg.tokenizer
     sampler = Lockstep(policy) if sharded else policy
-    was_training, threads = policy.training, torch.get_num_threads()
+    was_training = policy.training
     policy.eval()
-    # On a CPU, one thread decodes: a token's matmuls are too small to split, and the episodes' test runs and
-    # verifies take the other cores meanwhile; threads that spin-wait on a busy core made decoding 3x slower
-    if device_of(policy).type == "cpu":
-        torch.set_num_threads(1)
-    with quantized.loaded(policy) if quantized else contextlib.nullcontext():
+    with quantized.loaded(policy) if quantized else contextlib.nullcontext(), decode_threads(policy):
         trajs = []
         for env in envs:  # a segment's turns since its last reply wait: the tokens they add are taken with
             # what follows them (the next reply's generation prompt, or the end), as the template renders both
@@ -419,7 +428,6 @@ def rollout(policy, envs, cfg, gen, sharded=False):
     for t, reward in zip(trajs, ENV_THREADS.map(lambda t: t.env.reward(), trajs)):  # verifies side by side
         t.reward = float(reward)
     policy.train(was_training)
-    torch.set_num_threads(threads)
     return trajs
 
 # -----------------------------------------------------------------------------
