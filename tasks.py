@@ -3513,14 +3513,13 @@ def untested_submit(message, before):
 def episode_habits(turns, deleted):
     """The habits a coding episode shows (Habits'): blind and absent count calls; untested, give_up (fewer
     edits than the `deleted` functions) and no_fix (the last test run failed, nothing edited since) are 1 when
-    it submitted so. -> {habit: count, "calls": calls, "submitted": 0 or 1}"""
-    counts = dict.fromkeys(("blind", "absent", "untested", "give_up", "no_fix", "calls", "submitted"), 0)
+    it submitted so. -> {habit: count, "submitted": 0 or 1}"""
+    counts = dict.fromkeys(("blind", "absent", "untested", "give_up", "no_fix", "submitted"), 0)
     edits, failing = 0, False
     for i, (role, text) in enumerate(turns):
         if role != "assistant":
             continue
         reply = turns[i + 1][1] if i + 1 < len(turns) and turns[i + 1][0] == "tool" else None
-        counts["calls"] += CODE_CALL.fullmatch(text.strip()) is not None
         counts["blind"] += unread_edit(text, reply, turns[:i])
         counts["absent"] += (reply or "").startswith("error: tool not found")
         if EDIT_CALL.match(text) and (reply or "").startswith("ok"):
