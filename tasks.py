@@ -703,10 +703,10 @@ def build_task(work, tdir, tid, feats, mode, stable, reach, box, source):
         (tdir / "oracle.json").write_text(json.dumps(oracle))
         for f in ("gold.patch", "task.json", "oracle.json"):  # the host's alone (the sandbox runs as nobody)
             os.chmod(tdir / f, 0o600)
-        missing = []
+        missing, t0 = [], time.time()
         reward, why = verify(tdir, patch=tdir / "gold.patch", box=box, missing=missing)
         if reward == 1:
-            return task, "ok"
+            return task | {"gold_s": time.time() - t0}, "ok"  # strength's mutants get a multiple of it
         # a test that passes in make's runs but not in verify's (flaky, or it needs what verify keeps
         # read-only) cannot judge a solution: dropped, and the gold verified once more
         if not missing or attempt == 2:
@@ -854,9 +854,10 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reac
         + (f", {executed / len(tasks):.0f} per task" if tasks else "")
         + ("" if len(tasks) >= n or not reasons else f"; the most common failure: "
            f"{collections.Counter(reasons).most_common(1)[0][0]}"))
-    for task in tasks if strength_k else []:
+    gold_s = [task.pop("gold_s") for task in tasks]  # (not in task.json: this machine's time, not the task's)
+    for task, s in zip(tasks, gold_s) if strength_k else []:
         try:
-            task["strength"] = strength(out / task["id"], strength_k, box, jobs=jobs)
+            task["strength"] = strength(out / task["id"], strength_k, box, jobs=jobs, gold_s=s)
             log(strength_lines(task["id"], task["strength"]))
         except TaskError as e:  # a gold that fails now (a flaky test, say): that task is not served
             log(f"{task['id']}: strength not measured, not served: {e}")
@@ -1246,13 +1247,14 @@ def mutations(gold, deleted, k, seed=0):
     return out
 
 
-def strength(task_dir, k=STRENGTH_K, box=None, seed=0, jobs=2):
+def strength(task_dir, k=STRENGTH_K, box=None, seed=0, jobs=2, gold_s=None):
     """The verifier's mutation score on a task: up to k mutants of the gold (mutations), each laid over the
     snapshot and verified, jobs at a time; written into task.json as "strength" and returned: {mutants,
     killed_by_tests, killed (by tests plus oracle: verify's reward 0), score_tests, score, seed, survivors:
     [{mutant, diff}], missed_by_tests: [what changed]}. A mutant verify refuses before its tests run counts
     as killed by both. The gold is verified first: a gold that fails here would make every mutant look
-    killed. Each mutant gets five times the gold's time, at least 30 s (a mutant may loop forever)."""
+    killed. Each mutant gets five times the gold's time, at least 30 s (a mutant may loop forever). gold_s:
+    the seconds the gold's verify took, where the caller (make) has just verified it: not verified again."""
     task_dir = Path(task_dir)
     if not (task_dir / "task.json").is_file():
         raise TaskError(f"no task at {task_dir}: "
@@ -1265,11 +1267,14 @@ def strength(task_dir, k=STRENGTH_K, box=None, seed=0, jobs=2):
         gold = Path(tmp, "gold")
         if (error := patched(task_dir / "repo", task_dir / "gold.patch", gold)) is not None:
             raise TaskError(f"{task_dir / 'gold.patch'} does not apply: {error}")
-        t0 = time.time()
-        reward, why = verify(task_dir, workdir=gold, box=box)
-        if reward != 1:
-            raise TaskError(f"the gold of {task_dir} scores 0 here (a mutant's 0 would mean nothing): {why}")
-        box = dataclasses.replace(box, timeout=int(min(box.timeout, max(30, 5 * (time.time() - t0)))))
+        if gold_s is None:
+            t0 = time.time()
+            reward, why = verify(task_dir, workdir=gold, box=box)
+            if reward != 1:
+                raise TaskError(f"the gold of {task_dir} scores 0 here (a mutant's 0 would mean nothing): "
+                                f"{why}")
+            gold_s = time.time() - t0
+        box = dataclasses.replace(box, timeout=int(min(box.timeout, max(30, 5 * gold_s))))
         found = mutations(gold, task["deleted"], k, seed)
 
         def judge(mutant):  # (reward, the tests' reason for 0 or None)
@@ -3536,9 +3541,11 @@ class TaskPool:
     level is what make produces from the micro-repository seeded (seed, level, k), or nothing, so what a run
     trains on depends on its seed alone, never on timing. A background thread makes the slots asked for, in
     the order asked; take(level) serves the level's next task `uses` times, asking for `ahead` slots beyond
-    it, and waits for a make only when the pool has run dry. From a folder of tasks made by make (source DIR):
-    those it serves (served()) by level, in turn. held_out: the micro-repositories no transcript or training
-    task draws from; family: the micro-repositories' (MICRO_FAMILIES)."""
+    it, and waits for a make only when the pool has run dry. Each slot made is recorded in out (a task is
+    made aside and moved in whole), so a pool over the same folder (a resumed run, or processes sharing it)
+    takes it instead of making it again. From a folder of tasks made by make (source DIR): those it serves
+    (served()) by level, in turn. held_out: the micro-repositories no transcript or training task draws from;
+    family: the micro-repositories' (MICRO_FAMILIES)."""
 
     def __init__(self, out, seed, box=None, ahead=2, uses=1, source=None, held_out=False, workers=1,
                  family="words"):
@@ -3557,6 +3564,11 @@ class TaskPool:
                     f"{len(refused)} refused, e.g. {first[0].name}: {first[1][0]}" if first
                     else "none made by `tasks.py make`") + ")")
         else:
+            for f in self.out.glob("level*/slot-*.json"):  # the slots made here before
+                with contextlib.suppress(ValueError, OSError, TypeError):
+                    name = json.loads(f.read_text())["task"]
+                    if name is None or (f.parent / name / "task.json").is_file():
+                        self.slots[int(f.parent.name[5:]), int(f.stem[5:])] = name and f.parent / name
             for _ in range(workers):
                 threading.Thread(target=self.work, daemon=True, name="task-maker").start()
 
@@ -3566,17 +3578,29 @@ class TaskPool:
                 while not self.queue:
                     self.cond.wait()
                 level, k = self.queue.popleft()
+                if (level, k) in self.slots:
+                    continue
             seed = int(hashlib.sha256(f"{self.seed}/{level}/{k}".encode()).hexdigest()[:12], 16)
+            found, at = None, self.out / f"level{level}"
             try:
-                found = make_micro(self.out / f"level{level}", seed, level, self.box, held_out=self.held_out,
-                                   family=self.family)
+                at.mkdir(parents=True, exist_ok=True)
+                with tempfile.TemporaryDirectory(dir=at, prefix=".making-") as aside:
+                    made = make_micro(aside, seed, level, self.box, held_out=self.held_out,
+                                      family=self.family)
+                    if made:  # in whole: a pool that shares the folder sees the task complete or not at all
+                        found = at / made[0].name
+                        with contextlib.suppress(OSError):  # already there: another pool made it first
+                            os.rename(made[0], found)
+                record = at / f".slot-{k}.{secrets.token_hex(4)}"
+                record.write_text(json.dumps({"task": found and found.name}))
+                os.replace(record, at / f"slot-{k}.json")
             except TaskError:  # nothing make could delete in this one: the slot stays empty
-                found = []
+                found = None
             except Exception as e:  # noqa: BLE001 (raised again by get, in the trainer's thread)
-                found, self.error = [], e
+                found, self.error = None, e
             with self.cond:
-                self.slots[level, k] = found[0] if found else None
-                self.made += bool(found)
+                self.slots[level, k] = found
+                self.made += found is not None
                 self.cond.notify_all()
 
     def ask(self, level, ks):

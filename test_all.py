@@ -1551,19 +1551,20 @@ def test_the_default_run_keeps_its_figures(tmp_path):
 def test_the_verdict_names_each_condition_it_finds_unmet():
     """train.verdict on hand-made evaluation records of both families: records that do what the README says
     give its words; each condition flipped alone gives "NOT as the README expects" naming that one alone; the
-    rise is printed with its sampling noise; an evaluation on the tasks training uses (--task-dir) is named
-    train-task."""
+    rise and the 'Call' fall are printed with their sampling noise; an evaluation on the tasks training uses
+    (--task-dir) is named train-task."""
     import train
     habits = {rate: 0.2 for rate in train.HABITS.values()}
 
     def first_and_last(**last):
         same = {"eval_split": "held-out", "tool_error_rate": 0.1, "hack_flags": 0, "episodes_level1": 100,
-                "episodes_level2": 100}
+                "episodes_level2": 100, "calls": 400}
         return [{**same, **habits, "rl_step": 0, "pass_level1": 0.5, "pass_level2": 0.2, "capital_rate": 0.3},
                 {**same, **habits, "rl_step": 16, "pass_level1": 0.7, "pass_level2": 0.4, "capital_rate": 0.1,
                  "give_up_rate": 0.1, **last}]
     flips = {False: {"the pass rate fell beyond its noise": dict(pass_level1=0.1, pass_level2=0.2),
-                     "'Call' fell less than 2x": dict(capital_rate=0.2),
+                     # 0.3 -> 0.25 over 400 calls each: twice the noise is 0.063
+                     "'Call' did not fall beyond its noise": dict(capital_rate=0.25),
                      "tool-not-found rose": dict(tool_error_rate=0.11)},
              True: {"the pass rate rose less than 0.15": dict(pass_level2=0.2),
                     "no planted habit fell 2x": dict(give_up_rate=0.11),
@@ -1576,6 +1577,8 @@ def test_the_verdict_names_each_condition_it_finds_unmet():
         for short, flip in unmet.items():
             assert head(first_and_last(**flip)) == ("verdict after 16 RL steps: NOT as the README expects: "
                                                     + short)
+    tools = train.verdict(first_and_last(), False)  # sqrt(0.3 * 0.7 / 400) and sqrt(0.1 * 0.9 / 400)
+    assert "'Call' rate 0.300 -> 0.100 (3.0x fewer, sampling noise 0.027; " in tools, tools
     line = train.verdict([{**r, "eval_split": "train-task"} for r in first_and_last(hack_flags=1)], True)
     # noise: sqrt(sum over the levels of p (1 - p) / 100) / 2 an evaluation, the two added in quadrature
     noise = math.hypot(math.sqrt(0.5 * 0.5 / 100 + 0.2 * 0.8 / 100) / 2,
@@ -6390,7 +6393,7 @@ def test_planted_habits_show_at_their_shares_and_are_counted_as_planted():
 def test_micro_repositories_make_tasks_and_their_gold_episodes_replay(tmp_path):
     """Each level's task comes out of make; the gold episode a pretraining transcript shows (with a wrong
     edit, its failing test run and the fix) gets, call for call, the replies the environment gives, and earns
-    1; submitting untouched earns 0. The task pool serves what its seed alone decides."""
+    1; submitting untouched earns 0. The task pool serves what its seed alone decides, and keeps it."""
     pool = tasks.TaskPool(tmp_path / "pool", seed=3, ahead=1)  # starts making at once, beside the others
     with concurrent.futures.ThreadPoolExecutor(3) as ex:  # each make mostly waits on its pytest runs
         made = list(ex.map(lambda level: tasks.make_micro(tmp_path / f"level{level}", 7, level), (1, 2, 3)))
@@ -6412,3 +6415,6 @@ def test_micro_repositories_make_tasks_and_their_gold_episodes_replay(tmp_path):
     # the pool's first level-1 task: made from the micro-repository its seed names, whenever it was made
     first, seed = pool.take(1), int(hashlib.sha256(b"3/1/0").hexdigest()[:12], 16)
     assert first.name.startswith(f"micro-{seed}-") and (first / "task.json").is_file() and pool.made >= 1
+    # the slot is recorded: a pool over the same folder (a resumed run, another process) takes it, making none
+    again = tasks.TaskPool(tmp_path / "pool", seed=3, ahead=0)
+    assert again.take(1) == first and again.made == 0
