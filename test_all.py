@@ -1588,6 +1588,17 @@ def test_the_verdict_names_each_condition_it_finds_unmet():
     assert "held-out" not in line, line
 
 
+def test_held_out_tasks_are_kept_on_the_machine_or_else_in_the_run(tmp_path, monkeypatch):
+    """train.held_out_folder: the machine's cache when it can be written, the run's folder when not."""
+    import train
+    monkeypatch.setattr(train, "CACHE", tmp_path / "cache")
+    kept = train.held_out_folder("words", tmp_path / "out")
+    assert kept.is_dir() and kept.parent == tmp_path / "cache" / "held-out" and kept.name.startswith("words-")
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(train, "CACHE", tmp_path / "file")  # no folder can be made under a file
+    assert train.held_out_folder("words", tmp_path / "out") == tmp_path / "out" / "tasks" / "held-out"
+
+
 def test_train_bad_input_is_one_clear_line(tmp_path):
     """(A bad layout and a --resume with nothing to resume: the next section, on every rank.)"""
     (tmp_path / "empty").mkdir()

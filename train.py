@@ -680,11 +680,16 @@ def verdict(evals, code):
 # RL's tasks and sampling, shared by the trainer ranks and, with --rollout-ranks, the rollout ranks
 
 
-def held_out_folder(family):
-    """Where this machine keeps the held-out coding tasks of a family: they depend on the code of tasks.py
-    and the interpreter alone (never on a run's seed), so a run makes only those no earlier one made."""
-    code = hashlib.sha256(Path(tasks.__file__).read_bytes() + f"{sys.executable} {sys.version}".encode())
-    return CACHE / "held-out" / f"{family}-{code.hexdigest()[:16]}"
+def held_out_folder(family, out):
+    """Where a run makes the held-out coding tasks of a family: the folder this machine keeps them in (they
+    depend on the code of tasks.py and the interpreter alone, never on a run's seed, so a run makes only those
+    no earlier one made), or the run's own where that cannot be written or lies where the sandbox reads."""
+    folder = CACHE / "held-out" / f"{family}-{code_key('tasks.py', extra=f'{sys.executable} {sys.version}')}"
+    with contextlib.suppress(OSError, tasks.TaskError):
+        folder.mkdir(parents=True, exist_ok=True)
+        if os.access(folder, os.W_OK) and not tasks.Sandbox().sees(folder):
+            return folder
+    return Path(out) / "tasks" / "held-out"
 
 
 class RLTasks:
@@ -746,7 +751,7 @@ class RLTasks:
             listed = self.code_pool(-1).listed
             return [(lvl, listed[lvl][k]) for lvl, k in mine if k < len(listed[lvl])]
         if "held-out" not in self.pools:
-            self.pools["held-out"] = tasks.TaskPool(held_out_folder(self.job.code), "held-out",
+            self.pools["held-out"] = tasks.TaskPool(held_out_folder(self.job.code, args.out), "held-out",
                                                     held_out=True, family=self.job.code, workers=2)
         pool = self.pools["held-out"]
         for lvl in (1, 2):
@@ -1624,10 +1629,7 @@ def transcripts(n, seed, code):
     (tasks.py, model.py, grpo.py's summary request and budget); a missing, unwritable or unreadable cache only
     costs the seconds. A share of them are long chains, cut into the segments a rollout makes at the RL
     stage's context budget."""
-    here = Path(__file__).resolve().parent
-    key = hashlib.sha256(b"".join((here / f).read_bytes()
-                                  for f in ("tasks.py", "model.py", "grpo.py"))).hexdigest()[:16]
-    path = CACHE / f"{code or 'tools'}-{n}-{seed}-{key}.npy"
+    path = CACHE / f"{code or 'tools'}-{n}-{seed}-{code_key('tasks.py', 'model.py', 'grpo.py')}.npy"
     with contextlib.suppress(OSError, ValueError, EOFError):
         return np.load(path)
     text = tasks.corpus(n, seed=seed, long_share=LONG_SHARE, budget=GRPOConfig.context_budget,
@@ -1636,6 +1638,13 @@ def transcripts(n, seed, code):
     tokens = np.array(encode(text, specials=True), dtype=np.uint16)
     keep_in_cache(path, lambda f: np.save(f, tokens))
     return tokens
+
+
+def code_key(*files, extra=""):
+    """What a cache of these files' output (files of this folder) is kept under: 16 hex digits of their
+    SHA-256, and extra's."""
+    here = Path(__file__).resolve().parent
+    return hashlib.sha256(b"".join((here / f).read_bytes() for f in files) + extra.encode()).hexdigest()[:16]
 
 
 def keep_in_cache(path, write):
