@@ -477,14 +477,19 @@ class MLA(nn.Module):
                 torch.cat([k_nope, k_pe[:, None].expand(B, H, S, rope)], dim=-1))
         if self.track_max_logit and self.training and cache is None:
             self._track_max_logit(q, k, k_pos[None, :] <= pos[:, None])  # causal by position, CP included
+        # the fused (flash) kernels take one head size for q, k and v; with v narrower, SDPA falls back to its
+        # unfused path (on CPU 2.6x slower at T=640, T^2 memory). So v is padded with zeros, as transformers'
+        # DeepSeek-V3 does for flash attention, and the output cut back: the same attention, computed fused.
+        dv = cfg.v_head_dim
+        v = F.pad(v, (0, q.size(-1) - dv))  # [B, H, S, nope+rope]
         if cache is not None:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask, scale=self.scale)
         elif self.cp_group is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)  # [B, H, T, v]
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         else:  # causal by global position: a query sees the keys at or before it, wherever they were computed
             mask = k_pos[None, :] <= pos[:, None]  # [T, S]
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-        return torch.einsum("bhtv,hcv->btc", y, self.wo)
+        return torch.einsum("bhtv,hcv->btc", y[..., :dv], self.wo)  # y [B, H, T, v]
 
     def _absorbed(self, q_nope, q_pe, c_kv, kv_a, mask):
         """Weight-absorbed attention (DeepSeek-V2 sec. 2.1.2, as DeepSeek-V3's inference code decodes):
