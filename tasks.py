@@ -3240,11 +3240,24 @@ class Verifier:
         return result
 
     def test(self, env, targets):
-        """The visible tests (targets: test files or node ids) on the episode's copy: the reply."""
+        """The visible tests (targets: test files or node ids) on the episode's copy: the reply. Episodes that
+        ask for the same run of the same tree, even while it runs, share it."""
         key = (*self.key(env), tuple(targets))
         with self.lock:
-            if key in self.tests:
-                return self.tests[key]
+            fut, new = self.tests.get(key), key not in self.tests
+            if new:
+                fut = self.tests[key] = concurrent.futures.Future()
+        if not new:
+            return fut.result()
+        try:
+            fut.set_result(self.run_tests(env, targets, key))
+        except BaseException as e:  # no reply of the tree: the next episode that asks runs it anew
+            with self.lock:
+                del self.tests[key]
+            fut.set_exception(e)
+        return fut.result()
+
+    def run_tests(self, env, targets, key):
         need = env.task["fail_to_pass"] + env.task["pass_to_pass"]
         with scratch() as tmp:
             work = materialize(env.snap, env.edits, Path(tmp, "repo"))
@@ -3256,8 +3269,6 @@ class Verifier:
             reply = test_reply(len(r.passed), failed)
             with self.lock:
                 self.failed.setdefault(key[:2], set()).update(failed)
-        with self.lock:
-            self.tests[key] = reply
         return reply
 
     def stats(self):
