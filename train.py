@@ -93,7 +93,7 @@ CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "compos
 # lines and the edits (past the budget, a summary); a reply is cut to what that context holds; a task made
 # serves CODE_USES groups (make takes about 3 s a micro-repository task on a 2-core CPU); the transcripts
 # mix has CODE_SHARE coding episodes.
-CODE_MESSAGE, CODE_BUDGET, CODE_REPLY, CODE_USES, CODE_SHARE = 64, 480, 200, 2, 0.9
+CODE_MESSAGE, CODE_BUDGET, CODE_REPLY, CODE_USES, CODE_SHARE = 64, 480, 200, 4, 0.9
 # Other weights the RL stage keeps for the policy (grpo.Weights: this rank's shards only), and the flag that
 # asks for each: the KL reference (the policy RL started from) and a frozen or EMA feedback teacher
 RL_COPIES = {"reference": "--kl-coef > 0", "teacher": "--feedback-teacher frozen or ema"}
