@@ -20,25 +20,26 @@ made from real repositories with their tests as the verifier; EvalPlus (Liu et a
 
 The map, in file order:
 
-    Tool use       the arithmetic tool-use family (below), its transcripts and the DifficultySampler
     Layout         which files are source, which are tests and configuration (never editable)
     Make           make: baseline, map, pick, delete, validate, scrub, scan, record the oracle, write a task
     Splicing       delete_edit: byte ranges that delete a feature (stub or remove), the rest byte-identical
     Verify         verify: the oracle on the solution's packages, then the task's tests and canaries
-    Strength       strength: the share of the gold's mutants the tests alone and the tests plus oracle kill
     Edits          solution_files: source inside the packages only, read by lstat; static_findings
     Oracle         Recorder, Copier: the feature's inputs copied while the gold runs its tests; canon,
                    mutants: held-out inputs and canonical results in a child without tests
+    Strength       strength: the share of the gold's mutants the tests alone and the tests plus oracle kill
     Scan           fingerprints of the deleted code; scan: leak sources and what each holds; scrub
     Monitor        monitor: trajectory steps that read leak sources or the task's files, or prepare tampering
-    CodeEnv        the coding environment, Verifier (verifies in a pool, at the pace of sampling)
+    Env, CodeEnv   the interface a trainer drives; the coding environment on a task make wrote, Verifier
+                   (verifies in a pool, at the pace of sampling)
     Micro          micro-repositories, their gold episodes, TaskPool (tasks made while training runs)
-    Survey         survey: make and verify on packages drawn from the package index
+    Tool use       the arithmetic tool-use family (below), its transcripts and the DifficultySampler
     Sandbox        the infrastructure: every untrusted run (tests, solutions) in bubblewrap as nobody, on
                    bounded tmpfs, with a timeout; Reporter, the pytest plugin whose descriptor is the only
                    source of outcomes
     Environment    make_env: a venv per repository with the test requirements it declares
     Tracing        trace_tests: each test's calls into the package -> the test -> feature map
+    Survey         survey: make and verify on packages drawn from the package index
     Appendix       the command line (cli) and the demo
 
 Tool use over small integers: the question is a nested expression such as `mul(add(3,4),2)`, the episode
@@ -126,331 +127,10 @@ from pathlib import Path
 from typing import NamedTuple, Optional, Protocol
 
 # -----------------------------------------------------------------------------
-# The interface a trainer drives: the opening turns, a step that maps the model's text to the environment's
-# reply, and a verified reward once the episode is done. The tool-use family implements it, and so does
-# feature deletion's CodeEnv (further down), whose reward is verify.
-
-Turn = tuple[str, str]  # (role, text), role in {"user", "assistant", "tool", "system"}
-
-
-class Env(Protocol):
-    def first_turns(self) -> list[Turn]: ...
-    def step(self, assistant_text: str) -> tuple[Optional[str], bool]: ...  # (reply or None, done)
-    def reward(self) -> float: ...
-
-
-def render(turns: list[Turn]) -> str:
-    # The exact strings of model.SPECIALS; the tokenizer maps each to a single token.
-    return "".join(f"<|{role}|>{text}<|end|>" for role, text in turns)
-
-
-# -----------------------------------------------------------------------------
-# Tools: tiny deterministic functions. Values stay in 0..99 so every number is at most two bytes.
-
-TOOLS = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
-         "max": max, "min": min, "mod": lambda a, b: a % b}
-MAX_DIFFICULTY = 4
-# A call may open "Call" (a prose habit): the environment accepts it, a style guide wants "call". Same length,
-# same reply: the reward cannot see it at all (feedback.py's capital rule can).
-CALL = re.compile(r"([Cc])all ([a-z]{1,8})\((-?\d{1,6}),(-?\d{1,6})\)")  # bounded digits: no giant products
-ANSWER = re.compile(r"answer (-?\d{1,6})")
-MALFORMED = "error: malformed call. use: call TOOL(A,B), or answer N"
-
-
-def not_found(name: str, tools: list[str]) -> str:
-    return f"error: tool not found: {name}. available tools: {', '.join(tools)}"
-
-
-@dataclass
-class ToolTask:
-    question: str                          # the first user turn: offered tools and the expression
-    tools: list[str]                       # offered this episode, in TOOLS order (never all six)
-    answer: int
-    difficulty: int                        # number of tool calls the gold plan needs
-    plan: list[tuple[str, int, int]]       # the gold calls, innermost first: (tool, a, b)
-
-
-def make_tool_task(rng: random.Random, difficulty: int) -> ToolTask:
-    if not 1 <= difficulty <= MAX_DIFFICULTY:
-        raise ValueError(f"difficulty must be in 1..{MAX_DIFFICULTY}, got {difficulty}")
-    value = rng.randint(1, 9)
-    expr, plan = str(value), []
-    while len(plan) < difficulty:
-        name, leaf = rng.choice(list(TOOLS)), rng.randint(1, 9)
-        # The running value goes left or right, so the model must find the innermost call, not just read left
-        # to right.
-        a, b, ea, eb = ((value, leaf, expr, str(leaf)) if rng.random() < 0.5
-                        else (leaf, value, str(leaf), expr))
-        if name == "mod" and b < 2:
-            continue  # no division by zero, and mod 1 is a constant that ignores the chain
-        result = TOOLS[name](a, b)
-        if not 0 <= result <= 99:
-            continue  # redraw: short numbers keep an episode inside the tiny model's context
-        plan.append((name, a, b))
-        value, expr = result, f"{name}({ea},{eb})"
-    needed = {name for name, _, _ in plan}
-    # Offer the needed tools plus distractors, difficulty + 1 in all, at most 5 of 6: some tool is always
-    # absent.
-    extras = rng.sample(sorted(set(TOOLS) - needed),
-                        max(0, min(difficulty + 1, len(TOOLS) - 1) - len(needed)))
-    tools = [t for t in TOOLS if t in needed or t in extras]
-    return ToolTask(f"tools: {', '.join(tools)}. compute {expr}", tools, value, difficulty, plan)
-
-
-# -----------------------------------------------------------------------------
-# The environment: parses the model's message, runs the tool or reports the error, checks the answer.
-
-
-class ToolEnv:
-    def __init__(self, task: ToolTask, max_turns: int = 6):
-        self.task, self.max_turns = task, max_turns
-        self.turns: list[Turn] = self.first_turns()  # the whole episode so far, for rendering a rollout
-        self.done, self.answer = False, None
-        self.tool_calls = self.tool_errors = self.malformed = 0  # well-formed calls; absent tools; unparsable
-        self.capital = 0  # calls that opened "Call" (accepted, neither rewarded nor punished)
-
-    def first_turns(self) -> list[Turn]:
-        return [("user", self.task.question)]
-
-    def step(self, assistant_text: str) -> tuple[Optional[str], bool]:
-        if self.done:
-            raise RuntimeError("step() after the episode ended")
-        self.turns.append(("assistant", assistant_text))
-        text = assistant_text.strip()
-        if m := ANSWER.fullmatch(text):
-            self.answer, self.done = int(m.group(1)), True
-            return None, True
-        if m := CALL.fullmatch(text):
-            self.tool_calls += 1
-            self.capital += m.group(1) == "C"
-            name, a, b = m.group(2), int(m.group(3)), int(m.group(4))
-            if name not in self.task.tools:
-                self.tool_errors += 1
-                reply = not_found(name, self.task.tools)
-            elif name == "mod" and b == 0:
-                reply = "error: mod by zero"
-            else:
-                reply = self.result(TOOLS[name](a, b))
-        else:
-            self.malformed += 1
-            reply = MALFORMED
-        self.turns.append(("tool", reply))
-        self.done = sum(role == "assistant" for role, _ in self.turns) >= self.max_turns
-        return reply, self.done
-
-    def result(self, value: int) -> str:
-        return str(value)
-
-    def reward(self) -> float:
-        # Outcome only: the verifier checks the final number; how the model got there is not scored.
-        return 1.0 if self.answer == self.task.answer else 0.0
-
-
-# -----------------------------------------------------------------------------
-# Long episodes: a chain of 8-32 calls (8 x difficulty) that the environment hands out one at a time, the
-# regime of the Composer 2.5 post's worked example. Each reply carries the result and the next instruction
-# (`19. next: mul 2`), so an episode runs past any small context budget and the policy must summarize to go on
-# (grpo.py). A call to an absent tool gets the error and the episode goes on: the policy makes the right call
-# next and the final answer is still right, so the reward barely sees the slip, and not at all a capital
-# "Call".
-
-CHAIN_LENGTH = 8  # calls a difficulty level
-
-
-def make_chain_task(rng: random.Random, difficulty: int) -> ToolTask:
-    """A chain over three of the six tools, the running value always the first argument."""
-    if not 1 <= difficulty <= MAX_DIFFICULTY:
-        raise ValueError(f"difficulty must be in 1..{MAX_DIFFICULTY}, got {difficulty}")
-    ops = rng.sample(list(TOOLS), 3)
-    value = start = rng.randint(1, 9)
-    plan: list[tuple[str, int, int]] = []
-    while len(plan) < CHAIN_LENGTH * difficulty:
-        name, k = rng.choice(ops), rng.randint(1, 9)
-        result = TOOLS[name](value, k)
-        if (name == "mod" and k < 2) or not 0 <= result <= 99:
-            continue  # as in make_tool_task: no mod 0 or 1, values stay two digits
-        plan.append((name, value, k))
-        value = result
-    tools = [t for t in TOOLS if t in {name for name, _, _ in plan}]
-    first = plan[0]
-    return ToolTask(f"tools: {', '.join(tools)}. start {start}, {len(plan)} steps. "
-                    f"next: {first[0]} {first[2]}",
-                    tools, value, difficulty, plan)
-
-
-class ChainEnv(ToolEnv):
-    """A ToolEnv whose successful calls advance the chain: the reply is the result and the next instruction.
-    The instruction is followed whatever the call was, as a worksheet would: only the final answer is
-    checked."""
-
-    def __init__(self, task: ToolTask):
-        # room for slips, their recoveries and retries
-        super().__init__(task, max_turns=3 * len(task.plan) + 4)
-        self.position = 0  # instructions done
-
-    def result(self, value: int) -> str:
-        self.position += 1
-        return chain_reply(self.task, self.position, value)
-
-
-def chain_reply(task: ToolTask, position: int, value: int) -> str:
-    if position >= len(task.plan):
-        return f"{value}. done"
-    name, _, k = task.plan[position]
-    return f"{value}. next: {name} {k}"
-
-
-# -----------------------------------------------------------------------------
-# Gold transcripts for pretraining: the format, the chaining of results, and (sometimes) an error and its
-# recovery.
-
-
-def reminder(tools: list[str]) -> str:
-    """The hint textual feedback inserts before a call to an absent tool (the seed's example), as a system
-    turn."""
-    return f"Reminder: Available tools: {', '.join(tools)}"
-
-
-# the hint for a malformed message
-FORMAT_REMINDER = "Reminder: reply with exactly 'call TOOL(A,B)' or 'answer N'."
-STYLE_REMINDER = "Style: write call in lower case."  # the hint for a "Call"
-
-
-def gold_transcript(task: ToolTask, rng: random.Random, p_mistake: float = 0.0, p_hint: float = 0.0,
-                    p_capital: float = 0.0) -> list[Turn]:
-    """The gold plan as turns. With p_mistake one call first reaches for an absent tool and recovers from the
-    error; with p_capital a call opens "Call" (a habit the reward cannot see); with p_hint a call is preceded
-    by one of the hints as a system turn, and a reminded call is always right (this is how the model learns
-    what a hint means, so that the hinted teacher of feedback.py is better)."""
-    absent = [t for t in TOOLS if t not in task.tools]
-    hints = [reminder(task.tools), FORMAT_REMINDER] + [STYLE_REMINDER] * (p_capital > 0)
-    slip = rng.randrange(len(task.plan)) if rng.random() < p_mistake else -1
-    turns = [("user", task.question)]
-    for i, (name, a, b) in enumerate(task.plan):
-        c = "C" if p_capital and rng.random() < p_capital else "c"
-        if i == slip:  # reach for an absent tool, read the error, then make the right call
-            wrong = rng.choice(absent)
-            turns += [("assistant", f"{c}all {wrong}({a},{b})"), ("tool", not_found(wrong, task.tools))]
-        if rng.random() < p_hint:
-            hint = rng.choice(hints)
-            c = "c" if hint == STYLE_REMINDER else c
-            turns += [("system", hint)]
-        turns += [("assistant", f"{c}all {name}({a},{b})"), ("tool", str(TOOLS[name](a, b)))]
-    return turns + [("assistant", f"answer {task.answer}")]
-
-
-def turn_length(turn: Turn) -> int:
-    """Tokens of a rendered turn: the role and <|end|> tokens plus one a byte (model.py's byte tokenizer)."""
-    return len(turn[1].encode()) + 2
-
-
-def chain_transcript(task: ToolTask, rng: random.Random, budget: int, request: str, p_slip: float = 0.1,
-                     p_capital: float = 0.3, p_hint: float = 0.1) -> list[list[Turn]]:
-    """A long episode done right, cut into the segments a rollout makes (grpo.rollout): once a segment passes
-    `budget` tokens after a reply, the user turn `request` asks for a summary, and the next segment starts
-    from the question and that summary (the current value and what is still to do). Habits the corpus teaches
-    and RL should remove: with p_slip a call first reaches for an absent tool (the error follows, then the
-    right call); with p_capital a call opens "Call". With p_hint a call is preceded by a hint as a system
-    turn: after the tools reminder a call never slips, after the style reminder it is lower case."""
-    absent = [t for t in TOOLS if t not in task.tools]
-    prompt = [("user", task.question)]
-    segments, turns = [], list(prompt)
-
-    def exchange(message, reply, value, todo):  # one call and its reply; a summary when the segment is full
-        nonlocal turns
-        turns += [("assistant", message), ("tool", reply)]
-        if sum(map(turn_length, turns)) > budget:
-            summary = f"value {value}. {todo}"
-            segments.append(turns + [("user", request), ("assistant", summary)])
-            turns = prompt + [("assistant", summary)]
-
-    for i, (name, a, b) in enumerate(task.plan):
-        hint = rng.choice([reminder(task.tools), STYLE_REMINDER]) if rng.random() < p_hint else None
-        if hint:
-            turns.append(("system", hint))
-        c = "C" if rng.random() < p_capital and hint != STYLE_REMINDER else "c"
-        if rng.random() < p_slip and hint is None:
-            wrong = rng.choice(absent)
-            exchange(f"{c}all {wrong}({a},{b})", not_found(wrong, task.tools), a, f"next: {name} {b}")
-        reply = chain_reply(task, i + 1, TOOLS[name](a, b))
-        exchange(f"{c}all {name}({a},{b})", reply, TOOLS[name](a, b), reply.split(". ", 1)[1])
-    return segments + [turns + [("assistant", f"answer {task.answer}")]]
-
-
-def corpus(n: int, seed: int, p_mistake: float = 0.2, p_hint: float = 0.2, p_capital: float = 0.3,
-           long_share: float = 0.0, budget: int = 224, request: str = "", code_share: float = 0.0,
-           code_budget: int = 384, family: str = "words") -> str:
-    """n gold transcripts: long_share of them chains of the tool-use family, code_share coding episodes on
-    micro-repositories of a family at levels 1-3 (code_transcript with CODE_HABITS; each segment one
-    document), the rest tool-use tasks."""
-    rng = random.Random(seed)
-    docs = []
-    for _ in range(n):
-        if code_share and rng.random() < code_share:  # (no draw without: the tool-use corpus stays as it was)
-            docs += [render(seg) for seg in code_transcript(
-                rng, rng.randint(1, len(MICRO_LEVELS)), CODE_HABITS, code_budget, request, family)]
-        elif rng.random() < long_share:
-            task = make_chain_task(rng, rng.randint(1, MAX_DIFFICULTY))
-            docs += [render(seg) for seg in chain_transcript(task, rng, budget, request)]
-        else:
-            docs.append(render(gold_transcript(make_tool_task(rng, rng.randint(1, MAX_DIFFICULTY)), rng,
-                                               p_mistake, p_hint, p_capital)))
-    return "\n".join(docs)
-
-
-# -----------------------------------------------------------------------------
-# Dynamic difficulty: serve the hardest level the policy passes often enough, step back when it fails.
-
-
-class DifficultySampler:
-    def __init__(self, max_level: int = MAX_DIFFICULTY, window: int = 32, up: float = 0.8, down: float = 0.2,
-                 p_frontier: float = 0.75):
-        self.max_level, self.window, self.up, self.down, self.p_frontier = (
-            max_level, window, up, down, p_frontier)
-        self.level = 1  # the frontier
-        # recent rewards per level
-        self.results = {lvl: deque(maxlen=window) for lvl in range(1, max_level + 1)}
-
-    def pass_rate(self, level: int) -> Optional[float]:
-        r = self.results[level]
-        return sum(r) / len(r) if r else None
-
-    def sample(self, rng: random.Random) -> int:
-        # Mostly the frontier; sometimes an easier level, so solved skills keep being rehearsed.
-        if self.level == 1 or rng.random() < self.p_frontier:
-            return self.level
-        return rng.randint(1, self.level - 1)
-
-    def update(self, level: int, reward: float) -> None:
-        self.results[level].append(reward)
-        r = self.results[self.level]
-        if len(r) < self.window:
-            return  # judge a level only on a full window
-        rate = sum(r) / len(r)
-        if rate >= self.up and self.level < self.max_level:
-            self._move(self.level + 1)
-        elif rate < self.down and self.level > 1:
-            self._move(self.level - 1)
-
-    def _move(self, level: int) -> None:
-        self.level = level
-        # the new frontier earns its next move on fresh results, so no instant bounce
-        self.results[level].clear()
-
-    def state_dict(self) -> dict:
-        return {"level": self.level, "results": {str(k): list(v) for k, v in self.results.items()}}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.level = int(state["level"])
-        for k, v in state["results"].items():
-            self.results[int(k)] = deque(v, maxlen=self.window)
-
-
-# -----------------------------------------------------------------------------
 # Feature deletion on real codebases: make cuts a tested feature out of a repo and records its oracle, verify
 # scores the agent's re-implementation with the oracle and the repo's own tests, scan and scrub keep the
 # deleted code from leaking, monitor flags trajectories that look for it, CodeEnv makes a task an RL episode.
-# Everything below up to the appendix is this family; the map is in the docstring.
+# Everything below up to the tool-use family is this family; the map is in the docstring.
 
 
 class TaskError(Exception):
@@ -1123,197 +803,6 @@ def verify(task_dir, workdir=None, patch=None, box=None, missing=None, verdicts=
     return 1, (f"all {len(task['fail_to_pass'])} fail-to-pass and {len(task['pass_to_pass'])} pass-to-pass "
                f"tests passed, canaries intact; "
                + (f"the oracle agrees on {len(oracle['calls'])} calls" if oracle["calls"] else "no oracle"))
-
-
-# -----------------------------------------------------------------------------
-# Strength: how much of the gold's behaviour the verifier pins down, measured by mutation (as mutmut and
-# cosmic-ray measure a test suite). A mutant is the gold with one small change inside a deleted definition: an
-# operator swapped, a comparison negated or moved by one, a constant nudged, a returned value dropped, a
-# statement dropped, a branch dropped or its condition negated. Each is verified once: one that scores 1
-# survives. Most mutants are wrong code, so a verifier that passes many is weaker than the gold's reward says;
-# the survivors are listed for a person to judge, since some behave exactly like the gold (an error message
-# nothing reads). The tests alone and the tests plus the oracle are judged in the same verify, so what the
-# oracle adds is measured too.
-
-STRENGTH_K = 12  # mutants a task; each is a verify of a few seconds
-
-SWAPPED = {ast.Add: [ast.Sub], ast.Sub: [ast.Add], ast.Mult: [ast.Div], ast.Div: [ast.Mult, ast.FloorDiv],
-           ast.FloorDiv: [ast.Div], ast.Mod: [ast.FloorDiv], ast.Pow: [ast.Mult], ast.MatMult: [ast.Mult],
-           ast.LShift: [ast.RShift], ast.RShift: [ast.LShift], ast.BitAnd: [ast.BitOr],
-           ast.BitOr: [ast.BitAnd], ast.BitXor: [ast.BitAnd], ast.And: [ast.Or], ast.Or: [ast.And]}
-NEGATED = {ast.Eq: ast.NotEq, ast.NotEq: ast.Eq, ast.Lt: ast.GtE, ast.GtE: ast.Lt, ast.Gt: ast.LtE,
-           ast.LtE: ast.Gt, ast.Is: ast.IsNot, ast.IsNot: ast.Is, ast.In: ast.NotIn, ast.NotIn: ast.In}
-OFF_BY_ONE = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt}
-
-
-def nudged(value):
-    """A constant changed as mutation testing changes it, or None (None, ..., complex: left alone)."""
-    if isinstance(value, bool):
-        return not value
-    if isinstance(value, int):
-        return {0: 1, 1: 0}.get(value, value + 1)
-    if isinstance(value, float):
-        return value + 1
-    if isinstance(value, (str, bytes)):
-        xx = "XX" if isinstance(value, str) else b"XX"
-        return xx + value + xx
-    return None
-
-
-def mutation_sites(fn):
-    """(node, replacement source, kind) for every single change to the code of fn. Its docstring, bare
-    strings, annotations, f-strings (whose parts have no reliable positions) and the constants of a raised
-    exception (its message: the verifier compares exception classes, as tests mostly do) are left alone."""
-    left = set()
-    for n in ast.walk(fn):
-        if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str):
-            left |= {id(n), id(n.value)}
-        if isinstance(n, ast.Raise) and n.exc is not None:
-            left |= {id(x) for x in ast.walk(n.exc) if isinstance(x, ast.Constant)}
-        for part in [n] if isinstance(n, ast.JoinedStr) else [getattr(n, "annotation", None),
-                                                              getattr(n, "returns", None)]:
-            left |= {id(x) for x in ast.walk(part)} if isinstance(part, ast.AST) else set()
-    sites = []
-
-    def put(node, new, kind):  # an expression in parentheses: it fits wherever the old one stood
-        sites.append((node, f"({ast.unparse(new)})" if isinstance(new, ast.AST) else new, kind))
-
-    def changed(node, **fields):
-        new = copy.copy(node)
-        for name, value in fields.items():
-            setattr(new, name, value)
-        return new
-
-    for stmt in code_body(fn):
-        for n in ast.walk(stmt):
-            if id(n) in left:
-                continue
-            for op in SWAPPED.get(type(getattr(n, "op", None)), []):  # binary, boolean, augmented
-                new = changed(n, op=op())
-                put(n, ast.unparse(new) if isinstance(n, ast.stmt) else new, "operator")
-            if isinstance(n, ast.UnaryOp) and not isinstance(n.op, ast.UAdd):
-                put(n, n.operand, "operator")
-            if isinstance(n, ast.Compare):
-                for i, op in enumerate(n.ops):
-                    for table in (NEGATED, OFF_BY_ONE):
-                        if type(op) in table:
-                            ops = [*n.ops[:i], table[type(op)](), *n.ops[i + 1:]]
-                            put(n, changed(n, ops=ops), "comparison")
-            if isinstance(n, ast.Constant) and nudged(n.value) is not None:
-                put(n, ast.Constant(nudged(n.value)), "constant")
-            if isinstance(n, ast.Return) and n.value is not None:
-                put(n.value, "None", "returned value dropped")
-            # `if not x` negated is the `not` dropped, and an if without else dropped is the statement dropped
-            if isinstance(n, (ast.If, ast.While, ast.IfExp)) and not (isinstance(n.test, ast.UnaryOp)
-                                                                       and isinstance(n.test.op, ast.Not)):
-                put(n.test, ast.UnaryOp(ast.Not(), n.test), "condition negated")
-            if isinstance(n, ast.If) and n.orelse:
-                put(n.test, "False", "branch dropped")
-                put(n.test, "True", "branch dropped")
-            # (an annotation alone, `x: int`, does nothing: dropping it is no mutant)
-            if isinstance(n, ast.stmt) and not isinstance(n, ast.Pass) \
-                    and not (isinstance(n, ast.AnnAssign) and n.value is None):
-                put(n, "pass", "statement dropped")
-    return sites
-
-
-def mutations(gold, deleted, k, seed=0):
-    """Up to k mutants of the deleted definitions (task.json's "deleted") in the gold tree, drawn by seed:
-    [(file, what changed, the mutated file's bytes)], each a valid parse whose tree differs from the
-    gold's."""
-    srcs = {e["file"]: Path(gold, e["file"]).read_bytes() for e in deleted}
-    trees = {rel: ast.dump(ast.parse(src)) for rel, src in srcs.items()}
-    sites = [(e, *site) for e in deleted
-             for site in mutation_sites(find_def(ast.parse(srcs[e["file"]]), e["qualname"]))]
-    random.Random(seed).shuffle(sites)
-    out, seen, short = [], set(), lambda t: t if len(t) <= 60 else t[:57] + "..."
-    for e, node, new, kind in sites:
-        rel, src = e["file"], srcs[e["file"]]
-        ls = line_starts(src)
-        a, b = ls[node.lineno - 1] + node.col_offset, ls[node.end_lineno - 1] + node.end_col_offset
-        data = apply_edits(src, [(a, b, new.encode())])
-        try:
-            same = ast.dump(ast.parse(data)) == trees[rel]
-        except (SyntaxError, ValueError):  # a pattern or target that takes no parentheses, say
-            continue
-        if same or data in seen:
-            continue
-        seen.add(data)
-        old = " ".join(src[a:b].decode("utf-8", "replace").split())
-        what = f"{rel}:{node.lineno} {e['qualname']}, {kind}: `{short(old)}` -> `{short(new)}`"
-        out.append((rel, what, data))
-        if len(out) == k:
-            break
-    return out
-
-
-def strength(task_dir, k=STRENGTH_K, box=None, seed=0, jobs=2, gold_s=None):
-    """The verifier's mutation score on a task: up to k mutants of the gold (mutations), each laid over the
-    snapshot and verified, jobs at a time; written into task.json as "strength" and returned: {mutants,
-    killed_by_tests, killed (by tests plus oracle: verify's reward 0), score_tests, score, seed, survivors:
-    [{mutant, diff}], missed_by_tests: [what changed]}. A mutant verify refuses before its tests run counts
-    as killed by both. The gold is verified first: a gold that fails here would make every mutant look
-    killed. Each mutant gets five times the gold's time, at least 30 s (a mutant may loop forever). gold_s:
-    the seconds the gold's verify took, where the caller (make) has just verified it: not verified again."""
-    task_dir = Path(task_dir)
-    if not (task_dir / "task.json").is_file():
-        raise TaskError(f"no task at {task_dir}: "
-                        + ("it has no task.json" if task_dir.is_dir() else "no such folder"))
-    if k < 1 or jobs < 1:
-        raise TaskError(f"--k and --jobs must be >= 1, got {k} and {jobs}")
-    task = json.loads((task_dir / "task.json").read_text())
-    box = box or Sandbox(python=task.get("python", sys.executable), timeout=600)
-    with scratch() as tmp:
-        gold = Path(tmp, "gold")
-        if (error := patched(task_dir / "repo", task_dir / "gold.patch", gold)) is not None:
-            raise TaskError(f"{task_dir / 'gold.patch'} does not apply: {error}")
-        if gold_s is None:
-            t0 = time.time()
-            reward, why = verify(task_dir, workdir=gold, box=box)
-            if reward != 1:
-                raise TaskError(f"the gold of {task_dir} scores 0 here (a mutant's 0 would mean nothing): "
-                                f"{why}")
-            gold_s = time.time() - t0
-        box = dataclasses.replace(box, timeout=int(min(box.timeout, max(30, 5 * gold_s))))
-        found = mutations(gold, task["deleted"], k, seed)
-
-        def judge(mutant):  # (reward, the tests' reason for 0 or None)
-            rel, _, data = mutant
-            with scratch() as mine:
-                shutil.copytree(gold, Path(mine, "m"), symlinks=True)
-                Path(mine, "m", rel).write_bytes(data)
-                verdicts = {}
-                reward, why = verify(task_dir, workdir=Path(mine, "m"), box=box, verdicts=verdicts)
-            return reward, verdicts.get("tests", why)
-        with stoppable(jobs) as pool:
-            judged = list(pool.map(judge, found))
-        gold_src = {rel: Path(gold, rel).read_bytes().decode("utf-8", "replace") for rel, _, _ in found}
-    n, survivors = len(found), []
-    for (rel, what, data), (reward, _) in zip(found, judged):
-        if reward == 1:
-            diff = difflib.unified_diff(gold_src[rel].splitlines(keepends=True),
-                                        data.decode("utf-8", "replace").splitlines(keepends=True),
-                                        f"a/{rel}", f"b/{rel}")
-            survivors.append({"mutant": what, "diff": "".join(diff)})
-    a, b = sum(tests is not None for _, tests in judged), sum(reward == 0 for reward, _ in judged)
-    result = {"mutants": n, "killed_by_tests": a, "killed": b, "score_tests": a / n if n else 0.0,
-              "score": b / n if n else 0.0, "seed": seed, "survivors": survivors,
-              "missed_by_tests": [what for (_, what, _), (_, tests) in zip(found, judged) if tests is None]}
-    task = json.loads((task_dir / "task.json").read_text())  # as it is now: only "strength" changes
-    task["strength"] = result
-    temp = task_dir / f".task.json.{secrets.token_hex(4)}"
-    temp.write_text(json.dumps(task, indent=1))
-    os.replace(temp, task_dir / "task.json")  # a reader sees the old task.json or the new, never half of one
-    return result
-
-
-def strength_lines(tid, s):
-    """What `strength` prints for a task: its figures, then each survivor."""
-    n = s["mutants"]
-    share = lambda x: f"{x} ({x / n:.0%})" if n else "0"
-    return "\n".join([f"{tid}: {n} mutants, killed by the tests alone {share(s['killed_by_tests'])}, by "
-                      f"tests and oracle {share(s['killed'])}; survivors {len(s['survivors'])}"]
-                     + [f"  survives: {x['mutant']}" for x in s["survivors"]])
 
 
 # -----------------------------------------------------------------------------
@@ -2403,6 +1892,197 @@ def record_calls(root, feats, box, select=None):
 
 
 # -----------------------------------------------------------------------------
+# Strength: how much of the gold's behaviour the verifier pins down, measured by mutation (as mutmut and
+# cosmic-ray measure a test suite). A mutant is the gold with one small change inside a deleted definition: an
+# operator swapped, a comparison negated or moved by one, a constant nudged, a returned value dropped, a
+# statement dropped, a branch dropped or its condition negated. Each is verified once: one that scores 1
+# survives. Most mutants are wrong code, so a verifier that passes many is weaker than the gold's reward says;
+# the survivors are listed for a person to judge, since some behave exactly like the gold (an error message
+# nothing reads). The tests alone and the tests plus the oracle are judged in the same verify, so what the
+# oracle adds is measured too.
+
+STRENGTH_K = 12  # mutants a task; each is a verify of a few seconds
+
+SWAPPED = {ast.Add: [ast.Sub], ast.Sub: [ast.Add], ast.Mult: [ast.Div], ast.Div: [ast.Mult, ast.FloorDiv],
+           ast.FloorDiv: [ast.Div], ast.Mod: [ast.FloorDiv], ast.Pow: [ast.Mult], ast.MatMult: [ast.Mult],
+           ast.LShift: [ast.RShift], ast.RShift: [ast.LShift], ast.BitAnd: [ast.BitOr],
+           ast.BitOr: [ast.BitAnd], ast.BitXor: [ast.BitAnd], ast.And: [ast.Or], ast.Or: [ast.And]}
+NEGATED = {ast.Eq: ast.NotEq, ast.NotEq: ast.Eq, ast.Lt: ast.GtE, ast.GtE: ast.Lt, ast.Gt: ast.LtE,
+           ast.LtE: ast.Gt, ast.Is: ast.IsNot, ast.IsNot: ast.Is, ast.In: ast.NotIn, ast.NotIn: ast.In}
+OFF_BY_ONE = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt}
+
+
+def nudged(value):
+    """A constant changed as mutation testing changes it, or None (None, ..., complex: left alone)."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return {0: 1, 1: 0}.get(value, value + 1)
+    if isinstance(value, float):
+        return value + 1
+    if isinstance(value, (str, bytes)):
+        xx = "XX" if isinstance(value, str) else b"XX"
+        return xx + value + xx
+    return None
+
+
+def mutation_sites(fn):
+    """(node, replacement source, kind) for every single change to the code of fn. Its docstring, bare
+    strings, annotations, f-strings (whose parts have no reliable positions) and the constants of a raised
+    exception (its message: the verifier compares exception classes, as tests mostly do) are left alone."""
+    left = set()
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str):
+            left |= {id(n), id(n.value)}
+        if isinstance(n, ast.Raise) and n.exc is not None:
+            left |= {id(x) for x in ast.walk(n.exc) if isinstance(x, ast.Constant)}
+        for part in [n] if isinstance(n, ast.JoinedStr) else [getattr(n, "annotation", None),
+                                                              getattr(n, "returns", None)]:
+            left |= {id(x) for x in ast.walk(part)} if isinstance(part, ast.AST) else set()
+    sites = []
+
+    def put(node, new, kind):  # an expression in parentheses: it fits wherever the old one stood
+        sites.append((node, f"({ast.unparse(new)})" if isinstance(new, ast.AST) else new, kind))
+
+    def changed(node, **fields):
+        new = copy.copy(node)
+        for name, value in fields.items():
+            setattr(new, name, value)
+        return new
+
+    for stmt in code_body(fn):
+        for n in ast.walk(stmt):
+            if id(n) in left:
+                continue
+            for op in SWAPPED.get(type(getattr(n, "op", None)), []):  # binary, boolean, augmented
+                new = changed(n, op=op())
+                put(n, ast.unparse(new) if isinstance(n, ast.stmt) else new, "operator")
+            if isinstance(n, ast.UnaryOp) and not isinstance(n.op, ast.UAdd):
+                put(n, n.operand, "operator")
+            if isinstance(n, ast.Compare):
+                for i, op in enumerate(n.ops):
+                    for table in (NEGATED, OFF_BY_ONE):
+                        if type(op) in table:
+                            ops = [*n.ops[:i], table[type(op)](), *n.ops[i + 1:]]
+                            put(n, changed(n, ops=ops), "comparison")
+            if isinstance(n, ast.Constant) and nudged(n.value) is not None:
+                put(n, ast.Constant(nudged(n.value)), "constant")
+            if isinstance(n, ast.Return) and n.value is not None:
+                put(n.value, "None", "returned value dropped")
+            # `if not x` negated is the `not` dropped, and an if without else dropped is the statement dropped
+            if isinstance(n, (ast.If, ast.While, ast.IfExp)) and not (isinstance(n.test, ast.UnaryOp)
+                                                                       and isinstance(n.test.op, ast.Not)):
+                put(n.test, ast.UnaryOp(ast.Not(), n.test), "condition negated")
+            if isinstance(n, ast.If) and n.orelse:
+                put(n.test, "False", "branch dropped")
+                put(n.test, "True", "branch dropped")
+            # (an annotation alone, `x: int`, does nothing: dropping it is no mutant)
+            if isinstance(n, ast.stmt) and not isinstance(n, ast.Pass) \
+                    and not (isinstance(n, ast.AnnAssign) and n.value is None):
+                put(n, "pass", "statement dropped")
+    return sites
+
+
+def mutations(gold, deleted, k, seed=0):
+    """Up to k mutants of the deleted definitions (task.json's "deleted") in the gold tree, drawn by seed:
+    [(file, what changed, the mutated file's bytes)], each a valid parse whose tree differs from the
+    gold's."""
+    srcs = {e["file"]: Path(gold, e["file"]).read_bytes() for e in deleted}
+    trees = {rel: ast.dump(ast.parse(src)) for rel, src in srcs.items()}
+    sites = [(e, *site) for e in deleted
+             for site in mutation_sites(find_def(ast.parse(srcs[e["file"]]), e["qualname"]))]
+    random.Random(seed).shuffle(sites)
+    out, seen, short = [], set(), lambda t: t if len(t) <= 60 else t[:57] + "..."
+    for e, node, new, kind in sites:
+        rel, src = e["file"], srcs[e["file"]]
+        ls = line_starts(src)
+        a, b = ls[node.lineno - 1] + node.col_offset, ls[node.end_lineno - 1] + node.end_col_offset
+        data = apply_edits(src, [(a, b, new.encode())])
+        try:
+            same = ast.dump(ast.parse(data)) == trees[rel]
+        except (SyntaxError, ValueError):  # a pattern or target that takes no parentheses, say
+            continue
+        if same or data in seen:
+            continue
+        seen.add(data)
+        old = " ".join(src[a:b].decode("utf-8", "replace").split())
+        what = f"{rel}:{node.lineno} {e['qualname']}, {kind}: `{short(old)}` -> `{short(new)}`"
+        out.append((rel, what, data))
+        if len(out) == k:
+            break
+    return out
+
+
+def strength(task_dir, k=STRENGTH_K, box=None, seed=0, jobs=2, gold_s=None):
+    """The verifier's mutation score on a task: up to k mutants of the gold (mutations), each laid over the
+    snapshot and verified, jobs at a time; written into task.json as "strength" and returned: {mutants,
+    killed_by_tests, killed (by tests plus oracle: verify's reward 0), score_tests, score, seed, survivors:
+    [{mutant, diff}], missed_by_tests: [what changed]}. A mutant verify refuses before its tests run counts
+    as killed by both. The gold is verified first: a gold that fails here would make every mutant look
+    killed. Each mutant gets five times the gold's time, at least 30 s (a mutant may loop forever). gold_s:
+    the seconds the gold's verify took, where the caller (make) has just verified it: not verified again."""
+    task_dir = Path(task_dir)
+    if not (task_dir / "task.json").is_file():
+        raise TaskError(f"no task at {task_dir}: "
+                        + ("it has no task.json" if task_dir.is_dir() else "no such folder"))
+    if k < 1 or jobs < 1:
+        raise TaskError(f"--k and --jobs must be >= 1, got {k} and {jobs}")
+    task = json.loads((task_dir / "task.json").read_text())
+    box = box or Sandbox(python=task.get("python", sys.executable), timeout=600)
+    with scratch() as tmp:
+        gold = Path(tmp, "gold")
+        if (error := patched(task_dir / "repo", task_dir / "gold.patch", gold)) is not None:
+            raise TaskError(f"{task_dir / 'gold.patch'} does not apply: {error}")
+        if gold_s is None:
+            t0 = time.time()
+            reward, why = verify(task_dir, workdir=gold, box=box)
+            if reward != 1:
+                raise TaskError(f"the gold of {task_dir} scores 0 here (a mutant's 0 would mean nothing): "
+                                f"{why}")
+            gold_s = time.time() - t0
+        box = dataclasses.replace(box, timeout=int(min(box.timeout, max(30, 5 * gold_s))))
+        found = mutations(gold, task["deleted"], k, seed)
+
+        def judge(mutant):  # (reward, the tests' reason for 0 or None)
+            rel, _, data = mutant
+            with scratch() as mine:
+                shutil.copytree(gold, Path(mine, "m"), symlinks=True)
+                Path(mine, "m", rel).write_bytes(data)
+                verdicts = {}
+                reward, why = verify(task_dir, workdir=Path(mine, "m"), box=box, verdicts=verdicts)
+            return reward, verdicts.get("tests", why)
+        with stoppable(jobs) as pool:
+            judged = list(pool.map(judge, found))
+        gold_src = {rel: Path(gold, rel).read_bytes().decode("utf-8", "replace") for rel, _, _ in found}
+    n, survivors = len(found), []
+    for (rel, what, data), (reward, _) in zip(found, judged):
+        if reward == 1:
+            diff = difflib.unified_diff(gold_src[rel].splitlines(keepends=True),
+                                        data.decode("utf-8", "replace").splitlines(keepends=True),
+                                        f"a/{rel}", f"b/{rel}")
+            survivors.append({"mutant": what, "diff": "".join(diff)})
+    a, b = sum(tests is not None for _, tests in judged), sum(reward == 0 for reward, _ in judged)
+    result = {"mutants": n, "killed_by_tests": a, "killed": b, "score_tests": a / n if n else 0.0,
+              "score": b / n if n else 0.0, "seed": seed, "survivors": survivors,
+              "missed_by_tests": [what for (_, what, _), (_, tests) in zip(found, judged) if tests is None]}
+    task = json.loads((task_dir / "task.json").read_text())  # as it is now: only "strength" changes
+    task["strength"] = result
+    temp = task_dir / f".task.json.{secrets.token_hex(4)}"
+    temp.write_text(json.dumps(task, indent=1))
+    os.replace(temp, task_dir / "task.json")  # a reader sees the old task.json or the new, never half of one
+    return result
+
+
+def strength_lines(tid, s):
+    """What `strength` prints for a task: its figures, then each survivor."""
+    n = s["mutants"]
+    share = lambda x: f"{x} ({x / n:.0%})" if n else "0"
+    return "\n".join([f"{tid}: {n} mutants, killed by the tests alone {share(s['killed_by_tests'])}, by "
+                      f"tests and oracle {share(s['killed'])}; survivors {len(s['survivors'])}"]
+                     + [f"  survives: {x['mutant']}" for x in s["survivors"]])
+
+
+# -----------------------------------------------------------------------------
 # Fingerprints of the deleted code: what the scanner looks for in every leak source.
 
 def ast_hash(node):
@@ -2856,6 +2536,25 @@ def read_trajectory(path):
                 raise TaskError(f"{path} line {i + 1}: need an object with action bash, read or edit")
             steps.append(s)
     return steps
+
+
+# -----------------------------------------------------------------------------
+# The interface a trainer drives: the opening turns, a step that maps the model's text to the environment's
+# reply, and a verified reward once the episode is done. CodeEnv implements it with verify as the reward, and
+# so does the tool-use family (further down).
+
+Turn = tuple[str, str]  # (role, text), role in {"user", "assistant", "tool", "system"}
+
+
+class Env(Protocol):
+    def first_turns(self) -> list[Turn]: ...
+    def step(self, assistant_text: str) -> tuple[Optional[str], bool]: ...  # (reply or None, done)
+    def reward(self) -> float: ...
+
+
+def render(turns: list[Turn]) -> str:
+    # The exact strings of model.SPECIALS; the tokenizer maps each to a single token.
+    return "".join(f"<|{role}|>{text}<|end|>" for role, text in turns)
 
 
 # -----------------------------------------------------------------------------
@@ -3653,177 +3352,305 @@ class TaskPool:
 
 
 # -----------------------------------------------------------------------------
-# Survey: make tasks from packages nobody here chose, as a user would. For each package spec: its sdist from
-# the package index, unpacked into a git repository, `env`, `make --n N`, then verify of each task's gold
-# patch (1 expected) and of its untouched snapshot (0 expected); one row per package, with the one-line reason
-# of whatever failed. SURVEY_PACKAGES is the list `survey --draw K --seed S` draws from.
+# Tools: tiny deterministic functions. Values stay in 0..99 so every number is at most two bytes.
 
-# 248 popular pure-Python projects (in the index's top 10,000 by downloads) whose newest sdist ships a tests/
-# or test/ folder of at least 5 test files, needs no compiler and admits Python 3.11, each at that release;
-# projects whose tests need the network, a database server or a heavy stack (numpy, Django) left out
-SURVEY_PACKAGES = tuple("""
-aiofiles==25.1.0 aiostream==0.8.1 aniso8601==10.0.1 anyio==4.16.0 anytree==2.13.0 argh==0.31.3
-Arpeggio==2.0.3 arrow==1.4.0 asgiref==3.13.0 astral==3.2 astroid==4.3.4 asttokens==3.0.2
-async-lru==2.4.0 attrs==26.1.0 babel==2.19.0 bandit==1.9.4 beautifulsoup4==4.15.0
-better-exceptions==0.3.3 bibtexparser==2.1.0 bigtree==1.5.3 bitmath==2.1.1 bleach==6.4.0 blessed==1.52.0
-boltons==26.2.0 bottle==0.13.4 cachetools==8.0.2 cattrs==26.2.1 Chameleon==4.6.0 cheroot==11.1.2
-click==8.5.1 click-repl==0.4.1 clize==5.0.2 cloup==4.0.0 cmd2==4.3.1 colorama==0.4.6 colorlog==6.12.0
-commentjson==0.9.0 confuse==2.3.0 construct==2.10.70 convertdate==2.5.1 cron-descriptor==2.2.1
-croniter==7.0.0 cssutils==2.15.0 DataProperty==1.1.1 dateparser==1.5.0 deepmerge==4.0.0 dill==0.4.1
-dirty-equals==0.11 docstring-parser==0.18.0 docstring-to-markdown==0.17 docutils==0.23 doit==0.37.0
-dominate==2.9.1 dpath==2.2.0 elementpath==5.1.4 emoji==2.16.0 exceptiongroup==1.3.2 factory-boy==3.3.3
-Faker==40.63.0 fasteners==0.20 fastjsonschema==2.22.3 feedgen==1.0.0 filelock==4.3.1 fixtures==4.3.2
-Flask==3.1.3 flask-cors==6.0.5 Flask-WTF==1.3.0 freezegun==1.5.5 ftfy==6.3.1 funcy==2.1 gast==0.7.0
-geojson==3.3.0 glom==25.12.0 graphviz==0.21 gunicorn==27.0.1 h11==0.16.0 h2==4.4.1 haversine==2.9.0
-hjson==3.1.0 hpack==4.2.0 html5lib==1.1 httpcore==1.0.9 humanize==4.17.0 Hypercorn==0.18.0
-hyperlink==21.0.0 icalendar==7.3.2 idna==3.20 importlib-metadata==10.2.0 importlib-resources==7.1.0
-inflect==7.6.0 iniparse==0.5.3 inline-snapshot==0.36.1 installer==1.1.0 intervaltree==3.2.1
-isodate==0.7.2 itsdangerous==2.2.0 jedi==0.20.1 Jinja2==3.1.6 jmespath==1.1.0 jsonpath-ng==1.16.0
-jsonpath-python==1.1.6 jsonpickle==4.1.4 jsonschema==4.26.0 jupyter-core==5.9.1 langcodes==3.5.1
-lark==1.3.1 Mako==1.4.3 mando==0.8.2 Markdown==3.11.3 markdown-it-py==4.3.0 marko==2.2.4
-marshmallow==4.4.0 memory-profiler==0.61.0 mimesis==22.2.0 mistletoe==1.6.0 mistune==3.4.0 mpmath==1.4.1
-multipart==2.0.1 mutagen==1.48.1 nameparser==2.6.0 natsort==8.4.0 nbformat==5.11.1 netaddr==1.3.0
-nose2==0.16.0 num2words==0.5.14 oauthlib==4.0.1 overrides==7.7.0 packaging==26.4 parse==1.22.4
-parse-type==0.6.6 parsel==1.12.1 parso==0.8.7 passlib==1.7.4 Paste==3.10.1 PasteDeploy==3.1.0
-pathspec==1.1.1 pathvalidate==3.3.1 petl==1.7.30 pexpect==4.9.0 pkginfo==2.0 platformdirs==4.14.9
-plumbum==2.0.2 portion==2.6.3 prettytable==3.18.0 progressbar2==4.6.0 prompt_toolkit==3.0.53
-ptyprocess==0.7.0 pyasn1==0.6.5 pyasn1-modules==0.4.2 pycodestyle==2.15.0 pycparser==3.12 pydash==8.1.0
-pydot==4.0.1 pyelftools==0.33 pyexcel-io==0.6.8 pyfakefs==6.3.2 pyflakes==4.1.0 pygal==3.1.3
-Pygments==2.21.0 PyHamcrest==2.1.0 pyhocon==0.3.63 PyJWT==2.15.1 pykakasi==2.3.0
-pymdown-extensions==13.1.2 PyMeeus==0.5.12 Pympler==1.1 pyparsing==3.3.3 pyperf==2.11.0 pypinyin==0.55.0
-pyramid==2.1 pyrepl==0.11.5 pyserial==3.5 PySnooper==1.2.3 pystache==0.6.8 pytablewriter==1.2.1
-pyte==0.8.2 pytest-asyncio==1.5.0 pytest-benchmark==5.3.1 pytest_httpserver==1.2.1
-python-barcode==0.16.1 python-crontab==3.4.0 python-daemon==3.1.2 python-dateutil==4.0.0
-python-dotenv==1.2.4 python-slugify==9.2.0 python-statemachine==3.2.2 python-stdnum==2.2 pyxdg==0.28
-qrcode==8.2 radon==6.0.1 rarfile==4.5 referencing==0.37.0 requests-mock==1.12.1 responses==0.26.3
-rfc3986==2.0.0 rich-click==1.9.9 Routes==2.5.1 segno==1.6.6 semantic-version==2.10.0 semver==3.1.2
-Send2Trash==2.2.0 simple-parsing==0.1.9 simpleeval==1.0.8 soupsieve==4.1.3 sqids==0.5.2
-sqlitedict==2.1.0 sqlparse==0.6.1 structlog==26.1.0 svgwrite==1.1.9 syrupy==7.0.2 tabulate==0.10.0
-tblib==3.2.2 tenacity==9.2.1 testfixtures==12.4.0 testtools==2.9.1 tinydb==4.9.0 tomlkit==0.15.2
-toolz==1.2.0 towncrier==26.9.0 traitlets==5.16.1 transitions==0.9.3 Twiggy==0.5.1
-typed-argument-parser==1.12.0 typeguard==4.6.1 typepy==2.0.0 typer==0.29.2 uncertainties==3.2.3
-url-normalize==3.1.0 validators==0.36.0 varname==1.0.0 vulture==2.16 w3lib==2.5.0 waitress==3.0.2
-wcmatch==12.0.3 WebOb==1.8.11 websocket-client==1.9.2 WebTest==3.0.7 webvtt-py==0.6.0 Werkzeug==3.1.9
-wheel==0.48.0 Whoosh==2.7.4 workalendar==17.0.0 wsproto==1.3.2 WTForms==3.3.2 xlwt==1.3.0
-xmlschema==4.3.2 yamllint==1.38.0 yaspin==3.5.1
-""".split())
-INDEX = "https://pypi.org/pypi"
+TOOLS = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
+         "max": max, "min": min, "mod": lambda a, b: a % b}
+MAX_DIFFICULTY = 4
+# A call may open "Call" (a prose habit): the environment accepts it, a style guide wants "call". Same length,
+# same reply: the reward cannot see it at all (feedback.py's capital rule can).
+CALL = re.compile(r"([Cc])all ([a-z]{1,8})\((-?\d{1,6}),(-?\d{1,6})\)")  # bounded digits: no giant products
+ANSWER = re.compile(r"answer (-?\d{1,6})")
+MALFORMED = "error: malformed call. use: call TOOL(A,B), or answer N"
 
 
-def fetch_sdist(spec, dest):
-    """Download name==version's sdist from the package index into dest, checked against its SHA-256, and
-    unpack it (nothing outside dest, no links out, no special files): the unpacked folder."""
-    name, _, version = spec.partition("==")
-    if not name or not version:
-        raise TaskError(f"package spec {spec!r} is not name==version")
-    try:
-        with urllib.request.urlopen(f"{INDEX}/{name}/json", timeout=60) as r:
-            urls = json.load(r)["releases"][version]
-    except (OSError, ValueError, KeyError) as e:
-        raise TaskError(f"{spec}: the package index has no such release ({e})") from None
-    sdist = next((u for u in urls if u.get("packagetype") == "sdist"), None)
-    if sdist is None:
-        raise TaskError(f"{spec}: the release has no sdist (only wheels, which ship no tests)")
-    archive = Path(dest, sdist["filename"])
-    with urllib.request.urlopen(urllib.parse.urljoin(f"{INDEX}/{name}/json", sdist["url"]), timeout=300) as r:
-        archive.write_bytes(r.read())
-    if hashlib.sha256(archive.read_bytes()).hexdigest() != sdist["digests"]["sha256"]:
-        raise TaskError(f"{spec}: {archive.name} does not match the index's SHA-256")
-    src = Path(dest, "src")
-    if archive.name.endswith(".zip"):
-        with zipfile.ZipFile(archive) as z:
-            for m in z.infolist():
-                if not m.is_dir() and ".." not in Path(m.filename).parts and not m.filename.startswith("/"):
-                    Path(src, m.filename).parent.mkdir(parents=True, exist_ok=True)
-                    Path(src, m.filename).write_bytes(z.read(m))
-    else:
-        with tarfile.open(archive) as tf:
-            tf.extractall(src, filter="data")
-    tops = list(src.iterdir())
-    return tops[0] if len(tops) == 1 and tops[0].is_dir() else src
+def not_found(name: str, tools: list[str]) -> str:
+    return f"error: tool not found: {name}. available tools: {', '.join(tools)}"
 
 
-def survey_one(spec, root, n, timeout, isolate):
-    """One package through download, env, make and verify: its row (a dict), its log in root/spec/log.txt."""
-    d = Path(root, spec.replace("==", "-"))
-    shutil.rmtree(d, ignore_errors=True)
-    d.mkdir(parents=True)
-    row = {"package": spec, "tests": None, "env_s": None, "make_s": None, "made": 0, "tried": 0, "gold": [],
-           "untouched": [], "executed": None, "strength": [], "served": 0, "why": ""}
-    with open(d / "log.txt", "w", buffering=1) as f:
-        def log(line):
-            f.write(line + "\n")
-        try:
-            repo = fetch_sdist(spec, d)
-            fresh_git(repo)
-            t0 = time.time()
-            python = make_env(repo, d / "venv", isolate, log=log)
-            row["env_s"], t0, stats = time.time() - t0, time.time(), {}
-            box = Sandbox(python, isolate, timeout)
-            made = make(repo, d / "tasks", n=n, box=box, log=log, stats=stats, strength_k=STRENGTH_K)
-            row.update(make_s=time.time() - t0, made=len(made), tests=stats.get("tests"),
-                       tried=stats.get("tried"), executed=stats.get("executed"))
-            for t in made:
-                tdir = d / "tasks" / t["id"]
-                for key, kw in (("gold", {"patch": tdir / "gold.patch"}),
-                                ("untouched", {"workdir": tdir / "repo"})):
-                    reward, why = verify(tdir, box=box, **kw)
-                    row[key].append(reward)
-                    log(f"verify {key} {t['id']}: reward {reward}: {why}")
-                st = t.get("strength", {})
-                row["strength"].append([st.get("score_tests"), st.get("score")])
-            row["served"] = len(served(d / "tasks")) if made else 0
-            if len(made) < n:
-                row["why"] = (collections.Counter(stats["reasons"]).most_common(1)[0][0] if stats["reasons"]
-                              else f"only {stats['candidates']} candidate features (functions reached by 1.."
-                                   f"{stats['limit']} tests, not run at import)")
-        except TaskError as e:
-            row["why"] = str(e)
-        except Exception as e:  # a row, not a crash of the whole survey: the traceback is in the log
-            log(traceback.format_exc())
-            row["why"] = f"{type(e).__name__}: {e}"
-        log(json.dumps(row))
-    return row
+@dataclass
+class ToolTask:
+    question: str                          # the first user turn: offered tools and the expression
+    tools: list[str]                       # offered this episode, in TOOLS order (never all six)
+    answer: int
+    difficulty: int                        # number of tool calls the gold plan needs
+    plan: list[tuple[str, int, int]]       # the gold calls, innermost first: (tool, a, b)
 
 
-def valid_tasks(row):
-    return sum(g == 1 and u == 0 for g, u in zip(row["gold"], row["untouched"]))
+def make_tool_task(rng: random.Random, difficulty: int) -> ToolTask:
+    if not 1 <= difficulty <= MAX_DIFFICULTY:
+        raise ValueError(f"difficulty must be in 1..{MAX_DIFFICULTY}, got {difficulty}")
+    value = rng.randint(1, 9)
+    expr, plan = str(value), []
+    while len(plan) < difficulty:
+        name, leaf = rng.choice(list(TOOLS)), rng.randint(1, 9)
+        # The running value goes left or right, so the model must find the innermost call, not just read left
+        # to right.
+        a, b, ea, eb = ((value, leaf, expr, str(leaf)) if rng.random() < 0.5
+                        else (leaf, value, str(leaf), expr))
+        if name == "mod" and b < 2:
+            continue  # no division by zero, and mod 1 is a constant that ignores the chain
+        result = TOOLS[name](a, b)
+        if not 0 <= result <= 99:
+            continue  # redraw: short numbers keep an episode inside the tiny model's context
+        plan.append((name, a, b))
+        value, expr = result, f"{name}({ea},{eb})"
+    needed = {name for name, _, _ in plan}
+    # Offer the needed tools plus distractors, difficulty + 1 in all, at most 5 of 6: some tool is always
+    # absent.
+    extras = rng.sample(sorted(set(TOOLS) - needed),
+                        max(0, min(difficulty + 1, len(TOOLS) - 1) - len(needed)))
+    tools = [t for t in TOOLS if t in needed or t in extras]
+    return ToolTask(f"tools: {', '.join(tools)}. compute {expr}", tools, value, difficulty, plan)
 
 
-def survey_line(r):
-    valid = valid_tasks(r)
-    num = (lambda x, f: "-" if x is None else f % x)
-    score = lambda x: "-" if x is None else f"{100 * x:.0f}"
-    killed = " ".join(f"{score(a)}/{score(b)}" for a, b in r.get("strength", [])) or "-"
-    return (f"{r['package']:<32} {num(r['tests'], '%6d'):>6} {num(r['env_s'], '%5.0f'):>5} "
-            f"{num(r['make_s'], '%6.0f'):>6} {r['made']:>2}/{r['tried'] or 0:<2} {valid:>5} "
-            f"{''.join(map(str, r['gold'])) or '-':>4} {''.join(map(str, r['untouched'])) or '-':>4} "
-            f"{num(r['executed'], '%7d'):>7} {killed:>23} {r.get('served', 0):>6}  {r['why']}")
+# -----------------------------------------------------------------------------
+# The tool-use environment: parses the model's message, runs the tool or reports the error, checks the answer.
 
 
-def survey(specs, root, n=3, jobs=2, timeout=300, isolate=True, log=print):
-    """Every spec through survey_one, up to jobs at once; prints a row as each finishes and the table at the
-    end. Returns the rows."""
-    Path(root).mkdir(parents=True, exist_ok=True)
-    head = (f"{'package':<32} {'tests':>6} {'env s':>5} {'make s':>6} made  valid gold untc   execs "
-            f"{'% killed: tests/+oracle':>23} served  why")
-    log(head)
-    with stoppable(jobs) as pool:
-        futs = [pool.submit(survey_one, spec, root, n, timeout, isolate) for spec in specs]
-        for fut in concurrent.futures.as_completed(futs):
-            log(survey_line(fut.result()))
-    rows = [f.result() for f in futs]
-    good = sum(valid_tasks(r) >= n for r in rows)
-    log("\n" + "\n".join([head, *map(survey_line, rows)]))
-    log(f"{good} of {len(rows)} packages gave {n} valid tasks (gold 1, untouched 0)")
-    scores = [x for r in rows for x in r["strength"] if None not in x]
-    if scores:
-        both, alone = (100 * statistics.median(x[i] for x in scores) for i in (1, 0))
-        log(f"mutants killed on the median task: {both:.0f}% by tests and oracle, {alone:.0f}% by the tests "
-            f"alone; "
-            f"{sum(r['served'] for r in rows)} of {sum(r['made'] for r in rows)} tasks made are served")
-    (Path(root) / "survey.json").write_text(json.dumps(rows, indent=1))
-    return rows
+class ToolEnv:
+    def __init__(self, task: ToolTask, max_turns: int = 6):
+        self.task, self.max_turns = task, max_turns
+        self.turns: list[Turn] = self.first_turns()  # the whole episode so far, for rendering a rollout
+        self.done, self.answer = False, None
+        self.tool_calls = self.tool_errors = self.malformed = 0  # well-formed calls; absent tools; unparsable
+        self.capital = 0  # calls that opened "Call" (accepted, neither rewarded nor punished)
+
+    def first_turns(self) -> list[Turn]:
+        return [("user", self.task.question)]
+
+    def step(self, assistant_text: str) -> tuple[Optional[str], bool]:
+        if self.done:
+            raise RuntimeError("step() after the episode ended")
+        self.turns.append(("assistant", assistant_text))
+        text = assistant_text.strip()
+        if m := ANSWER.fullmatch(text):
+            self.answer, self.done = int(m.group(1)), True
+            return None, True
+        if m := CALL.fullmatch(text):
+            self.tool_calls += 1
+            self.capital += m.group(1) == "C"
+            name, a, b = m.group(2), int(m.group(3)), int(m.group(4))
+            if name not in self.task.tools:
+                self.tool_errors += 1
+                reply = not_found(name, self.task.tools)
+            elif name == "mod" and b == 0:
+                reply = "error: mod by zero"
+            else:
+                reply = self.result(TOOLS[name](a, b))
+        else:
+            self.malformed += 1
+            reply = MALFORMED
+        self.turns.append(("tool", reply))
+        self.done = sum(role == "assistant" for role, _ in self.turns) >= self.max_turns
+        return reply, self.done
+
+    def result(self, value: int) -> str:
+        return str(value)
+
+    def reward(self) -> float:
+        # Outcome only: the verifier checks the final number; how the model got there is not scored.
+        return 1.0 if self.answer == self.task.answer else 0.0
+
+
+# -----------------------------------------------------------------------------
+# Long episodes: a chain of 8-32 calls (8 x difficulty) that the environment hands out one at a time, the
+# regime of the Composer 2.5 post's worked example. Each reply carries the result and the next instruction
+# (`19. next: mul 2`), so an episode runs past any small context budget and the policy must summarize to go on
+# (grpo.py). A call to an absent tool gets the error and the episode goes on: the policy makes the right call
+# next and the final answer is still right, so the reward barely sees the slip, and not at all a capital
+# "Call".
+
+CHAIN_LENGTH = 8  # calls a difficulty level
+
+
+def make_chain_task(rng: random.Random, difficulty: int) -> ToolTask:
+    """A chain over three of the six tools, the running value always the first argument."""
+    if not 1 <= difficulty <= MAX_DIFFICULTY:
+        raise ValueError(f"difficulty must be in 1..{MAX_DIFFICULTY}, got {difficulty}")
+    ops = rng.sample(list(TOOLS), 3)
+    value = start = rng.randint(1, 9)
+    plan: list[tuple[str, int, int]] = []
+    while len(plan) < CHAIN_LENGTH * difficulty:
+        name, k = rng.choice(ops), rng.randint(1, 9)
+        result = TOOLS[name](value, k)
+        if (name == "mod" and k < 2) or not 0 <= result <= 99:
+            continue  # as in make_tool_task: no mod 0 or 1, values stay two digits
+        plan.append((name, value, k))
+        value = result
+    tools = [t for t in TOOLS if t in {name for name, _, _ in plan}]
+    first = plan[0]
+    return ToolTask(f"tools: {', '.join(tools)}. start {start}, {len(plan)} steps. "
+                    f"next: {first[0]} {first[2]}",
+                    tools, value, difficulty, plan)
+
+
+class ChainEnv(ToolEnv):
+    """A ToolEnv whose successful calls advance the chain: the reply is the result and the next instruction.
+    The instruction is followed whatever the call was, as a worksheet would: only the final answer is
+    checked."""
+
+    def __init__(self, task: ToolTask):
+        # room for slips, their recoveries and retries
+        super().__init__(task, max_turns=3 * len(task.plan) + 4)
+        self.position = 0  # instructions done
+
+    def result(self, value: int) -> str:
+        self.position += 1
+        return chain_reply(self.task, self.position, value)
+
+
+def chain_reply(task: ToolTask, position: int, value: int) -> str:
+    if position >= len(task.plan):
+        return f"{value}. done"
+    name, _, k = task.plan[position]
+    return f"{value}. next: {name} {k}"
+
+
+# -----------------------------------------------------------------------------
+# Gold transcripts for pretraining: the format, the chaining of results, and (sometimes) an error and its
+# recovery.
+
+
+def reminder(tools: list[str]) -> str:
+    """The hint textual feedback inserts before a call to an absent tool (the seed's example), as a system
+    turn."""
+    return f"Reminder: Available tools: {', '.join(tools)}"
+
+
+# the hint for a malformed message
+FORMAT_REMINDER = "Reminder: reply with exactly 'call TOOL(A,B)' or 'answer N'."
+STYLE_REMINDER = "Style: write call in lower case."  # the hint for a "Call"
+
+
+def gold_transcript(task: ToolTask, rng: random.Random, p_mistake: float = 0.0, p_hint: float = 0.0,
+                    p_capital: float = 0.0) -> list[Turn]:
+    """The gold plan as turns. With p_mistake one call first reaches for an absent tool and recovers from the
+    error; with p_capital a call opens "Call" (a habit the reward cannot see); with p_hint a call is preceded
+    by one of the hints as a system turn, and a reminded call is always right (this is how the model learns
+    what a hint means, so that the hinted teacher of feedback.py is better)."""
+    absent = [t for t in TOOLS if t not in task.tools]
+    hints = [reminder(task.tools), FORMAT_REMINDER] + [STYLE_REMINDER] * (p_capital > 0)
+    slip = rng.randrange(len(task.plan)) if rng.random() < p_mistake else -1
+    turns = [("user", task.question)]
+    for i, (name, a, b) in enumerate(task.plan):
+        c = "C" if p_capital and rng.random() < p_capital else "c"
+        if i == slip:  # reach for an absent tool, read the error, then make the right call
+            wrong = rng.choice(absent)
+            turns += [("assistant", f"{c}all {wrong}({a},{b})"), ("tool", not_found(wrong, task.tools))]
+        if rng.random() < p_hint:
+            hint = rng.choice(hints)
+            c = "c" if hint == STYLE_REMINDER else c
+            turns += [("system", hint)]
+        turns += [("assistant", f"{c}all {name}({a},{b})"), ("tool", str(TOOLS[name](a, b)))]
+    return turns + [("assistant", f"answer {task.answer}")]
+
+
+def turn_length(turn: Turn) -> int:
+    """Tokens of a rendered turn: the role and <|end|> tokens plus one a byte (model.py's byte tokenizer)."""
+    return len(turn[1].encode()) + 2
+
+
+def chain_transcript(task: ToolTask, rng: random.Random, budget: int, request: str, p_slip: float = 0.1,
+                     p_capital: float = 0.3, p_hint: float = 0.1) -> list[list[Turn]]:
+    """A long episode done right, cut into the segments a rollout makes (grpo.rollout): once a segment passes
+    `budget` tokens after a reply, the user turn `request` asks for a summary, and the next segment starts
+    from the question and that summary (the current value and what is still to do). Habits the corpus teaches
+    and RL should remove: with p_slip a call first reaches for an absent tool (the error follows, then the
+    right call); with p_capital a call opens "Call". With p_hint a call is preceded by a hint as a system
+    turn: after the tools reminder a call never slips, after the style reminder it is lower case."""
+    absent = [t for t in TOOLS if t not in task.tools]
+    prompt = [("user", task.question)]
+    segments, turns = [], list(prompt)
+
+    def exchange(message, reply, value, todo):  # one call and its reply; a summary when the segment is full
+        nonlocal turns
+        turns += [("assistant", message), ("tool", reply)]
+        if sum(map(turn_length, turns)) > budget:
+            summary = f"value {value}. {todo}"
+            segments.append(turns + [("user", request), ("assistant", summary)])
+            turns = prompt + [("assistant", summary)]
+
+    for i, (name, a, b) in enumerate(task.plan):
+        hint = rng.choice([reminder(task.tools), STYLE_REMINDER]) if rng.random() < p_hint else None
+        if hint:
+            turns.append(("system", hint))
+        c = "C" if rng.random() < p_capital and hint != STYLE_REMINDER else "c"
+        if rng.random() < p_slip and hint is None:
+            wrong = rng.choice(absent)
+            exchange(f"{c}all {wrong}({a},{b})", not_found(wrong, task.tools), a, f"next: {name} {b}")
+        reply = chain_reply(task, i + 1, TOOLS[name](a, b))
+        exchange(f"{c}all {name}({a},{b})", reply, TOOLS[name](a, b), reply.split(". ", 1)[1])
+    return segments + [turns + [("assistant", f"answer {task.answer}")]]
+
+
+def corpus(n: int, seed: int, p_mistake: float = 0.2, p_hint: float = 0.2, p_capital: float = 0.3,
+           long_share: float = 0.0, budget: int = 224, request: str = "", code_share: float = 0.0,
+           code_budget: int = 384, family: str = "words") -> str:
+    """n gold transcripts: long_share of them chains of the tool-use family, code_share coding episodes on
+    micro-repositories of a family at levels 1-3 (code_transcript with CODE_HABITS; each segment one
+    document), the rest tool-use tasks."""
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(n):
+        if code_share and rng.random() < code_share:  # (no draw without: the tool-use corpus stays as it was)
+            docs += [render(seg) for seg in code_transcript(
+                rng, rng.randint(1, len(MICRO_LEVELS)), CODE_HABITS, code_budget, request, family)]
+        elif rng.random() < long_share:
+            task = make_chain_task(rng, rng.randint(1, MAX_DIFFICULTY))
+            docs += [render(seg) for seg in chain_transcript(task, rng, budget, request)]
+        else:
+            docs.append(render(gold_transcript(make_tool_task(rng, rng.randint(1, MAX_DIFFICULTY)), rng,
+                                               p_mistake, p_hint, p_capital)))
+    return "\n".join(docs)
+
+
+# -----------------------------------------------------------------------------
+# Dynamic difficulty: serve the hardest level the policy passes often enough, step back when it fails.
+
+
+class DifficultySampler:
+    def __init__(self, max_level: int = MAX_DIFFICULTY, window: int = 32, up: float = 0.8, down: float = 0.2,
+                 p_frontier: float = 0.75):
+        self.max_level, self.window, self.up, self.down, self.p_frontier = (
+            max_level, window, up, down, p_frontier)
+        self.level = 1  # the frontier
+        # recent rewards per level
+        self.results = {lvl: deque(maxlen=window) for lvl in range(1, max_level + 1)}
+
+    def pass_rate(self, level: int) -> Optional[float]:
+        r = self.results[level]
+        return sum(r) / len(r) if r else None
+
+    def sample(self, rng: random.Random) -> int:
+        # Mostly the frontier; sometimes an easier level, so solved skills keep being rehearsed.
+        if self.level == 1 or rng.random() < self.p_frontier:
+            return self.level
+        return rng.randint(1, self.level - 1)
+
+    def update(self, level: int, reward: float) -> None:
+        self.results[level].append(reward)
+        r = self.results[self.level]
+        if len(r) < self.window:
+            return  # judge a level only on a full window
+        rate = sum(r) / len(r)
+        if rate >= self.up and self.level < self.max_level:
+            self._move(self.level + 1)
+        elif rate < self.down and self.level > 1:
+            self._move(self.level - 1)
+
+    def _move(self, level: int) -> None:
+        self.level = level
+        # the new frontier earns its next move on fresh results, so no instant bounce
+        self.results[level].clear()
+
+    def state_dict(self) -> dict:
+        return {"level": self.level, "results": {str(k): list(v) for k, v in self.results.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.level = int(state["level"])
+        for k, v in state["results"].items():
+            self.results[int(k)] = deque(v, maxlen=self.window)
 
 
 # -----------------------------------------------------------------------------
@@ -4577,6 +4404,180 @@ def plugin_run(box, root, name, source, env, select=None, timeout=None):
         r = box.pytest(root, ["-p", name], path=[tmp], pass_fds=[fd.fileno()], select=select, timeout=timeout,
                        extra_env={**env, "FEATDEL_OUT": str(fd.fileno())})
         return r, tail(fd, box.disk) or None  # whole: a large trace is over 64 MiB; bounded by RLIMIT_FSIZE
+
+
+# -----------------------------------------------------------------------------
+# Survey: make tasks from packages nobody here chose, as a user would. For each package spec: its sdist from
+# the package index, unpacked into a git repository, `env`, `make --n N`, then verify of each task's gold
+# patch (1 expected) and of its untouched snapshot (0 expected); one row per package, with the one-line reason
+# of whatever failed. SURVEY_PACKAGES is the list `survey --draw K --seed S` draws from.
+
+# 248 popular pure-Python projects (in the index's top 10,000 by downloads) whose newest sdist ships a tests/
+# or test/ folder of at least 5 test files, needs no compiler and admits Python 3.11, each at that release;
+# projects whose tests need the network, a database server or a heavy stack (numpy, Django) left out
+SURVEY_PACKAGES = tuple("""
+aiofiles==25.1.0 aiostream==0.8.1 aniso8601==10.0.1 anyio==4.16.0 anytree==2.13.0 argh==0.31.3
+Arpeggio==2.0.3 arrow==1.4.0 asgiref==3.13.0 astral==3.2 astroid==4.3.4 asttokens==3.0.2
+async-lru==2.4.0 attrs==26.1.0 babel==2.19.0 bandit==1.9.4 beautifulsoup4==4.15.0
+better-exceptions==0.3.3 bibtexparser==2.1.0 bigtree==1.5.3 bitmath==2.1.1 bleach==6.4.0 blessed==1.52.0
+boltons==26.2.0 bottle==0.13.4 cachetools==8.0.2 cattrs==26.2.1 Chameleon==4.6.0 cheroot==11.1.2
+click==8.5.1 click-repl==0.4.1 clize==5.0.2 cloup==4.0.0 cmd2==4.3.1 colorama==0.4.6 colorlog==6.12.0
+commentjson==0.9.0 confuse==2.3.0 construct==2.10.70 convertdate==2.5.1 cron-descriptor==2.2.1
+croniter==7.0.0 cssutils==2.15.0 DataProperty==1.1.1 dateparser==1.5.0 deepmerge==4.0.0 dill==0.4.1
+dirty-equals==0.11 docstring-parser==0.18.0 docstring-to-markdown==0.17 docutils==0.23 doit==0.37.0
+dominate==2.9.1 dpath==2.2.0 elementpath==5.1.4 emoji==2.16.0 exceptiongroup==1.3.2 factory-boy==3.3.3
+Faker==40.63.0 fasteners==0.20 fastjsonschema==2.22.3 feedgen==1.0.0 filelock==4.3.1 fixtures==4.3.2
+Flask==3.1.3 flask-cors==6.0.5 Flask-WTF==1.3.0 freezegun==1.5.5 ftfy==6.3.1 funcy==2.1 gast==0.7.0
+geojson==3.3.0 glom==25.12.0 graphviz==0.21 gunicorn==27.0.1 h11==0.16.0 h2==4.4.1 haversine==2.9.0
+hjson==3.1.0 hpack==4.2.0 html5lib==1.1 httpcore==1.0.9 humanize==4.17.0 Hypercorn==0.18.0
+hyperlink==21.0.0 icalendar==7.3.2 idna==3.20 importlib-metadata==10.2.0 importlib-resources==7.1.0
+inflect==7.6.0 iniparse==0.5.3 inline-snapshot==0.36.1 installer==1.1.0 intervaltree==3.2.1
+isodate==0.7.2 itsdangerous==2.2.0 jedi==0.20.1 Jinja2==3.1.6 jmespath==1.1.0 jsonpath-ng==1.16.0
+jsonpath-python==1.1.6 jsonpickle==4.1.4 jsonschema==4.26.0 jupyter-core==5.9.1 langcodes==3.5.1
+lark==1.3.1 Mako==1.4.3 mando==0.8.2 Markdown==3.11.3 markdown-it-py==4.3.0 marko==2.2.4
+marshmallow==4.4.0 memory-profiler==0.61.0 mimesis==22.2.0 mistletoe==1.6.0 mistune==3.4.0 mpmath==1.4.1
+multipart==2.0.1 mutagen==1.48.1 nameparser==2.6.0 natsort==8.4.0 nbformat==5.11.1 netaddr==1.3.0
+nose2==0.16.0 num2words==0.5.14 oauthlib==4.0.1 overrides==7.7.0 packaging==26.4 parse==1.22.4
+parse-type==0.6.6 parsel==1.12.1 parso==0.8.7 passlib==1.7.4 Paste==3.10.1 PasteDeploy==3.1.0
+pathspec==1.1.1 pathvalidate==3.3.1 petl==1.7.30 pexpect==4.9.0 pkginfo==2.0 platformdirs==4.14.9
+plumbum==2.0.2 portion==2.6.3 prettytable==3.18.0 progressbar2==4.6.0 prompt_toolkit==3.0.53
+ptyprocess==0.7.0 pyasn1==0.6.5 pyasn1-modules==0.4.2 pycodestyle==2.15.0 pycparser==3.12 pydash==8.1.0
+pydot==4.0.1 pyelftools==0.33 pyexcel-io==0.6.8 pyfakefs==6.3.2 pyflakes==4.1.0 pygal==3.1.3
+Pygments==2.21.0 PyHamcrest==2.1.0 pyhocon==0.3.63 PyJWT==2.15.1 pykakasi==2.3.0
+pymdown-extensions==13.1.2 PyMeeus==0.5.12 Pympler==1.1 pyparsing==3.3.3 pyperf==2.11.0 pypinyin==0.55.0
+pyramid==2.1 pyrepl==0.11.5 pyserial==3.5 PySnooper==1.2.3 pystache==0.6.8 pytablewriter==1.2.1
+pyte==0.8.2 pytest-asyncio==1.5.0 pytest-benchmark==5.3.1 pytest_httpserver==1.2.1
+python-barcode==0.16.1 python-crontab==3.4.0 python-daemon==3.1.2 python-dateutil==4.0.0
+python-dotenv==1.2.4 python-slugify==9.2.0 python-statemachine==3.2.2 python-stdnum==2.2 pyxdg==0.28
+qrcode==8.2 radon==6.0.1 rarfile==4.5 referencing==0.37.0 requests-mock==1.12.1 responses==0.26.3
+rfc3986==2.0.0 rich-click==1.9.9 Routes==2.5.1 segno==1.6.6 semantic-version==2.10.0 semver==3.1.2
+Send2Trash==2.2.0 simple-parsing==0.1.9 simpleeval==1.0.8 soupsieve==4.1.3 sqids==0.5.2
+sqlitedict==2.1.0 sqlparse==0.6.1 structlog==26.1.0 svgwrite==1.1.9 syrupy==7.0.2 tabulate==0.10.0
+tblib==3.2.2 tenacity==9.2.1 testfixtures==12.4.0 testtools==2.9.1 tinydb==4.9.0 tomlkit==0.15.2
+toolz==1.2.0 towncrier==26.9.0 traitlets==5.16.1 transitions==0.9.3 Twiggy==0.5.1
+typed-argument-parser==1.12.0 typeguard==4.6.1 typepy==2.0.0 typer==0.29.2 uncertainties==3.2.3
+url-normalize==3.1.0 validators==0.36.0 varname==1.0.0 vulture==2.16 w3lib==2.5.0 waitress==3.0.2
+wcmatch==12.0.3 WebOb==1.8.11 websocket-client==1.9.2 WebTest==3.0.7 webvtt-py==0.6.0 Werkzeug==3.1.9
+wheel==0.48.0 Whoosh==2.7.4 workalendar==17.0.0 wsproto==1.3.2 WTForms==3.3.2 xlwt==1.3.0
+xmlschema==4.3.2 yamllint==1.38.0 yaspin==3.5.1
+""".split())
+INDEX = "https://pypi.org/pypi"
+
+
+def fetch_sdist(spec, dest):
+    """Download name==version's sdist from the package index into dest, checked against its SHA-256, and
+    unpack it (nothing outside dest, no links out, no special files): the unpacked folder."""
+    name, _, version = spec.partition("==")
+    if not name or not version:
+        raise TaskError(f"package spec {spec!r} is not name==version")
+    try:
+        with urllib.request.urlopen(f"{INDEX}/{name}/json", timeout=60) as r:
+            urls = json.load(r)["releases"][version]
+    except (OSError, ValueError, KeyError) as e:
+        raise TaskError(f"{spec}: the package index has no such release ({e})") from None
+    sdist = next((u for u in urls if u.get("packagetype") == "sdist"), None)
+    if sdist is None:
+        raise TaskError(f"{spec}: the release has no sdist (only wheels, which ship no tests)")
+    archive = Path(dest, sdist["filename"])
+    with urllib.request.urlopen(urllib.parse.urljoin(f"{INDEX}/{name}/json", sdist["url"]), timeout=300) as r:
+        archive.write_bytes(r.read())
+    if hashlib.sha256(archive.read_bytes()).hexdigest() != sdist["digests"]["sha256"]:
+        raise TaskError(f"{spec}: {archive.name} does not match the index's SHA-256")
+    src = Path(dest, "src")
+    if archive.name.endswith(".zip"):
+        with zipfile.ZipFile(archive) as z:
+            for m in z.infolist():
+                if not m.is_dir() and ".." not in Path(m.filename).parts and not m.filename.startswith("/"):
+                    Path(src, m.filename).parent.mkdir(parents=True, exist_ok=True)
+                    Path(src, m.filename).write_bytes(z.read(m))
+    else:
+        with tarfile.open(archive) as tf:
+            tf.extractall(src, filter="data")
+    tops = list(src.iterdir())
+    return tops[0] if len(tops) == 1 and tops[0].is_dir() else src
+
+
+def survey_one(spec, root, n, timeout, isolate):
+    """One package through download, env, make and verify: its row (a dict), its log in root/spec/log.txt."""
+    d = Path(root, spec.replace("==", "-"))
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    row = {"package": spec, "tests": None, "env_s": None, "make_s": None, "made": 0, "tried": 0, "gold": [],
+           "untouched": [], "executed": None, "strength": [], "served": 0, "why": ""}
+    with open(d / "log.txt", "w", buffering=1) as f:
+        def log(line):
+            f.write(line + "\n")
+        try:
+            repo = fetch_sdist(spec, d)
+            fresh_git(repo)
+            t0 = time.time()
+            python = make_env(repo, d / "venv", isolate, log=log)
+            row["env_s"], t0, stats = time.time() - t0, time.time(), {}
+            box = Sandbox(python, isolate, timeout)
+            made = make(repo, d / "tasks", n=n, box=box, log=log, stats=stats, strength_k=STRENGTH_K)
+            row.update(make_s=time.time() - t0, made=len(made), tests=stats.get("tests"),
+                       tried=stats.get("tried"), executed=stats.get("executed"))
+            for t in made:
+                tdir = d / "tasks" / t["id"]
+                for key, kw in (("gold", {"patch": tdir / "gold.patch"}),
+                                ("untouched", {"workdir": tdir / "repo"})):
+                    reward, why = verify(tdir, box=box, **kw)
+                    row[key].append(reward)
+                    log(f"verify {key} {t['id']}: reward {reward}: {why}")
+                st = t.get("strength", {})
+                row["strength"].append([st.get("score_tests"), st.get("score")])
+            row["served"] = len(served(d / "tasks")) if made else 0
+            if len(made) < n:
+                row["why"] = (collections.Counter(stats["reasons"]).most_common(1)[0][0] if stats["reasons"]
+                              else f"only {stats['candidates']} candidate features (functions reached by 1.."
+                                   f"{stats['limit']} tests, not run at import)")
+        except TaskError as e:
+            row["why"] = str(e)
+        except Exception as e:  # a row, not a crash of the whole survey: the traceback is in the log
+            log(traceback.format_exc())
+            row["why"] = f"{type(e).__name__}: {e}"
+        log(json.dumps(row))
+    return row
+
+
+def valid_tasks(row):
+    return sum(g == 1 and u == 0 for g, u in zip(row["gold"], row["untouched"]))
+
+
+def survey_line(r):
+    valid = valid_tasks(r)
+    num = (lambda x, f: "-" if x is None else f % x)
+    score = lambda x: "-" if x is None else f"{100 * x:.0f}"
+    killed = " ".join(f"{score(a)}/{score(b)}" for a, b in r.get("strength", [])) or "-"
+    return (f"{r['package']:<32} {num(r['tests'], '%6d'):>6} {num(r['env_s'], '%5.0f'):>5} "
+            f"{num(r['make_s'], '%6.0f'):>6} {r['made']:>2}/{r['tried'] or 0:<2} {valid:>5} "
+            f"{''.join(map(str, r['gold'])) or '-':>4} {''.join(map(str, r['untouched'])) or '-':>4} "
+            f"{num(r['executed'], '%7d'):>7} {killed:>23} {r.get('served', 0):>6}  {r['why']}")
+
+
+def survey(specs, root, n=3, jobs=2, timeout=300, isolate=True, log=print):
+    """Every spec through survey_one, up to jobs at once; prints a row as each finishes and the table at the
+    end. Returns the rows."""
+    Path(root).mkdir(parents=True, exist_ok=True)
+    head = (f"{'package':<32} {'tests':>6} {'env s':>5} {'make s':>6} made  valid gold untc   execs "
+            f"{'% killed: tests/+oracle':>23} served  why")
+    log(head)
+    with stoppable(jobs) as pool:
+        futs = [pool.submit(survey_one, spec, root, n, timeout, isolate) for spec in specs]
+        for fut in concurrent.futures.as_completed(futs):
+            log(survey_line(fut.result()))
+    rows = [f.result() for f in futs]
+    good = sum(valid_tasks(r) >= n for r in rows)
+    log("\n" + "\n".join([head, *map(survey_line, rows)]))
+    log(f"{good} of {len(rows)} packages gave {n} valid tasks (gold 1, untouched 0)")
+    scores = [x for r in rows for x in r["strength"] if None not in x]
+    if scores:
+        both, alone = (100 * statistics.median(x[i] for x in scores) for i in (1, 0))
+        log(f"mutants killed on the median task: {both:.0f}% by tests and oracle, {alone:.0f}% by the tests "
+            f"alone; "
+            f"{sum(r['served'] for r in rows)} of {sum(r['made'] for r in rows)} tasks made are served")
+    (Path(root) / "survey.json").write_text(json.dumps(rows, indent=1))
+    return rows
 
 
 # -----------------------------------------------------------------------------
