@@ -24,6 +24,7 @@ The map, in file order:
     Make           make: baseline, map, pick, delete, validate, scrub, scan, record the oracle, write a task
     Splicing       delete_edit: byte ranges that delete a feature (stub or remove), the rest byte-identical
     Verify         verify: the oracle on the solution's packages, then the task's tests and canaries
+    Deletion       the other role: deletion_spec (a feature to delete), judge_deletion (its reward, on the host)
     Edits          solution_files: source inside the packages only, read by lstat; static_findings
     Oracle         Recorder, Copier: the feature's inputs copied while the gold runs its tests; canon,
                    mutants: held-out inputs and canonical results in a child without tests
@@ -803,6 +804,77 @@ def verify(task_dir, workdir=None, patch=None, box=None, missing=None, verdicts=
     return 1, (f"all {len(task['fail_to_pass'])} fail-to-pass and {len(task['pass_to_pass'])} pass-to-pass "
                f"tests passed, canaries intact; "
                + (f"the oracle agrees on {len(oracle['calls'])} calls" if oracle["calls"] else "no oracle"))
+
+
+# -----------------------------------------------------------------------------
+# Deletion: the other role. A task-maker (make's splicing, or a policy in an episode) is handed a repository
+# and a feature named by the tests that check it, and deletes it. The host judges the deletion as verify
+# judges a re-implementation: edits confined to Python source inside the packages (solution_files), every
+# package still imports, every target test stops passing while every other stable test still passes (the
+# canaries watch the runner), and the scan finds none of the feature's code left in the tree (make's
+# fingerprints: its deleted lines, in a comment or another file, and a copy of a definition). A deletion that
+# scores 1 is a task's snapshot, the original its gold.
+
+def deletion_spec(work, out, feats, targets, keep, box, source=None):
+    """A deletion to make, written to out: repo/ (work's files, artifacts scrubbed) and spec.json (the feature
+    [(file, qualname)], the tests that must stop passing, those that must keep passing, the fingerprints of
+    the feature's code, the interpreter), spec.json readable by the host alone. -> the spec."""
+    out = Path(out)
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(work, out / "repo", symlinks=True)
+    scrub(out / "repo", scan(out / "repo"))
+    with scratch() as tmp:  # the fingerprints of the feature as make would delete it, the rest kept
+        shutil.copytree(out / "repo", Path(tmp, "r"), symlinks=True)
+        fps = delete_features(Path(tmp, "r"), feats, "stub")[0]
+    spec = {"feature": [list(f) for f in feats], "targets": sorted(targets), "keep": sorted(keep),
+            "fingerprints": fps, "python": box.python, "source": source}
+    (out / "spec.json").write_text(json.dumps(spec, indent=1))
+    os.chmod(out / "spec.json", 0o600)
+    return spec
+
+
+def judge_deletion(spec_dir, workdir, box=None):
+    """(reward, reason) of the deletion in workdir against spec_dir's original: 1 only when it changes nothing
+    but source inside the packages, every package imports, the target tests all stop passing, every kept test
+    and the must-pass canary pass, the must-fail canary fails, and the scan finds none of the feature's
+    code."""
+    spec_dir = Path(spec_dir)
+    spec, snap = json.loads((spec_dir / "spec.json").read_text()), spec_dir / "repo"
+    box = box or Sandbox(python=spec.get("python", sys.executable), timeout=600)
+    deadline = time.time() + box.timeout
+    with scratch() as tmp:
+        try:
+            files, deleted = solution_files(snap, workdir, deadline)
+        except Refused as e:
+            return 0, f"rejected: {e}"
+        if not files and not deleted:
+            return 0, "nothing deleted: the tree is the original"
+        work = materialize(snap, files, Path(tmp, "repo"))
+        for rel in deleted:
+            Path(work, rel).unlink()
+        for pkg in packages(snap):
+            rc, log = box.run(["-c", f"import {package_name(pkg)}"], work)
+            if rc:
+                return 0, f"{package_name(pkg)} no longer imports: {log.strip().splitlines()[-1:]}"
+        left = [f for f in scan(work, spec) if f["kind"] == "text"]
+        if left:
+            return 0, f"the feature's code is still in {left[0]['path']}: {left[0]['evidence'][:120]}"
+        need = spec["targets"] + spec["keep"]
+        must_pass, must_fail = add_canaries(work, need)
+        r = box.pytest(work, sorted({t.split("::")[0] for t in [*need, must_pass]}),
+                       readonly=protected_paths(work, need), timeout=max(1, deadline - time.time()))
+    if r.outcomes is None or r.end is None:
+        return 0, f"runner tampered or crashed: no report of the run; pytest exit {r.rc}"
+    if must_fail in r.passed or must_pass not in r.passed:
+        return 0, "runner tampered: a canary did not behave"
+    still = [t for t in spec["targets"] if t in r.passed]
+    broken = [t for t in spec["keep"] if t not in r.passed]
+    if still or broken:
+        return 0, (f"{len(still)} of {len(spec['targets'])} target tests still pass, e.g. {still[0]}"
+                   if still else f"{len(broken)} of {len(spec['keep'])} other tests no longer pass, e.g. "
+                                 f"{broken[0]}")
+    return 1, f"all {len(spec['targets'])} target tests stop passing, all {len(spec['keep'])} others pass, " \
+              f"none of the feature's code left"
 
 
 # -----------------------------------------------------------------------------

@@ -6429,3 +6429,38 @@ def test_micro_repositories_make_tasks_and_their_gold_episodes_replay(tmp_path):
     # the slot is recorded: a pool over the same folder (a resumed run, another process) takes it, making none
     again = tasks.TaskPool(tmp_path / "pool", seed=3, ahead=0)
     assert again.take(1) == first and again.made == 0
+
+
+def test_a_deletion_is_judged_on_the_host_make_s_scores_1_and_wrong_ones_0(tmp_path):
+    """The deletion role's reward (tasks.judge_deletion): make's own deletion of a micro-repository feature
+    scores 1; the original untouched, a deletion that also breaks the other tests, and one that keeps a copy
+    of the feature's code in another module score 0."""
+    box = tasks.Sandbox(timeout=120)
+    repo = tasks.micro_repo(tmp_path / "orig", 7)
+    (task_dir,) = tasks.make_micro(tmp_path / "made", 7, 1, box=box)
+    task = json.loads((task_dir / "task.json").read_text())
+    feats = [(e["file"], e["qualname"]) for e in task["deleted"]]
+    spec = tasks.deletion_spec(repo, tmp_path / "spec", feats, task["fail_to_pass"], task["pass_to_pass"],
+                               box)
+    assert spec["targets"] == task["fail_to_pass"] and spec["fingerprints"]
+    assert (tmp_path / "spec/spec.json").stat().st_mode & 0o777 == 0o600  # the host's alone
+    judge = lambda tree: tasks.judge_deletion(tmp_path / "spec", tree, box)
+    assert judge(task_dir / "repo") == (1, f"all {len(spec['targets'])} target tests stop passing, all "
+                                           f"{len(spec['keep'])} others pass, none of the feature's code "
+                                           f"left")
+    assert judge(tmp_path / "spec/repo")[1] == "nothing deleted: the tree is the original"
+    rel, name = feats[0][0], feats[0][1]
+    broken = tmp_path / "broken"
+    shutil.copytree(task_dir / "repo", broken)
+    src = (broken / rel).read_text()
+    (broken / rel).write_text(re.sub(r"(?m)^    return .*$", "    raise NotImplementedError", src))
+    r, why = judge(broken)
+    assert r == 0 and "other tests no longer pass" in why, why
+    hidden = tmp_path / "hidden"  # the feature kept whole in another module of the package
+    shutil.copytree(task_dir / "repo", hidden)
+    original = (repo / rel).read_text()
+    node = next(n for n in ast.parse(original).body if getattr(n, "name", None) == name)
+    other = next(p for p in sorted(Path(hidden, rel).parent.glob("*.py")) if p.name != Path(rel).name)
+    other.write_text(other.read_text() + "\n\n" + ast.get_source_segment(original, node) + "\n")
+    r, why = judge(hidden)
+    assert r == 0 and why.startswith(f"the feature's code is still in {other.relative_to(hidden)}"), why
