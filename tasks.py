@@ -24,7 +24,7 @@ The map, in file order:
     Make           make: baseline, map, pick, delete, validate, scrub, scan, record the oracle, write a task
     Splicing       delete_edit: byte ranges that delete a feature (stub or remove), the rest byte-identical
     Verify         verify: the oracle on the solution's packages, then the task's tests and canaries
-    Deletion       the other role: deletion_spec (a feature to delete), judge_deletion (its reward, on the host)
+    Deletion       the other role: deletion_spec (a feature to delete), judge_deletion (its reward)
     Edits          solution_files: source inside the packages only, read by lstat; static_findings
     Oracle         Recorder, Copier: the feature's inputs copied while the gold runs its tests; canon,
                    mutants: held-out inputs and canonical results in a child without tests
