@@ -811,9 +811,10 @@ def verify(task_dir, workdir=None, patch=None, box=None, missing=None, verdicts=
 # and a feature named by the tests that check it, and deletes it. The host judges the deletion as verify
 # judges a re-implementation: edits confined to Python source inside the packages (solution_files), every
 # package still imports, every target test stops passing while every other stable test still passes (the
-# canaries watch the runner), and the scan finds none of the feature's code left in the tree (make's
-# fingerprints: its deleted lines, in a comment or another file, and a copy of a definition). A deletion that
-# scores 1 is a task's snapshot, the original its gold.
+# canaries watch the runner), and none of the feature's code is left in the tree: make's scan with its
+# fingerprints, and stricter (feature_left), any line of its body however short (commented out, moved) and a
+# definition with its body under any name. A deletion that scores 1 is a task's snapshot, the original its
+# gold.
 
 def deletion_spec(work, out, feats, targets, keep, box, source=None):
     """A deletion to make, written to out: repo/ (work's files, artifacts scrubbed) and spec.json (the feature
@@ -826,6 +827,15 @@ def deletion_spec(work, out, feats, targets, keep, box, source=None):
     with scratch() as tmp:  # the fingerprints of the feature as make would delete it, the rest kept
         shutil.copytree(out / "repo", Path(tmp, "r"), symlinks=True)
         fps = delete_features(Path(tmp, "r"), feats, "stub")[0]
+        kept = b"\n".join(Path(tmp, "r", r).read_bytes() for r in walk(Path(tmp, "r")) if r.endswith(".py"))
+    for fp in fps:  # stricter than make's: a deletion must leave no line of the body, however short, and no
+        # copy of it under another name
+        src = Path(out, "repo", fp["file"]).read_bytes()
+        node = find_def(ast.parse(src), fp["qualname"])
+        body = src.split(b"\n")[code_body(node)[0].lineno - 1:code_body(node)[-1].end_lineno]
+        fp["body_hash"] = ast_hash(node, named=False)
+        fp["body_lines"] = sorted({s.strip().decode("utf-8", "replace") for s in body if len(s.strip()) >= 6
+                                   and not s.strip().startswith(b"#") and s.strip() not in kept})
     spec = {"feature": [list(f) for f in feats], "targets": sorted(targets), "keep": sorted(keep),
             "fingerprints": fps, "python": box.python, "source": source}
     (out / "spec.json").write_text(json.dumps(spec, indent=1))
@@ -856,9 +866,10 @@ def judge_deletion(spec_dir, workdir, box=None):
             rc, log = box.run(["-c", f"import {package_name(pkg)}"], work)
             if rc:
                 return 0, f"{package_name(pkg)} no longer imports: {log.strip().splitlines()[-1:]}"
-        left = [f for f in scan(work, spec) if f["kind"] == "text"]
+        left = [(f["path"], f["evidence"]) for f in scan(work, spec) if f["kind"] == "text"]
+        left += feature_left(work, spec)
         if left:
-            return 0, f"the feature's code is still in {left[0]['path']}: {left[0]['evidence'][:120]}"
+            return 0, f"the feature's code is still in {left[0][0]}: {left[0][1][:120]}"
         need = spec["targets"] + spec["keep"]
         must_pass, must_fail = add_canaries(work, need)
         r = box.pytest(work, sorted({t.split("::")[0] for t in [*need, must_pass]}),
@@ -875,6 +886,22 @@ def judge_deletion(spec_dir, workdir, box=None):
                                  f"{broken[0]}")
     return 1, f"all {len(spec['targets'])} target tests stop passing, all {len(spec['keep'])} others pass, " \
               f"none of the feature's code left"
+
+
+def feature_left(root, spec):
+    """[(file, evidence)] where the feature's code survives in root's Python files: a line of its body
+    (commented out or moved), or a definition with its body under any name."""
+    hashes = {fp["body_hash"]: fp["qualname"] for fp in spec["fingerprints"]}
+    lines = {s.encode(): fp["qualname"] for fp in spec["fingerprints"] for s in fp["body_lines"]}
+    out = []
+    for rel in (r for r in walk(root) if r.endswith(".py")):
+        data = Path(root, rel).read_bytes()
+        out += [(rel, f"a line of {q}: {s.decode()!r}") for s, q in lines.items() if s in data]
+        with contextlib.suppress(SyntaxError, ValueError, RecursionError):
+            out += [(rel, f"a copy of {hashes[h]} as {n.name}") for n in ast.walk(ast.parse(data))
+                    if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    for h in [ast_hash(n, named=False)] if h in hashes]
+    return out
 
 
 # -----------------------------------------------------------------------------
@@ -2157,10 +2184,12 @@ def strength_lines(tid, s):
 # -----------------------------------------------------------------------------
 # Fingerprints of the deleted code: what the scanner looks for in every leak source.
 
-def ast_hash(node):
+def ast_hash(node, named=True):
     node = ast.parse(ast.unparse(node)).body[0]  # normalises formatting and comments away
     if code_body(node) is not node.body:
         node.body = node.body[1:]  # ...and the docstring, which stub mode keeps anyway
+    if not named:  # a copy under any name
+        node.name = ""
     return hashlib.sha1(ast.dump(node, include_attributes=False).encode()).hexdigest()
 
 

@@ -6433,8 +6433,8 @@ def test_micro_repositories_make_tasks_and_their_gold_episodes_replay(tmp_path):
 
 def test_a_deletion_is_judged_on_the_host_make_s_scores_1_and_wrong_ones_0(tmp_path):
     """The deletion role's reward (tasks.judge_deletion): make's own deletion of a micro-repository feature
-    scores 1; the original untouched, a deletion that also breaks the other tests, and one that keeps a copy
-    of the feature's code in another module score 0."""
+    scores 1; the original untouched, a deletion that also breaks the other tests, and ones that keep the
+    feature's code (a copy in another module, commented out, renamed and reformatted) score 0."""
     box = tasks.Sandbox(timeout=120)
     repo = tasks.micro_repo(tmp_path / "orig", 7)
     (task_dir,) = tasks.make_micro(tmp_path / "made", 7, 1, box=box)
@@ -6464,3 +6464,14 @@ def test_a_deletion_is_judged_on_the_host_make_s_scores_1_and_wrong_ones_0(tmp_p
     other.write_text(other.read_text() + "\n\n" + ast.get_source_segment(original, node) + "\n")
     r, why = judge(hidden)
     assert r == 0 and why.startswith(f"the feature's code is still in {other.relative_to(hidden)}"), why
+    # however short its lines: the feature commented out, or renamed and reformatted, is not deleted
+    segment = ast.get_source_segment(original, node)
+    renamed = re.sub(r"(?m)^(\s*)return (.*)$", r"\1return (\2)", ast.unparse(node))
+    renamed = renamed.replace(f"def {name}(", "def kept(")
+    for how, text, what in (("commented", "\n".join(f"# {s}" for s in segment.split("\n")), "line"),
+                            ("renamed", renamed, f"a copy of {name} as kept")):
+        tree = tmp_path / how
+        shutil.copytree(task_dir / "repo", tree)
+        (tree / rel).write_text(original.replace(segment, text))
+        r, why = judge(tree)
+        assert r == 0 and why.startswith(f"the feature's code is still in {rel}: ") and what in why, how
