@@ -876,14 +876,14 @@ def judge_deletion(spec_dir, workdir, box=None):
                        readonly=protected_paths(work, need), timeout=max(1, deadline - time.time()))
     if r.outcomes is None or r.end is None:
         return 0, f"runner tampered or crashed: no report of the run; pytest exit {r.rc}"
-    if must_fail in r.passed or must_pass not in r.passed:
-        return 0, "runner tampered: a canary did not behave"
     still = [t for t in spec["targets"] if t in r.passed]
     broken = [t for t in spec["keep"] if t not in r.passed]
-    if still or broken:
+    if still or broken:  # a 0 whatever the runner did; a 1 below rests on the canaries too
         return 0, (f"{len(still)} of {len(spec['targets'])} target tests still pass, e.g. {still[0]}"
                    if still else f"{len(broken)} of {len(spec['keep'])} other tests no longer pass, e.g. "
                                  f"{broken[0]}")
+    if must_fail in r.passed or must_pass not in r.passed:
+        return 0, "runner tampered: a canary did not behave"
     return 1, f"all {len(spec['targets'])} target tests stop passing, all {len(spec['keep'])} others pass, " \
               f"none of the feature's code left"
 
@@ -2727,9 +2727,11 @@ class CodeEnv:
     """One episode on the task in task_dir. box: how the visible tests and the verify run (default: the
     task's interpreter in bubblewrap); verifier: the pool that verifies finished episodes."""
 
+    tools, spec = CODE_TOOLS, "task.json"  # the calls it answers; the file that says what the episode is
+
     def __init__(self, task_dir, box=None, max_turns=CODE_TURNS, reply_limit=REPLY_AT_MOST, verifier=None):
         self.dir = Path(task_dir)
-        self.task = json.loads((self.dir / "task.json").read_text())
+        self.task = json.loads((self.dir / self.spec).read_text())
         self.snap = self.dir / "repo"
         self.box = box or Sandbox(python=self.task.get("python", sys.executable), timeout=120)
         self.max_turns, self.reply_limit, self.verifier = max_turns, reply_limit, verifier
@@ -2745,6 +2747,18 @@ class CodeEnv:
     def __getstate__(self):  # to a trainer: the outcome, not the pool
         self.reward()
         return {**self.__dict__, "verifier": None, "pending": None}
+
+    def required(self):
+        """The tests the final tree is judged on: read-only, and what test() runs by default."""
+        return self.task["fail_to_pass"] + self.task["pass_to_pass"]
+
+    def must_pass(self):
+        """The tests the final tree must pass (a failure in its own test run ends its hope of a reward)."""
+        return self.required()
+
+    def judge(self, work):
+        """(reward, reason) of the final tree, materialized at work."""
+        return verify(self.dir, workdir=work, box=self.box)
 
     # the episode's copy, read without following links
 
@@ -2769,8 +2783,8 @@ class CodeEnv:
         except OSError:
             return None
 
-    def files(self):
-        return sorted(set(walk(self.snap)) | set(self.edits))
+    def files(self):  # an edit of None is a deleted file
+        return sorted({*walk(self.snap), *self.edits} - {rel for rel, d in self.edits.items() if d is None})
 
     def text_lines(self, rel):
         """(lines of a text file, None) or (None, the error)."""
@@ -2831,8 +2845,8 @@ class CodeEnv:
         rel, err = self.path(args[0] if args else "")
         if err:
             return None, None, err
-        need = self.task["fail_to_pass"] + self.task["pass_to_pass"]
-        if is_protected(rel) or rel in {t.split("::")[0] for t in need} or rel.split("/")[0] == ".git":
+        tests = {t.split("::")[0] for t in self.required()}
+        if is_protected(rel) or rel in tests or rel.split("/")[0] == ".git":
             return None, None, f"error: {rel} is read-only: tests and test configuration do not change"
         # the episode's own files count too: no file inside a file it wrote, none where one is inside
         if linked(self.snap, rel) or any(rel.startswith(f"{e}/") or e.startswith(f"{rel}/")
@@ -2867,8 +2881,7 @@ class CodeEnv:
         return self.write(rel, lines[:at] + body.split("\n") + lines[at:], body, new)
 
     def do_test(self, args, body):
-        need = self.task["fail_to_pass"] + self.task["pass_to_pass"]
-        targets = args or sorted({t.split("::")[0] for t in need})
+        targets = args or sorted({t.split("::")[0] for t in self.required()})
         self.steps.append({"action": "bash", "command": f"python -m pytest -q {' '.join(targets)}"})
         self.tests += 1
         for t in targets:  # test files or node ids of the copy, never options
@@ -2892,9 +2905,9 @@ class CodeEnv:
             self.tool_calls += 1
             self.capital += m[1] == "C"
             name, args, body = m[2], [a.strip() for a in m[3].split(",")] if m[3].strip() else [], m[4] or ""
-            if name not in CODE_TOOLS:
+            if name not in self.tools:
                 self.tool_errors += 1
-                reply = not_found(name, CODE_TOOLS)
+                reply = not_found(name, self.tools)
             elif name == "submit":
                 self.done = True
             else:
@@ -2912,6 +2925,37 @@ class CodeEnv:
 
     def reward(self) -> float:
         return float((self.verifier or VERIFIER).result(self)[0])
+
+
+class DeleteEnv(CodeEnv):
+    """The deletion role as an episode, on a folder deletion_spec wrote: the opening names the feature by the
+    tests that must stop passing and the definitions they reach; CodeEnv's tools and delete(FILE); the reward
+    is judge_deletion on the final tree, computed on the host like verify."""
+    tools, spec = CODE_TOOLS[:-1] + ["delete", "submit"], "spec.json"
+
+    def first_turns(self):
+        feature = "; ".join(f"{rel} {q}" for rel, q in sorted(self.task["feature"]))
+        targets = self.task["targets"]
+        more = f" and {len(targets) - 4} more" if len(targets) > 4 else ""
+        return [("user", f"delete {feature}: these tests must stop passing, every other test still pass: "
+                         + ", ".join(targets[:4]) + more)]
+
+    def required(self):
+        return self.task["targets"] + self.task["keep"]
+
+    def must_pass(self):
+        return self.task["keep"]
+
+    def judge(self, work):
+        return judge_deletion(self.dir, work, self.box)
+
+    def do_delete(self, args, body):
+        self.steps.append({"action": "bash", "command": f"rm {shlex.quote(args[0] if args else '')}"})
+        rel, lines, err = self.editable_path(args, 1)
+        if err or rel is None:
+            return err or "error: delete(FILE)"
+        self.edits[rel] = None
+        return "ok: deleted"
 
 
 def linked(root, rel):
@@ -2936,6 +2980,9 @@ def materialize(snap, edits, dest):
     for rel, data in edits.items():
         if linked(dest, rel):
             raise TaskError(f"refused to write {rel}: it is behind a link")
+        if data is None:  # deleted
+            Path(dest, rel).unlink(missing_ok=True)
+            continue
         Path(dest, rel).parent.mkdir(parents=True, exist_ok=True)
         Path(dest, rel).write_bytes(data)
     return dest
@@ -2961,7 +3008,8 @@ class Verifier:
     def key(self, env):
         h = hashlib.sha256()
         for rel, data in sorted(env.edits.items()):
-            h.update(hashlib.sha256(rel.encode()).digest() + hashlib.sha256(data).digest())
+            h.update(hashlib.sha256(rel.encode()).digest() + (b"deleted" if data is None else
+                                                              hashlib.sha256(data).digest()))
         return str(env.dir.resolve()), h.hexdigest()
 
     def start(self, env):
@@ -2973,9 +3021,8 @@ class Verifier:
             env.result = (0, f"flagged by the monitor: step {f['step']}, {f['pattern']}: {f['evidence']}")
             return
         key = self.key(env)
-        need = {*env.task["fail_to_pass"], *env.task["pass_to_pass"]}
         with self.lock:
-            failed = sorted(self.failed.get(key, set()) & need)
+            failed = sorted(self.failed.get(key, set()) & set(env.must_pass()))
         if failed:
             env.result = (0, f"its own test run of this tree failed {failed[0]}")
             return
@@ -2984,14 +3031,14 @@ class Verifier:
             fut, new = self.cache.get(key), key not in self.cache
             if new:
                 fut = self.cache[key] = concurrent.futures.Future() if self.pool is None else \
-                    self.pool.submit(self.verify, env.dir, dict(env.edits), env.box)
+                    self.pool.submit(self.verify, env, dict(env.edits))
         env.pending = fut
         if new:  # a verify that raised (a full disk) is no result of the tree: the next episode verifies anew
             fut.add_done_callback(self.forget)
         if self.pool is None and new:  # no pool: verify now, in this thread
             with self.waiting():
                 try:
-                    fut.set_result(self.verify(env.dir, dict(env.edits), env.box))
+                    fut.set_result(self.verify(env, dict(env.edits)))
                 except BaseException as e:  # on the future too: every episode that waits on it gets it
                     fut.set_exception(e)
                     raise
@@ -3030,11 +3077,10 @@ class Verifier:
                 if not self.waiters:
                     self.blocked += time.perf_counter() - self.since
 
-    def verify(self, task_dir, edits, box):
+    def verify(self, env, edits):
         t0 = time.perf_counter()
         with scratch() as tmp:
-            work = materialize(task_dir / "repo", edits, Path(tmp, "repo"))
-            result = verify(task_dir, workdir=work, box=box)
+            result = env.judge(materialize(env.snap, edits, Path(tmp, "repo")))
         with self.lock:
             self.seconds, self.runs = self.seconds + time.perf_counter() - t0, self.runs + 1
         return result
@@ -3058,10 +3104,9 @@ class Verifier:
         return fut.result()
 
     def run_tests(self, env, targets, key):
-        need = env.task["fail_to_pass"] + env.task["pass_to_pass"]
         with scratch() as tmp:
             work = materialize(env.snap, env.edits, Path(tmp, "repo"))
-            r = env.box.pytest(work, targets, readonly=protected_paths(work, need))
+            r = env.box.pytest(work, targets, readonly=protected_paths(work, env.required()))
         if r.outcomes is None or r.end is None:
             reply = f"error: the test run did not finish (pytest exit {r.rc}): {first_error(r.out)}"
         else:

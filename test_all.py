@@ -10,6 +10,7 @@ import base64
 import concurrent.futures
 import contextlib
 import copy
+import difflib
 import functools
 import hashlib
 import importlib.util
@@ -6147,16 +6148,16 @@ def test_a_verify_that_raises_never_hangs_the_run(tmp_path, monkeypatch):
     without, and is forgotten: the next episode that ends with the same tree verifies again."""
     calls = []
 
-    def full_disk_once(self, task_dir, edits, box):
-        calls.append(task_dir)
+    def full_disk_once(self, env, edits):
+        calls.append(env.dir)
         if len(calls) == 1:
             raise OSError(28, "No space left on device")
         return 1, "verified"
 
     monkeypatch.setattr(tasks.Verifier, "verify", full_disk_once)
     episode = lambda: types.SimpleNamespace(pending=None, result=None, flags=None, steps=[], dir=tmp_path,
-                                            edits={"calc/core.py": b"x = 1\n"}, box=None,
-                                            task={"fail_to_pass": ["t"], "pass_to_pass": []})
+                                            edits={"calc/core.py": b"x = 1\n"}, box=None, task={},
+                                            must_pass=lambda: ["t"])
     for workers in (0, 1):
         calls.clear()
         verifier = tasks.Verifier(workers)
@@ -6475,3 +6476,38 @@ def test_a_deletion_is_judged_on_the_host_make_s_scores_1_and_wrong_ones_0(tmp_p
         (tree / rel).write_text(original.replace(segment, text))
         r, why = judge(tree)
         assert r == 0 and why.startswith(f"the feature's code is still in {rel}: ") and what in why, how
+
+
+def test_delete_env_replays_make_s_deletion_to_reward_1(tmp_path):
+    """DeleteEnv: make's deletion of a micro-repository feature, replayed through the environment's tools
+    (read, then replace each changed block from the bottom up), earns 1 from judge_deletion; deleting the
+    module the feature lives in earns 0 (a deleted file is gone from ls and read), and deleting a test is
+    refused and flagged."""
+    box = tasks.Sandbox(timeout=120)
+    repo = tasks.micro_repo(tmp_path / "orig", 7)
+    (task_dir,) = tasks.make_micro(tmp_path / "made", 7, 1, box=box)
+    task = json.loads((task_dir / "task.json").read_text())
+    feats = [(e["file"], e["qualname"]) for e in task["deleted"]]
+    tasks.deletion_spec(repo, tmp_path / "spec", feats, task["fail_to_pass"], task["pass_to_pass"], box)
+    rel = feats[0][0]
+    env = tasks.DeleteEnv(tmp_path / "spec", box=box, verifier=tasks.Verifier(0))
+    assert env.turns[0][1].startswith(f"delete {rel} {feats[0][1]}: these tests must stop passing")
+    assert env.step(f"call read({rel})")[0].startswith("1|")
+    old, new = (repo / rel).read_text().split("\n"), (task_dir / "repo" / rel).read_text().split("\n")
+    blocks = [b for b in difflib.SequenceMatcher(None, old, new).get_opcodes() if b[0] != "equal"]
+    assert blocks and all(tag == "replace" for tag, *_ in blocks)
+    for _, i1, i2, j1, j2 in reversed(blocks):  # bottom up: the line numbers above stay as read
+        assert env.step(f"call replace({rel},{i1 + 1},{i2})\n" + "\n".join(new[j1:j2]))[0] == "ok"
+    assert env.step("call submit()") == (None, True)
+    assert env.reward() == 1, env.result
+    env = tasks.DeleteEnv(tmp_path / "spec", box=box, verifier=tasks.Verifier(0))
+    assert env.step(f"call delete({rel})")[0] == "ok: deleted"
+    assert rel not in env.step("call ls()")[0].split("\n")
+    assert env.step(f"call read({rel})")[0] == f"error: no such file: {rel}"
+    env.step("call submit()")
+    assert env.reward() == 0 and env.flags == [] and "other tests no longer pass" in env.result[1], env.result
+    env = tasks.DeleteEnv(tmp_path / "spec", box=box, verifier=tasks.Verifier(0))
+    test_file = task["fail_to_pass"][0].split("::")[0]  # refused, and the attempt is what the monitor flags
+    assert "read-only" in env.step(f"call delete({test_file})")[0]
+    env.step("call submit()")
+    assert env.reward() == 0 and env.flags[0]["pattern"] == "test-tamper", env.result
