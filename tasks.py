@@ -307,12 +307,12 @@ def prompt_for(ents, f2p):
     return "\n".join(parts)
 
 
-def make_task(work, out, tid, feats, mode, stable, reach, box, source):
+def make_task(work, out, tid, feats, mode, stable, reach, box, source, splice=None):
     """(task, "ok") with out/tid written, or (None, why) with nothing left behind."""
     tdir = Path(out, tid)
     shutil.rmtree(tdir, ignore_errors=True)
     try:
-        task, why = build_task(work, tdir, tid, feats, mode, stable, reach, box, source)
+        task, why = build_task(work, tdir, tid, feats, mode, stable, reach, box, source, splice)
     except (SyntaxError, AttributeError, TypeError, ValueError) as e:
         task, why = None, f"splice failed: {e!r}"
     if task is None:
@@ -320,17 +320,19 @@ def make_task(work, out, tid, feats, mode, stable, reach, box, source):
     return task, why
 
 
-def build_task(work, tdir, tid, feats, mode, stable, reach, box, source):
+def build_task(work, tdir, tid, feats, mode, stable, reach, box, source, splice=None):
     """Delete feats from a copy of work and validate it: the tests that reach them (reach: node ids, from the
     trace) run with the feature deleted and again on the gold code; every other stable test's
     outcome is known from the baseline, as the trace says it never calls the feature. In remove mode the whole
     suite runs with the feature deleted (an import of the removed name breaks tests the trace cannot see). The
-    whole required suite runs once at the end, in the gold's verify."""
+    whole required suite runs once at the end, in the gold's verify. splice(snap) deletes instead of make's
+    splicing (a deletion judge_deletion scored 1), returning what delete_features does."""
     snap = tdir / "repo"
     shutil.copytree(work, snap, symlinks=True)
-    fps, ents, originals, removed = delete_features(snap, feats, mode)
+    fps, ents, originals, removed = (splice or (lambda snap: delete_features(snap, feats, mode)))(snap)
     for rel in originals:
-        ast.parse(Path(snap, rel).read_bytes())
+        if Path(snap, rel).exists():  # a file the deletion removed comes back with the gold
+            ast.parse(Path(snap, rel).read_bytes())
     # SHA-1 and SHA-256 (type-checker caches key on these) and the git blob id of each original file
     hashes = {rel: [hashlib.sha1(s).hexdigest(), hashlib.sha256(s).hexdigest(),
                     hashlib.sha1(b"blob %d\0" % len(s) + s).hexdigest()] for rel, s in originals.items()}
@@ -886,6 +888,42 @@ def judge_deletion(spec_dir, workdir, box=None):
         return 0, "runner tampered: a canary did not behave"
     return 1, f"all {len(spec['targets'])} target tests stop passing, all {len(spec['keep'])} others pass, " \
               f"none of the feature's code left"
+
+
+def task_from_deletion(spec_dir, workdir, out, tid, box=None):
+    """A re-implementation task made from a deletion that judge_deletion scores 1: its tree the snapshot, the
+    original the gold, validated by build_task like any of make's (scrubbed and scanned, the oracle recorded
+    on the original, the gold verified 1). -> (task, "ok") with out/tid written, or (None, why)."""
+    spec_dir = Path(spec_dir)
+    spec, orig = json.loads((spec_dir / "spec.json").read_text()), spec_dir / "repo"
+    box = box or Sandbox(python=spec.get("python", sys.executable), timeout=600)
+    reward, why = judge_deletion(spec_dir, workdir, box)
+    if reward != 1:
+        return None, f"not a valid deletion: {why}"
+    files, deleted = solution_files(orig, workdir, time.time() + box.timeout)
+    feats = [tuple(f) for f in spec["feature"]]
+    kept = all(find_def(ast.parse(files.get(rel, Path(orig, rel).read_bytes())), q) is not None
+               for rel, q in feats if rel not in deleted)
+
+    def splice(snap):
+        for rel in deleted:
+            Path(snap, rel).unlink()
+        for rel, data in files.items():
+            Path(snap, rel).write_bytes(data)
+        originals = {rel: Path(orig, rel).read_bytes() for rel in [*files, *deleted]
+                     if Path(orig, rel).is_file()}
+        ents = []
+        for rel, q in feats:
+            src = Path(orig, rel).read_bytes()
+            n = find_def(ast.parse(src), q)
+            ents.append({"file": rel, "qualname": q, "kind": "method" if "." in q else "function",
+                         "signature": signature(n), "docstring": ast.get_docstring(n),
+                         "lines": n.end_lineno - n.lineno + 1})
+        return spec["fingerprints"], ents, originals, sum(e["lines"] for e in ents)
+
+    mode = "stub" if kept and not deleted else "remove"  # the opening says fill in, or add
+    return make_task(orig, out, tid, feats, mode, set(spec["targets"] + spec["keep"]), set(spec["targets"]),
+                     box, spec.get("source"), splice)
 
 
 def feature_left(root, spec):

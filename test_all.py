@@ -6480,9 +6480,9 @@ def test_a_deletion_is_judged_on_the_host_make_s_scores_1_and_wrong_ones_0(tmp_p
 
 def test_delete_env_replays_make_s_deletion_to_reward_1(tmp_path):
     """DeleteEnv: make's deletion of a micro-repository feature, replayed through the environment's tools
-    (read, then replace each changed block from the bottom up), earns 1 from judge_deletion; deleting the
-    module the feature lives in earns 0 (a deleted file is gone from ls and read), and deleting a test is
-    refused and flagged."""
+    (read, then replace each changed block from the bottom up), earns 1 from judge_deletion and becomes a task
+    (task_from_deletion) whose gold verifies 1 and whose untouched snapshot 0; deleting the module the feature
+    lives in earns 0 (a deleted file is gone from ls and read), and deleting a test is refused and flagged."""
     box = tasks.Sandbox(timeout=120)
     repo = tasks.micro_repo(tmp_path / "orig", 7)
     (task_dir,) = tasks.make_micro(tmp_path / "made", 7, 1, box=box)
@@ -6500,6 +6500,18 @@ def test_delete_env_replays_make_s_deletion_to_reward_1(tmp_path):
         assert env.step(f"call replace({rel},{i1 + 1},{i2})\n" + "\n".join(new[j1:j2]))[0] == "ok"
     assert env.step("call submit()") == (None, True)
     assert env.reward() == 1, env.result
+    # the deletion becomes a re-implementation task through make's pipeline: gold 1, untouched 0
+    with tempfile.TemporaryDirectory() as tree:
+        tasks.materialize(tmp_path / "spec/repo", env.edits, Path(tree, "repo"))
+        made, why = tasks.task_from_deletion(tmp_path / "spec", Path(tree, "repo"), tmp_path / "tasks", "d0",
+                                             box)
+    assert made is not None, why
+    assert (made["fail_to_pass"], made["pass_to_pass"]) == (task["fail_to_pass"], task["pass_to_pass"])
+    assert made["mode"] == "stub" and made["oracle"] and tasks.scan(tmp_path / "tasks/d0/repo", made) == []
+    assert tasks.verify(tmp_path / "tasks/d0", patch=tmp_path / "tasks/d0/gold.patch", box=box)[0] == 1
+    assert tasks.verify(tmp_path / "tasks/d0", workdir=tmp_path / "tasks/d0/repo", box=box)[0] == 0
+    assert tasks.task_from_deletion(tmp_path / "spec", repo, tmp_path / "tasks", "d1", box) == \
+        (None, "not a valid deletion: nothing deleted: the tree is the original")
     env = tasks.DeleteEnv(tmp_path / "spec", box=box, verifier=tasks.Verifier(0))
     assert env.step(f"call delete({rel})")[0] == "ok: deleted"
     assert rel not in env.step("call ls()")[0].split("\n")
