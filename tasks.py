@@ -24,15 +24,16 @@ The map, in file order:
     Make           make: baseline, map, pick, delete, validate, scrub, scan, record the oracle, write a task
     Splicing       delete_edit: byte ranges that delete a feature (stub or remove), the rest byte-identical
     Verify         verify: the oracle on the solution's packages, then the task's tests and canaries
-    Deletion       the other role: deletion_spec (a feature to delete), judge_deletion (its reward)
+    Deletion       the other role: deletion_spec (a feature to delete), judge_deletion (its reward),
+                   task_from_deletion (a deletion that scores 1 -> a task)
     Edits          solution_files: source inside the packages only, read by lstat; static_findings
     Oracle         Recorder, Copier: the feature's inputs copied while the gold runs its tests; canon,
                    mutants: held-out inputs and canonical results in a child without tests
     Strength       strength: the share of the gold's mutants the tests alone and the tests plus oracle kill
     Scan           fingerprints of the deleted code; scan: leak sources and what each holds; scrub
     Monitor        monitor: trajectory steps that read leak sources or the task's files, or prepare tampering
-    Env, CodeEnv   the interface a trainer drives; the coding environment on a task make wrote, Verifier
-                   (verifies in a pool, at the pace of sampling)
+    Env, CodeEnv   the interface a trainer drives; the coding environment on a task make wrote, DeleteEnv
+                   (the deletion role's, on a spec), Verifier (judges in a pool, at the pace of sampling)
     Micro          micro-repositories, their gold episodes, TaskPool (tasks made while training runs)
     Tool use       the arithmetic tool-use family (below), its transcripts and the DifficultySampler
     Sandbox        the infrastructure: every untrusted run (tests, solutions) in bubblewrap as nobody, on
@@ -63,6 +64,8 @@ records the commit) and runs its tests with the interpreter from `env`.
     python tasks.py env --repo DIR --venv DIR   # the repository's test environment; prints its interpreter
     python tasks.py make --repo DIR --out DIR [--n N] [--mode stub|remove] [--group K] [--python PY]
                    [--strength K]
+    python tasks.py delete-spec TASK_DIR --out DIR   # the deletion a task make wrote, as a DeleteEnv episode
+    python tasks.py make --from-deletion SPEC_DIR --workdir DIR --out DIR   # a deletion (scored 1) -> a task
     python tasks.py verify TASK_DIR (--workdir DIR | --patch FILE) [--python PY] [--no-sandbox]
     python tasks.py strength TASK_DIR... [--k K] [--jobs J] [--min-strength 0.8]
     python tasks.py scan DIR [--task TASK.json] [--site-packages]
@@ -845,6 +848,21 @@ def deletion_spec(work, out, feats, targets, keep, box, source=None):
     return spec
 
 
+def spec_from_task(task_dir, out, box=None):
+    """The deletion a task make wrote, as a spec: its original (the snapshot with the gold patch applied), the
+    feature it deleted, its fail-to-pass tests as the targets and its pass-to-pass tests as those kept."""
+    task_dir = Path(task_dir)
+    if not (task_dir / "task.json").is_file():
+        raise TaskError(f"no task at {task_dir}: no task.json")
+    task = json.loads((task_dir / "task.json").read_text())
+    box = box or Sandbox(python=task.get("python", sys.executable))
+    with scratch() as tmp:
+        if (error := patched(task_dir / "repo", task_dir / "gold.patch", Path(tmp, "orig"))) is not None:
+            raise TaskError(f"{task_dir}: its gold patch does not apply: {error}")
+        return deletion_spec(Path(tmp, "orig"), out, [(e["file"], e["qualname"]) for e in task["deleted"]],
+                             task["fail_to_pass"], task["pass_to_pass"], box, task.get("source"))
+
+
 def judge_deletion(spec_dir, workdir, box=None):
     """(reward, reason) of the deletion in workdir against spec_dir's original: 1 only when it changes nothing
     but source inside the packages, every package imports, the target tests all stop passing, every kept test
@@ -895,6 +913,9 @@ def task_from_deletion(spec_dir, workdir, out, tid, box=None):
     original the gold, validated by build_task like any of make's (scrubbed and scanned, the oracle recorded
     on the original, the gold verified 1). -> (task, "ok") with out/tid written, or (None, why)."""
     spec_dir = Path(spec_dir)
+    if not (spec_dir / "spec.json").is_file() or not Path(workdir).is_dir():
+        raise TaskError(f"no deletion spec at {spec_dir} (delete-spec writes one)" if Path(workdir).is_dir()
+                        else f"no such work dir: {workdir}")
     spec, orig = json.loads((spec_dir / "spec.json").read_text()), spec_dir / "repo"
     box = box or Sandbox(python=spec.get("python", sys.executable), timeout=600)
     reward, why = judge_deletion(spec_dir, workdir, box)
@@ -4778,7 +4799,11 @@ def cli(argv=None) -> int:
                            "monitor agents.")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=Parser)
     m = sub.add_parser("make", help="cut tested features out of a repo and write validated, scan-clean tasks")
-    m.add_argument("--repo", required=True, help="repository with a package and a pytest suite")
+    m.add_argument("--repo", help="repository with a package and a pytest suite")
+    m.add_argument("--from-deletion", metavar="SPEC_DIR",
+                   help="instead: make the task from a deletion of the feature SPEC_DIR names (delete-spec), "
+                        "the tree in --workdir, if judge_deletion scores it 1")
+    m.add_argument("--workdir", help="with --from-deletion: the tree with the feature deleted")
     m.add_argument("--out", required=True, help="folder for the task dirs (repo/, task.json, gold.patch)")
     m.add_argument("--n", type=int, default=1, help="number of tasks to make")
     m.add_argument("--seed", type=int, default=0, help="seed for the order features are tried in")
@@ -4817,6 +4842,10 @@ def cli(argv=None) -> int:
                                         "make, the task's for verify and strength)")
         x.add_argument("--no-sandbox", action="store_true",
                        help="run the tests without bubblewrap (not isolated)")
+    ds = sub.add_parser("delete-spec", help="the deletion a task make wrote, as a spec for DeleteEnv: the "
+                                            "original, the feature, the tests that must stop passing")
+    ds.add_argument("task_dir", help="a task dir written by make")
+    ds.add_argument("--out", required=True, help="the spec's folder (repo/, spec.json)")
     e = sub.add_parser("env",
                        help="make a venv with a repository's test requirements; prints its interpreter")
     e.add_argument("--repo", required=True, help="the repository")
@@ -4848,11 +4877,25 @@ def cli(argv=None) -> int:
         if a.cmd == "env":
             print(make_env(a.repo, a.venv, not a.no_sandbox))
             return 0
+        if a.cmd == "make" and a.from_deletion:
+            if not a.workdir or a.repo:
+                raise TaskError("make --from-deletion SPEC_DIR needs --workdir (the deleted tree), no --repo")
+            box = Sandbox(a.python or sys.executable, not a.no_sandbox, a.timeout)
+            task, why = task_from_deletion(a.from_deletion, a.workdir, a.out, Path(a.from_deletion).name, box)
+            print(f"{Path(a.out, Path(a.from_deletion).name)}: {why}")
+            return 0 if task else 1
         if a.cmd == "make":
+            if not a.repo:
+                raise TaskError("make needs --repo (or --from-deletion SPEC_DIR --workdir DIR)")
             box = Sandbox(a.python or sys.executable, not a.no_sandbox, a.timeout)
             tasks = make(a.repo, a.out, a.n, a.seed, a.mode, a.group, box, reach=a.reach, jobs=a.jobs,
                          strength_k=a.strength)
             return 0 if tasks else 1
+        if a.cmd == "delete-spec":
+            spec = spec_from_task(a.task_dir, a.out)
+            print(f"{a.out}: delete {', '.join(f'{rel} {q}' for rel, q in spec['feature'])}; "
+                  f"{len(spec['targets'])} tests must stop passing, {len(spec['keep'])} keep passing")
+            return 0
         if a.cmd == "strength":  # a measurement, like verify's reward: exit 0 whatever it finds
             for d in a.task_dirs:
                 task = Path(d, "task.json")
@@ -4911,7 +4954,8 @@ def cli(argv=None) -> int:
 
 
 def main():
-    if sys.argv[1:2] and sys.argv[1] in ("env", "make", "verify", "strength", "survey", "scan", "monitor"):
+    if sys.argv[1:2] and sys.argv[1] in ("env", "make", "delete-spec", "verify", "strength", "survey", "scan",
+                                         "monitor"):
         # a SIGTERM unwinds like an exception, so temporary folders and cgroups go (after SIGKILL, the next
         # start's sweep removes them)
         signal.signal(signal.SIGTERM, stop)

@@ -6512,6 +6512,14 @@ def test_delete_env_replays_make_s_deletion_to_reward_1(tmp_path):
     assert tasks.verify(tmp_path / "tasks/d0", workdir=tmp_path / "tasks/d0/repo", box=box)[0] == 0
     assert tasks.task_from_deletion(tmp_path / "spec", repo, tmp_path / "tasks", "d1", box) == \
         (None, "not a valid deletion: nothing deleted: the tree is the original")
+    # the same from the command line: the spec from make's task, then the task from make's deletion
+    assert tasks.cli(["delete-spec", str(task_dir), "--out", str(tmp_path / "cli/spec")]) == 0
+    spec, cli_spec = (json.loads(Path(tmp_path, f, "spec.json").read_text()) for f in ("spec", "cli/spec"))
+    assert cli_spec == {**spec, "source": task["source"]}
+    deletion = ["--from-deletion", str(tmp_path / "cli/spec"), "--workdir", str(task_dir / "repo")]
+    assert tasks.cli(["make", *deletion, "--out", str(tmp_path / "cli/tasks")]) == 0
+    made = json.loads((tmp_path / "cli/tasks/spec/task.json").read_text())
+    assert made["fail_to_pass"] == task["fail_to_pass"]
     env = tasks.DeleteEnv(tmp_path / "spec", box=box, verifier=tasks.Verifier(0))
     assert env.step(f"call delete({rel})")[0] == "ok: deleted"
     assert rel not in env.step("call ls()")[0].split("\n")
