@@ -842,7 +842,11 @@ def deletion_spec(work, out, feats, targets, keep, box, source=None):
         fp["body_lines"] = sorted({s.strip().decode("utf-8", "replace") for s in body if len(s.strip()) >= 6
                                    and not s.strip().startswith(b"#") and s.strip() not in kept})
     spec = {"feature": [list(f) for f in feats], "targets": sorted(targets), "keep": sorted(keep),
-            "fingerprints": fps, "python": box.python, "source": source}
+            "fingerprints": fps, "python": box.python, "source": source,
+            # what the static check finds in the original source, a deletion may leave as it is
+            "static_allowed": {rel: sorted(what for what, _ in static_findings(Path(out, "repo", rel)
+                                                                               .read_bytes()))
+                               for rel in source_files(out / "repo")}}
     (out / "spec.json").write_text(json.dumps(spec, indent=1))
     os.chmod(out / "spec.json", 0o600)
     return spec
@@ -850,17 +854,24 @@ def deletion_spec(work, out, feats, targets, keep, box, source=None):
 
 def spec_from_task(task_dir, out, box=None):
     """The deletion a task make wrote, as a spec: its original (the snapshot with the gold patch applied), the
-    feature it deleted, its fail-to-pass tests as the targets and its pass-to-pass tests as those kept."""
+    feature it deleted, and its required tests split by a run on its snapshot: those that do not pass there
+    must stop passing, the rest keep passing. (make's fail-to-pass set can miss a test that reaches the
+    feature where its trace cannot see, through a subprocess; such a test is a pass-to-pass one there.)"""
     task_dir = Path(task_dir)
     if not (task_dir / "task.json").is_file():
         raise TaskError(f"no task at {task_dir}: no task.json")
     task = json.loads((task_dir / "task.json").read_text())
     box = box or Sandbox(python=task.get("python", sys.executable))
+    need = task["fail_to_pass"] + task["pass_to_pass"]
     with scratch() as tmp:
         if (error := patched(task_dir / "repo", task_dir / "gold.patch", Path(tmp, "orig"))) is not None:
             raise TaskError(f"{task_dir}: its gold patch does not apply: {error}")
+        shutil.copytree(task_dir / "repo", Path(tmp, "deleted"), symlinks=True)
+        passed = box.pytest(Path(tmp, "deleted"), sorted({t.split("::")[0] for t in need}),
+                            readonly=protected_paths(Path(tmp, "deleted"), need)).passed
         return deletion_spec(Path(tmp, "orig"), out, [(e["file"], e["qualname"]) for e in task["deleted"]],
-                             task["fail_to_pass"], task["pass_to_pass"], box, task.get("source"))
+                             [t for t in need if t not in passed], [t for t in need if t in passed], box,
+                             task.get("source"))
 
 
 def judge_deletion(spec_dir, workdir, box=None):
@@ -874,7 +885,7 @@ def judge_deletion(spec_dir, workdir, box=None):
     deadline = time.time() + box.timeout
     with scratch() as tmp:
         try:
-            files, deleted = solution_files(snap, workdir, deadline)
+            files, deleted = solution_files(snap, workdir, deadline, spec["static_allowed"])
         except Refused as e:
             return 0, f"rejected: {e}"
         if not files and not deleted:
@@ -921,7 +932,7 @@ def task_from_deletion(spec_dir, workdir, out, tid, box=None):
     reward, why = judge_deletion(spec_dir, workdir, box)
     if reward != 1:
         return None, f"not a valid deletion: {why}"
-    files, deleted = solution_files(orig, workdir, time.time() + box.timeout)
+    files, deleted = solution_files(orig, workdir, time.time() + box.timeout, spec["static_allowed"])
     feats = [tuple(f) for f in spec["feature"]]
     kept = all(find_def(ast.parse(files.get(rel, Path(orig, rel).read_bytes())), q) is not None
                for rel, q in feats if rel not in deleted)
@@ -1193,7 +1204,8 @@ def static_findings(data, tree=None):
         elif isinstance(n, (ast.FunctionDef, ast.Lambda)) and getattr(n, "name", "") in ("__eq__", "__ne__"):
             other = [a.arg for a in n.args.posonlyargs + n.args.args][1:2]
             used = {x.id for x in ast.walk(n) if isinstance(x, ast.Name)}
-            if not other or other[0] not in used:
+            raises = isinstance(n, ast.FunctionDef) and all(isinstance(x, ast.Raise) for x in code_body(n))
+            if (not other or other[0] not in used) and not raises:  # one that only raises reports no equality
                 out.append((f"defines an {n.name} that ignores what it is compared with", line))
         elif isinstance(n, (ast.BinOp, ast.JoinedStr)) and folded(n) in ("__eq__", "__ne__", "_exit", "exit"):
             out.append((f"builds the name {folded(n)!r} from pieces", line))

@@ -6476,6 +6476,11 @@ def test_a_deletion_is_judged_on_the_host_make_s_scores_1_and_wrong_ones_0(tmp_p
         (tree / rel).write_text(original.replace(segment, text))
         r, why = judge(tree)
         assert r == 0 and why.startswith(f"the feature's code is still in {rel}: ") and what in why, how
+    # a stubbed __eq__ (a feature deleted as make stubs it) reports no equality: the static check lets it be
+    eq = "class A:\n    def __eq__(self, other):\n        {}\n"
+    assert tasks.static_findings(eq.format("raise NotImplementedError").encode()) == []
+    assert tasks.static_findings(eq.format("return True").encode())[0][0].endswith("ignores what it is "
+                                                                                 "compared with")
 
 
 def test_delete_env_replays_make_s_deletion_to_reward_1(tmp_path):
