@@ -2998,6 +2998,14 @@ class CodeEnv:
         return float((self.verifier or VERIFIER).result(self)[0])
 
 
+def deletion_opening(feature, targets):
+    """A deletion episode's first user turn: the definitions [(file, qualname)] and the tests that must stop
+    passing (the first four, and how many more)."""
+    more = f" and {len(targets) - 4} more" if len(targets) > 4 else ""
+    return (f"delete {'; '.join(f'{rel} {q}' for rel, q in sorted(feature))}: these tests must stop passing, "
+            f"every other test still pass: " + ", ".join(sorted(targets)[:4]) + more)
+
+
 class DeleteEnv(CodeEnv):
     """The deletion role as an episode, on a folder deletion_spec wrote: the opening names the feature by the
     tests that must stop passing and the definitions they reach; CodeEnv's tools and delete(FILE); the reward
@@ -3005,11 +3013,7 @@ class DeleteEnv(CodeEnv):
     tools, spec = CODE_TOOLS[:-1] + ["delete", "submit"], "spec.json"
 
     def first_turns(self):
-        feature = "; ".join(f"{rel} {q}" for rel, q in sorted(self.task["feature"]))
-        targets = self.task["targets"]
-        more = f" and {len(targets) - 4} more" if len(targets) > 4 else ""
-        return [("user", f"delete {feature}: these tests must stop passing, every other test still pass: "
-                         + ", ".join(targets[:4]) + more)]
+        return [("user", deletion_opening(self.task["feature"], self.task["targets"]))]
 
     def required(self):
         return self.task["targets"] + self.task["keep"]
@@ -3416,6 +3420,25 @@ def micro_episode(files, chosen, mode, rng, habits=Habits(), budget=None, reques
         call("call test()", test_reply(n_tests, []))
     call("call submit()")
     return segments + [turns]
+
+
+def deletion_episode(files, chosen):
+    """The gold deletion episode on the micro-repository `files`, as DeleteEnv answers it (a transcript for
+    pretraining the deletion role): read the module, stub each chosen function's body from the bottom up (the
+    line numbers above stay as read), run the tests (each chosen function's test and test_all fail),
+    submit."""
+    rel, test_rel = micro_module(files), next(r for r in files if r.startswith("tests/test_"))
+    lines = files[rel].split("\n")[:-1]
+    targets = sorted(f"{test_rel}::test_{q}" for q in [*chosen, "all"])
+    turns = [("user", deletion_opening([(rel, q) for q in chosen], targets)),
+             ("assistant", f"call read({rel})"), ("tool", numbered(files[rel].encode()))]
+    for q in sorted(chosen, key=lambda q: -lines.index(f"def {q}(x):")):
+        at = lines.index(f"def {q}(x):") + 2
+        turns += [("assistant", f"call replace({rel},{at},{at})\n    raise NotImplementedError"),
+                  ("tool", "ok")]
+    n_tests = sum(line.startswith("def test_") for line in files[test_rel].split("\n"))
+    return turns + [("assistant", "call test()"), ("tool", test_reply(n_tests - len(targets), targets)),
+                    ("assistant", "call submit()")]
 
 
 READ_FIRST = "Read the file before you edit it."

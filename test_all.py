@@ -6487,7 +6487,8 @@ def test_delete_env_replays_make_s_deletion_to_reward_1(tmp_path):
     """DeleteEnv: make's deletion of a micro-repository feature, replayed through the environment's tools
     (read, then replace each changed block from the bottom up), earns 1 from judge_deletion and becomes a task
     (task_from_deletion) whose gold verifies 1 and whose untouched snapshot 0; deleting the module the feature
-    lives in earns 0 (a deleted file is gone from ls and read), and deleting a test is refused and flagged."""
+    lives in earns 0 (a deleted file is gone from ls and read), and deleting a test is refused and flagged.
+    The command line does the same, and the gold deletion transcript replays to 1."""
     box = tasks.Sandbox(timeout=120)
     repo = tasks.micro_repo(tmp_path / "orig", 7)
     (task_dir,) = tasks.make_micro(tmp_path / "made", 7, 1, box=box)
@@ -6525,6 +6526,15 @@ def test_delete_env_replays_make_s_deletion_to_reward_1(tmp_path):
     assert tasks.cli(["make", *deletion, "--out", str(tmp_path / "cli/tasks")]) == 0
     made = json.loads((tmp_path / "cli/tasks/spec/task.json").read_text())
     assert made["fail_to_pass"] == task["fail_to_pass"]
+    # the gold deletion transcript (pretraining's, for the deletion role) gets, call for call, the replies the
+    # environment gives, and earns 1
+    turns = tasks.deletion_episode(tasks.micro_files(random.Random(7)), [feats[0][1]])
+    env = tasks.DeleteEnv(tmp_path / "spec", box=box, verifier=tasks.Verifier(0))
+    assert env.turns == turns[:1]
+    for k, (role, text) in enumerate(turns):
+        if role == "assistant":
+            assert env.step(text)[0] == (turns[k + 1][1] if k + 1 < len(turns) else None), text
+    assert env.turns == turns and env.reward() == 1, env.result
     env = tasks.DeleteEnv(tmp_path / "spec", box=box, verifier=tasks.Verifier(0))
     assert env.step(f"call delete({rel})")[0] == "ok: deleted"
     assert rel not in env.step("call ls()")[0].split("\n")
