@@ -2461,8 +2461,8 @@ def folder_kind(name, top):
 
 def file_finding(path, task, nmap):
     """(kind, evidence) for one file, or None. Compiled, cached and packed files are reported by kind; text
-    only when it holds a deleted line, a copy of a deleted function under any name, or (a .pyi stub) a
-    deleted name."""
+    only when it holds a deleted line, a copy of a deleted function (its AST, name included: formatting,
+    comments and docstring aside), or (a .pyi stub) a deleted name."""
     kind = file_kind(path.name)
     if kind:
         data = path.read_bytes()
