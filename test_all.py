@@ -6432,24 +6432,31 @@ def test_micro_repositories_make_tasks_and_their_gold_episodes_replay(tmp_path):
     assert again.take(1) == first and again.made == 0
 
 
-def test_a_deletion_is_judged_on_the_host_make_s_scores_1_and_wrong_ones_0(tmp_path):
+@pytest.fixture(scope="module")
+def deletion(tmp_path_factory):
+    """A micro-repository, make's level-1 task on it, and the spec of the deletion that task made:
+    (box, repo, task dir, task, feature [(file, qualname)], spec, spec dir)."""
+    base, box = tmp_path_factory.mktemp("deletion"), tasks.Sandbox(timeout=120)
+    repo = tasks.micro_repo(base / "orig", 7)
+    (task_dir,) = tasks.make_micro(base / "made", 7, 1, box=box)
+    task = json.loads((task_dir / "task.json").read_text())
+    feats = [(e["file"], e["qualname"]) for e in task["deleted"]]
+    spec = tasks.deletion_spec(repo, base / "spec", feats, task["fail_to_pass"], task["pass_to_pass"], box)
+    return box, repo, task_dir, task, feats, spec, base / "spec"
+
+
+def test_a_deletion_is_judged_on_the_host_make_s_scores_1_and_wrong_ones_0(tmp_path, deletion):
     """The deletion role's reward (tasks.judge_deletion): make's own deletion of a micro-repository feature
     scores 1; the original untouched, a deletion that also breaks the other tests, and ones that keep the
     feature's code (a copy in another module, commented out, renamed and reformatted) score 0."""
-    box = tasks.Sandbox(timeout=120)
-    repo = tasks.micro_repo(tmp_path / "orig", 7)
-    (task_dir,) = tasks.make_micro(tmp_path / "made", 7, 1, box=box)
-    task = json.loads((task_dir / "task.json").read_text())
-    feats = [(e["file"], e["qualname"]) for e in task["deleted"]]
-    spec = tasks.deletion_spec(repo, tmp_path / "spec", feats, task["fail_to_pass"], task["pass_to_pass"],
-                               box)
+    box, repo, task_dir, task, feats, spec, spec_dir = deletion
     assert spec["targets"] == task["fail_to_pass"] and spec["fingerprints"]
-    assert (tmp_path / "spec/spec.json").stat().st_mode & 0o777 == 0o600  # the host's alone
-    judge = lambda tree: tasks.judge_deletion(tmp_path / "spec", tree, box)
+    assert (spec_dir / "spec.json").stat().st_mode & 0o777 == 0o600  # the host's alone
+    judge = lambda tree: tasks.judge_deletion(spec_dir, tree, box)
     assert judge(task_dir / "repo") == (1, f"all {len(spec['targets'])} target tests stop passing, all "
                                            f"{len(spec['keep'])} others pass, none of the feature's code "
                                            f"left")
-    assert judge(tmp_path / "spec/repo")[1] == "nothing deleted: the tree is the original"
+    assert judge(spec_dir / "repo")[1] == "nothing deleted: the tree is the original"
     rel, name = feats[0][0], feats[0][1]
     broken = tmp_path / "broken"
     shutil.copytree(task_dir / "repo", broken)
@@ -6483,20 +6490,15 @@ def test_a_deletion_is_judged_on_the_host_make_s_scores_1_and_wrong_ones_0(tmp_p
                                                                                  "compared with")
 
 
-def test_delete_env_replays_make_s_deletion_to_reward_1(tmp_path):
+def test_delete_env_replays_make_s_deletion_to_reward_1(tmp_path, deletion):
     """DeleteEnv: make's deletion of a micro-repository feature, replayed through the environment's tools
     (read, then replace each changed block from the bottom up), earns 1 from judge_deletion and becomes a task
     (task_from_deletion) whose gold verifies 1 and whose untouched snapshot 0; deleting the module the feature
     lives in earns 0 (a deleted file is gone from ls and read), and deleting a test is refused and flagged.
     The command line does the same, and the gold deletion transcript replays to 1."""
-    box = tasks.Sandbox(timeout=120)
-    repo = tasks.micro_repo(tmp_path / "orig", 7)
-    (task_dir,) = tasks.make_micro(tmp_path / "made", 7, 1, box=box)
-    task = json.loads((task_dir / "task.json").read_text())
-    feats = [(e["file"], e["qualname"]) for e in task["deleted"]]
-    tasks.deletion_spec(repo, tmp_path / "spec", feats, task["fail_to_pass"], task["pass_to_pass"], box)
+    box, repo, task_dir, task, feats, spec, spec_dir = deletion
     rel = feats[0][0]
-    env = tasks.DeleteEnv(tmp_path / "spec", box=box, verifier=tasks.Verifier(0))
+    env = tasks.DeleteEnv(spec_dir, box=box, verifier=tasks.Verifier(0))
     assert env.turns[0][1].startswith(f"delete {rel} {feats[0][1]}: these tests must stop passing")
     assert env.step(f"call read({rel})")[0].startswith("1|")
     old, new = (repo / rel).read_text().split("\n"), (task_dir / "repo" / rel).read_text().split("\n")
@@ -6508,19 +6510,19 @@ def test_delete_env_replays_make_s_deletion_to_reward_1(tmp_path):
     assert env.reward() == 1, env.result
     # the deletion becomes a re-implementation task through make's pipeline: gold 1, untouched 0
     with tempfile.TemporaryDirectory() as tree:
-        tasks.materialize(tmp_path / "spec/repo", env.edits, Path(tree, "repo"))
-        made, why = tasks.task_from_deletion(tmp_path / "spec", Path(tree, "repo"), tmp_path / "tasks", "d0",
+        tasks.materialize(spec_dir / "repo", env.edits, Path(tree, "repo"))
+        made, why = tasks.task_from_deletion(spec_dir, Path(tree, "repo"), tmp_path / "tasks", "d0",
                                              box)
     assert made is not None, why
     assert (made["fail_to_pass"], made["pass_to_pass"]) == (task["fail_to_pass"], task["pass_to_pass"])
     assert made["mode"] == "stub" and made["oracle"] and tasks.scan(tmp_path / "tasks/d0/repo", made) == []
     assert tasks.verify(tmp_path / "tasks/d0", patch=tmp_path / "tasks/d0/gold.patch", box=box)[0] == 1
     assert tasks.verify(tmp_path / "tasks/d0", workdir=tmp_path / "tasks/d0/repo", box=box)[0] == 0
-    assert tasks.task_from_deletion(tmp_path / "spec", repo, tmp_path / "tasks", "d1", box) == \
+    assert tasks.task_from_deletion(spec_dir, repo, tmp_path / "tasks", "d1", box) == \
         (None, "not a valid deletion: nothing deleted: the tree is the original")
     # the same from the command line: the spec from make's task, then the task from make's deletion
     assert tasks.cli(["delete-spec", str(task_dir), "--out", str(tmp_path / "cli/spec")]) == 0
-    spec, cli_spec = (json.loads(Path(tmp_path, f, "spec.json").read_text()) for f in ("spec", "cli/spec"))
+    cli_spec = json.loads((tmp_path / "cli/spec/spec.json").read_text())
     assert cli_spec == {**spec, "source": task["source"]}
     deletion = ["--from-deletion", str(tmp_path / "cli/spec"), "--workdir", str(task_dir / "repo")]
     assert tasks.cli(["make", *deletion, "--out", str(tmp_path / "cli/tasks")]) == 0
@@ -6529,19 +6531,19 @@ def test_delete_env_replays_make_s_deletion_to_reward_1(tmp_path):
     # the gold deletion transcript (pretraining's, for the deletion role) gets, call for call, the replies the
     # environment gives, and earns 1
     turns = tasks.deletion_episode(tasks.micro_files(random.Random(7)), [feats[0][1]])
-    env = tasks.DeleteEnv(tmp_path / "spec", box=box, verifier=tasks.Verifier(0))
+    env = tasks.DeleteEnv(spec_dir, box=box, verifier=tasks.Verifier(0))
     assert env.turns == turns[:1]
     for k, (role, text) in enumerate(turns):
         if role == "assistant":
             assert env.step(text)[0] == (turns[k + 1][1] if k + 1 < len(turns) else None), text
     assert env.turns == turns and env.reward() == 1, env.result
-    env = tasks.DeleteEnv(tmp_path / "spec", box=box, verifier=tasks.Verifier(0))
+    env = tasks.DeleteEnv(spec_dir, box=box, verifier=tasks.Verifier(0))
     assert env.step(f"call delete({rel})")[0] == "ok: deleted"
     assert rel not in env.step("call ls()")[0].split("\n")
     assert env.step(f"call read({rel})")[0] == f"error: no such file: {rel}"
     env.step("call submit()")
     assert env.reward() == 0 and env.flags == [] and "other tests no longer pass" in env.result[1], env.result
-    env = tasks.DeleteEnv(tmp_path / "spec", box=box, verifier=tasks.Verifier(0))
+    env = tasks.DeleteEnv(spec_dir, box=box, verifier=tasks.Verifier(0))
     test_file = task["fail_to_pass"][0].split("::")[0]  # refused, and the attempt is what the monitor flags
     assert "read-only" in env.step(f"call delete({test_file})")[0]
     env.step("call submit()")

@@ -620,8 +620,8 @@ def rl_eval(t, rl_step):
 
 # What the README promises of a run, from the first held-out evaluation to the last. Of the default run: the
 # pass rate (mean of the levels) falls by no more than NOISE_FALL times its sampling noise (RL raises it by
-# 0 to 0.16 on the seeds measured: copying a level-2 operand caps it), feedback cuts the "Call" rate by more
-# than NOISE_FALL times its noise (1.6x to 10.6x on the seeds measured), and the tool-not-found rate does not
+# 0 to 0.15 on the seeds measured: copying a level-2 operand caps it), feedback cuts the "Call" rate by more
+# than NOISE_FALL times its noise (2.8x to 10.7x on the seeds measured), and the tool-not-found rate does not
 # rise. Of --rl-tasks code: the pass rate rises by CODE_GAIN or more, one planted habit (HABITS) falls
 # HABIT_CUT times or more, absent tools do not rise, and the monitor flags nothing.
 NOISE_FALL, CODE_GAIN, HABIT_CUT = 2.0, 0.15, 2.0
