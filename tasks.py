@@ -4704,6 +4704,17 @@ xmlschema==4.3.2 yamllint==1.38.0 yaspin==3.5.1
 INDEX = "https://pypi.org/pypi"
 
 
+def unnamed(specs, files):
+    """The specs whose project name none of files mentions (as a word; '-', '_' and '.' alike, any case)."""
+    fold = lambda text: re.sub(r"[-_.]+", "-", text.lower())
+    try:
+        text = fold(" ".join(Path(f).read_text(errors="replace") for f in files))
+    except OSError as e:
+        raise TaskError(f"--exclude: cannot read {e.filename}: {e.strerror}") from None
+    named = lambda name: re.search(rf"(?<![\w-]){re.escape(fold(name))}(?![\w-])", text)
+    return [s for s in specs if not named(s.partition("==")[0])]
+
+
 def fetch_sdist(spec, dest):
     """Download name==version's sdist from the package index into dest, checked against its SHA-256, and
     unpack it (nothing outside dest, no links out, no special files): the unpacked folder."""
@@ -4896,8 +4907,10 @@ def cli(argv=None) -> int:
                                        "a row per package")
     su.add_argument("specs", nargs="*", help="packages as name==version")
     su.add_argument("--draw", type=int, help=f"draw this many from the {len(SURVEY_PACKAGES)} packages "
-                                             f"in SURVEY_PACKAGES")
+                                             f"in SURVEY_PACKAGES (less --exclude's)")
     su.add_argument("--seed", type=int, default=0, help="seed of the draw")
+    su.add_argument("--exclude", nargs="+", default=[], metavar="FILE",
+                    help="draw none of the packages these files name (a fresh draw: none this project chose)")
     su.add_argument("--out", required=True, help="folder for each package's sdist, venv, tasks and log")
     su.add_argument("--n", type=int, default=3, help="tasks to make per package")
     su.add_argument("--jobs", type=int, default=2, help="packages run side by side")
@@ -4956,9 +4969,11 @@ def cli(argv=None) -> int:
             if a.draw:
                 if not 0 < a.draw <= len(SURVEY_PACKAGES):
                     raise TaskError(f"--draw must be in 1..{len(SURVEY_PACKAGES)}")
-                specs += random.Random(a.seed).sample(sorted(SURVEY_PACKAGES), a.draw)
-                print(f"drew {a.draw} of {len(SURVEY_PACKAGES)} packages with --seed {a.seed}: "
-                      + " ".join(specs))
+                pool = unnamed(SURVEY_PACKAGES, a.exclude)
+                if a.draw > len(pool):
+                    raise TaskError(f"--draw {a.draw}: only {len(pool)} packages are left to draw from")
+                specs += random.Random(a.seed).sample(sorted(pool), a.draw)
+                print(f"drew {a.draw} of {len(pool)} packages with --seed {a.seed}: " + " ".join(specs))
             if not specs or a.n < 1 or a.jobs < 1:
                 raise TaskError("survey needs package specs or --draw, and --n, --jobs >= 1")
             bad = [x for x in specs if not re.fullmatch(r"[A-Za-z0-9][\w.-]*==[\w.!+-]+", x)]
