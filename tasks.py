@@ -258,31 +258,90 @@ def related(seed, cands, k):
     return [seed] + near[:k - 1]
 
 
+def units(root, passed, calls, reach=TESTS_AT_MOST):
+    """Features the size of a module: {(entities, functions): tests reaching them}. An entity is a top-level
+    class whole (with the top-level functions of its file that only its tests reach: its helpers) or a module
+    whole ("" for its qualname; not a package's __init__ or a one-module project), holding at least 2 functions
+    the tests reach, reached by 1 to a share `reach` of the passing tests. functions: the (file, qualname) of
+    those reached, which the oracle records. (Code run at import may be in one: a unit is removed, so the
+    whole suite runs without it and says which tests it breaks, and an import it breaks refuses it.)"""
+    limit, hits = max(1, int(reach * len(passed))), {}
+    for t, keys in calls.items():
+        if t in passed:
+            for k in keys:
+                hits.setdefault(k, set()).add(t)
+    out = {}
+    for rel in source_files(root):
+        tree = ast.parse(Path(root, rel).read_bytes())
+        classes = [c for c in tree.body if isinstance(c, ast.ClassDef)]
+        defs = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        defs += [f"{c.name}.{n.name}" for c in classes for n in ast.walk(c)
+                 if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n in c.body]
+        reached = {q: hits[(rel, q)] for q in defs if (rel, q) in hits}
+        groups = []
+        for c in classes:
+            family = [c.name]  # with its subclasses in the file, which could not be defined without it
+            for d in classes:
+                if d.name not in family and any(isinstance(b, ast.Name) and b.id in family for b in d.bases):
+                    family.append(d.name)
+            mine = [q for q in reached if q.split(".")[0] in family and "." in q]
+            tests = set().union(*(reached[q] for q in mine))
+            helpers = [q for q, t in reached.items() if "." not in q and t <= tests]
+            groups.append(([(rel, name) for name in family + helpers], mine + helpers))
+        if Path(rel).name != "__init__.py" and rel not in packages(root):
+            groups.append(([(rel, "")], list(reached)))
+        for ents, qs in groups:
+            tests = set().union(*(reached[q] for q in qs))
+            if len(qs) >= 2 and 1 <= len(tests) <= limit:
+                out[(tuple(ents), tuple((rel, q) for q in sorted(qs)))] = tests
+    return out
+
+
 def delete_features(snap, feats, mode):
     """Splice the features out of snap in place; returns (fingerprints, entities, originals,
-    lines removed)."""
-    by_file, originals, fps, ents, removed = {}, {}, [], [], 0
+    lines removed). A feature is a function, a method or a class by its qualname, or a module whole ("")."""
+    by_file, originals, fps, ents, removed, modules, gone = {}, {}, [], [], 0, set(), set()
     for rel, q in feats:
         by_file.setdefault(rel, []).append(q)
     for rel, qs in by_file.items():
         src = originals[rel] = Path(snap, rel).read_bytes()
         tree = ast.parse(src)
+        if "" in qs:  # the module whole: its file goes, and the imports of it and of its names
+            Path(snap, rel).unlink()
+            modules.add(module_name(rel))
+            gone |= {t.id for n in tree.body for t in (n.targets if isinstance(n, ast.Assign) else [])
+                     if isinstance(t, ast.Name)} | {n.name for n in tree.body if isinstance(
+                         n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+            ents.append({"file": rel, "qualname": "", "kind": "module", "signature": f"module {module_name(rel)}",
+                         "docstring": ast.get_docstring(tree), "lines": src.count(b"\n") + 1})
+            removed += ents[-1]["lines"]
+            continue
         edits = [(n, delete_edit(src, n, mode)) for q in qs for n in [find_def(tree, q)]]
         new = apply_edits(src, [e for _, e in edits])
         Path(snap, rel).write_bytes(new)
         for q, (n, (a, b, _)) in zip(qs, edits):
-            ents.append({"file": rel, "qualname": q, "kind": "method" if "." in q else "function",
+            ents.append({"file": rel, "qualname": q, "kind": "class" if isinstance(n, ast.ClassDef)
+                         else "method" if "." in q else "function",
                          "signature": signature(n), "docstring": ast.get_docstring(n),
                          "lines": src[a:b].count(b"\n") + 1})
             removed += ents[-1]["lines"]
-    gone = {q for _, q in feats if "." not in q}
-    for rel in source_files(snap) if mode == "remove" and gone else []:
-        # mend what would break import: __all__ entries and `from .mod import name` re-exports
-        src = Path(snap, rel).read_bytes()
-        edits = mend_edits(src, gone)
-        if edits:
-            originals.setdefault(rel, src)
-            Path(snap, rel).write_bytes(apply_edits(src, edits))
+    gone |= {q for _, q in feats if q and "." not in q}
+    for _ in range(3) if mode == "remove" and (gone or modules) else []:
+        # mend what would break import: __all__ entries, `from .mod import name` re-exports, imports of a
+        # deleted module, and the statements that wire a deleted name in (an alias, a registration), whose
+        # names are then gone too
+        more = set()
+        for rel in source_files(snap):
+            src = Path(snap, rel).read_bytes()
+            edits, wired = mend_edits(src, gone, modules, module_name(rel) if Path(rel).name == "__init__.py"
+                                      else module_name(rel).rpartition(".")[0], originals.get(rel, src))
+            if edits:
+                originals.setdefault(rel, src)
+                Path(snap, rel).write_bytes(apply_edits(src, edits))
+            more |= wired - gone
+        if not more:
+            break
+        gone |= more
     # a deleted line is evidence only if no Python file left behind (tests, other modules) has it too;
     # caches and build output do not count: they are what the scan is for
     kept = b"\n".join(Path(snap, r).read_bytes() for r in walk(snap)
@@ -291,6 +350,13 @@ def delete_features(snap, feats, mode):
                       and not Path(r).parts[0].endswith(".egg-info"))
     for e in ents:
         src = originals[e["file"]]
+        if e["kind"] == "module":  # each of its definitions, and every line of it
+            tree = ast.parse(src)
+            fps += [fingerprint(e["file"], n.name, n, ast.get_source_segment(src.decode("utf-8", "replace"), n,
+                                                                              padded=True).encode(), kept)
+                    for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+            fps.append(fingerprint(e["file"], "", tree, src, kept))
+            continue
         n = find_def(ast.parse(src), e["qualname"])
         a, b, _ = delete_edit(src, n, mode)
         fps.append(fingerprint(e["file"], e["qualname"], n, src[a:b], kept))
@@ -302,7 +368,8 @@ def prompt_for(ents, f2p):
              "NotImplementedError, or removed entirely). Re-implement them so the failing tests pass and "
              "every other test keeps passing. Do not edit tests or test configuration.\n"]
     for e in ents:
-        parts.append(f"- {e['file']}: {e['kind']} `{e['qualname']}`\n    {e['signature']}")
+        parts.append(f"- {e['file']}: the whole module, {e['lines']} lines" if e["kind"] == "module" else
+                     f"- {e['file']}: {e['kind']} `{e['qualname']}`\n    {e['signature']}")
         if e["docstring"]:
             parts.append("    docstring: " + e["docstring"].strip().replace("\n", "\n    "))
     parts.append("\nTests that must pass:\n" + "\n".join(f"  {t}" for t in f2p[:20])
@@ -369,6 +436,7 @@ def build_task(work, tdir, tid, feats, mode, stable, reach, box, source, splice=
         shutil.copytree(snap, g, symlinks=True)
         for rel, src in originals.items():
             Path(g, rel).write_bytes(src)
+        git(g, "add", "--intent-to-add", "--", *originals)  # a file the deletion removed is new in the diff
         (tdir / "gold.patch").write_bytes(git(g, "diff", "--binary"))
         r, records = record_calls(g, feats, box, reach)
         oracle, task["oracle"] = make_oracle(g, feats, records, box)
@@ -442,13 +510,14 @@ def baseline(work, box, repo, log):
 
 
 def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reach=None, jobs=1,
-         stats=None, min_lines=2, strength_k=0):
+         stats=None, min_lines=2, strength_k=0, size="def"):
     """Up to n validated, scan-clean tasks from repo into out/; returns the task dicts. box: how the
     repository's tests run (default: this interpreter, in bubblewrap, 300 s a run); reach: the largest share
     of the suite a feature may be reached by (default: REACH_STEPS); jobs: tries run side by side; stats: a
     dict that gets the suite's size, the candidates, the tries and the test executions; strength_k: mutants
     each made task's strength is measured with (a verify each; 0, the default here, measures none, and an
-    unmeasured task is not served; the command line measures STRENGTH_K)."""
+    unmeasured task is not served; the command line measures STRENGTH_K); size: "def" (a function or method,
+    with group-1 related ones) or "module" (a class with its helpers, or a module, removed whole: units)."""
     stats = {} if stats is None else stats
     repo, out, box = Path(repo), Path(out), box or Sandbox()
     if not repo.is_dir():
@@ -456,8 +525,12 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reac
     if not packages(repo):
         raise TaskError(f"no Python package (a folder with __init__.py) or single module imported by the "
                         f"tests at the top of {repo} or {repo}/src")
-    if n < 1 or group < 1 or jobs < 1 or reach is not None and not 0 < reach <= 1:
-        raise TaskError("--n, --group and --jobs must be >= 1, --reach in (0, 1]")
+    if not any(r.endswith(".py") and is_protected(r) and Path(r).name not in CONFIG for r in walk(repo)):
+        raise TaskError(f"{repo} has no test files (test_*.py, *_test.py, or .py files in a tests/ or test/ "
+                        f"folder): its tests are the verifier (an sdist may ship none; take its source "
+                        f"repository)")
+    if n < 1 or group < 1 or jobs < 1 or reach is not None and not 0 < reach <= 1 or size not in SIZES:
+        raise TaskError(f"--n, --group and --jobs must be >= 1, --reach in (0, 1], --size one of {SIZES}")
     source = git_source(repo)
     for rel in source_files(repo):  # every module must parse: candidates and splices read them all
         try:
@@ -483,30 +556,34 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reac
         # by default a fifth of the suite, more while there are fewer than 2n candidates (a small library
         # whose every function most tests use); a given --reach is kept as given
         for r in [reach] if reach else REACH_STEPS:
-            cands = candidates(work, stable, calls, at_import, r, min_lines)
+            cands = (candidates(work, stable, calls, at_import, r, min_lines) if size == "def"
+                     else units(work, stable, calls, r))
             if len(cands) >= 2 * n:
                 break
         reach, limit = r, max(1, int(r * len(stable)))
         stats.update(limit=limit, candidates=len(cands))
         log(f"{len(cands)} candidate features (reached by 1..{limit} tests, not run at import): "
-            + ", ".join(sorted(q for _, q in cands)))
+            + ", ".join(sorted(q if size == "def" else q or rel for f in cands
+                               for rel, q in [f if size == "def" else f[0][0]])))
         if not cands:
             raise TaskError(f"no candidate feature in {repo}: each function is reached by no passing test, "
                             f"by more than {limit} (--reach {reach} of {len(stable)}), or runs at import")
         order = sorted(cands)
         random.Random(seed).shuffle(order)
-        groups, taken = [], set()  # disjoint groups of features, tried in this order
-        for f in order:
-            feats = related(f, cands, group)
-            if not taken & set(feats):
-                groups.append(feats)
-                taken |= set(feats)
+        groups, taken = [], set()  # disjoint groups of features, tried in this order: (what is cut, the
+        for f in order:            # functions the oracle records, the tests that reach them)
+            cut, fns = (related(f, cands, group),) * 2 if size == "def" else map(list, f)
+            if not taken & set(cut):
+                groups.append((cut, fns, set().union(*(cands[g] for g in cut)) if size == "def" else cands[f]))
+                taken |= set(cut)
         groups = groups[:3 * n]  # a repository that keeps failing is not worth hours
+        mode = mode if size == "def" else "remove"
 
         def attempt(i, feats):
-            tid = f"{repo.resolve().name}-{i:03d}-" + hashlib.sha1(repr(feats).encode()).hexdigest()[:8]
-            reaching = set().union(*(cands[f] for f in feats))
-            return tid, make_task(work, out, tid, feats, mode, stable, reaching, box, source)
+            cut, fns, reaching = feats
+            tid = f"{repo.resolve().name}-{i:03d}-" + hashlib.sha1(repr(cut).encode()).hexdigest()[:8]
+            return tid, make_task(work, out, tid, fns, mode, stable, reaching, box, source,
+                                  lambda snap: delete_features(snap, cut, mode))
         tasks, tried, reasons = [], 0, []
         with stoppable(jobs) as pool:
             todo = iter(enumerate(groups))
@@ -520,7 +597,7 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reac
                     continue
                 tried += 1
                 o = task["oracle"] if task else {}
-                log(f"  {tid}: {', '.join(q for _, q in feats)} -> {why}"
+                log(f"  {tid}: {', '.join(q or rel for rel, q in feats[0])} -> {why}"
                     + (f" (fail-to-pass {len(task['fail_to_pass'])}, leaks scrubbed "
                        f"{len(task['scan']['before_scrub'])}, oracle {o['traced']} traced + {o['held_out']} "
                        f"held-out calls" + ("" if o["covered"] else f"; not served: {'; '.join(o['why'])}")
@@ -550,6 +627,7 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reac
     return tasks
 
 
+SIZES = ("def", "module")
 MIN_STRENGTH = 0.8  # served only when the tests plus the oracle kill this share of the gold's mutants
 
 
@@ -630,17 +708,42 @@ def delete_edit(src, node, mode):
     return ls[first - 1], end, b""
 
 
-def mend_edits(src, names):
-    """Edits that drop removed top-level names from __all__ and from `from .x import name` re-exports."""
-    tree, ls, edits = ast.parse(src), line_starts(src), []
+def top_names(tree):
+    """The names a module's top-level statements bind: definitions, assignments, imports."""
+    out = set()
+    for n in tree.body:
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(n.name)
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            out |= {(a.asname or a.name).split(".")[0] for a in n.names}
+        elif isinstance(n, (ast.Assign, ast.AnnAssign)):
+            out |= {t.id for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                    for t in ast.walk(t) if isinstance(t, ast.Name)}
+    return out
+
+
+def mend_edits(src, names, modules=(), package="", was=None):
+    """(edits, names they unbind): edits that drop removed top-level names from __all__ and from
+    `from .x import name` re-exports, (modules: dotted names of deleted modules; package: the one src is in)
+    every top-level import of those modules, and (was: src before the deletion) every top-level statement
+    that uses a name src no longer binds (an alias, a registration), in turn."""
+    tree, ls, edits, unbound = ast.parse(src), line_starts(src), [], set()
     off = lambda ln, col: ls[ln - 1] + col
     for node in tree.body:
-        if isinstance(node, ast.ImportFrom) and any(a.name in names for a in node.names):
-            keep = [a for a in node.names if a.name not in names]
-            text = f"from {'.' * node.level}{node.module or ''} import " + ", ".join(
-                a.name + (f" as {a.asname}" if a.asname else "") for a in keep) if keep else "pass"
+        if isinstance(node, ast.ImportFrom):
+            base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]) if node.level else ""
+            whole = ".".join(filter(None, [base, node.module or ""]))
+            keep = [] if whole in modules else [a for a in node.names if a.name not in names
+                                                and f"{whole}.{a.name}" not in modules]
+        elif isinstance(node, ast.Import):
+            keep = [a for a in node.names if not any(a.name == m or a.name.startswith(m + ".") for m in modules)]
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and len(keep) < len(node.names):
+            text = ("pass" if not keep else ("import " if isinstance(node, ast.Import) else
+                                             f"from {'.' * node.level}{node.module or ''} import ")
+                    + ", ".join(a.name + (f" as {a.asname}" if a.asname else "") for a in keep))
             edits.append((off(node.lineno, node.col_offset), off(node.end_lineno, node.end_col_offset),
                           text.encode()))
+            unbound |= {(a.asname or a.name).split(".")[0] for a in node.names if a not in keep}
         targets = (node.targets if isinstance(node, ast.Assign)
                    else [node.target] if isinstance(node, ast.AugAssign) else [])
         if (any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets)
@@ -648,11 +751,22 @@ def mend_edits(src, names):
             elts = node.value.elts
             for i, e in enumerate(elts):
                 if isinstance(e, ast.Constant) and e.value in names:
-                    # take the element up to the next one (its comma and spacing go with it)
+                    # take the element up to the next one (its comma and spacing go with it), the
+                    # last one with its trailing comma
                     end = (off(elts[i + 1].lineno, elts[i + 1].col_offset) if i + 1 < len(elts)
                            else off(e.end_lineno, e.end_col_offset))
+                    end += len(re.match(rb"\s*,?", src[end:]).group()) if i + 1 == len(elts) else 0
                     edits.append((off(e.lineno, e.col_offset), end, b""))
-    return edits
+    dead = (top_names(ast.parse(was)) - top_names(tree) if was else set()) | unbound
+    wired = set()
+    for node in tree.body:  # in order: a statement's targets are dead for the statements after it
+        uses = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.Expr)) and uses & dead:
+            edits.append((ls[node.lineno - 1], ls[node.end_lineno] if node.end_lineno < len(ls) else len(src),
+                          b""))
+            dead |= (bound := top_names(ast.Module([node], [])))
+            wired |= bound
+    return edits, wired
 
 
 # -----------------------------------------------------------------------------
@@ -2159,8 +2273,8 @@ def mutations(gold, deleted, k, seed=0):
     gold's."""
     srcs = {e["file"]: Path(gold, e["file"]).read_bytes() for e in deleted}
     trees = {rel: ast.dump(ast.parse(src)) for rel, src in srcs.items()}
-    sites = [(e, *site) for e in deleted
-             for site in mutation_sites(find_def(ast.parse(srcs[e["file"]]), e["qualname"]))]
+    sites = [(e, *site) for e in deleted for tree in [ast.parse(srcs[e["file"]])]
+             for site in mutation_sites(find_def(tree, e["qualname"]) if e["qualname"] else tree)]
     random.Random(seed).shuffle(sites)
     out, seen, short = [], set(), lambda t: t if len(t) <= 60 else t[:57] + "..."
     for e, node, new, kind in sites:
@@ -2256,6 +2370,8 @@ def strength_lines(tid, s):
 # Fingerprints of the deleted code: what the scanner looks for in every leak source.
 
 def ast_hash(node, named=True):
+    if isinstance(node, ast.Module):  # a module whole is known by its definitions' hashes and its lines
+        return None
     node = ast.parse(ast.unparse(node)).body[0]  # normalises formatting and comments away
     if code_body(node) is not node.body:
         node.body = node.body[1:]  # ...and the docstring, which stub mode keeps anyway
@@ -2265,19 +2381,25 @@ def ast_hash(node, named=True):
 
 
 def fingerprint(rel, qualname, node, deleted, kept):
-    """Names, parameters, unusual literals, the AST hash, and deleted lines that appear nowhere else."""
-    params = [a.arg for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs
-              if a.arg not in ("self", "cls")]
+    """Names, parameters, unusual literals, the AST hash, and deleted lines that appear nowhere else (of a
+    function, a class, or a module: node an ast.Module, qualname "")."""
+    args = getattr(node, "args", None)
+    params = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs
+              if a.arg not in ("self", "cls")] if args else []
     lits = {repr(n.value) for s in code_body(node) for n in ast.walk(s) if isinstance(n, ast.Constant)
             and (isinstance(n.value, str) and len(n.value) >= 5
                  or type(n.value) in (int, float) and abs(n.value) > 100)}
     lines = {s.strip() for s in deleted.decode("utf-8", "replace").splitlines()}
     lines = sorted(s for s in lines if len(s) >= 16 and not s.startswith("#") and s.encode() not in kept)
-    return {"file": rel, "qualname": qualname, "name": node.name, "params": params, "literals": sorted(lits),
+    name = getattr(node, "name", None) or Path(rel).stem
+    return {"file": rel, "qualname": qualname, "name": name, "params": params, "literals": sorted(lits),
             "ast_hash": ast_hash(node), "lines": lines}
 
 
 def signature(node):
+    if isinstance(node, ast.ClassDef):
+        bases = ", ".join(map(ast.unparse, node.bases + node.keywords))
+        return f"class {node.name}" + (f"({bases})" if bases else "")
     ret = f" -> {ast.unparse(node.returns)}" if node.returns else ""
     return (f"{'async ' if isinstance(node, ast.AsyncFunctionDef) else ''}"
             f"def {node.name}({ast.unparse(node.args)}){ret}")
@@ -4429,8 +4551,8 @@ def test_requirements(repo):
         if not extras:  # setup.py declares extras in code; pip ignores the ones it lacks
             extras += ["test", "tests", "testing"]
     for dep in cfg.get("testenv", "deps", fallback="").splitlines():
-        dep = dep.strip()
-        if dep.startswith("-r"):
+        dep = dep.strip().replace("{toxinidir}/", "")  # tox's name for the repository's folder
+        if dep.startswith("-r") and "{" not in dep:
             args.append(f"--requirement={dep[2:].strip()}")
         elif dep and not dep.startswith(("#", "-", ".")) and "{" not in dep \
                 and not re.match(r"[\w,!{}.-]+:\s", dep):  # `docs: sphinx`: another tox env's
@@ -4856,6 +4978,9 @@ def cli(argv=None) -> int:
     m.add_argument("--mode", choices=["stub", "remove"], default="stub",
                    help="stub: keep signature and docstring, raise NotImplementedError; "
                         "remove: delete the definition")
+    m.add_argument("--size", choices=SIZES, default="def",
+                   help="a feature is a function or method (def), or a class with its helpers or a "
+                        "module, removed whole (module)")
     m.add_argument("--group", type=int, default=1,
                    help="difficulty: delete up to this many related features together")
     m.add_argument("--timeout", type=int, default=300, help="seconds allowed for one test-suite run")
@@ -4937,7 +5062,7 @@ def cli(argv=None) -> int:
                 raise TaskError("make needs --repo (or --from-deletion SPEC_DIR --workdir DIR)")
             box = Sandbox(a.python or sys.executable, not a.no_sandbox, a.timeout)
             tasks = make(a.repo, a.out, a.n, a.seed, a.mode, a.group, box, reach=a.reach, jobs=a.jobs,
-                         strength_k=a.strength)
+                         strength_k=a.strength, size=a.size)
             return 0 if tasks else 1
         if a.cmd == "delete-spec":
             spec = spec_from_task(a.task_dir, a.out)

@@ -4137,6 +4137,107 @@ def test_splice_is_byte_exact_and_remove_mends_reexports(tmp_path):
             .replace('    "mean",  # re-exported\n', ""))
 
 
+SHAPES = {
+    "shapes/__init__.py": 'from .circle import Circle, UNIT, diameter\nfrom .grid import cells, neighbours\n'
+                          'from .core import total\n__all__ = ["Circle", "UNIT", "cells", "neighbours", "total", "diameter"]\n',
+    "shapes/circle.py": '''"""Circles."""
+import math
+
+
+def _squared(r):
+    return r * r
+
+
+def diameter(r):
+    d = 2 * r
+    return d
+
+
+class Circle:
+    """A circle of radius r."""
+
+    def __init__(self, r):
+        self.r = r
+
+    def area(self):
+        return math.pi * _squared(self.r)
+
+    def scale(self, k):
+        if k <= 0:
+            raise ValueError("a circle scales by a positive factor")
+        return Circle(self.r * k)
+
+
+class Ring(Circle):
+    def width(self):
+        return self.r / 10
+
+
+UNIT = Circle(1)  # wired in at import: goes with the class
+''',
+    "shapes/grid.py": '''def cells(w, h):
+    """Every (x, y) of a w x h grid."""
+    return [(x, y) for y in range(h) for x in range(w)]
+
+
+def neighbours(x, y):
+    """The four cells next to (x, y)."""
+    return [(x + 1, y), (x - 1, y), (x, y + 1), (x, y - 1)]
+''',
+    "shapes/core.py": '''def total(xs):
+    """The sum of xs, 0 for none."""
+    out = 0
+    for x in xs:
+        out += x
+    return out
+''',
+    "tests/test_shapes.py": '''import pytest
+import shapes
+
+
+def test_area(): assert round(shapes.Circle(2).area(), 3) == 12.566
+def test_scale(): assert shapes.Circle(2).scale(3).r == 6
+def test_scale_bad():
+    with pytest.raises(ValueError):
+        shapes.Circle(1).scale(0)
+def test_ring(): assert shapes.circle.Ring(5).width() == 0.5
+def test_diameter(): assert shapes.diameter(2) == 4
+def test_cells(): assert shapes.cells(2, 1) == [(0, 0), (1, 0)]
+def test_neighbours(): assert (0, 1) in shapes.neighbours(0, 0)
+''' + "".join(f"def test_total_{i}(): assert shapes.total(range({i})) == {i * (i - 1) // 2}\n" for i in range(14)),
+}
+
+
+def test_make_cuts_features_the_size_of_a_module(tmp_path):
+    """make --size module: a class whole, with its subclass, its helper and the statement that wires it in, or
+    a module whole with its imports mended; each a task whose gold verifies 1 and untouched snapshot 0."""
+    for rel, text in SHAPES.items():
+        Path(tmp_path, "r", rel).parent.mkdir(parents=True, exist_ok=True)
+        Path(tmp_path, "r", rel).write_text(text)
+    repo = commit(tmp_path / "r")
+    made = tasks.make(repo, tmp_path / "out", n=3, size="module", log=print)
+    cut = {tuple(sorted(e["qualname"] or e["file"] for e in t["deleted"])): t for t in made}
+    assert set(cut) == {("Circle", "Ring", "_squared"), ("shapes/grid.py",), ("shapes/circle.py",)}, set(cut)
+    klass, module = cut[("Circle", "Ring", "_squared")], cut[("shapes/grid.py",)]
+    assert klass["mode"] == module["mode"] == "remove"
+    assert {e["kind"] for e in klass["deleted"]} == {"class", "function"} and module["deleted"][0]["kind"] == "module"
+    assert short(klass["fail_to_pass"]) == {"test_area", "test_scale", "test_scale_bad", "test_ring"}
+    assert short(module["fail_to_pass"]) == {"test_cells", "test_neighbours"}
+    assert "- shapes/grid.py: the whole module" in module["prompt"] and "class Ring(Circle)" in klass["prompt"]
+    snap = tmp_path / "out" / klass["id"] / "repo"
+    assert Path(snap, "shapes/circle.py").read_text().split() == '"""Circles.""" import math def diameter(r): d = 2 * r return d'.split()
+    assert Path(snap, "shapes/__init__.py").read_text().startswith("from .circle import diameter\nfrom .grid")
+    snap = tmp_path / "out" / module["id"] / "repo"
+    assert not Path(snap, "shapes/grid.py").exists() and '"cells"' not in Path(snap, "shapes/__init__.py").read_text()
+    # the oracle records the class's methods and the module's functions
+    oracle = json.loads((tmp_path / "out" / klass["id"] / "oracle.json").read_text())
+    assert {q for _, q in oracle["features"]} >= {"Circle.area", "Circle.scale", "Ring.width", "_squared"}
+    for t in made:
+        d = tmp_path / "out" / t["id"]
+        assert tasks.verify(d, patch=d / "gold.patch")[0] == 1
+        assert tasks.verify(d, workdir=d / "repo")[0] == 0
+
+
 # -----------------------------------------------------------------------------
 # tasks.py, feature deletion: make
 
