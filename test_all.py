@@ -5952,7 +5952,8 @@ def test_monitor_allows_what_verify_allows_and_git_on_the_work_tree(tmp_path):
 
 
 def test_make_refuses_bad_repositories_in_one_line_and_never_touches_the_source(tmp_path):
-    """Not a git repository, a module that is not Python source (binary), no tests, no test passing twice, a
+    """Not a git repository, a module that is not Python source (binary), no test files, no tests, no test or
+    only one passing twice, a
     baseline where most tests fail, a test file that does not collect, no feature few enough tests reach, a
     suite past the timeout, a configuration that needs a missing plugin: one line each. A make that succeeds
     keeps binary data files as they are, leaves test-run debris out, records the source commit, and leaves
@@ -5969,6 +5970,11 @@ def test_make_refuses_bad_repositories_in_one_line_and_never_touches_the_source(
              "pytest collected no tests": {"tests/test_calc.py": b""},
              "no test passes twice in": {"tests/test_calc.py": b"import sys\n"
                                          b"def test_p(): assert sys.getprofile() is None\n"},
+             # an sdist that left out the tests' helper module: one test file of two collects
+             "only 1 test passes twice in": {"tests/test_calc.py": b"def test_one(): pass\n",
+                                             "tests/test_more.py": b"from tests import helper\n"},
+             "has no test files (test_*.py, *_test.py, or .py files in a tests/ or test/ folder)": {
+                 "tests/test_calc.py": None},
              "the baseline is broken: 2 of 3 tests fail and 1 pass in": {
                  "tests/test_calc.py": b"def test_no(): assert False\ndef test_no2(): assert 0\n"
                                        b"def test_yes(): pass\n"},
@@ -5987,7 +5993,7 @@ def test_make_refuses_bad_repositories_in_one_line_and_never_touches_the_source(
     def refused(i, expected, files):
         repo = write_fixture(tmp_path / f"bad{i}")
         for rel, data in files.items():
-            (repo / rel).write_bytes(data)
+            (repo / rel).write_bytes(data) if data is not None else (repo / rel).unlink()
         with pytest.raises(tasks.TaskError) as e:
             # 3 s only where the suite must run past it: on a loaded machine a suite may take longer
             box = tasks.Sandbox(timeout=3 if "past 3 x the timeout" in expected else 120)
