@@ -21,7 +21,8 @@ made from real repositories with their tests as the verifier; EvalPlus (Liu et a
 The map, in file order:
 
     Layout         which files are source, which are tests and configuration (never editable)
-    Make           make: baseline, map, pick, delete, validate, scrub, scan, record the oracle, write a task
+    Make           make: baseline, map, pick (a function, or with --size module a class or a module whole),
+                   delete, validate, scrub, scan, record the oracle, write a task
     Splicing       delete_edit: byte ranges that delete a feature (stub or remove), the rest byte-identical
     Verify         verify: the oracle on the solution's packages, then the task's tests and canaries
     Deletion       the other role: deletion_spec (a feature to delete), judge_deletion (its reward),
@@ -63,7 +64,7 @@ records the commit) and runs its tests with the interpreter from `env`.
                                    # the difficulty sampler
     python tasks.py env --repo DIR --venv DIR   # the repository's test environment; prints its interpreter
     python tasks.py make --repo DIR --out DIR [--n N] [--mode stub|remove] [--group K] [--python PY]
-                   [--strength K]
+                   [--strength K] [--size def|module]   # module: a class or a module removed whole
     python tasks.py delete-spec TASK_DIR --out DIR   # the deletion a task make wrote, as a DeleteEnv episode
     python tasks.py make --from-deletion SPEC_DIR --workdir DIR --out DIR   # a deletion (scored 1) -> a task
     python tasks.py verify TASK_DIR (--workdir DIR | --patch FILE) [--python PY] [--no-sandbox]
@@ -3568,6 +3569,13 @@ def deletion_episode(files, chosen):
                     ("assistant", "call submit()")]
 
 
+def deletion_transcript(rng, family="words"):
+    """deletion_episode on a fresh micro-repository, one or two of its functions chosen."""
+    files = micro_files(rng, family=family)
+    funcs = [n.name for n in ast.parse(files[micro_module(files)]).body]
+    return deletion_episode(files, rng.sample(funcs, rng.randint(1, 2)))
+
+
 READ_FIRST = "Read the file before you edit it."
 TEST_FIRST = "Run the tests before you submit."
 EDIT_CALL = re.compile(r"\s*[Cc]all (replace|insert)\(([^,()]+),")
@@ -3631,6 +3639,7 @@ class TaskPool:
         self.slots, self.queue, self.asked, self.served = {}, deque(), set(), dict.fromkeys(MICRO_LEVELS, 0)
         self.made, self.error, self.cond = 0, None, threading.Condition()
         self.listed = {level: [] for level in MICRO_LEVELS}
+        self.added = {level: [] for level in MICRO_LEVELS}  # tasks made elsewhere (a policy's deletions)
         if source is not None:
             refused = {}
             for d in served(source, refused):
@@ -3698,8 +3707,27 @@ class TaskPool:
                 raise TaskError(f"making micro-repository tasks failed: {self.error}")
             return self.slots[level, k]
 
+    def add_deletion(self, env, tid):
+        """A deletion episode (DeleteEnv) that scored 1 -> a task in out/made (task_from_deletion: make's
+        validation, the oracle recorded on the original, the gold verified), its strength measured; served,
+        by the rule any task is (coverage and strength), once by take before the level's own. -> its folder,
+        or None."""
+        out = self.out / "made"
+        with scratch() as tmp:
+            tree = materialize(env.snap, env.edits, Path(tmp, "tree"))
+            task, _ = task_from_deletion(env.dir, tree, out, tid, env.box)
+        if task is None:
+            return None
+        strength(out / tid, box=env.box, gold_s=task["gold_s"])  # (written into its task.json)
+        if serving(json.loads((out / tid / "task.json").read_text())):
+            return None
+        self.added[task_level(task)].append(str(out / tid))
+        return out / tid
+
     def take(self, level):
         """The level's next task folder (from a folder of tasks: the nearest level it has)."""
+        if self.added[level]:
+            return Path(self.added[level].pop(0))
         if self.source is not None:
             level = min((lv for lv in self.listed if self.listed[lv]), key=lambda lv: (abs(lv - level), lv))
             self.served[level] += 1
@@ -3712,10 +3740,12 @@ class TaskPool:
             self.served[level] = (k + 1) * self.uses  # an empty slot: on to the next
 
     def state_dict(self):
-        return {"served": {str(k): v for k, v in self.served.items()}}
+        return {"served": {str(k): v for k, v in self.served.items()},
+                "added": {str(k): list(v) for k, v in self.added.items()}}
 
     def load_state_dict(self, state):
         self.served.update({int(k): v for k, v in state["served"].items()})
+        self.added.update({int(k): list(v) for k, v in state.get("added", {}).items()})
 
 
 # -----------------------------------------------------------------------------
@@ -3953,14 +3983,17 @@ def chain_transcript(task: ToolTask, rng: random.Random, budget: int, request: s
 
 def corpus(n: int, seed: int, p_mistake: float = 0.2, p_hint: float = 0.2, p_capital: float = 0.3,
            long_share: float = 0.0, budget: int = 224, request: str = "", code_share: float = 0.0,
-           code_budget: int = 384, family: str = "words") -> str:
+           code_budget: int = 384, family: str = "words", delete_share: float = 0.0) -> str:
     """n gold transcripts: long_share of them chains of the tool-use family, code_share coding episodes on
     micro-repositories of a family at levels 1-3 (code_transcript with CODE_HABITS; each segment one
-    document), the rest tool-use tasks."""
+    document; delete_share of them the other role's, deletion_transcript), the rest tool-use tasks."""
     rng = random.Random(seed)
     docs = []
     for _ in range(n):
         if code_share and rng.random() < code_share:  # (no draw without: the tool-use corpus stays as it was)
+            if delete_share and rng.random() < delete_share:
+                docs.append(render(deletion_transcript(rng, family)))
+                continue
             docs += [render(seg) for seg in code_transcript(
                 rng, rng.randint(1, len(MICRO_LEVELS)), CODE_HABITS, code_budget, request, family)]
         elif rng.random() < long_share:

@@ -6602,7 +6602,8 @@ def test_delete_env_replays_make_s_deletion_to_reward_1(tmp_path, deletion):
     (read, then replace each changed block from the bottom up), earns 1 from judge_deletion and becomes a task
     (task_from_deletion) whose gold verifies 1 and whose untouched snapshot 0; deleting the module the feature
     lives in earns 0 (a deleted file is gone from ls and read), and deleting a test is refused and flagged.
-    The command line does the same, and the gold deletion transcript replays to 1."""
+    The command line does the same, and the gold deletion transcript replays to 1 and, as RL's deletions do,
+    becomes a task the pool serves."""
     box, repo, task_dir, task, feats, spec, spec_dir = deletion
     rel = feats[0][0]
     env = tasks.DeleteEnv(spec_dir, box=box, verifier=tasks.Verifier(0))
@@ -6644,6 +6645,15 @@ def test_delete_env_replays_make_s_deletion_to_reward_1(tmp_path, deletion):
         if role == "assistant":
             assert env.step(text)[0] == (turns[k + 1][1] if k + 1 < len(turns) else None), text
     assert env.turns == turns and env.reward() == 1, env.result
+    # in RL (train.py --delete-share), such a deletion becomes a task of the pool, which take serves once
+    # before the pool's own, and a resumed pool still holds it
+    pool = tasks.TaskPool(tmp_path / "pool", 0)
+    made = pool.add_deletion(env, "by-policy")
+    assert made == tmp_path / "pool/made/by-policy", made
+    assert tasks.serving(json.loads((made / "task.json").read_text())) == []
+    again = tasks.TaskPool(tmp_path / "pool", 0)
+    again.load_state_dict(pool.state_dict())
+    assert pool.take(1) == again.take(1) == made and pool.state_dict()["added"]["1"] == []
     env = tasks.DeleteEnv(spec_dir, box=box, verifier=tasks.Verifier(0))
     assert env.step(f"call delete({rel})")[0] == "ok: deleted"
     assert rel not in env.step("call ls()")[0].split("\n")

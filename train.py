@@ -92,8 +92,8 @@ CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "compos
 # --rl-tasks code: an assistant message holds an edit of a few lines; a segment holds the opening, a file's
 # lines and the edits (past the budget, a summary); a reply is cut to what that context holds; a task made
 # serves CODE_USES groups (make takes about 3 s a micro-repository task on a 2-core CPU); the transcripts
-# mix has CODE_SHARE coding episodes.
-CODE_MESSAGE, CODE_BUDGET, CODE_REPLY, CODE_USES, CODE_SHARE = 64, 480, 200, 4, 0.9
+# mix has CODE_SHARE coding episodes, DELETE_SHARE of them the deletion role's (the task-maker's).
+CODE_MESSAGE, CODE_BUDGET, CODE_REPLY, CODE_USES, CODE_SHARE, DELETE_SHARE = 64, 480, 200, 4, 0.9, 0.25
 # Other weights the RL stage keeps for the policy (grpo.Weights: this rank's shards only), and the flag that
 # asks for each: the KL reference (the policy RL started from) and a frozen or EMA feedback teacher
 RL_COPIES = {"reference": "--kl-coef > 0", "teacher": "--feedback-teacher frozen or ema"}
@@ -368,6 +368,8 @@ def rl(t, step):
         run.log(record)
         code = t.job.code
         print0(f"rl step {rl_step:4d}/{args.rl_steps} | level {level} | reward {record['reward']:.3f} | "
+               + (f"delete {record['reward_delete']:.3f} on {record['episodes_delete']:g} episodes, "
+                  f"{record['deletions_made']} tasks made of them | " if code and args.delete_share else "") +
                f"of calls: tool not found {record['tool_error_rate']:.3f}, "
                + (f"edits unread {record['blind_edit_rate']:.3f} | hack flags {record['hack_flags']} | "
                   f"verify {record['verify_ms']:.0f} ms ({record['verify_wait_ms']:.0f} ms waited) | "
@@ -537,12 +539,25 @@ HABITS = {"blind": "blind_edit_rate", "untested": "untested_rate", "give_up": "g
 def code_stats(t, envs, n_episodes, calls):
     """Coding episodes' figures, over the ranks: the habits' rates (HABITS), trajectories the monitor flagged,
     test runs and submits an episode."""
-    counts = [tasks.episode_habits(e.turns, len(e.task["deleted"])) for e in envs]
+    counts = [tasks.episode_habits(e.turns, len(e.task.get("deleted") or e.task["feature"])) for e in envs]
     sums = sum_over_ranks(t, [sum(c[h] for c in counts) for h in HABITS] + [
         sum(bool(e.flags) for e in envs), sum(e.tests for e in envs), sum(c["submitted"] for c in counts)])
     return {**{rate: total / max(1, calls if habit == "blind" else n_episodes)
                for (habit, rate), total in zip(HABITS.items(), sums)},
             "hack_flags": sums[-3], "tests": sums[-2] / n_episodes, "submit_rate": sums[-1] / n_episodes}
+
+
+def role_stats(t, envs):
+    """The two roles of a step, over the ranks: each one's reward (deleting a feature, re-implementing one),
+    and the share of re-implementations of tasks the policy made that fail (how hard its tasks are)."""
+    roles = [[e for e in envs if isinstance(e, tasks.DeleteEnv) == delete] for delete in (True, False)]
+    made = [e for e in roles[1] if e.dir.parent.name == "made"]
+    delete, n_delete, redo, n_redo, fails, n_made = sum_over_ranks(t, [
+        sum(e.reward() for e in roles[0]), len(roles[0]), sum(e.reward() for e in roles[1]), len(roles[1]),
+        sum(1 - e.reward() for e in made), len(made)])
+    return {"reward_delete": delete / max(1, n_delete), "episodes_delete": n_delete,
+            "reward_reimplement": redo / max(1, n_redo), "made_task_fail_rate": fails / max(1, n_made),
+            "made_task_episodes": n_made}
 
 
 def code_record(t, envs, n_episodes, calls, rl_step, batch=None):
@@ -555,9 +570,10 @@ def code_record(t, envs, n_episodes, calls, rl_step, batch=None):
             with open(Path(t.args.out) / f"flagged-rank{t.rank}.jsonl", "a") as f:
                 f.write(json.dumps({"rl_step": rl_step, "task": str(e.dir), "flags": e.flags,
                                     "steps": e.steps}) + "\n")
-    return {**code_stats(t, envs, n_episodes, calls),
+    return {**code_stats(t, envs, n_episodes, calls), **role_stats(t, envs),
             **verify_figures(t, "", batch["verified"] if batch else t.work.verifier.stats()),
-            "tasks_made": batch["tasks_made"] if batch else t.work.code_pool(t.rank).made}
+            "tasks_made": batch["tasks_made"] if batch else t.work.code_pool(t.rank).made,
+            "deletions_made": batch["deletions_made"] if batch else t.work.made_by_policy.get(t.rank, 0)}
 
 
 def verify_figures(t, prefix, now):
@@ -605,8 +621,13 @@ def rl_eval(t, rl_step):
               "episodes_level2": passed[3], "tool_error_rate": errors / max(1, calls),
               "capital_rate": capital / max(1, calls), "calls": calls, "summaries": summaries / episodes}
     if code:
-        record.update(**code_stats(t, envs, episodes, calls),
-                      **verify_figures(t, "eval_", work.eval_verifier.stats()))
+        record.update(**code_stats(t, envs, episodes, calls))
+        if t.args.delete_share:  # the other role on the same tasks: delete each one's feature (half as many)
+            denvs = work.held_out_deletions(max(1, k // 2))
+            sample(t, denvs, torch.Generator().manual_seed(2 * 10**6 + t.rank))
+            done, n = sum_over_ranks(t, [sum(e.reward() for e in denvs), len(denvs)])
+            record.update(pass_delete=done / max(1, n), episodes_delete=n)
+        record.update(verify_figures(t, "eval_", work.eval_verifier.stats()))
     t.run.log(record)
     t.evals.append(record)
     print0(f"rl eval after {rl_step:3d} steps | {split} pass rate level 1 {record['pass_level1']:.3f}, "
@@ -615,7 +636,8 @@ def rl_eval(t, rl_step):
            + (f" | edits unread {record['blind_edit_rate']:.3f}; of episodes: submitted "
               f"{record['submit_rate']:.2f}, untested {record['untested_rate']:.2f}, before every function "
               f"{record['give_up_rate']:.2f}, after a failing test {record['no_fix_rate']:.2f} | hack flags "
-              f"{record['hack_flags']}" if code else ""))
+              f"{record['hack_flags']}" if code else "")
+           + (f" | deletions pass {record['pass_delete']:.3f}" if "pass_delete" in record else ""))
 
 
 # What the README promises of a run, from the first held-out evaluation to the last. Of the default run: the
@@ -716,6 +738,9 @@ class RLTasks:
         self.eval_verifier = tasks.Verifier(args.verify_workers) if job.code else None
         # --task-dir has no held-out split: the evaluation draws from the tasks training uses
         self.eval_split = "train-task" if job.code and args.task_dir else "held-out"
+        # the deletion role: a rank's deletion groups of the last step (harvested into tasks at the next),
+        # and the tasks its policy made
+        self.deleting, self.made_by_policy = {}, {}
 
     def make_held_out(self):
         """Make this rank's held-out coding tasks now, two at a time, unless an earlier run on this machine
@@ -740,6 +765,34 @@ class RLTasks:
 
     def code_env(self, task_dir, verifier=None):
         return tasks.CodeEnv(task_dir, reply_limit=CODE_REPLY, verifier=verifier or self.verifier)
+
+    def delete_env(self, task_dir, specs, verifier=None):
+        """The deletion role's episode on the deletion a task made (tasks.spec_from_task, kept in specs and
+        made once: aside, then moved in whole)."""
+        spec = Path(specs) / Path(task_dir).name
+        if not (spec / "spec.json").is_file():
+            Path(specs).mkdir(parents=True, exist_ok=True)
+            aside = Path(specs) / f".making-{spec.name}-{os.getpid()}"
+            tasks.spec_from_task(task_dir, aside)
+            with contextlib.suppress(OSError):  # already there: another rank made it first
+                os.rename(aside, spec)
+            shutil.rmtree(aside, ignore_errors=True)
+        return tasks.DeleteEnv(spec, reply_limit=CODE_REPLY, verifier=verifier or self.verifier)
+
+    def held_out_deletions(self, k):
+        """The deletion role's evaluation: k episodes on the deletion each held-out task made."""
+        specs = (self.pools["held-out"].out if "held-out" in self.pools
+                 else Path(self.job.args.out) / "tasks") / "specs"
+        return [self.delete_env(d, specs, self.eval_verifier) for _, d in self.held_out_code() for _ in range(k)]
+
+    def harvest(self, data_rank, rl_step):
+        """The deletions a rank's policy made in the last step's deletion groups -> tasks its pool serves from
+        now on (a group's first episode that scored 1: TaskPool.add_deletion). Never the step that made them:
+        the next draws them."""
+        for group in self.deleting.pop(data_rank, []):
+            won = next((e for e in group if e.reward() == 1), None)
+            if won is not None and self.code_pool(data_rank).add_deletion(won, f"{won.dir.name}-by-{rl_step}"):
+                self.made_by_policy[data_rank] = self.made_by_policy.get(data_rank, 0) + 1
 
     def held_out_code(self):
         """This rank's held-out coding tasks, [(level, folder)], made from micro-repositories no transcript or
@@ -768,10 +821,14 @@ class RLTasks:
         task_rng = random.Random(f"{args.seed}/{rl_step}/{data_rank}")
         gen = torch.Generator().manual_seed(task_rng.getrandbits(63))
         groups = args.tasks_per_step // self.job.trainers  # a rank's share of the step's tasks
-        if self.job.code:
-            return level, [self.code_env(d) for d in (self.code_pool(data_rank).take(level)
-                                                      for _ in range(groups))
-                           for _ in range(args.group_size)], gen
+        if self.job.code:  # each group re-implements a task, or (--delete-share) makes one: deletes its feature
+            self.harvest(data_rank, rl_step)
+            pool, specs = self.code_pool(data_rank), Path(args.out) / "tasks" / f"rank{data_rank}" / "specs"
+            deleting = [bool(args.delete_share) and task_rng.random() < args.delete_share for _ in range(groups)]
+            envs = [[self.delete_env(d, specs) if delete else self.code_env(d) for _ in range(args.group_size)]
+                    for delete, d in ((delete, pool.take(level)) for delete in deleting)]
+            self.deleting[data_rank] = [g for g, delete in zip(envs, deleting) if delete]
+            return level, [e for g in envs for e in g], gen
         return level, [self.make_env(task)
                        for task in (self.make_task(task_rng, level) for _ in range(groups))
                        for _ in range(args.group_size)], gen
@@ -786,7 +843,9 @@ def rollout_rank(job, work, rank, world_size, device, bridge):
     try:
         serve_rollouts(policy, bridge, work.cfg, work.episodes, work.difficulty, args.max_staleness, rank,
                        world_size, (lambda tr: {"verified": work.verifier.stats(),
-                                                "tasks_made": work.code_pool(tr).made}) if job.code else None)
+                                                "tasks_made": work.code_pool(tr).made,
+                                                "deletions_made": work.made_by_policy.get(tr, 0)})
+                       if job.code else None)
     except PeerLost as e:  # a trainer stopped
         peer_lost(e, rank, role="rollout")
     dist.destroy_process_group()
@@ -1634,6 +1693,7 @@ def transcripts(n, seed, code):
         return np.load(path)
     text = tasks.corpus(n, seed=seed, long_share=LONG_SHARE, budget=GRPOConfig.context_budget,
                         request=SUMMARY_REQUEST, code_share=CODE_SHARE if code else 0.0,
+                        delete_share=DELETE_SHARE if code else 0.0,
                         code_budget=CODE_BUDGET, family=code or "words")
     tokens = np.array(encode(text, specials=True), dtype=np.uint16)
     keep_in_cache(path, lambda f: np.save(f, tokens))
@@ -1961,6 +2021,8 @@ def check(args):
                 f"{args.rl_eval_tasks} and {args.rl_eval_samples}")
         if args.temperature <= 0 or not 0 <= args.feedback_ema_decay < 1 or args.ppo_epochs < 1:
             die("--temperature must be > 0, --feedback-ema-decay in [0, 1), --ppo-epochs >= 1")
+        if not 0 <= args.delete_share <= 1:
+            die(f"--delete-share must be in [0, 1], got {args.delete_share}")
         if not 1 <= args.ppo_minibatches <= args.tasks_per_step // world_size:
             die(f"--ppo-minibatches {args.ppo_minibatches}: each is whole groups, and a rank has "
                 f"{args.tasks_per_step // world_size} (--tasks-per-step {args.tasks_per_step} "
@@ -2204,6 +2266,10 @@ def make_parser():
                    help="with --rl-tasks code: the micro-repositories' functions are named by words that "
                         "say the body (double, last, count_vowels), or by an operation and a digit to copy "
                         "(mul4: x * 4; the harder level, which the tiny model does not learn)")
+    g.add_argument("--delete-share", type=float, default=0.25,
+                   help="with --rl-tasks code: the share of a step's groups that play the other role, "
+                        "deleting a task's feature (tasks.DeleteEnv); a deletion that scores 1 becomes a task "
+                        "later steps re-implement")
     g.add_argument("--verify-workers", type=int, default=2,
                    help="with --rl-tasks code: threads that verify finished episodes while the others sample "
                         "(0: each verify holds up sampling)")
