@@ -90,6 +90,7 @@ import datetime
 import decimal
 import difflib
 import enum
+import fnmatch
 import fractions
 import functools
 import hashlib
@@ -527,6 +528,14 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reac
     if not packages(repo):
         raise TaskError(f"no Python package (a folder with __init__.py) or single module imported by the "
                         f"tests at the top of {repo} or {repo}/src")
+    named = pytest_config(repo).get("python_files", "")
+    named = named if isinstance(named, list) else str(named).replace(",", " ").split()
+    unseen = [r for r in walk(repo) if r.endswith(".py") and not is_protected(r)
+              and any(fnmatch.fnmatch(Path(r).name, pat) for pat in named)]
+    if unseen:  # a test file a solution could edit, or a module make could cut from
+        raise TaskError(f"{repo}'s pytest configuration names test files (python_files = {' '.join(named)}) that "
+                        f"are not tests by their names or folder, e.g. {unseen[0]}: make knows test_*.py, "
+                        f"*_test.py and .py files in a tests/ or test/ folder")
     if not any(r.endswith(".py") and is_protected(r) and Path(r).name not in CONFIG for r in walk(repo)):
         raise TaskError(f"{repo} has no test files (test_*.py, *_test.py, or .py files in a tests/ or test/ "
                         f"folder): its tests are the verifier (an sdist may ship none; take its source "
@@ -568,8 +577,11 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reac
             + ", ".join(sorted(q if size == "def" else q or rel for f in cands
                                for rel, q in [f if size == "def" else f[0][0]])))
         if not cands:
-            raise TaskError(f"no candidate feature in {repo}: each function is reached by no passing test, "
-                            f"by more than {limit} (--reach {reach} of {len(stable)}), or runs at import")
+            raise TaskError(f"no candidate feature in {repo}: " + (
+                f"each function is reached by no passing test, by more than {limit} (--reach {reach} of "
+                f"{len(stable)}), or runs at import" if size == "def" else
+                f"no class or module holds 2 functions the tests reach, reached by 1 to {limit} tests (--reach "
+                f"{reach} of {len(stable)})"))
         order = sorted(cands)
         random.Random(seed).shuffle(order)
         groups, taken = [], set()  # disjoint groups of features, tried in this order: (what is cut, the

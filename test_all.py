@@ -5952,10 +5952,11 @@ def test_monitor_allows_what_verify_allows_and_git_on_the_work_tree(tmp_path):
 
 
 def test_make_refuses_bad_repositories_in_one_line_and_never_touches_the_source(tmp_path):
-    """Not a git repository, a module that is not Python source (binary), no test files, no tests, no test or
-    only one passing twice, a
-    baseline where most tests fail, a test file that does not collect, no feature few enough tests reach, a
-    suite past the timeout, a configuration that needs a missing plugin: one line each. A make that succeeds
+    """Not a git repository, a module that is not Python source (binary), test files only pytest's
+    python_files names, no test files, no tests, no test or
+    only one passing twice, a baseline where most tests fail, a test file that does not collect, no feature
+    few enough tests reach, a suite past the timeout, a configuration that needs a missing plugin: one line
+    each. A make that succeeds
     keeps binary data files as they are, leaves test-run debris out, records the source commit, and leaves
     the source repository byte-identical, .git included."""
     def tree(root):
@@ -5973,6 +5974,10 @@ def test_make_refuses_bad_repositories_in_one_line_and_never_touches_the_source(
              # an sdist that left out the tests' helper module: one test file of two collects
              "only 1 test passes twice in": {"tests/test_calc.py": b"def test_one(): pass\n",
                                              "tests/test_more.py": b"from tests import helper\n"},
+             "pytest configuration names test files (python_files = check_*.py) that are not tests by their "
+             "names or folder, e.g. check_calc.py": {
+                 "pyproject.toml": b'[tool.pytest.ini_options]\npython_files = ["check_*.py"]\n',
+                 "check_calc.py": b"import calc\ndef test_add(): assert calc.add(1, 2) == 3\n"},
              "has no test files (test_*.py, *_test.py, or .py files in a tests/ or test/ folder)": {
                  "tests/test_calc.py": None},
              "the baseline is broken: 2 of 3 tests fail and 1 pass in": {
