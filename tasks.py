@@ -598,8 +598,8 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reac
             tid = f"{repo.resolve().name}-{i:03d}-" + hashlib.sha1(repr(cut).encode()).hexdigest()[:8]
             task, why = make_task(work, out, tid, fns, mode, stable, reaching, box, source,
                                   lambda snap: delete_features(snap, cut, mode))
-            if task and len(task["fail_to_pass"]) > limit:  # removed, it breaks what imports it: no feature
-                shutil.rmtree(out / tid, ignore_errors=True)  # of its own any more
+            if task and size == "module" and len(task["fail_to_pass"]) > limit:  # removed, it breaks what
+                shutil.rmtree(out / tid, ignore_errors=True)  # imports it: no feature of its own any more
                 task, why = None, f"it breaks {len(task['fail_to_pass'])} tests, more than {limit} (--reach)"
             return tid, (task, why)
         tasks, tried, reasons = [], 0, []

@@ -5953,12 +5953,11 @@ def test_monitor_allows_what_verify_allows_and_git_on_the_work_tree(tmp_path):
 
 def test_make_refuses_bad_repositories_in_one_line_and_never_touches_the_source(tmp_path):
     """Not a git repository, a module that is not Python source (binary), test files only pytest's
-    python_files names, no test files, no tests, no test or
-    only one passing twice, a baseline where most tests fail, a test file that does not collect, no feature
-    few enough tests reach, a suite past the timeout, a configuration that needs a missing plugin: one line
-    each. A make that succeeds
-    keeps binary data files as they are, leaves test-run debris out, records the source commit, and leaves
-    the source repository byte-identical, .git included."""
+    python_files names, no test files, no tests, no test or only one passing twice, a baseline where most
+    tests fail, a test file that does not collect, no feature few enough tests reach, a suite past the
+    timeout, a configuration that needs a missing plugin: one line each. A make that succeeds keeps binary
+    data files as they are, leaves test-run debris out, records the source commit, and leaves the source
+    repository byte-identical, .git included."""
     def tree(root):
         return {p.relative_to(root): (p.stat().st_mode, p.read_bytes())
                 for p in sorted(root.rglob("*")) if p.is_file()}
