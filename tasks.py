@@ -229,22 +229,31 @@ TESTS_AT_MOST = 0.2  # a feature may be reached by at most this fraction of the 
 TRACE_SLOWER = 3  # the traced run's timeout, in plain runs' timeouts
 REACH_STEPS = (TESTS_AT_MOST, 0.35, 0.5)  # ... or, while there are too few such features, this much
 
-def candidates(root, passed, calls, at_import, reach=TESTS_AT_MOST, min_lines=2):
-    """{(file, qualname): tests reaching it} for top-level functions and methods that at least min_lines of
-    code, 1 to a share `reach` of the passing tests, and nothing at import reach."""
-    limit = max(1, int(reach * len(passed)))
-    reach = {}
+def reached(passed, calls):
+    """{(file, qualname): the passing tests that call it}."""
+    out = {}
     for t, keys in calls.items():
         if t in passed:
             for k in keys:
-                reach.setdefault(k, set()).add(t)
+                out.setdefault(k, set()).add(t)
+    return out
+
+
+def defs_of(tree):
+    """[(qualname, node)] of a module's top-level functions and its top-level classes' methods."""
+    fn = (ast.FunctionDef, ast.AsyncFunctionDef)
+    return [(n.name, n) for n in tree.body if isinstance(n, fn)] + [
+        (f"{c.name}.{n.name}", n) for c in tree.body if isinstance(c, ast.ClassDef) for n in c.body
+        if isinstance(n, fn)]
+
+
+def candidates(root, passed, calls, at_import, reach=TESTS_AT_MOST, min_lines=2):
+    """{(file, qualname): tests reaching it} for top-level functions and methods that at least min_lines of
+    code, 1 to a share `reach` of the passing tests, and nothing at import reach."""
+    limit, reach = max(1, int(reach * len(passed))), reached(passed, calls)
     out = {}
     for rel in source_files(root):
-        tree = ast.parse(Path(root, rel).read_bytes())
-        defs = [(n.name, n) for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-        defs += [(f"{c.name}.{n.name}", n) for c in tree.body if isinstance(c, ast.ClassDef)
-                 for n in c.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-        for q, n in defs:
+        for q, n in defs_of(ast.parse(Path(root, rel).read_bytes())):
             body = code_body(n)
             tests = reach.get((rel, q), set())
             if body and body[-1].end_lineno - body[0].lineno + 1 >= min_lines and 1 <= len(tests) <= limit \
@@ -267,33 +276,25 @@ def units(root, passed, calls, reach=TESTS_AT_MOST):
     the tests reach, reached by 1 to a share `reach` of the passing tests. functions: the (file, qualname) of
     those reached, which the oracle records. (Code run at import may be in one: a unit is removed, so the
     whole suite runs without it and says which tests it breaks, and an import it breaks refuses it.)"""
-    limit, hits = max(1, int(reach * len(passed))), {}
-    for t, keys in calls.items():
-        if t in passed:
-            for k in keys:
-                hits.setdefault(k, set()).add(t)
-    out = {}
+    limit, hits, out = max(1, int(reach * len(passed))), reached(passed, calls), {}
     for rel in source_files(root):
         tree = ast.parse(Path(root, rel).read_bytes())
         classes = [c for c in tree.body if isinstance(c, ast.ClassDef)]
-        defs = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-        defs += [f"{c.name}.{n.name}" for c in classes for n in ast.walk(c)
-                 if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n in c.body]
-        reached = {q: hits[(rel, q)] for q in defs if (rel, q) in hits}
+        here = {q: hits[(rel, q)] for q, _ in defs_of(tree) if (rel, q) in hits}
         groups = []
         for c in classes:
             family = [c.name]  # with its subclasses in the file, which could not be defined without it
             for d in classes:
                 if d.name not in family and any(isinstance(b, ast.Name) and b.id in family for b in d.bases):
                     family.append(d.name)
-            mine = [q for q in reached if q.split(".")[0] in family and "." in q]
-            tests = set().union(*(reached[q] for q in mine))
-            helpers = [q for q, t in reached.items() if "." not in q and t <= tests]
+            mine = [q for q in here if q.split(".")[0] in family and "." in q]
+            tests = set().union(*(here[q] for q in mine))
+            helpers = [q for q, t in here.items() if "." not in q and t <= tests]
             groups.append(([(rel, name) for name in family + helpers], mine + helpers))
         if Path(rel).name != "__init__.py" and rel not in packages(root):
-            groups.append(([(rel, "")], list(reached)))
+            groups.append(([(rel, "")], list(here)))
         for ents, qs in groups:
-            tests = set().union(*(reached[q] for q in qs))
+            tests = set().union(*(here[q] for q in qs))
             if len(qs) >= 2 and 1 <= len(tests) <= limit:
                 out[(tuple(ents), tuple((rel, q) for q in sorted(qs)))] = tests
     return out
