@@ -4675,6 +4675,12 @@ def make_env(repo, venv, isolate=True, log=print):
         log(f"installing {repo.name}{'[' + ','.join(extras) + ']' if extras else ''} {' '.join(reqs)} pytest")
         rc, out = (rc, out) if rc else box.run([*pip, target, *reqs, "pytest"], src, writable=[venv],
                                                 network=True, extra_env=keep)
+        if rc and "No module named 'pkg_resources'" in out:  # an old setup.py; setuptools 81 dropped it
+            log("its build needs pkg_resources: building with setuptools<81 in the venv instead")
+            rc, out = box.run([*pip, "setuptools<81", "wheel"], src, writable=[venv], network=True,
+                              extra_env=keep)
+            rc, out = (rc, out) if rc else box.run([*pip, "--no-build-isolation", target, *reqs, "pytest"], src,
+                                                    writable=[venv], network=True, extra_env=keep)
         if rc:
             raise TaskError(f"pip install failed in {venv}: {pip_failure(out)}")
         site_dir = next(venv.glob("lib/python3*/site-packages"))
