@@ -26,7 +26,8 @@ reads only its shards) and --save-hf writes the trained model back in that layou
     python train.py                                      # tiny preset, CPU: pretraining, then RL
     python train.py --stage pretrain --out pre           # pretraining only; then RL from its checkpoint:
     python train.py --stage rl --resume --out pre
-    python train.py --rl-tasks code                      # RL as a coding agent on feature-deletion tasks
+    python train.py --rl-tasks code                      # RL as a coding agent on feature-deletion tasks,
+                                                         # a share of groups deleting features (new tasks)
     torchrun --nproc_per_node=4 train.py --cp 2 --ep 4   # FSDP x CP=2, EP=4 (gloo on CPU)
     torchrun --nproc_per_node=8 train.py --dp-replicate 2 --ep 4
     torchrun --nproc_per_node=4 train.py --stage rl --resume --rollout-ranks 1 --max-staleness 1  # async RL
