@@ -4139,7 +4139,8 @@ def test_splice_is_byte_exact_and_remove_mends_reexports(tmp_path):
 
 SHAPES = {
     "shapes/__init__.py": 'from .circle import Circle, UNIT, diameter\nfrom .grid import cells, neighbours\n'
-                          'from .core import total\n__all__ = ["Circle", "UNIT", "cells", "neighbours", "total", "diameter"]\n',
+                          'from .core import total\n'
+                          '__all__ = ["Circle", "UNIT", "cells", "neighbours", "total", "diameter"]\n',
     "shapes/circle.py": '''"""Circles."""
 import math
 
@@ -4204,7 +4205,8 @@ def test_ring(): assert shapes.circle.Ring(5).width() == 0.5
 def test_diameter(): assert shapes.diameter(2) == 4
 def test_cells(): assert shapes.cells(2, 1) == [(0, 0), (1, 0)]
 def test_neighbours(): assert (0, 1) in shapes.neighbours(0, 0)
-''' + "".join(f"def test_total_{i}(): assert shapes.total(range({i})) == {i * (i - 1) // 2}\n" for i in range(14)),
+''' + "".join(f"def test_total_{i}(): assert shapes.total(range({i})) == {i * (i - 1) // 2}\n"
+              for i in range(14)),
 }
 
 
@@ -4220,15 +4222,19 @@ def test_make_cuts_features_the_size_of_a_module(tmp_path):
     assert set(cut) == {("Circle", "Ring", "_squared"), ("shapes/grid.py",), ("shapes/circle.py",)}, set(cut)
     klass, module = cut[("Circle", "Ring", "_squared")], cut[("shapes/grid.py",)]
     assert klass["mode"] == module["mode"] == "remove"
-    assert {e["kind"] for e in klass["deleted"]} == {"class", "function"} and module["deleted"][0]["kind"] == "module"
+    assert {e["kind"] for e in klass["deleted"]} == {"class", "function"}
+    assert module["deleted"][0]["kind"] == "module"
     assert short(klass["fail_to_pass"]) == {"test_area", "test_scale", "test_scale_bad", "test_ring"}
     assert short(module["fail_to_pass"]) == {"test_cells", "test_neighbours"}
-    assert "- shapes/grid.py: the whole module" in module["prompt"] and "class Ring(Circle)" in klass["prompt"]
+    assert "- shapes/grid.py: the whole module" in module["prompt"]
+    assert "class Ring(Circle)" in klass["prompt"]
     snap = tmp_path / "out" / klass["id"] / "repo"
-    assert Path(snap, "shapes/circle.py").read_text().split() == '"""Circles.""" import math def diameter(r): d = 2 * r return d'.split()
+    left = '"""Circles.""" import math def diameter(r): d = 2 * r return d'
+    assert Path(snap, "shapes/circle.py").read_text().split() == left.split()
     assert Path(snap, "shapes/__init__.py").read_text().startswith("from .circle import diameter\nfrom .grid")
     snap = tmp_path / "out" / module["id"] / "repo"
-    assert not Path(snap, "shapes/grid.py").exists() and '"cells"' not in Path(snap, "shapes/__init__.py").read_text()
+    assert not Path(snap, "shapes/grid.py").exists()
+    assert '"cells"' not in Path(snap, "shapes/__init__.py").read_text()
     # the oracle records the class's methods and the module's functions
     oracle = json.loads((tmp_path / "out" / klass["id"] / "oracle.json").read_text())
     assert {q for _, q in oracle["features"]} >= {"Circle.area", "Circle.scale", "Ring.width", "_squared"}

@@ -784,7 +784,8 @@ class RLTasks:
         """The deletion role's evaluation: k episodes on the deletion each held-out task made."""
         specs = (self.pools["held-out"].out if "held-out" in self.pools
                  else Path(self.job.args.out) / "tasks") / "specs"
-        return [self.delete_env(d, specs, self.eval_verifier) for _, d in self.held_out_code() for _ in range(k)]
+        return [self.delete_env(d, specs, self.eval_verifier)
+                for _, d in self.held_out_code() for _ in range(k)]
 
     def harvest(self, data_rank, rl_step):
         """The deletions a rank's policy made in the last step's deletion groups -> tasks its pool serves from
@@ -792,7 +793,8 @@ class RLTasks:
         the next draws them."""
         for group in self.deleting.pop(data_rank, []):
             won = next((e for e in group if e.reward() == 1), None)
-            if won is not None and self.code_pool(data_rank).add_deletion(won, f"{won.dir.name}-by-{rl_step}"):
+            tid = won and f"{won.dir.name}-by-{rl_step}"
+            if won is not None and self.code_pool(data_rank).add_deletion(won, tid):
                 self.made_by_policy[data_rank] = self.made_by_policy.get(data_rank, 0) + 1
 
     def held_out_code(self):
@@ -822,11 +824,13 @@ class RLTasks:
         task_rng = random.Random(f"{args.seed}/{rl_step}/{data_rank}")
         gen = torch.Generator().manual_seed(task_rng.getrandbits(63))
         groups = args.tasks_per_step // self.job.trainers  # a rank's share of the step's tasks
-        if self.job.code:  # each group re-implements a task, or (--delete-share) makes one: deletes its feature
+        if self.job.code:  # a group re-implements a task or (--delete-share) makes one: deletes its feature
             self.harvest(data_rank, rl_step)
             pool, specs = self.code_pool(data_rank), Path(args.out) / "tasks" / f"rank{data_rank}" / "specs"
-            deleting = [bool(args.delete_share) and task_rng.random() < args.delete_share for _ in range(groups)]
-            envs = [[self.delete_env(d, specs) if delete else self.code_env(d) for _ in range(args.group_size)]
+            share = args.delete_share
+            deleting = [bool(share) and task_rng.random() < share for _ in range(groups)]
+            envs = [[self.delete_env(d, specs) if delete else self.code_env(d)
+                     for _ in range(args.group_size)]
                     for delete, d in ((delete, pool.take(level)) for delete in deleting)]
             self.deleting[data_rank] = [g for g, delete in zip(envs, deleting) if delete]
             return level, [e for g in envs for e in g], gen
@@ -2269,8 +2273,8 @@ def make_parser():
                         "(mul4: x * 4; the harder level, which the tiny model does not learn)")
     g.add_argument("--delete-share", type=float, default=0.25,
                    help="with --rl-tasks code: the share of a step's groups that play the other role, "
-                        "deleting a task's feature (tasks.DeleteEnv); a deletion that scores 1 becomes a task "
-                        "later steps re-implement")
+                        "deleting a task's feature (tasks.DeleteEnv); a deletion that scores 1 becomes a "
+                        "task later steps re-implement")
     g.add_argument("--verify-workers", type=int, default=2,
                    help="with --rl-tasks code: threads that verify finished episodes while the others sample "
                         "(0: each verify holds up sampling)")
