@@ -93,7 +93,8 @@ CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "compos
 # --rl-tasks code: an assistant message holds an edit of a few lines; a segment holds the opening, a file's
 # lines and the edits (past the budget, a summary); a reply is cut to what that context holds; a task made
 # serves CODE_USES groups (make takes about 3 s a micro-repository task on a 2-core CPU); the transcripts
-# mix has CODE_SHARE coding episodes, DELETE_SHARE of them the deletion role's (the task-maker's).
+# mix has CODE_SHARE coding episodes, and with --delete-share DELETE_SHARE of them the deletion role's (the
+# task-maker's).
 CODE_MESSAGE, CODE_BUDGET, CODE_REPLY, CODE_USES, CODE_SHARE, DELETE_SHARE = 64, 480, 200, 4, 0.9, 0.25
 # Other weights the RL stage keeps for the policy (grpo.Weights: this rank's shards only), and the flag that
 # asks for each: the KL reference (the policy RL started from) and a frozen or EMA feedback teacher
@@ -1657,14 +1658,14 @@ LONG_SHARE = 0.15
 SHARD_MAGIC, SHARD_HEADER = 20240520, 256  # llm.c's token shards: 256 int32 [magic, version, n_tokens, ...]
 
 
-def load_tokens(path, code):
+def load_tokens(path, code, delete=0.0):
     """-> (train shards, val shards, vocab size or None): lists of 1-D token arrays; dies with one line on
-    missing, empty or corrupt data."""
+    missing, empty or corrupt data. code, delete: the generated transcripts' (transcripts)."""
     if path is None:  # generated: transcripts of the tool-use tasks, a pure function of the code and a seed
         # The RL stage needs a model that knows the format and copies a call's arguments, which the tiny model
         # learns only after a few hundred steps of them. Nothing here reads a file, so an edit to a comment or
         # to the README never changes what a run trains on (a run reads fewer windows than there are).
-        return [transcripts(20000, 1, code)], [transcripts(1000, 2, code)], None
+        return [transcripts(20000, 1, code, delete)], [transcripts(1000, 2, code, delete)], None
     p = Path(path)
     if not p.exists():
         die(f"--data {path}: no such file or folder")
@@ -1693,19 +1694,20 @@ def load_tokens(path, code):
     return [train], [val], None
 
 
-def transcripts(n, seed, code):
+def transcripts(n, seed, code, delete=0.0):
     """Tokens of n gold transcripts (tasks.corpus, seeded; code: the micro-repository family of the coding
-    episodes, None: tool use only), as uint16. Making them takes seconds and every run (every rank) makes the
-    same ones, so they are cached in ~/.cache/composer-stack under the hash of the code that makes them
-    (tasks.py, model.py, grpo.py's summary request and budget); a missing, unwritable or unreadable cache only
-    costs the seconds. A share of them are long chains, cut into the segments a rollout makes at the RL
-    stage's context budget."""
-    path = CACHE / f"{code or 'tools'}-{n}-{seed}-{code_key('tasks.py', 'model.py', 'grpo.py')}.npy"
+    episodes, None: tool use only; delete: the share of those that are the deletion role's), as uint16.
+    Making them takes seconds and every run (every rank) makes the same ones, so they are cached in
+    ~/.cache/composer-stack under the hash of the code that makes them (tasks.py, model.py, grpo.py's summary
+    request and budget); a missing, unwritable or unreadable cache only costs the seconds. A share of them
+    are long chains, cut into the segments a rollout makes at the RL stage's context budget."""
+    path = CACHE / (f"{code or 'tools'}-{n}-{seed}{f'-delete{delete:g}' if delete else ''}-"
+                    f"{code_key('tasks.py', 'model.py', 'grpo.py')}.npy")
     with contextlib.suppress(OSError, ValueError, EOFError):
         return np.load(path)
     text = tasks.corpus(n, seed=seed, long_share=LONG_SHARE, budget=GRPOConfig.context_budget,
                         request=SUMMARY_REQUEST, code_share=CODE_SHARE if code else 0.0,
-                        delete_share=DELETE_SHARE if code else 0.0,
+                        delete_share=delete if code else 0.0,
                         code_budget=CODE_BUDGET, family=code or "words")
     tokens = np.array(encode(text, specials=True), dtype=np.uint16)
     keep_in_cache(path, lambda f: np.save(f, tokens))
@@ -1798,7 +1800,8 @@ class Data:
 
     def __init__(self, t):
         args, self.t = t.args, t
-        self.train_shards, self.val_shards, shard_vocab = load_tokens(args.data, t.job.code)
+        delete = DELETE_SHARE if args.delete_share else 0.0  # the transcripts show the roles RL plays
+        self.train_shards, self.val_shards, shard_vocab = load_tokens(args.data, t.job.code, delete)
         for name, shards in (("training", self.train_shards), ("validation", self.val_shards)):
             if not sum(len(s) // (args.seq_len + 1) for s in shards):
                 die(f"--data: the {name} split has {sum(map(len, shards))} tokens, fewer than one window of "
@@ -2278,10 +2281,11 @@ def make_parser():
                    help="with --rl-tasks code: the micro-repositories' functions are named by words that "
                         "say the body (double, last, count_vowels), or by an operation and a digit to copy "
                         "(mul4: x * 4; the harder level, which the tiny model does not learn)")
-    g.add_argument("--delete-share", type=float, default=0.25,
+    g.add_argument("--delete-share", type=float, default=0.0,
                    help="with --rl-tasks code: the share of a step's groups that play the other role, "
                         "deleting a task's feature (tasks.DeleteEnv); a deletion that scores 1 becomes a "
-                        "task later steps re-implement")
+                        "task later steps re-implement; the transcripts then show that role too, and each "
+                        "evaluation measures it (0: re-implementation only)")
     g.add_argument("--verify-workers", type=int, default=2,
                    help="with --rl-tasks code: threads that verify finished episodes while the others sample "
                         "(0: each verify holds up sampling)")
