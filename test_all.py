@@ -4778,14 +4778,20 @@ def test_train_py_verifies_its_evaluation_apart_and_names_a_train_task_evaluatio
              "--rl-eval-tasks", "1", "--rl-eval-samples", "1", "--ppo-epochs", "1"]
     runs = {"one": start_train(*flags, "--out", str(tmp_path / "one")),
             "rollout": start_train(*flags, "--rollout-ranks", "1", "--out", str(tmp_path / "rollout"),
-                                   world=2)}
+                                   world=2),
+            # both roles: the one group deletes the task's feature (DeleteEnv), and so does the evaluation
+            "roles": start_train(*flags, "--delete-share", "1", "--out", str(tmp_path / "roles"))}
     for name, r in zip(runs, map(finish, runs.values())):
         assert r.returncode == 0, r.stderr[-2000:]
         rows = read_metrics(tmp_path / name)
         (step,), evals = ([row for row in rows if row.get("stage") == stage] for stage in ("rl", "rl_eval"))
+        roles = name == "roles"
         assert step["verifies"] + step["verifies_shared"] == 2 - step["hack_flags"], (name, step)
         assert [(e["eval_split"], e["eval_verifies"] + e["eval_verifies_shared"] + e["hack_flags"])
-                for e in evals] == [("train-task", 1)] * 2, (name, evals)
+                for e in evals] == [("train-task", 1 + roles)] * 2, (name, evals)
+        assert (step["episodes_delete"], step["deletions_made"]) == (2 * roles, 0), (name, step)
+        assert [e.get("episodes_delete") for e in evals] == [1 if roles else None] * 2, (name, evals)
+        assert ("deletion success" in r.stdout) == roles
         lines = r.stdout.strip().splitlines()
         assert "held-out" not in r.stdout
         assert "rl eval after   1 steps | train-task pass rate level 1 " in r.stdout
