@@ -626,7 +626,12 @@ def rl_eval(t, rl_step):
         record.update(**code_stats(t, envs, episodes, calls))
         if t.args.delete_share:  # the other role on the same tasks: delete each one's feature (half as many)
             denvs = work.held_out_deletions(max(1, k // 2))
-            sample(t, denvs, torch.Generator().manual_seed(2 * 10**6 + t.rank))
+            dtrajs = sample(t, denvs, torch.Generator().manual_seed(2 * 10**6 + t.rank))
+            with open(Path(t.args.out) / f"samples-rank{t.rank}.jsonl", "a") as f:
+                for tr in dtrajs:
+                    f.write(json.dumps({"rl_step": rl_step, "role": "delete", "reward": tr.reward,
+                                        "turns": tr.turns}) + "
+")
             done, n = sum_over_ranks(t, [sum(e.reward() for e in denvs), len(denvs)])
             record.update(pass_delete=done / max(1, n), episodes_delete=n)
         record.update(verify_figures(t, "eval_", work.eval_verifier.stats()))
