@@ -272,10 +272,11 @@ def related(seed, cands, k):
 def units(root, passed, calls, reach=TESTS_AT_MOST):
     """Features the size of a module: {(entities, functions): tests reaching them}. An entity is a top-level
     class whole (with the top-level functions of its file that only its tests reach: its helpers) or a module
-    whole ("" for its qualname; not a package's __init__ or a one-module project), holding at least 2 functions
-    the tests reach, reached by 1 to a share `reach` of the passing tests. functions: the (file, qualname) of
-    those reached, which the oracle records. (Code run at import may be in one: a unit is removed, so the
-    whole suite runs without it and says which tests it breaks, and an import it breaks refuses it.)"""
+    whole ("" for its qualname; not a package's __init__ or a one-module project), holding at least 2
+    functions the tests reach, reached by 1 to a share `reach` of the passing tests. functions: the (file,
+    qualname) of those reached, which the oracle records. (Code run at import may be in one: a unit is
+    removed, so the whole suite runs without it and says which tests it breaks, and an import it breaks
+    refuses it.)"""
     limit, hits, out = max(1, int(reach * len(passed))), reached(passed, calls), {}
     for rel in source_files(root):
         tree = ast.parse(Path(root, rel).read_bytes())
@@ -315,8 +316,9 @@ def delete_features(snap, feats, mode):
             gone |= {t.id for n in tree.body for t in (n.targets if isinstance(n, ast.Assign) else [])
                      if isinstance(t, ast.Name)} | {n.name for n in tree.body if isinstance(
                          n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
-            ents.append({"file": rel, "qualname": "", "kind": "module", "signature": f"module {module_name(rel)}",
-                         "docstring": ast.get_docstring(tree), "lines": src.count(b"\n") + 1})
+            ents.append({"file": rel, "qualname": "", "kind": "module",
+                         "signature": f"module {module_name(rel)}", "docstring": ast.get_docstring(tree),
+                         "lines": src.count(b"\n") + 1})
             removed += ents[-1]["lines"]
             continue
         edits = [(n, delete_edit(src, n, mode)) for q in qs for n in [find_def(tree, q)]]
@@ -355,9 +357,10 @@ def delete_features(snap, feats, mode):
         src = originals[e["file"]]
         if e["kind"] == "module":  # each of its definitions, and every line of it
             tree = ast.parse(src)
-            fps += [fingerprint(e["file"], n.name, n, ast.get_source_segment(src.decode("utf-8", "replace"), n,
-                                                                              padded=True).encode(), kept)
-                    for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+            text = src.decode("utf-8", "replace")
+            fps += [fingerprint(e["file"], n.name, n, ast.get_source_segment(text, n, padded=True).encode(),
+                                kept) for n in tree.body
+                    if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
             fps.append(fingerprint(e["file"], "", tree, src, kept))
             continue
         n = find_def(ast.parse(src), e["qualname"])
@@ -534,9 +537,9 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reac
     unseen = [r for r in walk(repo) if r.endswith(".py") and not is_protected(r)
               and any(fnmatch.fnmatch(Path(r).name, pat) for pat in named)]
     if unseen:  # a test file a solution could edit, or a module make could cut from
-        raise TaskError(f"{repo}'s pytest configuration names test files (python_files = {' '.join(named)}) that "
-                        f"are not tests by their names or folder, e.g. {unseen[0]}: make knows test_*.py, "
-                        f"*_test.py and .py files in a tests/ or test/ folder")
+        raise TaskError(f"{repo}'s pytest configuration names test files (python_files = {' '.join(named)}) "
+                        f"that are not tests by their names or folder, e.g. {unseen[0]}: make knows "
+                        f"test_*.py, *_test.py and .py files in a tests/ or test/ folder")
     if not any(r.endswith(".py") and is_protected(r) and Path(r).name not in CONFIG for r in walk(repo)):
         raise TaskError(f"{repo} has no test files (test_*.py, *_test.py, or .py files in a tests/ or test/ "
                         f"folder): its tests are the verifier (an sdist may ship none; take its source "
@@ -581,15 +584,16 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reac
             raise TaskError(f"no candidate feature in {repo}: " + (
                 f"each function is reached by no passing test, by more than {limit} (--reach {reach} of "
                 f"{len(stable)}), or runs at import" if size == "def" else
-                f"no class or module holds 2 functions the tests reach, reached by 1 to {limit} tests (--reach "
-                f"{reach} of {len(stable)})"))
+                f"no class or module holds 2 functions the tests reach, reached by 1 to {limit} tests "
+                f"(--reach {reach} of {len(stable)})"))
         order = sorted(cands)
         random.Random(seed).shuffle(order)
         groups, taken = [], set()  # disjoint groups of features, tried in this order: (what is cut, the
         for f in order:            # functions the oracle records, the tests that reach them)
             cut, fns = (related(f, cands, group),) * 2 if size == "def" else map(list, f)
             if not taken & set(cut):
-                groups.append((cut, fns, set().union(*(cands[g] for g in cut)) if size == "def" else cands[f]))
+                tests = set().union(*(cands[g] for g in cut)) if size == "def" else cands[f]
+                groups.append((cut, fns, tests))
                 taken |= set(cut)
         groups = groups[:3 * n]  # a repository that keeps failing is not worth hours
         mode = mode if size == "def" else "remove"
@@ -750,12 +754,14 @@ def mend_edits(src, names, modules=(), package="", was=None):
     off = lambda ln, col: ls[ln - 1] + col
     for node in tree.body:
         if isinstance(node, ast.ImportFrom):
-            base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]) if node.level else ""
+            parts = package.split(".")
+            base = ".".join(parts[:len(parts) - node.level + 1]) if node.level else ""
             whole = ".".join(filter(None, [base, node.module or ""]))
             keep = [] if whole in modules else [a for a in node.names if a.name not in names
                                                 and f"{whole}.{a.name}" not in modules]
         elif isinstance(node, ast.Import):
-            keep = [a for a in node.names if not any(a.name == m or a.name.startswith(m + ".") for m in modules)]
+            keep = [a for a in node.names
+                    if not any(a.name == m or a.name.startswith(m + ".") for m in modules)]
         if isinstance(node, (ast.Import, ast.ImportFrom)) and len(keep) < len(node.names):
             text = ("pass" if not keep else ("import " if isinstance(node, ast.Import) else
                                              f"from {'.' * node.level}{node.module or ''} import ")
@@ -4602,7 +4608,8 @@ def test_requirements(repo):
         if not extras:  # setup.py declares extras in code; pip ignores the ones it lacks
             extras += ["test", "tests", "testing"]
     for dep in cfg.get("testenv", "deps", fallback="").splitlines():
-        dep = dep.strip().replace("{toxinidir}/", "")  # tox's name for the repository's folder
+        # tox's names for the repository's folder and for the path separator
+        dep = dep.strip().replace("{toxinidir}/", "").replace("{/}", "/")
         if dep.startswith("-r") and "{" not in dep:
             args.append(f"--requirement={dep[2:].strip()}")
         elif dep and not dep.startswith(("#", "-", ".")) and "{" not in dep \
@@ -4679,8 +4686,8 @@ def make_env(repo, venv, isolate=True, log=print):
             log("its build needs pkg_resources: building with setuptools<81 in the venv instead")
             rc, out = box.run([*pip, "setuptools<81", "wheel"], src, writable=[venv], network=True,
                               extra_env=keep)
-            rc, out = (rc, out) if rc else box.run([*pip, "--no-build-isolation", target, *reqs, "pytest"], src,
-                                                    writable=[venv], network=True, extra_env=keep)
+            rc, out = (rc, out) if rc else box.run([*pip, "--no-build-isolation", target, *reqs, "pytest"],
+                                                    src, writable=[venv], network=True, extra_env=keep)
         if rc:
             raise TaskError(f"pip install failed in {venv}: {pip_failure(out)}")
         site_dir = next(venv.glob("lib/python3*/site-packages"))
@@ -4817,11 +4824,15 @@ def first_error(out):
 
 def plugin_run(box, root, name, source, env, select=None, timeout=None):
     """One pytest run of root (select: node ids, as Sandbox.pytest) with one more plugin (source, loaded with
-    -p name), which writes its result to the descriptor in FEATDEL_OUT: (report, what it wrote or None)."""
+    -p name), which writes its result to the descriptor in FEATDEL_OUT: (report, what it wrote or None). A
+    configuration that hands the tests to pytest-xdist's workers (addopts -n) runs them in this one process
+    instead (-n 0): the plugin sees them only here."""
+    opts = str(pytest_config(root).get("addopts", ""))
+    here = ["-n", "0"] if re.search(r"(^|\s)(-n|--numprocesses|--dist)\b", opts) else []
     with scratch() as tmp, tempfile.TemporaryFile() as fd:
         Path(tmp, f"{name}.py").write_text(source)
-        r = box.pytest(root, ["-p", name], path=[tmp], pass_fds=[fd.fileno()], select=select, timeout=timeout,
-                       extra_env={**env, "FEATDEL_OUT": str(fd.fileno())})
+        r = box.pytest(root, ["-p", name, *here], path=[tmp], pass_fds=[fd.fileno()], select=select,
+                       timeout=timeout, extra_env={**env, "FEATDEL_OUT": str(fd.fileno())})
         return r, tail(fd, box.disk) or None  # whole: a large trace is over 64 MiB; bounded by RLIMIT_FSIZE
 
 
