@@ -628,10 +628,9 @@ def rl_eval(t, rl_step):
             denvs = work.held_out_deletions(max(1, k // 2))
             dtrajs = sample(t, denvs, torch.Generator().manual_seed(2 * 10**6 + t.rank))
             with open(Path(t.args.out) / f"samples-rank{t.rank}.jsonl", "a") as f:
-                for tr in dtrajs:
+                for tr, e in zip(dtrajs, denvs):  # with the judge's reason
                     f.write(json.dumps({"rl_step": rl_step, "role": "delete", "reward": tr.reward,
-                                        "turns": tr.turns}) + "
-")
+                                        "why": e.result and e.result[1], "turns": tr.turns}) + "\n")
             done, n = sum_over_ranks(t, [sum(e.reward() for e in denvs), len(denvs)])
             record.update(pass_delete=done / max(1, n), episodes_delete=n)
         record.update(verify_figures(t, "eval_", work.eval_verifier.stats()))
