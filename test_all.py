@@ -4212,7 +4212,8 @@ def test_neighbours(): assert (0, 1) in shapes.neighbours(0, 0)
 
 def test_make_cuts_features_the_size_of_a_module(tmp_path):
     """make --size module: a class whole, with its subclass, its helper and the statement that wires it in, or
-    a module whole with its imports mended; each a task whose gold verifies 1 and untouched snapshot 0."""
+    a module whole with its imports mended; each a task whose gold verifies 1 (in make) and untouched
+    snapshot 0."""
     for rel, text in SHAPES.items():
         Path(tmp_path, "r", rel).parent.mkdir(parents=True, exist_ok=True)
         Path(tmp_path, "r", rel).write_text(text)
@@ -4238,9 +4239,8 @@ def test_make_cuts_features_the_size_of_a_module(tmp_path):
     # the oracle records the class's methods and the module's functions
     oracle = json.loads((tmp_path / "out" / klass["id"] / "oracle.json").read_text())
     assert {q for _, q in oracle["features"]} >= {"Circle.area", "Circle.scale", "Ring.width", "_squared"}
-    for t in made:
+    for t in made:  # (make verified each gold: 1)
         d = tmp_path / "out" / t["id"]
-        assert tasks.verify(d, patch=d / "gold.patch")[0] == 1
         assert tasks.verify(d, workdir=d / "repo")[0] == 0
 
 
@@ -4776,16 +4776,16 @@ def test_train_py_verifies_its_evaluation_apart_and_names_a_train_task_evaluatio
     flags = ["--rl-tasks", "code", "--task-dir", str(out), "--stage", "rl", "--init", "scratch",
              "--rl-steps", "1", "--tasks-per-step", "1", "--group-size", "2", "--max-gen-tokens", "24",
              "--rl-eval-tasks", "1", "--rl-eval-samples", "1", "--ppo-epochs", "1"]
-    runs = {"one": start_train(*flags, "--out", str(tmp_path / "one")),
+    # one process playing both roles (its one group deletes the task's feature, DeleteEnv, and so does the
+    # evaluation beside re-implementing it), and a rollout rank beside a trainer re-implementing only
+    runs = {"one": start_train(*flags, "--delete-share", "1", "--out", str(tmp_path / "one")),
             "rollout": start_train(*flags, "--rollout-ranks", "1", "--out", str(tmp_path / "rollout"),
-                                   world=2),
-            # both roles: the one group deletes the task's feature (DeleteEnv), and so does the evaluation
-            "roles": start_train(*flags, "--delete-share", "1", "--out", str(tmp_path / "roles"))}
+                                   world=2)}
     for name, r in zip(runs, map(finish, runs.values())):
         assert r.returncode == 0, r.stderr[-2000:]
         rows = read_metrics(tmp_path / name)
         (step,), evals = ([row for row in rows if row.get("stage") == stage] for stage in ("rl", "rl_eval"))
-        roles = name == "roles"
+        roles = name == "one"
         assert step["verifies"] + step["verifies_shared"] == 2 - step["hack_flags"], (name, step)
         assert [(e["eval_split"], e["eval_verifies"] + e["eval_verifies_shared"] + e["hack_flags"])
                 for e in evals] == [("train-task", 1 + roles)] * 2, (name, evals)
