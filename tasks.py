@@ -701,10 +701,12 @@ def apply_edits(src, edits):
 
 
 def find_def(tree, qualname):
+    """The definition qualname names in tree: at each level the last of that name, the one Python binds
+    (before it: `@overload` stubs, or a definition a later one replaces). -> the node, or None."""
     node, body = None, tree.body
     for part in qualname.split("."):
-        node = next((n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-                     and n.name == part), None)
+        node = ([n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                 and n.name == part] or [None])[-1]
         if node is None:
             return None
         body = node.body
@@ -1745,8 +1747,11 @@ pytest_sessionfinish = _recorder.pytest_sessionfinish
 
 
 # What the child runs: `python -I -c ORACLE_CHILD MODE ROOT INPUTS FD`, in the sandbox, the solution's (or at
-# make time the gold's) packages under ROOT. MODE "run": one line [k, encoding] per call to FD; MODE "mutate":
-# lines [feature, base64 pickle] of held-out inputs. Its functions are plain code here, sent as source.
+# make time the gold's) packages under ROOT. MODE "run": one line [k, encoding] per call to FD ("later": the
+# same with the clock LATER_S on); MODE "mutate": lines [feature, base64 pickle] of held-out inputs. Its
+# functions are plain code here, sent as source.
+
+LATER_S = 400 * 86400  # how far on make's second gold run sets the clock: past any day a task is served on
 
 PLACES = ()  # in the child: (path, name) of the folders its run was given, named alike in every run
 
@@ -1916,6 +1921,8 @@ def oracle_main(mode, root, inputs, fd):
                      for p in {d, os.path.realpath(d)}), key=lambda x: -len(x[0]))  # the longest first
     spec = json.load(open(inputs))
     out = os.fdopen(int(fd), "w", buffering=1)
+    if mode == "later":  # before the packages import: they may bind time.time or datetime as they do
+        shift_clock(LATER_S)
     funcs = [oracle_resolve(module, qualname) for module, qualname in spec["features"]]
     if mode == "mutate":
         calls, known = [], set()  # [feature, {position or name: argument}]; the inputs there are, by value
@@ -2031,6 +2038,28 @@ def class_names(cls):
     return out
 
 
+def shift_clock(seconds):
+    """The clock `seconds` on for the code that runs after this: time.time and time_ns (date.today and
+    datetime.today read it), and datetime.now and utcnow (datetime.datetime becomes a subclass of that name
+    whose two read the real clock and add)."""
+    import time as clock
+    real, real_ns, later = clock.time, clock.time_ns, datetime.timedelta(seconds=seconds)
+    clock.time, clock.time_ns = lambda: real() + seconds, lambda: real_ns() + seconds * 10 ** 9
+
+    class Later(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return super().now(tz) + later
+
+        @classmethod
+        def utcnow(cls):
+            return super().now(datetime.timezone.utc).replace(tzinfo=None) + later
+
+    Later.__name__ = Later.__qualname__ = "datetime"
+    Later.__module__ = "datetime"
+    datetime.datetime = Later
+
+
 async def drain(agen, limit=1000):
     """An async generator's first items, as canon takes an iterator's."""
     items = []
@@ -2064,10 +2093,10 @@ def oracle_resolve(module, qualname):
 ORACLE_CHILD = "\n".join(["import contextlib, copy, copyreg, hashlib, importlib, io, json, marshal, os",
                           "import asyncio, collections, datetime, decimal, enum, fractions, functools",
                           "import inspect, itertools, pickle, re, sys, tempfile, threading, types",
-                          f"HELD_OUT_AT_LEAST, PLACES = {HELD_OUT_AT_LEAST}, ()",
+                          f"HELD_OUT_AT_LEAST, LATER_S, PLACES = {HELD_OUT_AT_LEAST}, {LATER_S}, ()",
                           *map(inspect.getsource, (Copier, nested_codes, restore, reopen)), COPY_MODULE,
                           *map(inspect.getsource, (canon, slot_values, mutants, like, attributes, oracle_main,
-                                                   class_names, drain, oracle_resolve)),
+                                                   class_names, shift_clock, drain, oracle_resolve)),
                           "oracle_main(*sys.argv[1:])"])
 
 
@@ -2115,6 +2144,7 @@ def oracle_run(box, tree, features, calls, mode="run", timeout=None, pool=()):
 
 
 WORDS, WORD = re.compile(r"\w+|\W"), re.compile(r"\w")  # a result's words and the characters between them
+CONSTANTS = {"True", "False", "None"}
 
 
 def pattern(a, b):
@@ -2122,8 +2152,9 @@ def pattern(a, b):
     with those words left open, as "matches [word or null, ...]"; None for any other difference."""
     if not (a or "").startswith("returns") or not (b or "").startswith("returns"):
         return None
-    x, y = WORDS.findall(a), WORDS.findall(b)
-    if len(x) != len(y) or any(p != q and not (WORD.match(p) and WORD.match(q)) for p, q in zip(x, y)):
+    x, y = WORDS.findall(a), WORDS.findall(b)  # True, False and None are values, never a name to leave open
+    if len(x) != len(y) or any(p != q and not (WORD.match(p) and WORD.match(q)) or {p, q} & CONSTANTS
+                               for p, q in zip(x, y)):
         return None
     return "matches " + json.dumps([p if p == q else None for p, q in zip(x, y)])
 
@@ -2162,7 +2193,8 @@ def make_oracle(gold, feats, records, box):
             known.add(data)
             held.append([i, data])
     calls = traced + held
-    first, second = (oracle_run(box, gold, features, calls) for _ in range(2))
+    # twice, the second time a year on: a result that depends on when it runs (a token that expires) differs
+    first, second = (oracle_run(box, gold, features, calls, mode) for mode in ("run", "later"))
     expected = [first.get(k) if first.get(k) == second.get(k) else pattern(first.get(k), second.get(k))
                 for k in range(len(calls))]
     ok = [(e or "").startswith(("returns", "raises", "exits", "matches")) for e in expected]

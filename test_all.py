@@ -4631,6 +4631,16 @@ def test_a_feature_that_takes_nothing_is_covered_by_the_call_the_tests_made(tmp_
     one = base64.b64encode(pickle.dumps(((1,), {}))).decode()
     oracle, summary = tasks.make_oracle(tmp_path, [("stamp/__init__.py", "label")], [[0, one]], box)
     assert summary["covered"] and summary["held_out_per_feature"][0] >= tasks.HELD_OUT_AT_LEAST
+    # a result that depends on when it runs (a token valid for an hour, by either clock) is no evidence: the
+    # second gold run, a year on, differs, so the call is dropped (a verify next week would fail the gold)
+    Path(tmp_path, "stamp/clock.py").write_text(
+        "import time\nfrom datetime import datetime, timezone\n\n\ndef valid(exp):\n"
+        "    return time.time() < exp\n\n\ndef valid_utc(exp):\n"
+        "    return datetime.now(timezone.utc).timestamp() < exp\n")
+    soon = base64.b64encode(pickle.dumps(((time.time() + 3600,), {}))).decode()
+    feats = [("stamp/clock.py", "valid"), ("stamp/clock.py", "valid_utc")]
+    oracle, summary = tasks.make_oracle(tmp_path, feats, [[0, soon], [1, soon]], box)
+    assert summary["recorded"] == 2 and summary["traced"] == 0, summary
 
 
 SHELF = """import os, sys, tempfile
@@ -4731,6 +4741,7 @@ def test_held_out_inputs_from_generators_and_the_values_other_calls_take_and_res
     assert tasks.agrees(want, "returns '/tmp/zz9'") and not tasks.agrees(want, "returns '/tmp/a-1'")
     assert tasks.pattern("returns 'a-1'", "returns 'a+1'") is None
     assert tasks.pattern("raises [1]", "raises [2]") is None
+    assert tasks.pattern("returns True", "returns False") is None  # a value, not a name
 
 
 def test_only_tasks_whose_oracle_covers_every_feature_are_served(clock, tmp_path):
