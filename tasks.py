@@ -316,19 +316,14 @@ def delete_features(snap, feats, mode):
             gone |= {t.id for n in tree.body for t in (n.targets if isinstance(n, ast.Assign) else [])
                      if isinstance(t, ast.Name)} | {n.name for n in tree.body if isinstance(
                          n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
-            ents.append({"file": rel, "qualname": "", "kind": "module",
-                         "signature": f"module {module_name(rel)}", "docstring": ast.get_docstring(tree),
-                         "lines": src.count(b"\n") + 1})
+            ents.append(entity(rel, "", src))
             removed += ents[-1]["lines"]
             continue
         edits = [(n, delete_edit(src, n, mode)) for q in qs for n in [find_def(tree, q)]]
         new = apply_edits(src, [e for _, e in edits])
         Path(snap, rel).write_bytes(new)
         for q, (n, (a, b, _)) in zip(qs, edits):
-            ents.append({"file": rel, "qualname": q, "kind": "class" if isinstance(n, ast.ClassDef)
-                         else "method" if "." in q else "function",
-                         "signature": signature(n), "docstring": ast.get_docstring(n),
-                         "lines": src[a:b].count(b"\n") + 1})
+            ents.append(entity(rel, q, src, src[a:b].count(b"\n") + 1))
             removed += ents[-1]["lines"]
     gone |= {q for _, q in feats if q and "." not in q}
     for _ in range(3) if mode == "remove" and (gone or modules) else []:
@@ -367,6 +362,18 @@ def delete_features(snap, feats, mode):
         a, b, _ = delete_edit(src, n, mode)
         fps.append(fingerprint(e["file"], e["qualname"], n, src[a:b], kept))
     return fps, ents, originals, removed
+
+
+def entity(rel, q, src, lines=None):
+    """What a task tells of one deleted feature (qualname q of file rel, whose source is src): its kind,
+    signature and docstring, and the lines deleted (by default the whole definition, or the whole module)."""
+    tree = ast.parse(src)
+    n = find_def(tree, q) if q else tree
+    kind = ("module" if not q else "class" if isinstance(n, ast.ClassDef) else "method" if "." in q
+            else "function")
+    return {"file": rel, "qualname": q, "kind": kind, "docstring": ast.get_docstring(n),
+            "signature": signature(n) if q else f"module {module_name(rel)}",
+            "lines": lines or (n.end_lineno - n.lineno + 1 if q else src.count(b"\n") + 1)}
 
 
 def prompt_for(ents, f2p):
@@ -912,15 +919,9 @@ def verify(task_dir, workdir=None, patch=None, box=None, missing=None, verdicts=
             raise TaskError(f"no such work dir: {workdir}")
         try:
             files, deleted = solution_files(snap, workdir, deadline, task.get("static_allowed"))
-        except Refused as e:
+            work = materialize(snap, {**files, **dict.fromkeys(deleted)}, Path(tmp, "repo"))
+        except (Refused, TaskError) as e:
             return 0, f"rejected: {e}"
-        work = Path(tmp, "repo")
-        shutil.copytree(snap, work, symlinks=True)
-        for rel in deleted:
-            Path(work, rel).unlink()
-        for rel, data in files.items():
-            Path(work, rel).parent.mkdir(parents=True, exist_ok=True)
-            Path(work, rel).write_bytes(data)
         disagrees = None
         if oracle["calls"]:  # before the tests: their run may rewrite the solution's own files
             got = oracle_run(box, work, oracle["features"], [c[:2] for c in oracle["calls"]],
@@ -1027,13 +1028,11 @@ def judge_deletion(spec_dir, workdir, box=None):
     with scratch() as tmp:
         try:
             files, deleted = solution_files(snap, workdir, deadline, spec["static_allowed"])
-        except Refused as e:
+            work = materialize(snap, {**files, **dict.fromkeys(deleted)}, Path(tmp, "repo"))
+        except (Refused, TaskError) as e:
             return 0, f"rejected: {e}"
         if not files and not deleted:
             return 0, "nothing deleted: the tree is the original"
-        work = materialize(snap, files, Path(tmp, "repo"))
-        for rel in deleted:
-            Path(work, rel).unlink()
         for pkg in packages(snap):
             rc, log = box.run(["-c", f"import {package_name(pkg)}"], work)
             if rc:
@@ -1085,13 +1084,7 @@ def task_from_deletion(spec_dir, workdir, out, tid, box=None):
             Path(snap, rel).write_bytes(data)
         originals = {rel: Path(orig, rel).read_bytes() for rel in [*files, *deleted]
                      if Path(orig, rel).is_file()}
-        ents = []
-        for rel, q in feats:
-            src = Path(orig, rel).read_bytes()
-            n = find_def(ast.parse(src), q)
-            ents.append({"file": rel, "qualname": q, "kind": "method" if "." in q else "function",
-                         "signature": signature(n), "docstring": ast.get_docstring(n),
-                         "lines": n.end_lineno - n.lineno + 1})
+        ents = [entity(rel, q, Path(orig, rel).read_bytes()) for rel, q in feats]
         return spec["fingerprints"], ents, originals, sum(e["lines"] for e in ents)
 
     mode = "stub" if kept and not deleted else "remove"  # the opening says fill in, or add
@@ -1208,6 +1201,37 @@ def solution_files(snap, workdir, deadline, allowed=None):
             files[rel] = source_check(rel, data, Path(snap, rel).read_bytes() if a else b"",
                                       (allowed or {}).get(rel, ()))
     return files, deleted
+
+
+def linked(root, rel):
+    """Whether writing rel under root would go through a link or onto something that is not a regular file
+    (a repository may hold a link to anywhere)."""
+    p = Path(root)
+    try:
+        for i, part in enumerate(rel.split("/")):
+            p = p / part
+            last = i == len(rel.split("/")) - 1
+            if p.is_symlink() or (p.exists() and not (p.is_file() if last else p.is_dir())):
+                return True
+    except OSError:  # a name the file system refuses (too long): nothing can be written there either
+        return True
+    return False
+
+
+def materialize(snap, edits, dest):
+    """A solution's tree as a folder: the snapshot, then its edits {rel: bytes, or None where deleted}
+    written, never through a link the snapshot holds (CodeEnv refuses such edits; verify and judge_deletion
+    refuse such a solution)."""
+    shutil.copytree(snap, dest, symlinks=True)
+    for rel, data in edits.items():
+        if linked(dest, rel):
+            raise TaskError(f"refused to write {rel}: it is behind a link")
+        if data is None:  # deleted
+            Path(dest, rel).unlink(missing_ok=True)
+            continue
+        Path(dest, rel).parent.mkdir(parents=True, exist_ok=True)
+        Path(dest, rel).write_bytes(data)
+    return dest
 
 
 def declared(data):
@@ -3212,36 +3236,6 @@ class DeleteEnv(CodeEnv):
         return "ok: deleted"
 
 
-def linked(root, rel):
-    """Whether writing rel under root would go through a link or onto something that is not a regular file
-    (a repository may hold a link to anywhere)."""
-    p = Path(root)
-    try:
-        for i, part in enumerate(rel.split("/")):
-            p = p / part
-            last = i == len(rel.split("/")) - 1
-            if p.is_symlink() or (p.exists() and not (p.is_file() if last else p.is_dir())):
-                return True
-    except OSError:  # a name the file system refuses (too long): nothing can be written there either
-        return True
-    return False
-
-
-def materialize(snap, edits, dest):
-    """The episode's copy as a folder: the snapshot, then its edits written, never through a link (CodeEnv
-    refuses such edits; this checks again)."""
-    shutil.copytree(snap, dest, symlinks=True)
-    for rel, data in edits.items():
-        if linked(dest, rel):
-            raise TaskError(f"refused to write {rel}: it is behind a link")
-        if data is None:  # deleted
-            Path(dest, rel).unlink(missing_ok=True)
-            continue
-        Path(dest, rel).parent.mkdir(parents=True, exist_ok=True)
-        Path(dest, rel).write_bytes(data)
-    return dest
-
-
 class Verifier:
     """Rewards at the pace of sampling: verifies run in a pool of `workers` threads (each waits on sandboxed
     processes), started as each episode ends, while the others still sample (workers=0: each runs when its
@@ -4722,6 +4716,17 @@ def make_env(repo, venv, isolate=True, log=print):
                                                     src, writable=[venv], network=True, extra_env=keep)
         if rc:
             raise TaskError(f"pip install failed in {venv}: {pip_failure(out)}")
+        # a pin older than this interpreter (pytest<6 on Python 3.11 cannot rewrite an assert): the newest
+        Path(tmp, "probe").mkdir()
+        Path(tmp, "probe", "test_probe.py").write_text("def test_probe():\n    assert 1\n")
+        rc, out = box.run(["-m", "pytest", "-q", "-p", "no:cacheprovider", "test_probe.py"],
+                          Path(tmp, "probe"))
+        if rc:
+            log(f"its pinned pytest does not run on this Python ({first_error(out)}): installing the newest")
+            rc, out = box.run([*pip, "--upgrade", "pytest"], src, writable=[venv], network=True,
+                              extra_env=keep)
+            if rc:
+                raise TaskError(f"pip install failed in {venv}: {pip_failure(out)}")
         site_dir = next(venv.glob("lib/python3*/site-packages"))
         names = {package_name(pkg) for pkg in packages(repo)}
         missing = sorted(m for m in test_imports(repo) - names

@@ -6351,6 +6351,12 @@ def test_code_env_scripted_policies(made, tmp_path):
         replies = [text for role, text in env.turns if role == "tool"]
         with pytest.raises(tasks.TaskError, match="behind a link"):
             tasks.materialize(d / "repo", {"calc/_out/x.py": b"X = 1\n"}, tmp_path / "copy")
+        # a work tree that makes the link a folder: verify refuses it, and writes nothing through the link
+        shutil.copytree(d / "repo", tmp_path / "work", symlinks=True)
+        os.unlink(tmp_path / "work/calc/_out")
+        Path(tmp_path, "work/calc/_out").mkdir()
+        Path(tmp_path, "work/calc/_out/x.py").write_text("X = 1\n")
+        through = tasks.verify(d, workdir=tmp_path / "work")
     finally:
         os.unlink(d / "repo/calc/_gold.py")
         os.unlink(d / "repo/calc/_out")
@@ -6360,6 +6366,7 @@ def test_code_env_scripted_policies(made, tmp_path):
     assert all("read-only" in r for r in replies[3:5]) and replies[5].startswith("calc/core.py:")
     assert replies[6] == "error: --co: name a file inside the repository" or "no such" in replies[6], replies
     assert all("behind a link" in r for r in replies[7:9]) and not list(outside.iterdir()), replies
+    assert through[0] == 0 and through[1].startswith("rejected: calc/_out"), through
     assert env.reward() == 0 and {f["pattern"] for f in env.flags} >= {"task-files", "test-tamper"}
     # the forgeries, through the tools
     flagged = {}
