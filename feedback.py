@@ -31,8 +31,8 @@ import torch.nn.functional as F
 
 from grpo import Weights, device_of, rows as grpo_rows
 from model import BYTES
-from tasks import (FORMAT_REMINDER, READ_FIRST, STYLE_REMINDER, TEST_FIRST, reminder, unread_edit,
-                   untested_submit)
+from tasks import (FORMAT_REMINDER, READ_FIRST, STYLE_REMINDER, TEST_FIRST, misplaced_edit, reminder,
+                   unread_edit, untested_submit)
 
 
 @dataclass
@@ -79,8 +79,14 @@ def test_first(message, reply, before):
     return TEST_FIRST if untested_submit(message, before) else None
 
 
+def wrong_feature(message, reply, before):
+    """Deletion episodes: an edit of lines outside every definition the task names (it deletes another
+    feature, which its own test run shows only after the fact); the hint says where the named one is."""
+    return misplaced_edit(message, reply, before)
+
+
 RULES = [("tool_not_found", tool_not_found), ("malformed", malformed), ("capital", capital),
-         ("read_first", read_first), ("test_first", test_first)]
+         ("read_first", read_first), ("test_first", test_first), ("wrong_feature", wrong_feature)]
 
 
 def find_targets(traj, rules=RULES):

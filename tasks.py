@@ -3201,6 +3201,10 @@ class CodeEnv:
         return float((self.verifier or VERIFIER).result(self)[0])
 
 
+DELETE_OPENING = re.compile(r"delete (.*?): these tests must stop passing")
+REPLACE_CALL = re.compile(r"\s*[Cc]all replace\(([^,()]+),\s*(\d+)\s*,\s*(\d+)\s*\)")
+
+
 def deletion_opening(feature, targets):
     """A deletion episode's first user turn: the definitions [(file, qualname)] and the tests that must stop
     passing (the first four, and how many more)."""
@@ -3595,11 +3599,12 @@ def micro_episode(files, chosen, mode, rng, habits=Habits(), budget=None, reques
     return segments + [turns]
 
 
-def deletion_episode(files, chosen):
+def deletion_episode(files, chosen, hinted=()):
     """The gold deletion episode on the micro-repository `files`, as DeleteEnv answers it (a transcript for
     pretraining the deletion role): read the module, stub each chosen function's body from the bottom up (the
     line numbers above stay as read), run the tests (each chosen function's test and test_all fail),
-    submit."""
+    submit. Before the edit of each function in `hinted`, the hint the feedback rule gives a misplaced edit
+    (so the hinted teacher knows what it asks)."""
     rel, test_rel = micro_module(files), next(r for r in files if r.startswith("tests/test_"))
     lines = files[rel].split("\n")[:-1]
     targets = sorted(f"{test_rel}::test_{q}" for q in [*chosen, "all"])
@@ -3607,6 +3612,7 @@ def deletion_episode(files, chosen):
              ("assistant", f"call read({rel})"), ("tool", numbered(files[rel].encode()))]
     for q in sorted(chosen, key=lambda q: -lines.index(f"def {q}(x):")):
         at = lines.index(f"def {q}(x):") + 2
+        turns += [("system", where_hint(q, at, at))] if q in hinted else []
         turns += [("assistant", f"call replace({rel},{at},{at})\n    raise NotImplementedError"),
                   ("tool", "ok")]
     n_tests = sum(line.startswith("def test_") for line in files[test_rel].split("\n"))
@@ -3614,11 +3620,47 @@ def deletion_episode(files, chosen):
                     ("assistant", "call submit()")]
 
 
-def deletion_transcript(rng, family="words"):
-    """deletion_episode on a fresh micro-repository, one or two of its functions chosen."""
+def deletion_transcript(rng, family="words", hint=0.3):
+    """deletion_episode on a fresh micro-repository, one or two of its functions chosen, each edit after its
+    hint with probability `hint`."""
     files = micro_files(rng, family=family)
     funcs = [n.name for n in ast.parse(files[micro_module(files)]).body]
-    return deletion_episode(files, rng.sample(funcs, rng.randint(1, 2)))
+    chosen = rng.sample(funcs, rng.randint(1, 2))
+    return deletion_episode(files, chosen, [q for q in chosen if rng.random() < hint])
+
+
+def where_hint(name, first, last):
+    lines = f"line {first}" if first == last else f"lines {first}-{last}"
+    return f"Delete only what the task names: the body of {name} is {lines}."
+
+
+def misplaced_edit(message, reply, before):
+    """A deletion episode's replace (reply "ok") that touches no line of the bodies its opening names, in a
+    file the episode has read: the hint says where the first of them is (from the file as last read, its
+    definitions found by their `def NAME(` lines). -> the hint, or None."""
+    opening = next((text for role, text in before if role == "user"), "")
+    m, edit = DELETE_OPENING.match(opening), REPLACE_CALL.match(message)
+    if not (m and edit and reply == "ok"):
+        return None
+    rel, first, last = edit[1].strip(), int(edit[2]), int(edit[3])
+    shown = [text for (role, text), (_, call) in zip(before[1:], before) if role == "tool"
+             and re.fullmatch(rf"\s*[Cc]all read\({re.escape(rel)}\)", call)]
+    named = [q.rpartition(".")[2] for f, _, q in (x.partition(" ") for x in m[1].split("; ")) if f == rel]
+    if not shown or not named:
+        return None
+    lines = dict((int(k), v) for k, _, v in (x.partition("|") for x in shown[-1].split("\n")) if k.isdigit())
+    bodies = []
+    for at, text in sorted(lines.items()):  # a body: the lines below its def, indented deeper
+        d = re.match(r"(\s*)(?:async\s+)?def (\w+)\(", text)
+        if d and d[2] in named:
+            depth, end = len(d[1]), at
+            while end + 1 in lines and (not lines[end + 1].strip()
+                                        or len(lines[end + 1]) - len(lines[end + 1].lstrip()) > depth):
+                end += 1
+            bodies.append((d[2], at + 1, end))
+    if not bodies or any(a <= last and first <= b for _, a, b in bodies):
+        return None
+    return where_hint(*bodies[0])
 
 
 READ_FIRST = "Read the file before you edit it."

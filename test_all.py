@@ -6679,6 +6679,19 @@ def test_delete_env_replays_make_s_deletion_to_reward_1(tmp_path, deletion):
         if role == "assistant":
             assert env.step(text)[0] == (turns[k + 1][1] if k + 1 < len(turns) else None), text
     assert env.turns == turns and env.reward() == 1, env.result
+    # an edit of another function's body draws the wrong_feature rule's hint, which names the line the gold
+    # edits; a pretraining transcript shows that hint before that edit, which draws none
+    from feedback import wrong_feature
+    hinted = tasks.deletion_episode(tasks.micro_files(random.Random(7)), [feats[0][1]], [feats[0][1]])
+    assert hinted[:3] + hinted[4:] == turns and hinted[3][0] == "system"
+    at = int(re.match(rf"call replace\({re.escape(rel)},(\d+),\1\)", turns[3][1])[1])
+    assert hinted[3][1] == f"Delete only what the task names: the body of {feats[0][1]} is line {at}."
+    assert wrong_feature(turns[3][1], "ok", turns[:3]) is None
+    other = 2 if at != 2 else 4
+    elsewhere = f"call replace({rel},{other},{other})\n    raise NotImplementedError"
+    assert wrong_feature(elsewhere, "ok", turns[:3]) == hinted[3][1]
+    assert wrong_feature(elsewhere, "ok", [("user", "fill in " + rel), *turns[1:3]]) is None  # not a deletion
+    assert wrong_feature(elsewhere, "ok", turns[:1]) is None  # an edit unread is read_first's
     # in RL (train.py --delete-share), such a deletion becomes a task of the pool, which take serves once
     # before the pool's own, and a resumed pool still holds it
     pool = tasks.TaskPool(tmp_path / "pool", 0)

@@ -2046,8 +2046,8 @@ def check(args):
             die(f"--ppo-minibatches {args.ppo_minibatches}: each is whole groups, and a rank has "
                 f"{args.tasks_per_step // world_size} (--tasks-per-step {args.tasks_per_step} "
                 f"over {world_size} ranks)")
-        args.feedback_rules = args.feedback_rules or ("tool_not_found,read_first,test_first" if code
-                                                      else "tool_not_found,capital")
+        args.feedback_rules = args.feedback_rules or ("tool_not_found,read_first,test_first,wrong_feature"
+                                                      if code else "tool_not_found,capital")
         unknown = set(args.feedback_rules.split(",")) - {name for name, _ in RULES}
         if unknown:
             die(f"--feedback-rules: unknown rule(s) {', '.join(sorted(unknown))}; choose from "
