@@ -978,7 +978,7 @@ def deletion_spec(work, out, feats, targets, keep, box, source=None):
     for fp in fps:  # stricter than make's: a deletion must leave no line of the body, however short, and no
         # copy of it under another name
         src = Path(out, "repo", fp["file"]).read_bytes()
-        node = find_def(ast.parse(src), fp["qualname"])
+        node = find_def(ast.parse(src), fp["qualname"]) if fp["qualname"] else ast.parse(src)  # "": a module
         body = src.split(b"\n")[code_body(node)[0].lineno - 1:code_body(node)[-1].end_lineno]
         fp["body_hash"] = ast_hash(node, named=False)
         fp["body_lines"] = sorted({s.strip().decode("utf-8", "replace") for s in body if len(s.strip()) >= 6
@@ -3209,8 +3209,9 @@ def deletion_opening(feature, targets):
     """A deletion episode's first user turn: the definitions [(file, qualname)] and the tests that must stop
     passing (the first four, and how many more)."""
     more = f" and {len(targets) - 4} more" if len(targets) > 4 else ""
-    return (f"delete {'; '.join(f'{rel} {q}' for rel, q in sorted(feature))}: these tests must stop passing, "
-            f"every other test still pass: " + ", ".join(sorted(targets)[:4]) + more)
+    named = "; ".join(f"{rel} {q or '(the whole module)'}" for rel, q in sorted(feature))
+    return (f"delete {named}: these tests must stop passing, every other test still pass: "
+            + ", ".join(sorted(targets)[:4]) + more)
 
 
 class DeleteEnv(CodeEnv):

@@ -4242,6 +4242,14 @@ def test_make_cuts_features_the_size_of_a_module(tmp_path):
     for t in made:  # (make verified each gold: 1)
         d = tmp_path / "out" / t["id"]
         assert tasks.verify(d, workdir=d / "repo")[0] == 0
+    # as a deletion to make (the deletion role): make's own deletion of the module scores 1, the original 0
+    d = tmp_path / "out" / module["id"]
+    spec = tasks.spec_from_task(d, tmp_path / "spec")
+    assert spec["feature"] == [["shapes/grid.py", ""]] and short(spec["targets"]) == {"test_cells",
+                                                                                     "test_neighbours"}
+    assert tasks.deletion_opening(spec["feature"], []).startswith("delete shapes/grid.py (the whole module):")
+    assert tasks.judge_deletion(tmp_path / "spec", d / "repo")[0] == 1
+    assert tasks.judge_deletion(tmp_path / "spec", tmp_path / "spec/repo")[1].startswith("nothing deleted")
 
 
 # -----------------------------------------------------------------------------
