@@ -3798,8 +3798,8 @@ class TaskPool:
     def add_deletion(self, env, tid):
         """A deletion episode (DeleteEnv) that scored 1 -> a task in out/made (task_from_deletion: make's
         validation, the oracle recorded on the original, the gold verified), its strength measured; served,
-        by the rule any task is (coverage and strength), once by take before the level's own. -> its folder,
-        or None."""
+        by the rule any task is (coverage and strength), once by take (to a re-implementation group) before
+        the level's own. -> its folder, or None."""
         out = self.out / "made"
         with scratch() as tmp:
             tree = materialize(env.snap, env.edits, Path(tmp, "tree"))
@@ -3812,9 +3812,11 @@ class TaskPool:
         self.added[task_level(task)].append(str(out / tid))
         return out / tid
 
-    def take(self, level):
-        """The level's next task folder (from a folder of tasks: the nearest level it has)."""
-        if self.added[level]:
+    def take(self, level, made=True):
+        """The level's next task folder (from a folder of tasks: the nearest level it has); made: the tasks
+        add_deletion added first (for re-implementation: a deletion group drawing them would learn to delete
+        what the policy already deletes, and make more of the same)."""
+        if made and self.added[level]:
             return Path(self.added[level].pop(0))
         if self.source is not None:
             level = min((lv for lv in self.listed if self.listed[lv]), key=lambda lv: (abs(lv - level), lv))

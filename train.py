@@ -843,7 +843,7 @@ class RLTasks:
             deleting = [bool(share) and task_rng.random() < share for _ in range(groups)]
             envs = [[self.delete_env(d, specs) if delete else self.code_env(d)
                      for _ in range(args.group_size)]
-                    for delete, d in ((delete, pool.take(level)) for delete in deleting)]
+                    for delete, d in ((delete, pool.take(level, made=not delete)) for delete in deleting)]
             self.deleting[data_rank] = [g for g, delete in zip(envs, deleting) if delete]
             return level, [e for g in envs for e in g], gen
         return level, [self.make_env(task)
