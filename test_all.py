@@ -73,7 +73,7 @@ def readme_commands():
     """-> groups of command lines that run one of this project's scripts with python or torchrun, in reading
     order: each ```bash block is one group (its lines run in order in one folder), each `inline` command a
     group of its own. A line holding several commands (`;`, `&&`) gives each; duplicates run once, and so does
-    a command that an earlier group runs with an --out added."""
+    a command that a block, or an earlier group, runs with an --out added."""
     groups = []
     for i, part in enumerate(re.split(r"^```.*$", (HERE / "README.md").read_text(), flags=re.M)):
         if i % 2:  # a fenced block: join continued lines, drop comments
@@ -87,8 +87,10 @@ def readme_commands():
                  and any((HERE / a).is_file() for a in c.split() if a.endswith(".py"))]
         groups += [found] if i % 2 and found else [[c] for c in found]
     unique, no_out = [], lambda c: re.sub(r" --out \S+", "", c)
+    blocks = [c for g in groups if len(g) > 1 for c in g]
     for g in groups:
-        if not (g in unique or len(g) == 1 and any(no_out(g[0]) == no_out(c) for u in unique for c in u)):
+        if not (g in unique or len(g) == 1 and any(no_out(g[0]) == no_out(c)
+                                                   for c in blocks + [c for u in unique for c in u])):
             unique.append(g)
     return unique
 
