@@ -3635,6 +3635,14 @@ def where_hint(name, first, last):
     return f"Delete only what the task names: the body of {name} is {lines}."
 
 
+def misplaced_edits(turns):
+    """(replaces that succeeded, those of them misplaced_edit flags) in a deletion episode's turns: how often
+    it edits somewhere other than the definitions it was asked to delete."""
+    flags = [misplaced_edit(text, "ok", turns[:i]) is not None for i, (role, text) in enumerate(turns)
+             if role == "assistant" and REPLACE_CALL.match(text) and turns[i + 1:i + 2] == [("tool", "ok")]]
+    return len(flags), sum(flags)
+
+
 def misplaced_edit(message, reply, before):
     """A deletion episode's replace (reply "ok") that touches no line of the bodies its opening names, in a
     file the episode has read: the hint says where the first of them is (from the file as last read, its

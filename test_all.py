@@ -4812,7 +4812,7 @@ def test_train_py_verifies_its_evaluation_apart_and_names_a_train_task_evaluatio
                 for e in evals] == [("train-task", 1 + roles)] * 2, (name, evals)
         assert (step["episodes_delete"], step["deletions_made"]) == (2 * roles, 0), (name, step)
         assert [e.get("episodes_delete") for e in evals] == [1 if roles else None] * 2, (name, evals)
-        assert ("deletion success" in r.stdout) == roles
+        assert ("deletion success" in r.stdout) == ("edits misplaced" in r.stdout) == roles
         lines = r.stdout.strip().splitlines()
         assert "held-out" not in r.stdout
         assert "rl eval after   1 steps | train-task pass rate level 1 " in r.stdout
@@ -6700,6 +6700,8 @@ def test_delete_env_replays_make_s_deletion_to_reward_1(tmp_path, deletion):
     other = 2 if at != 2 else 4
     elsewhere = f"call replace({rel},{other},{other})\n    raise NotImplementedError"
     assert wrong_feature(elsewhere, "ok", turns[:3]) == hinted[3][1]
+    assert tasks.misplaced_edits(turns) == (1, 0)  # the rate each evaluation prints beside deletion success
+    assert tasks.misplaced_edits([*turns[:3], ("assistant", elsewhere), ("tool", "ok"), *turns[3:]]) == (2, 1)
     assert wrong_feature(elsewhere, "ok", [("user", "fill in " + rel), *turns[1:3]]) is None  # not a deletion
     assert wrong_feature(elsewhere, "ok", turns[:1]) is None  # an edit unread is read_first's
     # in RL (train.py --delete-share), such a deletion becomes a task of the pool, which take serves once

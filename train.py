@@ -631,8 +631,12 @@ def rl_eval(t, rl_step):
                 for tr, e in zip(dtrajs, denvs):  # with the judge's reason
                     f.write(json.dumps({"rl_step": rl_step, "role": "delete", "reward": tr.reward,
                                         "why": e.result and e.result[1], "turns": tr.turns}) + "\n")
-            done, n = sum_over_ranks(t, [sum(e.reward() for e in denvs), len(denvs)])
-            record.update(pass_delete=done / max(1, n), episodes_delete=n)
+            edits, misplaced = (sum(c) for c in zip((0, 0), *(tasks.misplaced_edits(e.turns) for e in denvs)))
+            done, n, edits, misplaced = sum_over_ranks(t, [sum(e.reward() for e in denvs), len(denvs), edits,
+                                                           misplaced])
+            # the skill the role needs: its edits land on the bodies it was asked to delete, not on a position
+            record.update(pass_delete=done / max(1, n), episodes_delete=n,
+                          misplaced_rate=misplaced / max(1, edits))
         record.update(verify_figures(t, "eval_", work.eval_verifier.stats()))
     t.run.log(record)
     t.evals.append(record)
@@ -643,7 +647,8 @@ def rl_eval(t, rl_step):
               f"{record['submit_rate']:.2f}, untested {record['untested_rate']:.2f}, before every function "
               f"{record['give_up_rate']:.2f}, after a failing test {record['no_fix_rate']:.2f} | hack flags "
               f"{record['hack_flags']}" if code else "")
-           + (f" | deletions pass {record['pass_delete']:.3f}" if "pass_delete" in record else ""))
+           + (f" | deletions pass {record['pass_delete']:.3f}, edits misplaced {record['misplaced_rate']:.3f}"
+              if "pass_delete" in record else ""))
 
 
 # What the README promises of a run, from the first held-out evaluation to the last. Of the default run: the
@@ -695,7 +700,8 @@ def verdict(evals, code):
             d_noise = math.hypot(*(coin_noise(r["pass_delete"], r["episodes_delete"]) for r in (first, last)))
             checks += [(d1 - d0 >= -NOISE_FALL * d_noise, "deletion success fell beyond its noise",
                         f"{split} deletion success {d0:.3f} -> {d1:.3f} ({d1 - d0:+.3f}, sampling noise "
-                        f"{d_noise:.3f}; README: no fall beyond {NOISE_FALL:g}x the noise)")]
+                        f"{d_noise:.3f}; README: no fall beyond {NOISE_FALL:g}x the noise), its edits "
+                        f"misplaced {first['misplaced_rate']:.3f} -> {last['misplaced_rate']:.3f}")]
     else:
         call0, call1 = first["capital_rate"], last["capital_rate"]
         call_noise = math.hypot(*(coin_noise(r["capital_rate"], r["calls"]) for r in (first, last)))
