@@ -3205,11 +3205,20 @@ DELETE_OPENING = re.compile(r"delete (.*?): these tests must stop passing")
 REPLACE_CALL = re.compile(r"\s*[Cc]all replace\(([^,()]+),\s*(\d+)\s*,\s*(\d+)\s*\)")
 
 
-def deletion_opening(feature, targets):
-    """A deletion episode's first user turn: the definitions [(file, qualname)] and the tests that must stop
-    passing (the first four, and how many more)."""
+def body_lines(src, q):
+    """' (lines A-B)': where the body of the definition q (a qualname; "" the module) lies in src, as a trace
+    of the tests shows it ('' for a module or a body-less one)."""
+    body = code_body(find_def(ast.parse(src), q)) if q else []
+    a, b = (body[0].lineno, body[-1].end_lineno) if body else (0, 0)
+    return "" if not body else f" (line {a})" if a == b else f" (lines {a}-{b})"
+
+
+def deletion_opening(feature, targets, src):
+    """A deletion episode's first user turn: the definitions [(file, qualname)] with where their bodies lie
+    (src: file -> its source) and the tests that must stop passing (the first four, and how many more)."""
     more = f" and {len(targets) - 4} more" if len(targets) > 4 else ""
-    named = "; ".join(f"{rel} {q or '(the whole module)'}" for rel, q in sorted(feature))
+    named = "; ".join(f"{rel} {q + body_lines(src(rel), q) if q else '(the whole module)'}"
+                      for rel, q in sorted(feature))
     return (f"delete {named}: these tests must stop passing, every other test still pass: "
             + ", ".join(sorted(targets)[:4]) + more)
 
@@ -3221,7 +3230,8 @@ class DeleteEnv(CodeEnv):
     tools, spec = CODE_TOOLS[:-1] + ["delete", "submit"], "spec.json"
 
     def first_turns(self):
-        return [("user", deletion_opening(self.task["feature"], self.task["targets"]))]
+        return [("user", deletion_opening(self.task["feature"], self.task["targets"],
+                                          lambda rel: (self.snap / rel).read_bytes()))]
 
     def required(self):
         return self.task["targets"] + self.task["keep"]
@@ -3609,7 +3619,7 @@ def deletion_episode(files, chosen, hinted=()):
     rel, test_rel = micro_module(files), next(r for r in files if r.startswith("tests/test_"))
     lines = files[rel].split("\n")[:-1]
     targets = sorted(f"{test_rel}::test_{q}" for q in [*chosen, "all"])
-    turns = [("user", deletion_opening([(rel, q) for q in chosen], targets)),
+    turns = [("user", deletion_opening([(rel, q) for q in chosen], targets, lambda r: files[r].encode())),
              ("assistant", f"call read({rel})"), ("tool", numbered(files[rel].encode()))]
     for q in sorted(chosen, key=lambda q: -lines.index(f"def {q}(x):")):
         at = lines.index(f"def {q}(x):") + 2
@@ -3654,7 +3664,8 @@ def misplaced_edit(message, reply, before):
     rel, first, last = edit[1].strip(), int(edit[2]), int(edit[3])
     shown = [text for (role, text), (_, call) in zip(before[1:], before) if role == "tool"
              and re.fullmatch(rf"\s*[Cc]all read\({re.escape(rel)}\)", call)]
-    named = [q.rpartition(".")[2] for f, _, q in (x.partition(" ") for x in m[1].split("; ")) if f == rel]
+    named = [q.split(" ")[0].rpartition(".")[2] for f, _, q in (x.partition(" ") for x in m[1].split("; "))
+             if f == rel]
     if not shown or not named:
         return None
     lines = dict((int(k), v) for k, _, v in (x.partition("|") for x in shown[-1].split("\n")) if k.isdigit())

@@ -4249,7 +4249,7 @@ def test_make_cuts_features_the_size_of_a_module(tmp_path):
     spec = tasks.spec_from_task(d, tmp_path / "spec")
     assert spec["feature"] == [["shapes/grid.py", ""]] and short(spec["targets"]) == {"test_cells",
                                                                                      "test_neighbours"}
-    assert tasks.deletion_opening(spec["feature"], []).startswith("delete shapes/grid.py (the whole module):")
+    assert tasks.deletion_opening(spec["feature"], [], None).startswith("delete shapes/grid.py (the whole module):")
     assert tasks.judge_deletion(tmp_path / "spec", d / "repo")[0] == 1
     assert tasks.judge_deletion(tmp_path / "spec", tmp_path / "spec/repo")[1].startswith("nothing deleted")
 
@@ -6651,11 +6651,15 @@ def test_delete_env_replays_make_s_deletion_to_reward_1(tmp_path, deletion):
     box, repo, task_dir, task, feats, spec, spec_dir = deletion
     rel = feats[0][0]
     env = tasks.DeleteEnv(spec_dir, box=box, verifier=tasks.Verifier(0))
-    assert env.turns[0][1].startswith(f"delete {rel} {feats[0][1]}: these tests must stop passing")
+    # the opening says where the feature's body lies, as a trace shows it; make's deletion edits those lines
+    lines = re.match(rf"delete {re.escape(rel)} {feats[0][1]} \(lines? (\d+)-?(\d*)\): these tests must stop "
+                     rf"passing", env.turns[0][1])
+    assert lines, env.turns[0][1]
     assert env.step(f"call read({rel})")[0].startswith("1|")
     old, new = (repo / rel).read_text().split("\n"), (task_dir / "repo" / rel).read_text().split("\n")
     blocks = [b for b in difflib.SequenceMatcher(None, old, new).get_opcodes() if b[0] != "equal"]
     assert blocks and all(tag == "replace" for tag, *_ in blocks)
+    assert all(int(lines[1]) <= i1 + 1 and i2 <= int(lines[2] or lines[1]) for _, i1, i2, *_ in blocks)
     for _, i1, i2, j1, j2 in reversed(blocks):  # bottom up: the line numbers above stay as read
         assert env.step(f"call replace({rel},{i1 + 1},{i2})\n" + "\n".join(new[j1:j2]))[0] == "ok"
     assert env.step("call submit()") == (None, True)
