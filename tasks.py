@@ -4453,7 +4453,9 @@ class Sandbox:
         from the plugin's descriptor, never from what the tests print (their code can print anything)."""
         with scratch() as plugin, tempfile.TemporaryFile() as fd:
             Path(plugin, "_featdel_report.py").write_text(REPORTER)
-            env = {"FEATDEL_REPORT_FD": str(fd.fileno())}
+            # a test may take a fifth of the run's time
+            env = {"FEATDEL_REPORT_FD": str(fd.fileno()), "FEATDEL_TEST_S": str((kw.get("timeout")
+                                                                                 or self.timeout) / 5)}
             if select is not None:
                 Path(plugin, "select.json").write_text(json.dumps(sorted(select)))
                 env["FEATDEL_SELECT"] = str(Path(plugin, "select.json"))
@@ -4541,11 +4543,28 @@ class Reporter:
     """The reporting plugin. It runs inside the repository's pytest, not here: Sandbox.pytest writes REPORTER,
     this class's source after a line that turns bytecode off, into the module it loads with -p. fd: the
     descriptor the outcomes go to (None in pytest-xdist's workers, whose controller reports); select: a JSON
-    file of the node ids to run (make's runs; verify runs whole files)."""
+    file of the node ids to run (make's runs; verify runs whole files); limit: the seconds one test may take
+    (setup, call and teardown) before it fails, so that a test that never ends costs the run one failure, not
+    the whole run."""
 
-    def __init__(self, fd, select):
+    def __init__(self, fd, select, limit):
         self.out = os.fdopen(int(fd), "w", buffering=1) if fd else None
         self.select = set(json.loads(open(select).read())) if select else None
+        self.limit = float(limit or 0)
+
+    def runtest_protocol(self):  # SIGALRM in the main thread, as pytest-timeout's signal method
+        on = self.limit > 0 and threading.current_thread() is threading.main_thread()
+        if on:
+            def over(signum, frame):
+                raise pytest.fail.Exception(f"the test ran past {self.limit:g} s", pytrace=False)
+            before = signal.signal(signal.SIGALRM, over)
+            signal.setitimer(signal.ITIMER_REAL, self.limit)
+        try:
+            yield
+        finally:
+            if on:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, before)
 
     def pytest_collection_modifyitems(self, config, items):
         if self.select is not None:
@@ -4560,11 +4579,20 @@ class Reporter:
             self.out.write(json.dumps(["<end>", "", int(exitstatus)]) + "\n")
 
 
-REPORTER = f"""import json, os, sys
+REPORTER = f"""import json, os, signal, sys, threading
+import pytest
 sys.pycache_prefix = {NO_BYTECODE!r}  # from here on (conftests, tests, the solution) no bytecode is used
 {inspect.getsource(Reporter)}
-# popped: the tests never see which descriptor
-_reporter = Reporter(os.environ.pop("FEATDEL_REPORT_FD", None), os.environ.pop("FEATDEL_SELECT", None))
+# popped: the tests never see which descriptor (the limit is kept for pytest-xdist's workers)
+_reporter = Reporter(os.environ.pop("FEATDEL_REPORT_FD", None), os.environ.pop("FEATDEL_SELECT", None),
+                     os.environ.get("FEATDEL_TEST_S"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    yield from _reporter.runtest_protocol()
+
+
 pytest_collection_modifyitems = _reporter.pytest_collection_modifyitems
 pytest_runtest_logreport = _reporter.pytest_runtest_logreport
 pytest_sessionfinish = _reporter.pytest_sessionfinish

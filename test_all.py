@@ -5236,6 +5236,31 @@ attempt("connect", lambda: socket.create_connection(("127.0.0.1", {server.getsoc
 
 
 
+def test_a_test_that_never_ends_fails_alone(tmp_path):
+    """A test that never ends (a wait on a flag nobody sets, a blocking accept) fails after a fifth of the run's
+    timeout and the run goes on: a repository with one hanging test keeps the rest of its suite (cheroot's TLS
+    tests wait forever for a server that failed to start)."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests/test_h.py").write_text("""import socket, time
+def test_ok():
+    pass
+def test_waits():
+    while True:
+        time.sleep(0.1)
+def test_accepts():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    s.accept()
+def test_after():
+    pass
+""")
+    r = tasks.Sandbox(timeout=10).pytest(tmp_path)
+    assert r.rc == 1 and {t.split("::")[1]: o["call"] for t, o in r.outcomes.items()} == {
+        "test_ok": "passed", "test_waits": "failed", "test_accepts": "failed", "test_after": "passed"}, r.out
+    assert r.out.count("the test ran past 2 s") >= 2
+
+
 def test_no_gold_within_reach_of_the_task_or_its_interpreter(made, tmp_path):
     """The gold in no form a sandboxed run can read. An interpreter holding the repository's packages (an
     installed copy, a module's orphaned __pycache__ entry that a loader runs without its source, an editable
