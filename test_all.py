@@ -6013,7 +6013,7 @@ def test_make_refuses_bad_repositories_in_one_line_and_never_touches_the_source(
     """Not a git repository, a module that is not Python source (binary), test files only pytest's
     python_files names, no test files, no tests, no test or only one passing twice, a baseline where most
     tests fail, a test file that does not collect, no feature few enough tests reach, a suite past the
-    timeout, a configuration that needs a missing plugin: one line each. A make that succeeds keeps binary
+    timeout (its test turns off the per-test limit), a configuration that needs a missing plugin: one line each. A make that succeeds keeps binary
     data files as they are, leaves test-run debris out, records the source commit, and leaves the source
     repository byte-identical, .git included."""
     def tree(root):
@@ -6048,8 +6048,10 @@ def test_make_refuses_bad_repositories_in_one_line_and_never_touches_the_source(
                  b"def test_%d(): calc.mean([1]); calc.clamp(1, 0, 2); calc.shout('a')\n" % i
                  for i in range(3))
                  + b"".join(b"def test_x%d(): pass\n" % i for i in range(2))},
-             "the traced test suite ran past 3 x the timeout of 3 s":
-                 {"tests/test_calc.py": b"import time\ndef test_slow(): time.sleep(60)\n"},
+             # a test that turns off its own limit (SIGALRM): the whole run's limit still holds
+             "the traced test suite ran past 3 x the timeout of 3 s": {"tests/test_calc.py": (
+                 b"import signal, time\ndef test_slow():\n    signal.signal(signal.SIGALRM, signal.SIG_IGN)\n"
+                 b"    time.sleep(60)\n")},
              "unrecognized arguments: --cov=calc (the repository's pytest configuration needs pytest-cov":
                  {"pyproject.toml": b"[tool.pytest.ini_options]\naddopts = \"--cov=calc\"\n"}}
     def refused(i, expected, files):
