@@ -6013,9 +6013,9 @@ def test_make_refuses_bad_repositories_in_one_line_and_never_touches_the_source(
     """Not a git repository, a module that is not Python source (binary), test files only pytest's
     python_files names, no test files, no tests, no test or only one passing twice, a baseline where most
     tests fail, a test file that does not collect, no feature few enough tests reach, a suite past the
-    timeout (its test turns off the per-test limit), a configuration that needs a missing plugin: one line each. A make that succeeds keeps binary
-    data files as they are, leaves test-run debris out, records the source commit, and leaves the source
-    repository byte-identical, .git included."""
+    timeout (its test turns off the per-test limit), a configuration that needs a missing plugin: one line
+    each. A make that succeeds keeps binary data files as they are, leaves test-run debris out, records the
+    source commit, and leaves the source repository byte-identical, .git included."""
     def tree(root):
         return {p.relative_to(root): (p.stat().st_mode, p.read_bytes())
                 for p in sorted(root.rglob("*")) if p.is_file()}
