@@ -20,16 +20,16 @@ made from real repositories with their tests as the verifier; EvalPlus (Liu et a
 
 The map, in file order:
 
-    Layout         which files are source, which are tests and configuration (never editable)
-    Make           make: baseline, map, pick (a function, or with --size module a class or a module whole),
-                   delete, validate, scrub, scan, record the oracle, write a task
+    Make           make: baseline, map (trace_tests), pick (a function, or with --size module a class or a
+                   module whole), delete, validate, scrub, scan, record the oracle, write a task; the
+                   serving rule (coverage and strength)
     Splicing       delete_edit: byte ranges that delete a feature (stub or remove), the rest byte-identical
     Verify         verify: the oracle on the solution's packages, then the task's tests and canaries
     Deletion       the other role: deletion_spec (a feature to delete), judge_deletion (its reward),
                    task_from_deletion (a deletion that scores 1 -> a task)
-    Edits          solution_files: source inside the packages only, read by lstat; static_findings
-    Oracle         Recorder, Copier: the feature's inputs copied while the gold runs its tests; canon,
-                   mutants: held-out inputs and canonical results in a child without tests
+    Edits          solution_files: source inside the packages only; static_findings, the static check
+    Oracle         the recorded calls, the held-out ones, the gold's results twice (make_oracle); agrees: the
+                   host's comparison with what the solution's child returns
     Strength       strength: the share of the gold's mutants the tests alone and the tests plus oracle kill
     Scan           fingerprints of the deleted code; scan: leak sources and what each holds; scrub
     Monitor        monitor: trajectory steps that read leak sources or the task's files, or prepare tampering
@@ -37,12 +37,7 @@ The map, in file order:
                    (the deletion role's, on a spec), Verifier (judges in a pool, at the pace of sampling)
     Micro          micro-repositories, their gold episodes, TaskPool (tasks made while training runs)
     Tool use       the arithmetic tool-use family (below), its transcripts and the DifficultySampler
-    Sandbox        the infrastructure: every untrusted run (tests, solutions) in bubblewrap as nobody, on
-                   bounded tmpfs, with a timeout; Reporter, the pytest plugin whose descriptor is the only
-                   source of outcomes
-    Environment    make_env: a venv per repository with the test requirements it declares
-    Tracing        trace_tests: each test's calls into the package -> the test -> feature map
-    Survey         survey: make and verify on packages drawn from the package index
+    Survey         survey_one: a package off the index through env, make and verify
     Appendix       the command line (cli) and the demo
 
 Tool use over small integers: the question is a nested expression such as `mul(add(3,4),2)`, the episode
@@ -55,10 +50,14 @@ costs the final answer nothing, which is where targeted feedback, not the reward
 Cursor's Composer 2.5 post (dynamic difficulty, the "Tool not found" -> "Reminder: Available tools" feedback
 example); Toolformer (Schick et al. 2023) for text tool calls.
 
-Standard library only: no torch, nothing of the project; untrusted code (tests, solutions) runs in a
-subprocess with a timeout and a scrubbed environment, inside bubblewrap (an unprivileged user, no network,
-the host read-only, only a bounded tmpfs copy of its folder writable). make takes a git checkout (each task
-records the commit) and runs its tests with the interpreter from `env`.
+Standard library only: no torch, nothing of the project but harness/, the machinery that runs untrusted code
+(a repository's tests, a solution) and that no idea here depends on the details of: harness/sandbox.py
+(bubblewrap: an unprivileged user, no network, the host read-only, only a bounded tmpfs copy of its folder
+writable, a timeout), harness/env.py (a venv per repository with its test requirements: `env`),
+harness/repo.py (which files are source, a work tree read without trusting it), harness/child.py and
+harness/plugins.py (the code that runs inside the sandboxed processes: the oracle's child, the tracer and
+recorder plugins) and harness/survey.py (packages off the index). make takes a git checkout (each task records
+the commit) and runs its tests with the interpreter from `env`.
 
     python tasks.py                # tool use: tasks, gold transcripts, a long chain, a scripted episode,
                                    # the difficulty sampler
@@ -76,34 +75,21 @@ records the commit) and runs its tests with the interpreter from `env`.
 
 import argparse
 import ast
-import asyncio
 import codecs
 import collections
 import concurrent.futures
-import configparser
 import contextlib
 import copy
-import copyreg
-import csv
 import dataclasses
-import datetime
-import decimal
 import difflib
-import enum
 import fnmatch
-import fractions
-import functools
 import hashlib
-import importlib
-import importlib.machinery
 import inspect
 import io
 import itertools
 import json
-import marshal
 import os
 import posixpath
-import pickle
 import random
 import re
 import secrets
@@ -112,7 +98,6 @@ import shutil
 import signal
 import site
 import sqlite3
-import statistics
 import stat
 import subprocess
 import sys
@@ -121,105 +106,22 @@ import tempfile
 import textwrap
 import threading
 import time
-import tomllib
 import traceback
-import types
-import urllib.parse
-import urllib.request
 import zipfile
 from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple, Optional, Protocol
+from typing import Optional, Protocol
 
-# -----------------------------------------------------------------------------
-# Feature deletion on real codebases: make cuts a tested feature out of a repo and records its oracle, verify
-# scores the agent's re-implementation with the oracle and the repo's own tests, scan and scrub keep the
-# deleted code from leaking, monitor flags trajectories that look for it, CodeEnv makes a task an RL episode.
-# Everything below up to the tool-use family is this family; the map is in the docstring.
-
-
-class TaskError(Exception):
-    """Bad input or an unusable repository; the CLI prints it as one `error: ...` line."""
-
-
-# -----------------------------------------------------------------------------
-# Repository layout: which files are source, which are tests and test configuration (never editable).
-
-SKIP_DIRS = {".git", "__pycache__", ".tox", ".nox", ".venv", "venv", "node_modules"}
-# top-level scripts that are never the project's module
-NOT_MODULES = {"setup", "conftest", "noxfile", "fabfile", "tasks", "manage", "versioneer", "ez_setup",
-               "distribute_setup", "bootstrap", "runtests", "run_tests", "docs", "conf"}
-CONFIG = {"conftest.py", "pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml", "setup.py", "noxfile.py",
-          ".coveragerc", "sitecustomize.py", "usercustomize.py"}
-
-
-def is_protected(rel):
-    p = Path(rel)
-    return (p.name in CONFIG or p.suffix == ".pth" or bool(re.fullmatch(r"test_.*\.py|.*_test\.py", p.name))
-            or any(part in ("tests", "test", "testing") for part in p.parts[:-1]))
-
-
-def walk(root, skip=SKIP_DIRS):
-    for d, dirs, files in os.walk(root):
-        dirs[:] = sorted(x for x in dirs if x not in skip)
-        for f in sorted(files):
-            yield os.path.relpath(os.path.join(d, f), root)
-
-
-def packages(root):
-    """The top-level import packages (folders with __init__.py, flat or src/ layout) and, for a project that
-    is one module, its module file (`name.py`, declared as py-modules or imported by the tests); tests
-    excluded. Relative paths: "pkg", "src/pkg", "name.py"."""
-    root = Path(root)
-    bases = [b for b in (root, root / "src") if b.is_dir()]
-    found = [p for base in bases for p in sorted(base.iterdir())
-             if (p / "__init__.py").is_file() and not is_protected(p.name + "/x") and p.name not in SKIP_DIRS]
-    loose = [p for base in bases for p in sorted(base.glob("*.py")) if not is_protected(p.name)
-             and p.stem not in NOT_MODULES and p.is_file() and not p.is_symlink()]
-    if loose:  # a single-module project: the module the tests import
-        imported = imports(root, lambda rel: rel.endswith(".py") and is_protected(rel), ast.walk)
-        found += [p for p in loose if p.stem in imported and p.stem not in {f.name for f in found}]
-    return [str(p.relative_to(root)) for p in found]
-
-
-def imports(root, which, nodes):
-    """Top-level module names that the files `which` picks import, in the statements nodes(tree) gives
-    (ast.walk: anywhere; a tree's body: at module level only)."""
-    names = set()
-    for rel in walk(root):
-        if which(rel):
-            with contextlib.suppress(SyntaxError, ValueError, OSError):
-                for n in nodes(ast.parse(Path(root, rel).read_bytes())):
-                    if isinstance(n, ast.Import):
-                        names |= {a.name.split(".")[0] for a in n.names}
-                    elif isinstance(n, ast.ImportFrom) and not n.level and n.module:
-                        names.add(n.module.split(".")[0])
-    return names
-
-
-def package_name(pkg):
-    return Path(pkg).stem  # "src/pkg" -> pkg, "name.py" -> name
-
-
-def package_files(root, pkg):
-    """The files of one entry of packages(root), relative to root."""
-    return [pkg] if pkg.endswith(".py") else [os.path.join(pkg, r) for r in walk(Path(root) / pkg)]
-
-
-def inside(rel, pkgs):
-    return any(rel == p or rel.startswith(p + "/") for p in pkgs)
-
-
-def package_roots(root):
-    """Path prefixes of root's packages, as the tracer and recorder match code objects' files against."""
-    return os.pathsep.join(os.path.realpath(Path(root, p)) + ("" if p.endswith(".py") else os.sep)
-                           for p in packages(root))
-
-
-def source_files(root):
-    return [r for pkg in packages(root) for r in package_files(root, pkg)
-            if r.endswith(".py") and not is_protected(r)]
+from harness import Refused, TaskError
+from harness.child import HELD_OUT_AT_LEAST, ORACLE_CHILD, RECORD_AT_MOST
+from harness.env import COMPILED, installed_copies, interpreter_copies, make_env, plugin_for, pytest_config
+from harness.plugins import RECORDER_MODULE, TRACER_MODULE, plugin_run
+from harness.repo import (CONFIG, fresh_git, inside, is_protected, linked, lstat_tree, materialize,
+                          package_files, package_name, package_roots, packages, read_regular, source_files,
+                          walk)
+from harness.sandbox import PYTEST, READ_AT_MOST, Sandbox, first_error, scratch, stop, stoppable, tail
+from harness.survey import SURVEY_PACKAGES, fetch_sdist, survey, unnamed, valid_tasks
 
 
 # -----------------------------------------------------------------------------
@@ -521,6 +423,34 @@ def baseline(work, box, repo, log):
                         f"({len(r1.passed)} passed in the first run, {len(r2.passed)} in the second; a task "
                         f"needs 2): {first_error(r2.out)}")
     return stable, calls, at_import
+
+
+def trace_tests(root, box):
+    """One traced pytest run: (report, {node id: {(file, qualname)}}, the import-time set)."""
+    root = Path(root).resolve()
+    # a profiler on every call: the traced run may take TRACE_SLOWER times a plain run's timeout
+    r, raw = plugin_run(box, root, "_featdel_tracer", TRACER_MODULE, {"FEATDEL_ROOTS": package_roots(root)},
+                        timeout=TRACE_SLOWER * box.timeout)
+    rc, log = r.rc, r.out
+    if rc == 124:
+        raise TaskError(f"the traced test suite ran past {TRACE_SLOWER} x the timeout of {box.timeout} s "
+                        f"(make --timeout)")
+    if rc == 5:
+        raise TaskError("pytest collected no tests")
+    if raw is None:
+        lines = log.strip().splitlines() or ["no output"]
+        why = next((line.strip() for line in lines if "error:" in line), lines[-1].strip())
+        # e.g. addopts = --cov=pkg, no pytest-cov
+        opt = re.search(r"unrecognized arguments: (-[-\w]+)", why)
+        if opt:
+            plugin = plugin_for(opt[1]) or "a pytest plugin"
+            why += (f" (the repository's pytest configuration needs {plugin}, not installed for "
+                    f"{box.python}: make its environment with "
+                    f"`python tasks.py env --repo DIR --venv DIR` and pass --python)")
+        raise TaskError(f"the test suite did not run (pytest exit {rc}): {why}")
+    raw = json.loads(raw)
+    calls = {k: {(os.path.relpath(f, root), q) for f, q in v} for k, v in raw.items()}
+    return r, calls, calls.pop("<import>", set()) | calls.pop("<between>", set())
 
 
 def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reach=None, jobs=1,
@@ -1112,57 +1042,13 @@ def feature_left(root, spec):
 # Edits: what a solution may change, read without trusting the work tree. Only Python source inside the
 # packages may change; tests, their configuration, documentation, data files and everything at the top of the
 # repository stay as made (so nothing can shadow pytest, conftest or sitecustomize either). The host walks the
-# work tree with lstat and opens a file only after lstat says it is regular, with O_NOFOLLOW and O_NONBLOCK,
-# reading at most EDIT_AT_MOST bytes: a link, a FIFO or a device is refused by its kind before anything opens
-# it, and a walk stops at TREE_AT_MOST entries or the verify deadline. Nothing is copied from the work tree:
-# the verifier's tree is the snapshot plus the accepted files' bytes.
+# work tree (harness/repo.py) with lstat and opens a file only after lstat says it is regular, with O_NOFOLLOW
+# and O_NONBLOCK, reading at most EDIT_AT_MOST bytes: a link, a FIFO or a device is refused by its kind before
+# anything opens it, and a walk stops at TREE_AT_MOST entries or the verify deadline. Nothing is copied from
+# the work tree: the verifier's tree is the snapshot plus the accepted files' bytes.
 
 EDIT_AT_MOST = 1 << 20  # bytes a changed source file may have
-TREE_AT_MOST = 50_000  # entries a work tree may have
-# never read, never copied: version control, virtual environments, bytecode, caches and what installing or
-# measuring the package leaves (egg-info, build and dist at the top, coverage data)
-IGNORED = SKIP_DIRS | {".pytest_cache", ".hypothesis", ".mypy_cache", ".ruff_cache", "htmlcov"}
-IGNORED_FILES = re.compile(r"(.*/)?[^/]*\.py[co]|\.coverage(\..*)?|(.*/)?[^/]*\.egg-info/.*|(build|dist)/.*")
 CODING = re.compile(rb"^[ \t\f]*#.*?coding[:=][ \t]*([-\w.]+)")  # PEP 263
-
-
-class Refused(Exception):
-    """A solution refused before anything of it runs; verify scores it 0 with this one line."""
-
-
-def lstat_tree(root, deadline):
-    """{rel: os.stat_result} of everything under root but what IGNORED and IGNORED_FILES name, links not
-    followed."""
-    out, todo = {}, [""]
-    while todo:
-        d = todo.pop()
-        with os.scandir(Path(root, d)) as entries:
-            for e in entries:
-                rel = os.path.join(d, e.name)
-                if len(out) >= TREE_AT_MOST or time.time() > deadline:
-                    raise Refused(f"the work tree has over {TREE_AT_MOST} entries or took too long to list")
-                st = e.stat(follow_symlinks=False)
-                if stat.S_ISDIR(st.st_mode):
-                    todo += [] if e.name in IGNORED else [rel]
-                elif not IGNORED_FILES.fullmatch(rel):
-                    out[rel] = st
-    return out
-
-
-def read_regular(path, limit):
-    """The bytes of a regular file, never following a link or waiting on a FIFO; None past limit bytes."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        chunks, size = [], 0
-        while chunk := os.read(fd, 1 << 16):
-            chunks, size = chunks + [chunk], size + len(chunk)
-            if size > limit:
-                return None
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
 
 
 def editable(rel, pkgs):
@@ -1201,37 +1087,6 @@ def solution_files(snap, workdir, deadline, allowed=None):
             files[rel] = source_check(rel, data, Path(snap, rel).read_bytes() if a else b"",
                                       (allowed or {}).get(rel, ()))
     return files, deleted
-
-
-def linked(root, rel):
-    """Whether writing rel under root would go through a link or onto something that is not a regular file
-    (a repository may hold a link to anywhere)."""
-    p = Path(root)
-    try:
-        for i, part in enumerate(rel.split("/")):
-            p = p / part
-            last = i == len(rel.split("/")) - 1
-            if p.is_symlink() or (p.exists() and not (p.is_file() if last else p.is_dir())):
-                return True
-    except OSError:  # a name the file system refuses (too long): nothing can be written there either
-        return True
-    return False
-
-
-def materialize(snap, edits, dest):
-    """A solution's tree as a folder: the snapshot, then its edits {rel: bytes, or None where deleted}
-    written, never through a link the snapshot holds (CodeEnv refuses such edits; verify and judge_deletion
-    refuse such a solution)."""
-    shutil.copytree(snap, dest, symlinks=True)
-    for rel, data in edits.items():
-        if linked(dest, rel):
-            raise TaskError(f"refused to write {rel}: it is behind a link")
-        if data is None:  # deleted
-            Path(dest, rel).unlink(missing_ok=True)
-            continue
-        Path(dest, rel).parent.mkdir(parents=True, exist_ok=True)
-        Path(dest, rel).write_bytes(data)
-    return dest
 
 
 def declared(data):
@@ -1501,628 +1356,22 @@ def folded(node):
 # Oracle: the deleted feature's behaviour, recorded from the gold code and replayed where no test runs. The
 # repository's tests run in one process with the solution's code, so whatever that process reports can be
 # forged by code that knows the verifier. The oracle's evidence cannot: at make time a pytest plugin
-# (Recorder) copies the arguments of the calls the tests make into the feature while the gold code runs,
-# pickled at the call, receiver included (a generator by its items), and a pool of the values of the same
-# types that the tests pass to the packages' other functions; a sandboxed child adds held-out inputs by
-# type-aware mutation of those, or by a value of the pool in an argument's place (EvalPlus, Liu et al. 2023,
-# "Is Your Code Generated by ChatGPT Really Correct?"); two more children run the gold on all of them. Where
-# the two runs' canonical results differ only in some words (a temporary name, a time), those words are left
-# open; an input whose results differ otherwise is dropped. A result is what the call returns or raises (a
-# main()'s exit status) and the state it leaves: every argument, the receiver included, canonical again after
-# the call, so an in-place change counts. The expected results stay in the task folder,
-# which no sandbox mounts. At verify time a fresh sandboxed child that sees only the solution's packages (no
-# tests, no pytest) calls the feature on the recorded inputs and writes the canonical encoding of each result;
-# the host compares them with the expected ones, which the child never sees. A stub that forges the test run
-# still raises NotImplementedError here; an answer read from the calling test has no test to read; code that
-# special-cases the tests' inputs fails the held-out ones, so a task is served only when every feature has
-# HELD_OUT_AT_LEAST of them. The host never unpickles anything: inputs are opaque bytes to it, results are
-# strings.
-
-RECORD_AT_MOST = 40  # distinct inputs kept per feature from the tests (2 held-out ones made of each, or more)
-POOL_AT_MOST = 20  # distinct values kept per type from the other calls into the packages
-HELD_OUT_AT_LEAST = 3  # held-out inputs the oracle compares on each feature of a task that is served
-
-
-class Copier(pickle.Pickler):
-    """pickle, except that functions and classes it cannot import by name (lambdas, local functions, the
-    tests' helpers and classes) go by value, as cloudpickle sends them: their code marshalled, the globals
-    they name, their defaults and closure. The oracle's child has no test module to import them from. repo,
-    pkgs: when recording, the repository's folder and its packages' folders: what lies under repo but outside
-    the packages' source (the tests) also goes by value; what the packages define, the child imports from the
-    solution."""
-
-    def __init__(self, file, repo=None, pkgs=(), fresh=None):
-        super().__init__(file, 4)
-        self.repo, self.pkgs, self.fresh = repo, pkgs, fresh  # fresh: a receiver __init__ has yet to build
-
-    def by_value(self, obj):  # a function or a class
-        path = os.path.realpath(obj.__code__.co_filename if isinstance(obj, types.FunctionType) else
-                                getattr(sys.modules.get(obj.__module__), "__file__", None) or "/")
-        found = sys.modules.get(getattr(obj, "__module__", None) or "")
-        for part in obj.__qualname__.split("."):
-            found = getattr(found, part, None)
-        return found is not obj or self.repo is not None and path.startswith(self.repo) and (
-            not path.startswith(self.pkgs) or is_protected(os.path.relpath(path, self.repo)))
-
-    def reducer_override(self, obj):
-        t = type(obj)
-        if obj is self.fresh and obj is not None:
-            return copyreg.__newobj__, (t,)
-        if t is types.FunctionType and self.by_value(obj):
-            # the global names the function and the functions inside it use
-            names = {"__name__", *(n for c in nested_codes(obj.__code__) for n in c.co_names)}
-            scope = {k: obj.__globals__[k] for k in names if k in obj.__globals__}
-            cells = tuple(types.CellType() for _ in obj.__closure__ or ())  # filled by restore()
-            values = [c.cell_contents for c in obj.__closure__ or ()]
-            return (types.FunctionType, (obj.__code__, {}, obj.__name__, None, cells or None),
-                    (scope, obj.__defaults__, obj.__kwdefaults__, values), None, None, restore)
-        for name in ("FunctionType", "CellType", "NoneType"):  # classes named in no module but types
-            if obj is getattr(types, name):
-                return getattr, (types, name)
-        if t is types.CodeType:
-            return marshal.loads, (marshal.dumps(obj),)
-        if t in (types.TracebackType, types.FrameType):  # as a context manager's __exit__ gets: sent as
-            return types.NoneType, ()                     # None, to the gold and the solution alike
-        if t is types.CellType:
-            return types.CellType, ()  # an empty cell: restore() fills a function's cells
-        if t is types.ModuleType:
-            return importlib.import_module, (obj.__name__,)
-        if t in (type(threading.Lock()), type(threading.RLock())) and repr(obj).startswith("<unlocked"):
-            return (threading.Lock if t is type(threading.Lock()) else threading.RLock), ()  # a new one
-        if isinstance(obj, type) and self.by_value(obj):
-            attrs = {k: v for k, v in vars(obj).items() if k not in ("__dict__", "__weakref__")}
-            shell = {k: attrs.pop(k) for k in ("__module__", "__qualname__", "__slots__") if k in attrs}
-            return t, (obj.__name__, obj.__bases__, shell), attrs, None, None, restore
-        if isinstance(obj, io.IOBase) and not obj.closed and obj.seekable() and obj.readable():
-            at = obj.tell()  # an open file (the tests' temporary ones): a new file with the same content
-            obj.seek(0)
-            data = obj.read(1 << 20)
-            obj.seek(at)
-            if len(data) < 1 << 20:
-                return reopen, (data, getattr(obj, "mode", "r"), at)
-        if (t.__reduce__ is not object.__reduce__ or t.__reduce_ex__ is not object.__reduce_ex__) \
-                and hasattr(obj, "__dict__") and not isinstance(obj, type):
-            rv = obj.__reduce_ex__(4)  # its own pickling looks it up on a class sent by value: still a shell
-            if isinstance(rv, tuple) and len(rv) > 1 and any(isinstance(a, type) and self.by_value(a)
-                                                              for a in rv[1]):
-                return copyreg.__newobj__, (t,), dict(vars(obj)), None, None, restore
-        if hasattr(t, "__getattr__") and not hasattr(t, "__setstate__") and not isinstance(obj, type):
-            # unpickling asks an object for __setstate__, which a __getattr__ that makes attributes on demand
-            # may never answer: restore() sets its state instead (a class goes by name, even one whose
-            # metaclass has a __getattr__: an Enum)
-            rv = obj.__reduce_ex__(4)
-            if isinstance(rv, tuple) and len(rv) >= 3 and isinstance(rv[2], dict):  # a dict's items kept
-                return rv[0], rv[1], rv[2], *(rv[3:5] + (None, None))[:2], restore
-        return NotImplemented
-
-
-def nested_codes(code):
-    """A code object and those of the functions, lambdas and classes defined inside it, at any depth."""
-    codes = [code]
-    while codes:
-        c = codes.pop()
-        yield c
-        codes += [x for x in c.co_consts if type(x) is types.CodeType]
-
-
-def restore(obj, state):
-    """Unpickling's last step for what Copier sends by value, once the object exists, so that it may refer to
-    itself (a recursive function, a method that names its class): a function's globals, defaults and closure,
-    a class's attributes, an object's (one whose __getattr__ unpickling must not ask). Both sides find it as
-    _featdel_copy.restore."""
-    if isinstance(obj, types.FunctionType):
-        scope, obj.__defaults__, obj.__kwdefaults__, values = state
-        obj.__globals__.update(scope)
-        for cell, value in zip(obj.__closure__ or (), values):
-            cell.cell_contents = value
-    elif isinstance(obj, type):
-        for k, v in state.items():
-            setattr(obj, k, v)
-    else:
-        vars(obj).update(state)
-
-
-def reopen(data, mode, at):
-    """Unpickling an open file that Copier sent: the same content in a new temporary file, opened the same
-    way (writing modes without truncating it) at the same place."""
-    fd, path = tempfile.mkstemp()
-    os.write(fd, data if isinstance(data, bytes) else data.encode())
-    os.close(fd)
-    f = open(path, mode.replace("w", "r+").replace("x", "r+").replace("++", "+"))
-    f.seek(at)
-    return f
-
-
-# what a pickle of Copier's names restore and reopen by, in the recorder and in the oracle's child alike
-COPY_MODULE = """sys.modules["_featdel_copy"] = types.ModuleType("_featdel_copy")
-for f in (restore, reopen):
-    f.__module__ = "_featdel_copy"
-    setattr(sys.modules["_featdel_copy"], f.__name__, f)
-"""
-
-
-class Recorder:
-    """The recording plugin. Like Tracer it runs inside the repository's pytest (record_calls writes its
-    source into the module loaded with -p). targets: {(file, qualname): feature index}; out: where the records
-    go, [[feature index, base64 pickle of (args, kwargs)], ...], and [null, base64 pickle of a value] for the
-    pool: the values of the types the features take (or the packages define) that the tests pass to any other
-    function of the packages, which mutation may put in place of a feature's argument."""
-
-    def __init__(self, targets, out, repo, pkgs):
-        import base64, dis, io
-        self.out, self.records, seen, tries, starts, ours, taken = out, [], set(), Counter(), {}, {}, set()
-
-        def keep(key, value, fresh=None, most=RECORD_AT_MOST):  # a copy of value, under key
-            if tries[key] >= 10 * most:
-                return
-            tries[key] += 1
-            try:
-                buffer = io.BytesIO()
-                Copier(buffer, repo, pkgs, fresh).dump(value)
-                data = buffer.getvalue()
-            except Exception:  # locks, open files, generators: not copyable, not recorded
-                return
-            if len(data) < 1 << 16 and (key, data) not in seen and tries[key, "kept"] < most:
-                seen.add((key, data))
-                tries[key, "kept"] += 1
-                self.records.append([key if type(key) is int else None, base64.b64encode(data).decode()])
-
-        def own_source(path):  # a file of the packages' own source (not their tests)
-            return path.startswith(pkgs) and not is_protected(os.path.relpath(path, repo))
-
-        def pooled(t):  # whether values of type t go to the pool
-            if t not in ours:
-                module = sys.modules.get(t.__module__)
-                ours[t] = own_source(os.path.realpath(getattr(module, "__file__", None) or "/"))
-            return ours[t] or t in taken
-
-        def profile(frame, event, arg):
-            if event != "call":
-                return
-            code = frame.f_code
-            if code not in starts:  # the first RESUME: a generator's later resumptions are not new calls
-                path = os.path.realpath(code.co_filename)
-                starts[code] = (targets.get((path, code.co_qualname)), next(
-                    (i.offset for i in dis.get_instructions(code) if i.opname == "RESUME"), 0),
-                    own_source(path))
-            i, start, inside = starts[code]
-            if frame.f_lasti != start or i is None and (not inside or tries[code] >= POOL_AT_MOST):
-                return
-            tries[code] += i is None  # a function called in a loop: its first calls' values suffice
-            names, n, loc = code.co_varnames, code.co_argcount, frame.f_locals  # at the call: the arguments
-            k = n + code.co_kwonlyargcount
-            args, kwargs = [loc[x] for x in names[:n]], {x: loc[x] for x in names[n:k]}
-            if code.co_flags & inspect.CO_VARARGS:
-                args += loc[names[k]]
-                k += 1
-            if code.co_flags & inspect.CO_VARKEYWORDS:
-                kwargs.update(loc[names[k]])
-            fresh = args[0] if code.co_name == "__init__" and args else None  # a receiver yet to be built
-            if i is not None:
-                if tries[i] >= 10 * RECORD_AT_MOST or tries[i, "kept"] >= RECORD_AT_MOST:
-                    return
-                for j, x in enumerate(names[:n + code.co_kwonlyargcount]):
-                    if inspect.isgenerator(loc[x]):  # recorded as an iterator over its items; the call gets
-                        items, loc[x] = Recorder.drained(loc[x])  # them all the same (the frame takes loc)
-                        if items is None:
-                            return
-                        if j < n:
-                            args[j] = iter(items)
-                        else:
-                            kwargs[x] = iter(items)
-                with contextlib.suppress(TypeError):
-                    taken.update(type(v) for v in (*args, *kwargs.values()) if v is not fresh)
-                keep(i, (tuple(args), kwargs), fresh)
-                return
-            for v in (*args, *kwargs.values()):
-                try:  # a class its metaclass makes unhashable, say: never an error in the tests' code
-                    if v is not fresh and pooled(type(v)):
-                        keep(type(v), v, most=POOL_AT_MOST)
-                except Exception:
-                    pass
-
-        sys.setprofile(profile)
-        threading.setprofile(profile)
-
-    @staticmethod
-    def drained(gen, most=1000):
-        """A generator's first items, and a generator that gives all the first would have: (items or None
-        where it raised, the new generator). A profile function's changes to f_locals reach the frame."""
-        items, error = [], None
-        try:
-            for x in gen:
-                items.append(x)
-                if len(items) >= most:
-                    break
-        except Exception as e:
-            error = e
-
-        def replay():
-            yield from items
-            if error is not None:
-                raise error
-            yield from gen
-        return None if error else items, replay()
-
-    def pytest_sessionfinish(self, session):
-        sys.setprofile(None)
-        with os.fdopen(int(self.out), "w") as f:
-            json.dump(self.records, f)
-
-
-RECORDER_MODULE = f"""import contextlib, copyreg, importlib, inspect, io, json, marshal, os, pickle, re, sys
-import tempfile, threading, types
-RECORD_AT_MOST, POOL_AT_MOST, CONFIG = {RECORD_AT_MOST}, {POOL_AT_MOST}, {CONFIG!r}
-from collections import Counter
-from pathlib import Path
-{inspect.getsource(is_protected)}
-{inspect.getsource(Copier)}
-{inspect.getsource(nested_codes)}
-{inspect.getsource(restore)}
-{inspect.getsource(reopen)}
-{COPY_MODULE}
-{inspect.getsource(Recorder)}
-# popped: the tests never see them
-_recorder = Recorder({{(p, q): i for p, q, i in json.loads(os.environ.pop("FEATDEL_TARGETS"))}},
-                     os.environ.pop("FEATDEL_OUT"), os.environ.pop("FEATDEL_REPO"),
-                     tuple(os.environ.pop("FEATDEL_ROOTS").split(os.pathsep)))
-pytest_sessionfinish = _recorder.pytest_sessionfinish
-"""
-
-
-# What the child runs: `python -I -c ORACLE_CHILD MODE ROOT INPUTS FD`, in the sandbox, the solution's (or at
-# make time the gold's) packages under ROOT. MODE "run": one line [k, encoding] per call to FD ("later": the
-# same with the clock LATER_S on); MODE "mutate": lines [feature, base64 pickle] of held-out inputs. Its
-# functions are plain code here, sent as source.
-
-LATER_S = 400 * 86400  # how far on make's second gold run sets the clock: past any day a task is served on
-
-PLACES = ()  # in the child: (path, name) of the folders its run was given, named alike in every run
-
-
-def canon(x, depth=0, seen=(), only=None):
-    """A canonical string for a value: equal for equal plain data in any process, never an address or a
-    folder of this run's own (its packages' copy, its home: named by PLACES). Numbers
-    compare as numbers (2 == 2.0, floats to 12 digits), containers by their items (sets and dicts sorted),
-    iterators by their first 1,000 items, files by what they hold, functions and classes by name (a local one
-    only as local), other objects by their class and attributes (only: of x's own __dict__, these names
-    alone)."""
-    t = type(x)
-    if x is None or t in (bool, int):
-        return repr(x)
-    if t is float:
-        return repr(int(x)) if x.is_integer() and abs(x) < 2 ** 63 else format(x, ".12g")
-    if t in (str, bytes, bytearray, complex):  # an address in a repr is no value: 0x7f3a... reads 0x?
-        s = re.sub(r"\b0x[0-9a-f]{8,16}\b", "0x?", repr(x))
-        for path, place in PLACES:
-            s = s.replace(path, place)
-        return s if len(s) <= 4096 else f"{t.__name__}[{len(x)}:{hashlib.sha256(s.encode()).hexdigest()}]"
-    if depth > 8 or id(x) in seen:
-        return "..."
-    seen, rec = (*seen, id(x)), lambda v: canon(v, depth + 1, seen)
-    name = "" if t in (list, tuple, set, frozenset, dict) else t.__qualname__  # a subclass: named, items kept
-    if isinstance(x, (list, tuple)):
-        return name + ("[%s]" if isinstance(x, list) else "(%s)") % ", ".join(map(rec, x))
-    if isinstance(x, (set, frozenset)):
-        return name + "{%s}" % ", ".join(sorted(map(rec, x)))
-    if isinstance(x, dict):
-        return (name or "dict") + "{%s}" % ", ".join(sorted(f"{rec(k)}: {rec(v)}" for k, v in x.items()))
-    if isinstance(x, BaseException):
-        return f"{t.__qualname__}{rec(x.args)}"
-    if isinstance(x, io.IOBase):  # never by its name: a temporary file's differs from run to run
-        with contextlib.suppress(OSError, ValueError):
-            at = x.tell()
-            x.seek(0)
-            data = x.read(1 << 20)
-            x.seek(at)
-            return f"{t.__qualname__}<{rec(data)}>"
-        return f"{t.__qualname__}<{'closed' if x.closed else 'unreadable'}>"
-    # what a thing is, by its type: an object whose __getattr__ makes attributes on demand claims them all
-    if isinstance(x, type) or callable(x) and isinstance(getattr(x, "__qualname__", None), str) \
-            and not hasattr(t, "__next__"):
-        # by name; a lambda or local function is only a function (a re-implementation may name its own)
-        return "<local>" if "<" in x.__qualname__ else f"<{getattr(x, '__module__', '?')}.{x.__qualname__}>"
-    if hasattr(t, "__next__") and hasattr(t, "__iter__"):  # generators, map, zip, itertools...
-        items = [rec(v) for v, _ in zip(x, range(1000))]
-        return "iter[%s]" % ", ".join(items)
-    if t.__module__.partition(".")[0] in sys.stdlib_module_names | {"builtins"}:
-        return t.__qualname__ + "<" + canon(repr(x))[1:-1] + ">"  # Decimal, date, Path...: a value repr
-    state = {a: v for a, v in (getattr(x, "__dict__", None) or {}).items() if only is None or a in only}
-    return f"{t.__module__}.{t.__qualname__}({rec(state | slot_values(x))})"
-
-
-def slot_values(x):
-    """{name: value} of the slots x has set, in every class of its MRO."""
-    found = {}
-    for cls in type(x).__mro__:
-        slots = getattr(cls, "__slots__", ())
-        for name in [slots] if isinstance(slots, str) else slots:
-            if name not in ("__dict__", "__weakref__") and hasattr(x, name):
-                found[name] = getattr(x, name)
-    return found
-
-
-def mutants(value, rng, depth=0, read=frozenset()):
-    """Type-aware variants of one value (EvalPlus), each of the value's own type where it can take it (a
-    Counter stays a Counter): numbers, durations, dates and times moved and scaled (a float to a fraction
-    too); another member of an enum; strings and sequences emptied, cut, grown and reversed; and by one rule
-    for every container and object, a copy with one item, key or attribute mutated in turn (a digit, of a
-    string, so that a parser's input may stay well formed). read: the names the feature's code uses; the keys
-    and attributes so named (or holding a dict with such keys) are mutated first, the others in random
-    order, and an attribute so named that the object's class holds (a default, a property) is set too."""
-    t, day = type(value), datetime.timedelta(days=1)
-
-    def inner(v):  # an item's or attribute's first variants; none where it cannot be varied (an open file)
-        try:
-            return mutants(v, rng, depth + 1, read)[:2] if depth < 3 else []
-        except Exception:
-            return []
-
-    unread = lambda k, v: (k not in read and not (isinstance(v, dict) and not read.isdisjoint(v)),
-                           rng.random())
-
-    def changed(key, *new, held=True):  # a copy with one key (of a dict) or attribute (of an object)
-        if isinstance(value, dict):        # replaced or removed
-            c = copy.copy(value)
-            c.update({key: new[0]}) if new else c.pop(key)
-            return c
-        # an object as Copier sends it: never asked for __setstate__, which a __getattr__ may not answer;
-        # its attributes in its __dict__ or its slots (one its class holds is set as any code would set it)
-        c = t.__new__(t)
-        for name, v in attributes(value).items():
-            object.__setattr__(c, name, v)
-        (object.__setattr__ if held else setattr)(c, key, new[0]) if new else object.__delattr__(c, key)
-        return c
-
-    if hasattr(t, "__next__") and hasattr(t, "__iter__") and not isinstance(value, io.IOBase):
-        # an iterator (a generator as recorded): iterators over its items' variants, read from a copy
-        return [iter(m) for m in mutants(list(itertools.islice(copy.copy(value), 1000)), rng, depth, read)]
-    if isinstance(value, enum.Enum):  # before int: an IntEnum's variants are its siblings
-        return [m for m in t if m is not value][:3]
-    if t is bool:
-        return [not value]
-    if isinstance(value, (int, float, complex, decimal.Decimal, fractions.Fraction, datetime.timedelta)):
-        one = day if isinstance(value, datetime.timedelta) else 1
-        out = [value + one, value - one, -value, value * 2, value * 0, *([value + 0.5] if t is float else [])]
-    elif isinstance(value, datetime.date):  # and datetime
-        out = [value + day, value - day, value + 7 * day, value - 366 * day, value.replace(day=1)]
-    elif isinstance(value, datetime.time):
-        out = [value.replace(hour=(value.hour + 1) % 24), value.replace(minute=(value.minute + 7) % 60)]
-    elif isinstance(value, (str, bytes, bytearray, list, tuple)):
-        out = [value[:0], value + value[:1], value[1:], value[::-1], value[:1] + value]
-        text = not isinstance(value, (list, tuple))
-        digits = "0123456789" if isinstance(value, str) else b"0123456789"
-        spots = [i for i in range(len(value)) if not text or value[i:i + 1] in digits]
-        if spots:
-            i = rng.choice(spots)
-            news = [digits[(digits.index(value[i:i + 1]) + 1) % 10:][:1]] if text else inner(value[i])
-            out = [value[:i] + (m if text else type(value[:0])([m])) + value[i + 1:] for m in news] + out
-    elif isinstance(value, (set, frozenset)) and value:
-        x = rng.choice(sorted(value, key=repr))
-        out = [value - {x}, *(value - {x} | {m} for m in inner(x))]
-    elif isinstance(value, dict) and value:
-        keys = sorted(value, key=lambda k: unread(k, value[k]))[:8]  # each of them (a big dict: 8)
-        out = [{}, *(x for k in keys for x in [changed(k), *(changed(k, m) for m in inner(value[k]))])]
-    elif attributes(value) is not None:
-        out = []
-        for name in sorted(read - attributes(value).keys()):  # what it reads that its class holds (a default,
-            with contextlib.suppress(Exception):                 # a property, a trait)
-                v = getattr(value, name)
-                out += [changed(name, m, held=False) for m in ([] if callable(v) else inner(v))]
-        out += [changed(a, m) for a, v in sorted(attributes(value).items(), key=lambda x: unread(*x))
-                for m in inner(v)]
-    else:
-        return []
-    return [m for m in map(functools.partial(like, t), out) if m is not None]
-
-
-def like(t, x):
-    """x as a t, the type of the value it was made from (a subclass of x's own: a namedtuple, a str or int
-    subclass); None where t cannot take it."""
-    if type(x) is t:
-        return x
-    try:
-        return t._make(x) if hasattr(t, "_make") else t(x)
-    except Exception:
-        return None
-
-
-def attributes(x):
-    """{name: value} of an object's own attributes, in its __dict__ and its slots, or None for what has
-    neither or is taken by name (classes, functions, modules)."""
-    if inspect.isclass(x) or inspect.isroutine(x) or inspect.ismodule(x):
-        return None
-    d = getattr(x, "__dict__", None)
-    found = (dict(d) if type(d) is dict else {}) | slot_values(x)
-    return found if type(d) is dict or found else None
-
-
-def oracle_main(mode, root, inputs, fd):
-    import base64, pickle, random, signal
-    global PLACES
-    sys.path[:0] = [root, os.path.join(root, "src")]
-    PLACES = sorted(((p, name) for d, name in ((root, "<root>"), (os.environ.get("HOME", ""), "<home>")) if d
-                     for p in {d, os.path.realpath(d)}), key=lambda x: -len(x[0]))  # the longest first
-    spec = json.load(open(inputs))
-    out = os.fdopen(int(fd), "w", buffering=1)
-    if mode == "later":  # before the packages import: they may bind time.time or datetime as they do
-        shift_clock(LATER_S)
-    funcs = [oracle_resolve(module, qualname) for module, qualname in spec["features"]]
-    if mode == "mutate":
-        calls, known = [], set()  # [feature, {position or name: argument}]; the inputs there are, by value
-        for i, data in spec["calls"]:  # (two pickles of one input may differ in their bytes)
-            with contextlib.suppress(Exception):
-                args, kwargs = pickle.loads(base64.b64decode(data))
-                calls.append((i, {**dict(enumerate(args)), **kwargs}))
-                known.add(canon(pickle.loads(base64.b64decode(data))))
-        by_type = collections.defaultdict(list)  # the values of each type the calls and the pool hold
-        for data in spec["pool"]:
-            with contextlib.suppress(Exception):
-                value = pickle.loads(base64.b64decode(data))
-                by_type[type(value)].append(value)
-        for _, given in calls:
-            for value in given.values():
-                by_type[type(value)].append(value)
-        # the names each feature's code uses, its inner functions' too
-        reads = [frozenset(n for c in nested_codes(f.__code__) for n in (*c.co_names, *c.co_varnames))
-                 if hasattr(f, "__code__") else frozenset() for f in funcs]
-        pools = []
-        for k, (i, given) in enumerate(calls):
-            rng = random.Random(k)
-            # one argument changed (a method's receiver too, by an attribute): mutated (each argument's
-            # variants in their order, what the feature reads first), or as another of the feature's calls
-            # gave it, or another value of its type (of any call, or the pool), taken in turn
-            rows, others = [], []
-            for key, old in given.items():
-                with contextlib.suppress(Exception):
-                    rows.append([(key, m) for m in mutants(old, rng, read=reads[i]) if m != old])
-                with contextlib.suppress(Exception):
-                    others += [(key, c[key]) for j, c in calls if j == i and key in c and c[key] != old]
-                others += [(key, v) for v in by_type[type(old)] if v is not old]
-            rng.shuffle(others)
-            pools.append([x for row in itertools.zip_longest(*rows, others) for x in row if x is not None])
-        # new inputs: twice what a feature needs (a run may drop some) from each call, written round by round
-        # so that the host's cap on a feature's inputs takes from every call alike
-        made = []
-        for (i, given), pool in zip(calls, pools):
-            made.append([])
-            for key, m in pool[:20 * HELD_OUT_AT_LEAST]:  # bounded: a pool of inputs seen before is tried no
-                new = {**given, key: m}                      # further
-                with contextlib.suppress(Exception):
-                    buffer = io.BytesIO()
-                    Copier(buffer).dump((tuple(v for p, v in new.items() if isinstance(p, int)),
-                                         {n: v for n, v in new.items() if isinstance(n, str)}))
-                    value = canon(pickle.loads(buffer.getvalue()))  # a copy: canon may consume an iterator
-                    if value not in known:
-                        known.add(value)
-                        made[-1].append(json.dumps([i, base64.b64encode(buffer.getvalue()).decode()]) + "\n")
-                if len(made[-1]) >= 2 * HELD_OUT_AT_LEAST:
-                    break
-        for line in itertools.chain.from_iterable(itertools.zip_longest(*made)):
-            out.write(line or "")
-        return
-
-    class Timeout(BaseException):
-        pass
-
-    def alarm(signum, frame):
-        raise Timeout()
-
-    signal.signal(signal.SIGALRM, alarm)
-    for k, (i, data) in enumerate(spec["calls"]):
-        try:
-            args, kwargs = pickle.loads(base64.b64decode(data))
-        except Exception as e:  # a class of the tests, say: make drops such inputs
-            out.write(json.dumps([k, f"unloadable: {type(e).__name__}"]) + "\n")
-            continue
-        f = funcs[i]
-        if isinstance(f, str):
-            out.write(json.dumps([k, f"unresolved: {f}"]) + "\n")
-            continue
-        try:
-            # what the call may change: every argument, the receiver included; of an object, the attributes
-            # it had before (all that __init__ sets): attributes added later are caches a re-implementation
-            # need not keep
-            init = getattr(f, "__name__", "") == "__init__"
-            values = [*args, *kwargs.values()]
-            only = [None if init and j == 0 or attributes(v) is None else set(attributes(v))
-                    for j, v in enumerate(values)]
-            signal.setitimer(signal.ITIMER_REAL, 5)
-            try:
-                result = f(*args, **kwargs)
-                if inspect.iscoroutine(result) or inspect.isasyncgen(result):  # an async feature: run it
-                    result = asyncio.run(result if inspect.iscoroutine(result) else drain(result))
-                result = canon(result)  # first: a generator changes what it changes as it runs
-                after = [canon(v, only=o) if not hasattr(type(v), "__next__") else "iterator"  # how far a
-                         for v, o in zip(values, only)]  # call reads an iterator is its own affair
-                line = f"returns {result}; after {json.dumps(after)}"
-            finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-        except Timeout:
-            line = "timeout"
-        except SystemExit as e:  # a main()'s exit status, as the interpreter would make it of the code
-            line = f"exits {e.code if type(e.code) is int else 0 if e.code is None else 1}"
-        except BaseException as e:  # its classes, by names that lead to them: a subclass of the gold's agrees
-            # (a BaseExceptionGroup too: a result, never the end of the child)
-            line = "raises " + json.dumps(class_names(type(e)))
-        out.write(json.dumps([k, line]) + "\n")
-
-
-def class_names(cls):
-    """[module, qualname] of each class cls is (its MRO, object aside) that its name leads to in this
-    process: a name a class only claims, by its __qualname__ or __module__, is left out."""
-    out = []
-    for c in cls.__mro__[:-1]:
-        with contextlib.suppress(Exception):
-            found = sys.modules[c.__module__]
-            for part in c.__qualname__.split("."):
-                found = getattr(found, part)
-            if found is c:
-                out.append([c.__module__, c.__qualname__])
-    return out
-
-
-def shift_clock(seconds):
-    """The clock `seconds` on for the code that runs after this: time.time and time_ns (date.today and
-    datetime.today read it), and datetime.now and utcnow (datetime.datetime becomes a subclass of that name
-    whose two read the real clock and add)."""
-    import time as clock
-    real, real_ns, later = clock.time, clock.time_ns, datetime.timedelta(seconds=seconds)
-    clock.time, clock.time_ns = lambda: real() + seconds, lambda: real_ns() + seconds * 10 ** 9
-
-    class Later(datetime.datetime):
-        @classmethod
-        def now(cls, tz=None):
-            return super().now(tz) + later
-
-        @classmethod
-        def utcnow(cls):
-            return super().now(datetime.timezone.utc).replace(tzinfo=None) + later
-
-    Later.__name__ = Later.__qualname__ = "datetime"
-    Later.__module__ = "datetime"
-    datetime.datetime = Later
-
-
-async def drain(agen, limit=1000):
-    """An async generator's first items, as canon takes an iterator's."""
-    items = []
-    async for x in agen:
-        items.append(x)
-        if len(items) >= limit:
-            break
-    return items
-
-
-def oracle_resolve(module, qualname):
-    """The feature's own function: the one whose code has this qualname in the module's file (under any
-    decorator), else the attribute the name leads to; a string says why there is none."""
-    import gc, importlib
-    try:
-        mod = importlib.import_module(module)
-    except Exception as e:
-        return f"import {module} failed: {type(e).__name__}"
-    path = os.path.realpath(getattr(mod, "__file__", "") or "")
-    found = [f for f in gc.get_objects() if type(f) is types.FunctionType
-             and f.__code__.co_qualname == qualname and os.path.realpath(f.__code__.co_filename) == path]
-    if len(found) == 1:
-        return found[0]
-    obj = mod
-    for part in qualname.split("."):
-        obj = vars(obj).get(part) if hasattr(obj, "__dict__") else None
-    obj = getattr(obj, "__func__", obj)
-    return obj if callable(obj) else f"no function {qualname} in {module}"
-
-
-ORACLE_CHILD = "\n".join(["import contextlib, copy, copyreg, hashlib, importlib, io, json, marshal, os",
-                          "import asyncio, collections, datetime, decimal, enum, fractions, functools",
-                          "import inspect, itertools, pickle, re, sys, tempfile, threading, types",
-                          f"HELD_OUT_AT_LEAST, LATER_S, PLACES = {HELD_OUT_AT_LEAST}, {LATER_S}, ()",
-                          *map(inspect.getsource, (Copier, nested_codes, restore, reopen)), COPY_MODULE,
-                          *map(inspect.getsource, (canon, slot_values, mutants, like, attributes, oracle_main,
-                                                   class_names, shift_clock, drain, oracle_resolve)),
-                          "oracle_main(*sys.argv[1:])"])
-
+# (harness/plugins.py's Recorder) copies the arguments of the calls the tests make into the feature while the
+# gold code runs, pickled at the call, receiver included (a generator by its items), and a pool of the values
+# of the same types that the tests pass to the packages' other functions; a sandboxed child (harness/child.py)
+# adds held-out inputs by type-aware mutation of those, or by a value of the pool in an argument's place
+# (EvalPlus, Liu et al. 2023, "Is Your Code Generated by ChatGPT Really Correct?"); two more children run the
+# gold on all of them. Where the two runs' canonical results differ only in some words (a temporary name, a
+# time), those words are left open; an input whose results differ otherwise is dropped. A result is what the
+# call returns or raises (a main()'s exit status) and the state it leaves: every argument, the receiver
+# included, canonical again after the call, so an in-place change counts. The expected results stay in the
+# task folder, which no sandbox mounts. At verify time a fresh sandboxed child that sees only the solution's
+# packages (no tests, no pytest) calls the feature on the recorded inputs and writes the canonical encoding of
+# each result; the host compares them with the expected ones, which the child never sees. A stub that forges
+# the test run still raises NotImplementedError here; an answer read from the calling test has no test to
+# read; code that special-cases the tests' inputs fails the held-out ones, so a task is served only when every
+# feature has HELD_OUT_AT_LEAST of them. The host never unpickles anything: inputs are opaque bytes to it,
+# results are strings.
 
 # which code wrote a task's oracle (its inputs and expected strings) and its static allowances (task.json's
 # static_allowed, in the static check's words): a task made by other code is not served, and verify refuses it
@@ -2696,57 +1945,6 @@ def deleted_lines(nmap):
     return {k: v for k, v in nmap.items() if v.startswith("deleted line")}
 
 
-def installed_copies(site_dirs, names):
-    """(path, what) for each copy of the packages `names` in site directories, in any form: the package or
-    module itself, its bytecode (a module's __pycache__ entry outlives its source, and a loader runs it
-    without one), .pth and .egg-link lines and editable-install finders that lead to a checkout, and the
-    metadata (what is "metadata": it holds no code)."""
-    for sp in map(Path, site_dirs):
-        entries = sorted([*sp.iterdir(), *Path(sp, "__pycache__").glob("*")]) if sp.is_dir() else []
-        for p, name in ((p, name) for p in entries for name in names):
-            if p.name in (name, f"{name}.py") or p.name.startswith(f"{name}.") and p.suffix in (".pyc",
-                                                                                             ".so"):
-                yield p, "bytecode" if p.suffix == ".pyc" else "installed copy"
-            elif re.fullmatch(rf"{re.escape(name)}-[^/]*\.(dist|egg)-info", p.name):
-                yield p, "metadata"
-            elif p.suffix in (".pth", ".egg-link") or p.name.startswith("__editable__"):
-                with contextlib.suppress(OSError, ValueError):
-                    text = p.read_text(errors="replace")[:1 << 20]
-                    paths = [Path(sp, x.strip()) for x in text.splitlines() if x.strip()
-                             and not x.startswith(("import", "#"))]
-                    if any(Path(x, name).exists() or Path(x, f"{name}.py").exists() for x in paths) \
-                            or p.suffix == ".py" and re.search(r"['\"]%s['\"]" % re.escape(name), text):
-                        yield p, "link to a checkout"
-
-
-# Run in the sandbox in an empty folder with the task's interpreter: what a solution could load of the
-# repository's packages from the interpreter alone, by import or by a loader pointed at leftover bytecode.
-INTERPRETER_CHILD = "\n".join(["import contextlib, importlib.util, json, os, re, sys",
-                                "from pathlib import Path", inspect.getsource(installed_copies), """
-names, found = json.loads(sys.argv[1]), []
-for n in names:
-    spec = None
-    with contextlib.suppress(Exception):
-        spec = importlib.util.find_spec(n)
-    if spec is not None:
-        found.append(f"it imports {n} from {spec.origin or ', '.join(spec.submodule_search_locations or [])}")
-dirs = [d for d in sys.path if d and os.path.isdir(d) and os.path.realpath(d) != os.getcwd()]
-found += [f"{p} ({what})" for p, what in installed_copies(dirs, names) if what != "metadata"]
-print(json.dumps(found))"""])
-
-
-@functools.cache
-def interpreter_copies(python, isolate, names):
-    """What the interpreter holds of the packages `names` (a tuple), as a sandboxed run sees it: [] when it
-    holds nothing, the gold in no form."""
-    with scratch() as empty:
-        rc, out = Sandbox(python, isolate, 120).run(["-c", INTERPRETER_CHILD, json.dumps(names)], empty)
-    try:
-        return json.loads(out.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        return [f"the check did not run (exit {rc}): {out.strip()[-200:]}"]
-
-
 def check_interpreter(box, root):
     """TaskError unless the interpreter that runs the tests holds no copy of root's packages: with the work
     tree absent, importing each must fail, and no bytecode of theirs may lie where a loader finds it."""
@@ -2771,19 +1969,6 @@ def scrub(root, findings):
             if x in (".git", "__pycache__"):
                 shutil.rmtree(Path(d, x))
     fresh_git(root)
-
-
-def fresh_git(root):
-    # fixed author, committer and dates: the same tree gives the same commit
-    when = "2000-01-01T00:00:00+0000"
-    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(root), "GIT_CONFIG_NOSYSTEM": "1",
-           "GIT_CONFIG_GLOBAL": os.devnull,
-           "GIT_AUTHOR_NAME": "task", "GIT_AUTHOR_EMAIL": "task@example.com", "GIT_AUTHOR_DATE": when,
-           "GIT_COMMITTER_NAME": "task", "GIT_COMMITTER_EMAIL": "task@example.com",
-           "GIT_COMMITTER_DATE": when}
-    for args in (["init", "-q", "-b", "main"], ["add", "-A"],
-                 ["commit", "-q", "--no-gpg-sign", "-m", "snapshot"]):
-        subprocess.run(["git", *args], cwd=root, env=env, check=True, capture_output=True)
 
 
 # -----------------------------------------------------------------------------
@@ -4163,913 +3348,10 @@ class DifficultySampler:
 
 
 # -----------------------------------------------------------------------------
-# Sandbox: every run of a repository's tests or an agent's solution goes through here. Inside bubblewrap
-# (github.com/containers/bubblewrap, the sandbox Flatpak is built on) a run is an unprivileged user (nobody,
-# when the host runs as root) that sees the system folders, the few files of /etc an interpreter needs and its
-# interpreter read-only, and nothing else of the host: no network, not the task's files, not the source
-# repository, not the other tasks. Its work folder is a tmpfs of bounded size that a trusted launcher fills
-# from a read-only view of the host's copy before the run starts (the tests and their configuration stay
-# read-only mounts); /tmp and /dev/shm are bounded tmpfs too, and the rest of the file system is read-only,
-# so nothing it writes reaches the host's disk but the descriptors it is handed, whose files RLIMIT_FSIZE
-# bounds. A pids cgroup (RLIMIT_NPROC when not root) caps its processes, RLIMIT_AS its memory, and a timeout
-# kills all of it. Temporary folders and cgroups are named after the process that made them, and the next
-# start removes those whose process is gone (a verify killed with SIGKILL cleans up nothing itself). Without
-# bubblewrap (--no-sandbox) a run gets only a scrubbed environment, its own folder and the same limits on
-# time and memory.
-
-# no .pytest_cache (it names tests); a test file that fails to collect costs its own tests, not the run's
-PYTEST = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--continue-on-collection-errors"]
-# what a sandboxed run sees of the host; with the network (installs), all of /etc
-SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64")
-ETC = ("passwd", "group", "hosts", "nsswitch.conf", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime",
-       "mime.types", "alternatives", "ssl", "ca-certificates")
-NOBODY = 65534  # the uid and gid a run has when the host is root
-READ_AT_MOST = 64 << 20  # bytes the host reads of what a run wrote to a descriptor it was handed
-# sys.pycache_prefix: a folder that is not there, on a read-only mount
-NO_BYTECODE = "/usr/.featdel-no-bytecode"
-PLUGIN_OPTIONS = {"--cov": "pytest-cov", "-n": "pytest-xdist", "--numprocesses": "pytest-xdist",
-                  "--dist": "pytest-xdist", "--timeout": "pytest-timeout", "--asyncio-mode": "pytest-asyncio",
-                  "--benchmark": "pytest-benchmark", "--reruns": "pytest-rerunfailures",
-                  "--doctest-plus": "pytest-doctestplus", "--mypy": "pytest-mypy",
-                  "--hypothesis": "hypothesis", "--randomly": "pytest-randomly", "--flake8": "pytest-flake8"}
-# Before the sandbox: join the run's pids cgroup, cap the address space, file size and processes, then become
-# the command (bubblewrap, or the interpreter unisolated). Arguments: cgroup or "", bytes, bytes, count or 0.
-LIMITS = """import os, resource, sys
-cg, memory, disk, nproc = sys.argv[1:5]
-if cg:
-    with open(os.path.join(cg, "cgroup.procs"), "w") as f:
-        f.write(str(os.getpid()))
-resource.setrlimit(resource.RLIMIT_AS, (int(memory), int(memory)))
-resource.setrlimit(resource.RLIMIT_FSIZE, (int(disk), int(disk)))
-if int(nproc):
-    resource.setrlimit(resource.RLIMIT_NPROC, (int(nproc), int(nproc)))
-os.execvp(sys.argv[5], sys.argv[5:])
-"""
-# The launcher, run with -I -S before anything of the repository: fills the tmpfs work folder from the
-# read-only view (skipping the read-only mounts already in place), then becomes the real command.
-FILL = f"""import os, shutil, sys
-src, dst = sys.argv[1:3]
-for d, dirs, files in os.walk(src):
-    to = os.path.normpath(os.path.join(dst, os.path.relpath(d, src)))
-    if d != src and os.path.ismount(to):
-        dirs[:] = []
-        continue
-    os.makedirs(to, exist_ok=True)
-    for f in files + [x for x in dirs if os.path.islink(os.path.join(d, x))]:
-        if not os.path.lexists(os.path.join(to, f)):
-            shutil.copy2(os.path.join(d, f), os.path.join(to, f), follow_symlinks=False)
-if os.getuid() == 0:  # the host is root: hand the work folder to nobody, then become nobody for good
-    for d, dirs, files in os.walk(dst):
-        dirs[:] = [x for x in dirs if not os.path.ismount(os.path.join(d, x))]
-        for x in [d, *(os.path.join(d, f) for f in files)]:
-            try:
-                os.chown(x, {NOBODY}, {NOBODY}, follow_symlinks=False)
-            except OSError:  # a read-only mount
-                pass
-    os.setgroups([])
-    os.setgid({NOBODY})
-    os.setuid({NOBODY})
-os.execv(sys.argv[3], sys.argv[3:])
-"""
-
-
-def clean_env(root, home, extra=()):
-    # Nothing inherited but PATH: no PYTHON* variables, no user site, HOME in a throwaway folder. With the
-    # current interpreter the host's pytest plugins stay out (the verifier, not the environment, decides what
-    # runs); a venv made by `tasks.py env` holds only the repository's own, and they load.
-    paths = os.pathsep.join([str(root), *([str(Path(root, "src"))] if Path(root, "src").is_dir() else []),
-                             *extra])
-    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "PYTHONPATH": paths,
-            "PYTHONDONTWRITEBYTECODE": "1", "PYTHONNOUSERSITE": "1", "PYTHONHASHSEED": "0", "LANG": "C.UTF-8",
-            "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
-
-
-def scratch():
-    """A temporary folder named after this process (the next start removes it if this process dies first),
-    readable by the sandbox's unprivileged user."""
-    sweep()
-    # a SIGTERM between the folder's creation and its finalizer would leave it behind: it waits until then
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    try:
-        d = tempfile.TemporaryDirectory(prefix=f"featdel-{os.getpid()}-")
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-    os.chmod(d.name, 0o755)
-    return d
-
-
-@functools.cache
-def sweep():
-    """Remove the temporary folders and cgroups of earlier runs whose process is gone."""
-    def gone(name):
-        pid = name.split("-")[1]
-        return pid.isdigit() and int(pid) != os.getpid() and not Path("/proc", pid).exists()
-    for p in Path(tempfile.gettempdir()).glob("featdel-*-*"):
-        if gone(p.name):
-            shutil.rmtree(p, ignore_errors=True)
-    for cg in Path(pids_cgroup() or "/nonexistent").glob("featdel-*-*"):
-        if gone(cg.name):
-            remove_cgroup(cg)
-
-
-def remove_cgroup(cg):
-    while cg.exists():  # whatever is left of it (a fork bomb's children) goes too
-        for pid in Path(cg, "cgroup.procs").read_text().split():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
-        with contextlib.suppress(OSError):
-            cg.rmdir()
-
-
-@functools.cache
-def pids_cgroup():
-    """A cgroup folder this process may make children in, with a pids controller; None if there is none."""
-    for base in ("/sys/fs/cgroup/pids", "/sys/fs/cgroup"):
-        probe = Path(base, f"featdel-probe-{os.getpid()}-{secrets.token_hex(4)}")  # pids are reused
-        try:
-            probe.mkdir()
-            ok = Path(probe, "pids.max").exists()
-            probe.rmdir()
-            if ok:
-                return base
-        except OSError:
-            pass
-    return None
-
-
-@functools.cache
-def sandbox_problem():
-    """None when runs can be isolated here, else why not."""
-    if not shutil.which("bwrap"):
-        return "bubblewrap is not installed (apt-get install bubblewrap)"
-    ns = (["--unshare-pid", "--unshare-net", "--cap-add", "CAP_SETUID"] if os.getuid() == 0
-          else ["--unshare-all"])
-    p = subprocess.run(["bwrap", *ns, "--ro-bind", "/", "/", "true"], capture_output=True, text=True)
-    if p.returncode:
-        return ("bubblewrap cannot run here: "
-                f"{(p.stderr.strip().splitlines() or ['exit ' + str(p.returncode)])[-1]}")
-    if os.getuid() == 0 and not pids_cgroup():
-        return "running as root with no writable pids cgroup, so the number of processes cannot be limited"
-    return None
-
-
-@functools.cache
-def prefixes(python):
-    """(sys.prefix, sys.base_prefix) of an interpreter: a venv's folder and the Python it was made from."""
-    probe = "import sys, json; print(json.dumps([sys.prefix, sys.base_prefix]))"
-    try:
-        p = subprocess.run([python, "-I", "-c", probe], capture_output=True, text=True, timeout=60)
-        return tuple(json.loads(p.stdout))
-    except (OSError, ValueError, subprocess.TimeoutExpired):
-        raise TaskError(f"--python {python} is not a Python interpreter")
-
-
-@dataclass
-class Sandbox:
-    """How untrusted code runs: which interpreter, isolated or not, for how long, with how much."""
-    # runs the repository's tests: a venv from `tasks.py env`, or this interpreter
-    python: str = sys.executable
-    isolate: bool = True  # bubblewrap; False is --no-sandbox
-    timeout: int = 300  # seconds per run
-    processes: int = 512  # processes and threads at once
-    memory: int = 8 << 30  # bytes of address space per process
-    disk: int = 512 << 20  # bytes in each of the work folder, /tmp and /dev/shm, and in any one file written
-    executed: int = 0  # tests run so far, setup to teardown: what make's cost is counted in
-
-    def __post_init__(self):
-        # a relative path means the caller's folder, and runs start elsewhere (a venv's link stays a link)
-        self.python = os.path.abspath(self.python) if os.sep in self.python else self.python
-        self.prefix, self.base = prefixes(self.python)
-        if self.isolate and sandbox_problem():
-            raise TaskError(f"cannot sandbox the tests: {sandbox_problem()}; "
-                            "pass --no-sandbox to run them unisolated")
-
-    def sees(self, path):
-        """Whether an isolated run can read path: it lies inside what the sandbox mounts from the host."""
-        if not self.isolate:
-            return False
-        exe = os.path.dirname(os.path.realpath(self.python))
-        mounts = {os.path.realpath(m) for m in (*SYSTEM, "/etc", self.prefix, self.base, exe)}
-        path = os.path.realpath(path)
-        return any(path == m or path.startswith(m.rstrip("/") + "/") for m in mounts)
-
-    def bwrap(self, root, home, path, writable, readonly, network):
-        """The bubblewrap command that runs the launcher. As root it runs without a user namespace and the
-        launcher becomes nobody itself: inside a namespace, nobody could not reach an interpreter under
-        /root."""
-        if os.getuid() == 0:
-            args = ["bwrap", "--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try",
-                    *([] if network else ["--unshare-net"]),
-                    *(a for cap in ("CAP_SETUID", "CAP_SETGID", "CAP_CHOWN") for a in ("--cap-add", cap))]
-        else:
-            args = ["bwrap", "--unshare-all", *(["--share-net"] if network else [])]
-        size, made, binds = ["--size", str(self.disk)], {Path("/proc"), Path("/dev"), Path("/tmp")}, []
-        args += ["--die-with-parent", "--new-session", "--proc", "/proc", "--dev", "/dev",
-                 "--perms", "1777", *size, "--tmpfs", "/dev/shm", "--perms", "1777", *size, "--tmpfs", "/tmp",
-                 "--perms", "1777", "--dir", str(home)]
-
-        def mount(op, src, dst, *extra):  # its missing parents made traversable, whatever their host modes
-            nonlocal args
-            for d in reversed(Path(dst).parents[:-1]):
-                if d not in made and not any(b == d or b in d.parents for b in binds):
-                    args += ["--perms", "0755", "--dir", str(d)]
-                    made.add(d)
-            args += [*extra, op, *([src] if src else []), str(dst)]
-            made.add(Path(dst))
-            binds.extend([Path(dst)] if "bind" in op else [])
-
-        for d in [*SYSTEM, "/etc"] if network else [*SYSTEM, *(f"/etc/{x}" for x in ETC)]:
-            if os.path.islink(d) and d in SYSTEM:
-                mount("--symlink", os.readlink(d), d)
-            elif os.path.exists(d):
-                mount("--ro-bind", d, d)
-        exe = os.path.dirname(os.path.realpath(self.python))
-        for d in sorted({self.prefix, self.base, os.path.realpath(self.base), exe, *map(str, path)}):
-            mount("--ro-bind", d, d)
-        if self.prefix != self.base:  # a venv: the base interpreter's own packages stay hidden
-            args += ["--tmpfs", str(next(Path(self.base).glob("lib/python3*/site-packages"), "/nonexistent"))]
-        mount("--ro-bind", str(root), f"{root}.view")
-        mount("--tmpfs", None, root, *size)
-        for r in readonly:
-            mount("--ro-bind", str(r), r)
-        for w in writable:
-            mount("--bind", str(w), w)
-        return [*args, "--remount-ro", "/", "--chdir", str(root), "--", os.path.realpath(self.python), "-I",
-                "-S", "-c", FILL, f"{root}.view", str(root)]
-
-    def run(self, args, root, path=(), writable=(), readonly=(), extra_env=None, pass_fds=(), network=False,
-            timeout=None):
-        """(exit code, the last MiB of its output) of `python *args` run in a copy of root; 124 on timeout,
-        all of its processes killed. path: folders put on PYTHONPATH (read-only); writable: host folders it
-        may change (an install's venv: handed to the sandbox's user for the run); readonly: paths inside root
-        it may read but not change; pass_fds: descriptors it may write results to."""
-        root, timeout = Path(root).resolve(), timeout or self.timeout
-        cg = (Path(pids_cgroup(), f"featdel-{os.getpid()}-{secrets.token_hex(4)}")
-              if self.isolate and pids_cgroup() else None)
-        nproc = None if self.isolate and cg or os.getuid() == 0 else self.processes + len(os.listdir("/proc"))
-
-        with scratch() as home, tempfile.TemporaryFile() as log:  # a file: output beyond RAM stays bounded
-            env = clean_env(root, home, [str(v) for v in path]) | (extra_env or {})
-            if self.prefix != self.base:
-                del env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"]
-            cmd = [self.python, *args]
-            if self.isolate:
-                cmd = self.bwrap(root, home, path, writable, readonly, network) + cmd
-                os.chmod(root, os.stat(root).st_mode | 0o555)  # the sandbox's user reads its view of root
-                owner(writable, NOBODY) if os.getuid() == 0 else None
-            if cg:
-                cg.mkdir()
-                Path(cg, "pids.max").write_text(str(self.processes))
-            # the limits are set by a launcher of their own, not a preexec_fn: Python code between fork and
-            # exec is not safe beside threads (make --jobs, survey), as subprocess's documentation warns
-            cmd = [sys.executable, "-I", "-S", "-c", LIMITS, str(cg or ""), str(self.memory), str(self.disk),
-                   str(nproc or 0), *cmd]
-            try:
-                with RUNS:
-                    if STOPPING.is_set():
-                        raise TaskError("stopped by a signal")
-                    p = subprocess.Popen(cmd, cwd=root, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True, pass_fds=pass_fds)
-                    LIVE.add(p)
-                try:
-                    rc = p.wait(timeout=timeout)
-                except subprocess.TimeoutExpired:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
-                    rc = 124
-                finally:
-                    LIVE.discard(p)
-            finally:
-                if cg:
-                    remove_cgroup(cg)
-                if self.isolate and os.getuid() == 0:
-                    owner(writable, 0)
-            out = tail(log, 1 << 20)
-        return rc, out
-
-    def pytest(self, root, args=(), path=(), extra_env=None, pass_fds=(), select=None, **kw):
-        """Run pytest with the reporter plugin below; select: run only these node ids (their files are
-        collected, the rest of each file deselected: far faster than naming thousands of ids). Outcomes come
-        from the plugin's descriptor, never from what the tests print (their code can print anything)."""
-        with scratch() as plugin, tempfile.TemporaryFile() as fd:
-            Path(plugin, "_featdel_report.py").write_text(REPORTER)
-            # a test may take a fifth of the run's time
-            env = {"FEATDEL_REPORT_FD": str(fd.fileno()), "FEATDEL_TEST_S": str((kw.get("timeout")
-                                                                                 or self.timeout) / 5)}
-            if select is not None:
-                Path(plugin, "select.json").write_text(json.dumps(sorted(select)))
-                env["FEATDEL_SELECT"] = str(Path(plugin, "select.json"))
-                args = [*args, *sorted({t.split("::")[0] for t in select})]
-            rc, out = self.run([*PYTEST, "-p", "_featdel_report", *args], root, path=[plugin, *path],
-                               pass_fds=[fd.fileno(), *pass_fds], extra_env=env | (extra_env or {}), **kw)
-            lines = tail(fd, READ_AT_MOST).splitlines()
-        try:
-            records = [json.loads(line) for line in lines]
-            end = records[-1][2] if records and records[-1][0] == "<end>" else None
-            outcomes = {}  # node id -> the outcomes of its setup, call and teardown
-            for nodeid, when, outcome in records[:-1] if end is not None else records:
-                outcomes.setdefault(nodeid, {})[when] = outcome
-        except (ValueError, TypeError, IndexError):
-            return Report(rc, out, None, None)
-        with RUNS:
-            self.executed += len(outcomes)
-        return Report(rc, out, outcomes, end)
-
-
-RUNS = threading.RLock()  # make's tries run side by side (--jobs) and count into one Sandbox
-LIVE, STOPPING = set(), threading.Event()  # the runs under way, and whether a signal asked to stop them
-
-
-def stop(signum, frame):
-    """SIGTERM: kill every run under way and start no other, so threads waiting on runs (make --jobs, survey)
-    end at once and the process exits, its temporary folders and cgroups removed on the way out."""
-    with RUNS:
-        STOPPING.set()
-        for p in LIVE:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-    # whatever the unwinding waits on, the process is gone in 20 s (the next start sweeps what it left)
-    threading.Thread(target=lambda: (time.sleep(20), os._exit(143)), daemon=True).start()
-    sys.exit(143)
-
-
-@contextlib.contextmanager
-def stoppable(jobs):
-    """A thread pool whose queued work is dropped when the block is left by an exception (SIGTERM's exit):
-    only the work under way, whose runs stop() killed, is waited for."""
-    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-        try:
-            yield pool
-        except BaseException:
-            pool.shutdown(cancel_futures=True)
-            raise
-
-
-def tail(f, limit):
-    """The last limit bytes written to an open file, as text: what a run wrote can be any size."""
-    f.seek(max(0, f.seek(0, os.SEEK_END) - limit))
-    data = f.read()
-    return data.decode("utf-8", "replace") if isinstance(data, bytes) else data
-
-
-def owner(folders, uid):
-    """Hand folders (an install's venv) to uid, every file in them."""
-    for top in folders:
-        for d, dirs, files in os.walk(top):
-            for x in [d, *(os.path.join(d, f) for f in dirs + files)]:
-                os.chown(x, uid, uid, follow_symlinks=False)
-
-
-class Report(NamedTuple):
-    rc: int  # pytest's exit code
-    out: str  # what it printed: for error messages only
-    # {node id: {"setup"|"call"|"teardown": outcome}}; None: not what the plugin writes
-    outcomes: Optional[dict]
-    end: Optional[int]  # the exit status the session finished with; None: it never finished
-
-    @property
-    def passed(self):
-        return {t for t, o in (self.outcomes or {}).items()
-                if o.get("call") == "passed" and set(o.values()) == {"passed"}}
-
-
-# A test's outcome is written by the reporter plugin, loaded with -p before collection imports any code of the
-# repository, to a descriptor the caller opened; a closing record follows. The plugin also turns bytecode off
-# for everything imported after it, so a planted .pyc is never loaded (pytest and the standard library, loaded
-# before it from read-only folders, keep theirs: the whole run under PYTHONPYCACHEPREFIX took 1.3x as long).
-# In verify, code that forges what pytest prints or patches the runner is caught by the canaries (further
-# down), not by this report alone.
-class Reporter:
-    """The reporting plugin. It runs inside the repository's pytest, not here: Sandbox.pytest writes REPORTER,
-    this class's source after a line that turns bytecode off, into the module it loads with -p. fd: the
-    descriptor the outcomes go to (None in pytest-xdist's workers, whose controller reports); select: a JSON
-    file of the node ids to run (make's runs; verify runs whole files); limit: the seconds one test may take
-    (setup, call and teardown) before it fails, so that a test that never ends costs the run one failure, not
-    the whole run."""
-
-    def __init__(self, fd, select, limit):
-        self.out = os.fdopen(int(fd), "w", buffering=1) if fd else None
-        self.select = set(json.loads(open(select).read())) if select else None
-        self.limit = float(limit or 0)
-
-    def runtest_protocol(self):  # SIGALRM in the main thread, as pytest-timeout's signal method
-        on = self.limit > 0 and threading.current_thread() is threading.main_thread()
-        if on:
-            def over(signum, frame):
-                raise pytest.fail.Exception(f"the test ran past {self.limit:g} s", pytrace=False)
-            before = signal.signal(signal.SIGALRM, over)
-            signal.setitimer(signal.ITIMER_REAL, self.limit)
-        try:
-            yield
-        finally:
-            if on:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-                signal.signal(signal.SIGALRM, before)
-
-    def pytest_collection_modifyitems(self, config, items):
-        if self.select is not None:
-            items[:] = [item for item in items if item.nodeid in self.select]
-
-    def pytest_runtest_logreport(self, report):
-        if self.out:
-            self.out.write(json.dumps([report.nodeid, report.when, report.outcome]) + "\n")
-
-    def pytest_sessionfinish(self, session, exitstatus):
-        if self.out:
-            self.out.write(json.dumps(["<end>", "", int(exitstatus)]) + "\n")
-
-
-REPORTER = f"""import json, os, signal, sys, threading
-import pytest
-sys.pycache_prefix = {NO_BYTECODE!r}  # from here on (conftests, tests, the solution) no bytecode is used
-{inspect.getsource(Reporter)}
-# popped: the tests never see which descriptor (the limit is kept for pytest-xdist's workers)
-_reporter = Reporter(os.environ.pop("FEATDEL_REPORT_FD", None), os.environ.pop("FEATDEL_SELECT", None),
-                     os.environ.get("FEATDEL_TEST_S"))
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    yield from _reporter.runtest_protocol()
-
-
-pytest_collection_modifyitems = _reporter.pytest_collection_modifyitems
-pytest_runtest_logreport = _reporter.pytest_runtest_logreport
-pytest_sessionfinish = _reporter.pytest_sessionfinish
-"""
-
-
-# -----------------------------------------------------------------------------
-# Environment: a virtual environment per repository, holding its dependencies and the test requirements it
-# declares, so its pytest configuration runs as its authors meant (plugins, coverage options, doctests). The
-# repository's own code is removed from the venv after install in every form (installed_copies: the package,
-# its bytecode, links to a checkout; its metadata stays, less the hashes of the files removed): the tests
-# import the work folder's copy, and any copy of deleted code would be a leak. make and verify check it
-# (check_interpreter): in the sandbox, with no work tree, nothing of the packages imports or lies in bytecode.
-
-TEST_EXTRAS = ("test", "tests", "testing", "dev")
-# ini keys of a pytest configuration that only a plugin understands
-INI_PLUGINS = {"asyncio_mode": "pytest-asyncio", "asyncio_default_fixture_loop_scope": "pytest-asyncio",
-               "timeout": "pytest-timeout", "env": "pytest-env", "mock_use_standalone_module": "pytest-mock",
-               "doctest_plus": "pytest-doctestplus", "xdist_auto_num_workers": "pytest-xdist"}
-# a test's import -> the distribution that provides it, where the two names differ
-DISTRIBUTIONS = {"yaml": "pyyaml", "dateutil": "python-dateutil", "PIL": "pillow", "attr": "attrs",
-                 "bs4": "beautifulsoup4", "jwt": "pyjwt", "pytest_mock": "pytest-mock", "dns": "dnspython",
-                 "pytest_asyncio": "pytest-asyncio", "pytest_benchmark": "pytest-benchmark", "Crypto":
-                 "pycryptodome", "OpenSSL": "pyopenssl", "google": "protobuf", "pkg_resources": "setuptools",
-                 "typing_extensions": "typing-extensions", "sklearn": "scikit-learn", "serial": "pyserial",
-                 "magic": "python-magic", "docutils": "docutils", "markdown": "markdown"}
-SELF_REQUIREMENT = re.compile(r"\s*(-e\s+|--editable[=\s]\s*)?\.(/)?(\[[^\]]*\])?\s*(#.*)?")  # ., -e .[dev]
-COMPILED = "featdel-compiled"  # in a venv from `env`: the package's compiled modules, kept for its tests
-
-
-def plugin_for(option):
-    """The pytest plugin that provides a command-line option (--cov-report=x -> pytest-cov), or None."""
-    name = option.split("=")[0]
-    return next((v for k, v in PLUGIN_OPTIONS.items() if name == k or name.startswith(k + "-")
-                 or k == "-n" and re.fullmatch(r"-n\d+|-nauto", name)), None)
-
-
-def pytest_config(repo):
-    """{ini key: value} of the pytest configuration pytest itself would pick (pytest.ini, pyproject.toml,
-    tox.ini, setup.cfg, in that order)."""
-    repo = Path(repo)
-    for name, section in (("pytest.ini", "pytest"), ("pyproject.toml", None), ("tox.ini", "pytest"),
-                          ("setup.cfg", "tool:pytest")):
-        f = repo / name
-        if not f.is_file():
-            continue
-        if section is None:
-            with contextlib.suppress(tomllib.TOMLDecodeError, UnicodeDecodeError):
-                opts = tomllib.loads(f.read_text()).get("tool", {}).get("pytest", {}).get("ini_options")
-                if opts is not None:
-                    return opts
-            continue
-        cfg = configparser.ConfigParser(interpolation=None)
-        with contextlib.suppress(configparser.Error, UnicodeDecodeError):
-            cfg.read(f)
-            if cfg.has_section(section):
-                return dict(cfg[section])
-    return {}
-
-
-def config_plugins(repo):
-    """The plugins a repository's pytest configuration cannot run without: those its addopts' options
-    belong to, its ini keys need, and its required_plugins."""
-    cfg = pytest_config(repo)
-
-    def words(v):
-        with contextlib.suppress(ValueError):
-            return v if isinstance(v, list) else shlex.split(str(v))
-        return str(v).split()
-    need = [plugin_for(w) for w in words(cfg.get("addopts", ""))] + [INI_PLUGINS.get(k) for k in cfg]
-    need += words(cfg.get("required_plugins", ""))
-    return list(dict.fromkeys(x for x in need if x))
-
-
-def poetry_requirement(name, spec):
-    """A Poetry dependency table entry as a pip requirement (its version constraint dropped: Poetry's ^ and ~
-    are not PEP 440; the resolver picks a version the package's own metadata admits)."""
-    extras = spec.get("extras", []) if isinstance(spec, dict) else []
-    return name + (f"[{','.join(extras)}]" if extras else "")
-
-
-def test_requirements(repo):
-    """(extras, pip arguments) for the test requirements a repository declares: extras and dependency groups
-    named test/tests/testing/dev, Poetry groups and dev-dependencies, PDM dev-dependencies, hatch test
-    environments, setup.py's tests_require, requirements files, tox deps, and the plugins its pytest
-    configuration needs."""
-    repo, extras, args = Path(repo), [], []
-    pp = repo / "pyproject.toml"
-    try:
-        data = tomllib.loads(pp.read_text()) if pp.is_file() else {}
-    except tomllib.TOMLDecodeError as e:
-        raise TaskError(f"{pp} is not valid TOML: {e}")
-    extras += [k for k in data.get("project", {}).get("optional-dependencies", {})
-               if k.lower() in TEST_EXTRAS]
-    groups = data.get("dependency-groups", {})
-
-    def group(name, seen=()):  # PEP 735, with {include-group = ...}
-        for item in groups.get(name, []):
-            if isinstance(item, str):
-                yield item
-            elif isinstance(item, dict) and item.get("include-group") in groups and name not in seen:
-                yield from group(item["include-group"], (*seen, name))
-    args += [r for g in groups if g.lower() in TEST_EXTRAS for r in group(g)]
-    tool = data.get("tool", {})
-    poetry = tool.get("poetry", {})
-    tables = [poetry.get("dev-dependencies", {})] + [g.get("dependencies", {}) for k, g in poetry.get(
-        "group", {}).items() if k.lower() in TEST_EXTRAS]
-    args += [poetry_requirement(k, v) for t in tables for k, v in t.items() if k.lower() != "python"]
-    args += [r for k, v in tool.get("pdm", {}).get("dev-dependencies", {}).items() if k.lower() in TEST_EXTRAS
-             for r in v if isinstance(r, str) and not r.startswith("-")]
-    hatch = tool.get("hatch", {}).get("envs", {})
-    args += [r for e in ("default", "test", "tests") for r in hatch.get(e, {}).get("dependencies", [])
-             if "{" not in r]
-    cfg = configparser.ConfigParser(interpolation=None)
-    with contextlib.suppress(configparser.Error, UnicodeDecodeError):
-        cfg.read([repo / "setup.cfg", repo / "tox.ini"])
-    if cfg.has_section("options.extras_require"):
-        extras += [k for k in cfg["options.extras_require"] if k.lower() in TEST_EXTRAS]
-    args += [x.strip() for x in cfg.get("options", "tests_require", fallback="").splitlines() if x.strip()]
-    if (repo / "setup.py").is_file():
-        with contextlib.suppress(SyntaxError, ValueError, UnicodeDecodeError):
-            # tests_require=[...] and extras_require={"test": [...]} as literals in setup.py
-            for n in ast.walk(ast.parse((repo / "setup.py").read_bytes())):
-                for kw in n.keywords if isinstance(n, ast.Call) else []:
-                    with contextlib.suppress(ValueError):
-                        v = ast.literal_eval(kw.value)
-                        if kw.arg == "tests_require" and isinstance(v, (list, tuple)):
-                            args += [x for x in v if isinstance(x, str)]
-                        elif kw.arg == "extras_require" and isinstance(v, dict):
-                            extras += [k for k in v if isinstance(k, str) and k.lower() in TEST_EXTRAS]
-        if not extras:  # setup.py declares extras in code; pip ignores the ones it lacks
-            extras += ["test", "tests", "testing"]
-    for dep in cfg.get("testenv", "deps", fallback="").splitlines():
-        # tox's names for the repository's folder and for the path separator
-        dep = dep.strip().replace("{toxinidir}/", "").replace("{/}", "/")
-        if dep.startswith("-r") and "{" not in dep:
-            args.append(f"--requirement={dep[2:].strip()}")
-        elif dep and not dep.startswith(("#", "-", ".")) and "{" not in dep \
-                and not re.match(r"[\w,!{}.-]+:\s", dep):  # `docs: sphinx`: another tox env's
-            args.append(dep.split(" #")[0].strip())
-    for pattern in ("requirements*test*.txt", "requirements-dev.txt", "requirements_dev.txt",
-                    "test*requirements.txt", "dev-requirements.txt", "requirements/test*.txt",
-                    "requirements/dev*.txt", "test*/requirements*.txt"):
-        for f in sorted(repo.glob(pattern)):
-            args.append(f"--requirement={f.relative_to(repo)}")
-    args += config_plugins(repo)
-    return sorted(set(extras)), list(dict.fromkeys(a for a in args if a.split("[")[0].lower() != "pytest"))
-
-
-def test_imports(repo):
-    """Top-level modules the test modules and conftests import unconditionally (at module level, outside
-    try); not what other scripts among the tests import (a test may run one only where it can)."""
-    names = imports(repo, lambda rel: re.fullmatch(r"test_.*\.py|.*_test\.py|conftest\.py", Path(rel).name),
-                    lambda tree: tree.body)
-    local = {part for rel in walk(repo) for part in Path(rel).with_suffix("").parts}  # helpers, conftest
-    return names - local - set(sys.stdlib_module_names) - {"__future__"}
-
-
-def pip_failure(out):
-    """The line of pip's output that says why it failed: its `ERROR: ...` line, or, after `ERROR: Exception:`
-    (pip itself crashed), the last line of the traceback."""
-    lines = [x.strip() for x in out.strip().splitlines() if x.strip()] or ["no output"]
-    if "The conflict is caused by:" in lines:  # the resolver: what conflicts with what
-        cause = itertools.takewhile(lambda x: not x.startswith(("To fix", "Additionally", "ERROR")),
-                                    lines[lines.index("The conflict is caused by:") + 1:])
-        return "conflicting requirements: " + "; ".join(itertools.islice(cause, 4))
-    err = next((x for x in reversed(lines) if x.startswith("ERROR") and x != "ERROR: Exception:"), None)
-    return err or lines[-1]
-
-
-def make_env(repo, venv, isolate=True, log=print):
-    """Create venv with this interpreter's venv module, upgrade its pip, install repo[test extras], the test
-    requirements it declares and pytest into it (network allowed, nothing writable but the venv and a copy of
-    the repo), then what its tests import and is still missing (best effort). The repository's own packages
-    are taken out again; compiled modules of theirs that have no Python twin are kept in venv/COMPILED, for
-    make to put beside the sources. Returns the venv's interpreter."""
-    repo, venv = Path(repo).resolve(), Path(venv).resolve()
-    if not repo.is_dir() or not packages(repo):
-        raise TaskError(f"--repo {repo} is not a directory with a Python package (a folder with __init__.py) "
-                        f"or a single module the tests import")
-    if venv.exists() and any(venv.iterdir()):
-        raise TaskError(f"--venv {venv} exists and is not empty")
-    t0, (extras, reqs) = time.time(), test_requirements(repo)
-    p = subprocess.run([sys.executable, "-m", "venv", str(venv)], capture_output=True, text=True)
-    if p.returncode:
-        raise TaskError(f"python -m venv {venv} failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}")
-    python = str(venv / "bin" / "python")
-    box = Sandbox(python=python, isolate=isolate, timeout=1800)
-    keep = {k: v for k, v in os.environ.items() if k.startswith("PIP_") or k.lower().endswith("_proxy")}
-    pip = ["-m", "pip", "install", "--no-input", "--disable-pip-version-check"]
-    with scratch() as tmp:
-        # the build writes into its source folder: a copy, so the repository is untouched; an sdist's copy
-        # without the git history it was given, whose missing tags would make setuptools-scm call it 0.1.dev1
-        src = Path(tmp, repo.name)
-        sdist = (repo / "PKG-INFO").is_file()
-        shutil.copytree(repo, src, symlinks=True, ignore=shutil.ignore_patterns(".git") if sdist else None)
-        for arg in reqs:  # a requirements file that installs the project itself (-e .[dev]): it is installed
-            f = src / arg.partition("=")[2] if arg.startswith("--requirement=") else None
-            if f and f.is_file() and not f.is_symlink():
-                lines = f.read_text(errors="replace").splitlines()
-                f.write_text("\n".join(x for x in lines if not SELF_REQUIREMENT.fullmatch(x)) + "\n")
-        # a fresh venv's pip can be too old to read today's package metadata
-        rc, out = box.run([*pip, "--upgrade", "pip"], src, writable=[venv], network=True, extra_env=keep)
-        target = f"{src}[{','.join(extras)}]" if extras else str(src)
-        log(f"installing {repo.name}{'[' + ','.join(extras) + ']' if extras else ''} {' '.join(reqs)} pytest")
-        rc, out = (rc, out) if rc else box.run([*pip, target, *reqs, "pytest"], src, writable=[venv],
-                                                network=True, extra_env=keep)
-        if rc and "No module named 'pkg_resources'" in out:  # an old setup.py; setuptools 81 dropped it
-            log("its build needs pkg_resources: building with setuptools<81 in the venv instead")
-            rc, out = box.run([*pip, "setuptools<81", "wheel"], src, writable=[venv], network=True,
-                              extra_env=keep)
-            rc, out = (rc, out) if rc else box.run([*pip, "--no-build-isolation", target, *reqs, "pytest"],
-                                                    src, writable=[venv], network=True, extra_env=keep)
-        if rc:
-            raise TaskError(f"pip install failed in {venv}: {pip_failure(out)}")
-        # a pin older than this interpreter (pytest<6 on Python 3.11 cannot rewrite an assert): the newest
-        # 7.x, which still takes the hook arguments such suites' conftests use (path), or else the newest
-        Path(tmp, "probe").mkdir()
-        Path(tmp, "probe", "test_probe.py").write_text("def test_probe():\n    assert 1\n")
-        probe = lambda: box.run(["-m", "pytest", "-q", "-p", "no:cacheprovider", "test_probe.py"],
-                                Path(tmp, "probe"))
-        rc, out = probe()
-        for newer in ("pytest<8", "pytest") if rc else ():
-            log(f"its pytest does not run on this Python ({first_error(out)}): installing {newer}")
-            rc, out = box.run([*pip, "--upgrade", newer], src, writable=[venv], network=True, extra_env=keep)
-            if rc:
-                raise TaskError(f"pip install failed in {venv}: {pip_failure(out)}")
-            rc, out = probe()
-            if not rc:
-                break
-        site_dir = next(venv.glob("lib/python3*/site-packages"))
-        names = {package_name(pkg) for pkg in packages(repo)}
-        missing = sorted(m for m in test_imports(repo) - names
-                         if not (site_dir / m).exists() and not list(site_dir.glob(m + ".*")))
-        if missing:
-            dists = [DISTRIBUTIONS.get(m, m.replace("_", "-")) for m in missing]
-            log(f"the tests import {', '.join(missing)}, which nothing declares: installing "
-                + " ".join(dists))
-            for d in dists:  # one at a time: a name that is no distribution must not stop the others
-                rc, out = box.run([*pip, d], src, writable=[venv], network=True, extra_env=keep)
-                if rc:
-                    log(f"  {d}: {pip_failure(out)}")
-    kept, names = 0, [package_name(pkg) for pkg in packages(repo)]
-    for name in names:
-        installed = site_dir / name
-        for f in sorted(installed.rglob("*")) if installed.is_dir() else []:
-            suffix = next((x for x in importlib.machinery.EXTENSION_SUFFIXES if f.name.endswith(x)), None)
-            if suffix and not f.with_name(f.name[:-len(suffix)] + ".py").exists():  # no mypyc twin
-                to = venv / COMPILED / name / f.relative_to(installed)
-                to.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(f, to)
-                kept += 1
-    copies = list(installed_copies([site_dir], names))
-    for p, what in copies:
-        if what != "metadata":
-            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-    for p, what in copies:  # metadata stays (version lookups), without the hashes of the files removed
-        if what == "metadata" and Path(p, "RECORD").is_file():
-            rows = [r for r in csv.reader(Path(p, "RECORD").read_text().splitlines())
-                    if r and os.path.lexists(site_dir / r[0])]
-            with open(Path(p, "RECORD"), "w", newline="") as f:
-                csv.writer(f, lineterminator="\n").writerows(rows)
-    log(f"environment for {repo.name} ready in {time.time() - t0:.0f} s"
-        + (f", {kept} compiled modules kept for the tests" if kept else "")
-        + f"; run its tests with --python {python}")
-    return python
-
-
-# -----------------------------------------------------------------------------
-# Test -> feature map: a pytest plugin (loaded with -p) profiles every Python call into the package and
-# files it under the running test's node id; calls made before the first test are the import bucket.
-
-
-class Tracer:
-    """The tracing plugin. It runs inside the repository's pytest, not here: trace_tests writes this class's
-    source into the plugin module it loads with -p, which makes one Tracer at import (before collection
-    imports any of the package) and hands pytest its hooks. roots: the package folders; out: where the calls
-    go."""
-
-    def __init__(self, roots, out):
-        self.out, self.current, self.calls = out, "<import>", {"<import>": set()}
-        keys = {}  # code object -> (file, qualname) inside the package, or None
-
-        def profile(frame, event, arg):  # a closure, not a method: it runs on every call the tests make
-            if event != "call":
-                return
-            code = frame.f_code
-            key = keys.get(code, 0)
-            if key == 0:  # first sight of this code object: inside the package or not
-                path = os.path.realpath(code.co_filename)
-                key = keys[code] = (path, code.co_qualname) if path.startswith(roots) else None
-            if key is not None:
-                self.calls.setdefault(self.current, set()).add(key)
-
-        sys.setprofile(profile)
-        threading.setprofile(profile)
-
-    def pytest_runtest_logstart(self, nodeid, location):
-        # setup, call and teardown all count: a fixture that needs the feature breaks it
-        self.current = nodeid
-
-    def pytest_runtest_logfinish(self, nodeid, location):
-        self.current = "<between>"
-
-    def pytest_sessionfinish(self, session):
-        sys.setprofile(None)
-        with os.fdopen(int(self.out), "w") as f:
-            json.dump({k: sorted(v) for k, v in self.calls.items()}, f)
-
-
-TRACER_MODULE = f"""import json, os, sys, threading
-{inspect.getsource(Tracer)}
-_tracer = Tracer(tuple(os.environ.pop("FEATDEL_ROOTS").split(os.pathsep)), os.environ.pop("FEATDEL_OUT"))
-pytest_runtest_logstart = _tracer.pytest_runtest_logstart
-pytest_runtest_logfinish = _tracer.pytest_runtest_logfinish
-pytest_sessionfinish = _tracer.pytest_sessionfinish
-"""
-
-
-def trace_tests(root, box):
-    """One traced pytest run: (report, {node id: {(file, qualname)}}, the import-time set)."""
-    root = Path(root).resolve()
-    # a profiler on every call: the traced run may take TRACE_SLOWER times a plain run's timeout
-    r, raw = plugin_run(box, root, "_featdel_tracer", TRACER_MODULE, {"FEATDEL_ROOTS": package_roots(root)},
-                        timeout=TRACE_SLOWER * box.timeout)
-    rc, log = r.rc, r.out
-    if rc == 124:
-        raise TaskError(f"the traced test suite ran past {TRACE_SLOWER} x the timeout of {box.timeout} s "
-                        f"(make --timeout)")
-    if rc == 5:
-        raise TaskError("pytest collected no tests")
-    if raw is None:
-        lines = log.strip().splitlines() or ["no output"]
-        why = next((line.strip() for line in lines if "error:" in line), lines[-1].strip())
-        # e.g. addopts = --cov=pkg, no pytest-cov
-        opt = re.search(r"unrecognized arguments: (-[-\w]+)", why)
-        if opt:
-            plugin = plugin_for(opt[1]) or "a pytest plugin"
-            why += (f" (the repository's pytest configuration needs {plugin}, not installed for "
-                    f"{box.python}: make its environment with "
-                    f"`python tasks.py env --repo DIR --venv DIR` and pass --python)")
-        raise TaskError(f"the test suite did not run (pytest exit {rc}): {why}")
-    raw = json.loads(raw)
-    calls = {k: {(os.path.relpath(f, root), q) for f, q in v} for k, v in raw.items()}
-    return r, calls, calls.pop("<import>", set()) | calls.pop("<between>", set())
-
-
-def first_error(out):
-    """What a pytest run printed about its first failure, in one line: the file that failed to collect and its
-    exception, or the first FAILED/ERROR line of the short summary."""
-    lines = out.splitlines()
-    for i, line in enumerate(lines):
-        m = re.match(r"_+ ERROR collecting (\S+) _+$", line)
-        if m:
-            e = next((x[1:].strip() for x in lines[i + 1:] if x.startswith("E ")), None)
-            return f"{m[1]} does not collect: " + (e or next((x.strip() for x in lines[i + 1:] if x.strip()),
-                                                             "no reason printed"))
-    summary = next((x.split(" - ")[0].strip() for x in lines if re.match(r"(FAILED|ERROR) ", x)), None)
-    e = next((x[1:].strip() for x in lines if x.startswith("E ") and x[1:].strip()), None)
-    return f"{summary}: {e}" if summary and e else summary or (lines[-1].strip() if lines else "no output")
-
-
-def plugin_run(box, root, name, source, env, select=None, timeout=None):
-    """One pytest run of root (select: node ids, as Sandbox.pytest) with one more plugin (source, loaded with
-    -p name), which writes its result to the descriptor in FEATDEL_OUT: (report, what it wrote or None). A
-    configuration that hands the tests to pytest-xdist's workers (addopts -n) runs them in this one process
-    instead (-n 0): the plugin sees them only here."""
-    opts = str(pytest_config(root).get("addopts", ""))
-    here = ["-n", "0"] if re.search(r"(^|\s)(-n|--numprocesses|--dist)\b", opts) else []
-    with scratch() as tmp, tempfile.TemporaryFile() as fd:
-        Path(tmp, f"{name}.py").write_text(source)
-        r = box.pytest(root, ["-p", name, *here], path=[tmp], pass_fds=[fd.fileno()], select=select,
-                       timeout=timeout, extra_env={**env, "FEATDEL_OUT": str(fd.fileno())})
-        return r, tail(fd, box.disk) or None  # whole: a large trace is over 64 MiB; bounded by RLIMIT_FSIZE
-
-
-# -----------------------------------------------------------------------------
-# Survey: make tasks from packages nobody here chose, as a user would. For each package spec: its sdist from
-# the package index, unpacked into a git repository, `env`, `make --n N`, then verify of each task's gold
-# patch (1 expected) and of its untouched snapshot (0 expected); one row per package, with the one-line reason
-# of whatever failed. SURVEY_PACKAGES is the list `survey --draw K --seed S` draws from.
-
-# 248 popular pure-Python projects (in the index's top 10,000 by downloads) whose newest sdist ships a tests/
-# or test/ folder of at least 5 test files, needs no compiler and admits Python 3.11, each at that release;
-# projects whose tests need the network, a database server or a heavy stack (numpy, Django) left out
-SURVEY_PACKAGES = tuple("""
-aiofiles==25.1.0 aiostream==0.8.1 aniso8601==10.0.1 anyio==4.16.0 anytree==2.13.0 argh==0.31.3
-Arpeggio==2.0.3 arrow==1.4.0 asgiref==3.13.0 astral==3.2 astroid==4.3.4 asttokens==3.0.2
-async-lru==2.4.0 attrs==26.1.0 babel==2.19.0 bandit==1.9.4 beautifulsoup4==4.15.0
-better-exceptions==0.3.3 bibtexparser==2.1.0 bigtree==1.5.3 bitmath==2.1.1 bleach==6.4.0 blessed==1.52.0
-boltons==26.2.0 bottle==0.13.4 cachetools==8.0.2 cattrs==26.2.1 Chameleon==4.6.0 cheroot==11.1.2
-click==8.5.1 click-repl==0.4.1 clize==5.0.2 cloup==4.0.0 cmd2==4.3.1 colorama==0.4.6 colorlog==6.12.0
-commentjson==0.9.0 confuse==2.3.0 construct==2.10.70 convertdate==2.5.1 cron-descriptor==2.2.1
-croniter==7.0.0 cssutils==2.15.0 DataProperty==1.1.1 dateparser==1.5.0 deepmerge==4.0.0 dill==0.4.1
-dirty-equals==0.11 docstring-parser==0.18.0 docstring-to-markdown==0.17 docutils==0.23 doit==0.37.0
-dominate==2.9.1 dpath==2.2.0 elementpath==5.1.4 emoji==2.16.0 exceptiongroup==1.3.2 factory-boy==3.3.3
-Faker==40.63.0 fasteners==0.20 fastjsonschema==2.22.3 feedgen==1.0.0 filelock==4.3.1 fixtures==4.3.2
-Flask==3.1.3 flask-cors==6.0.5 Flask-WTF==1.3.0 freezegun==1.5.5 ftfy==6.3.1 funcy==2.1 gast==0.7.0
-geojson==3.3.0 glom==25.12.0 graphviz==0.21 gunicorn==27.0.1 h11==0.16.0 h2==4.4.1 haversine==2.9.0
-hjson==3.1.0 hpack==4.2.0 html5lib==1.1 httpcore==1.0.9 humanize==4.17.0 Hypercorn==0.18.0
-hyperlink==21.0.0 icalendar==7.3.2 idna==3.20 importlib-metadata==10.2.0 importlib-resources==7.1.0
-inflect==7.6.0 iniparse==0.5.3 inline-snapshot==0.36.1 installer==1.1.0 intervaltree==3.2.1
-isodate==0.7.2 itsdangerous==2.2.0 jedi==0.20.1 Jinja2==3.1.6 jmespath==1.1.0 jsonpath-ng==1.16.0
-jsonpath-python==1.1.6 jsonpickle==4.1.4 jsonschema==4.26.0 jupyter-core==5.9.1 langcodes==3.5.1
-lark==1.3.1 Mako==1.4.3 mando==0.8.2 Markdown==3.11.3 markdown-it-py==4.3.0 marko==2.2.4
-marshmallow==4.4.0 memory-profiler==0.61.0 mimesis==22.2.0 mistletoe==1.6.0 mistune==3.4.0 mpmath==1.4.1
-multipart==2.0.1 mutagen==1.48.1 nameparser==2.6.0 natsort==8.4.0 nbformat==5.11.1 netaddr==1.3.0
-nose2==0.16.0 num2words==0.5.14 oauthlib==4.0.1 overrides==7.7.0 packaging==26.4 parse==1.22.4
-parse-type==0.6.6 parsel==1.12.1 parso==0.8.7 passlib==1.7.4 Paste==3.10.1 PasteDeploy==3.1.0
-pathspec==1.1.1 pathvalidate==3.3.1 petl==1.7.30 pexpect==4.9.0 pkginfo==2.0 platformdirs==4.14.9
-plumbum==2.0.2 portion==2.6.3 prettytable==3.18.0 progressbar2==4.6.0 prompt_toolkit==3.0.53
-ptyprocess==0.7.0 pyasn1==0.6.5 pyasn1-modules==0.4.2 pycodestyle==2.15.0 pycparser==3.12 pydash==8.1.0
-pydot==4.0.1 pyelftools==0.33 pyexcel-io==0.6.8 pyfakefs==6.3.2 pyflakes==4.1.0 pygal==3.1.3
-Pygments==2.21.0 PyHamcrest==2.1.0 pyhocon==0.3.63 PyJWT==2.15.1 pykakasi==2.3.0
-pymdown-extensions==13.1.2 PyMeeus==0.5.12 Pympler==1.1 pyparsing==3.3.3 pyperf==2.11.0 pypinyin==0.55.0
-pyramid==2.1 pyrepl==0.11.5 pyserial==3.5 PySnooper==1.2.3 pystache==0.6.8 pytablewriter==1.2.1
-pyte==0.8.2 pytest-asyncio==1.5.0 pytest-benchmark==5.3.1 pytest_httpserver==1.2.1
-python-barcode==0.16.1 python-crontab==3.4.0 python-daemon==3.1.2 python-dateutil==4.0.0
-python-dotenv==1.2.4 python-slugify==9.2.0 python-statemachine==3.2.2 python-stdnum==2.2 pyxdg==0.28
-qrcode==8.2 radon==6.0.1 rarfile==4.5 referencing==0.37.0 requests-mock==1.12.1 responses==0.26.3
-rfc3986==2.0.0 rich-click==1.9.9 Routes==2.5.1 segno==1.6.6 semantic-version==2.10.0 semver==3.1.2
-Send2Trash==2.2.0 simple-parsing==0.1.9 simpleeval==1.0.8 soupsieve==4.1.3 sqids==0.5.2
-sqlitedict==2.1.0 sqlparse==0.6.1 structlog==26.1.0 svgwrite==1.1.9 syrupy==7.0.2 tabulate==0.10.0
-tblib==3.2.2 tenacity==9.2.1 testfixtures==12.4.0 testtools==2.9.1 tinydb==4.9.0 tomlkit==0.15.2
-toolz==1.2.0 towncrier==26.9.0 traitlets==5.16.1 transitions==0.9.3 Twiggy==0.5.1
-typed-argument-parser==1.12.0 typeguard==4.6.1 typepy==2.0.0 typer==0.29.2 uncertainties==3.2.3
-url-normalize==3.1.0 validators==0.36.0 varname==1.0.0 vulture==2.16 w3lib==2.5.0 waitress==3.0.2
-wcmatch==12.0.3 WebOb==1.8.11 websocket-client==1.9.2 WebTest==3.0.7 webvtt-py==0.6.0 Werkzeug==3.1.9
-wheel==0.48.0 Whoosh==2.7.4 workalendar==17.0.0 wsproto==1.3.2 WTForms==3.3.2 xlwt==1.3.0
-xmlschema==4.3.2 yamllint==1.38.0 yaspin==3.5.1
-""".split())
-INDEX = "https://pypi.org/pypi"
-
-
-def unnamed(specs, files):
-    """The specs whose project name none of files mentions (as a word; '-', '_' and '.' alike, any case)."""
-    fold = lambda text: re.sub(r"[-_.]+", "-", text.lower())
-    try:
-        text = fold(" ".join(Path(f).read_text(errors="replace") for f in files))
-    except OSError as e:
-        raise TaskError(f"--exclude: cannot read {e.filename}: {e.strerror}") from None
-    named = lambda name: re.search(rf"(?<![\w-]){re.escape(fold(name))}(?![\w-])", text)
-    return [s for s in specs if not named(s.partition("==")[0])]
-
-
-def fetch_sdist(spec, dest):
-    """Download name==version's sdist from the package index into dest, checked against its SHA-256, and
-    unpack it (nothing outside dest, no links out, no special files): the unpacked folder."""
-    name, _, version = spec.partition("==")
-    if not name or not version:
-        raise TaskError(f"package spec {spec!r} is not name==version")
-    try:
-        with urllib.request.urlopen(f"{INDEX}/{name}/json", timeout=60) as r:
-            urls = json.load(r)["releases"][version]
-    except (OSError, ValueError, KeyError) as e:
-        raise TaskError(f"{spec}: the package index has no such release ({e})") from None
-    sdist = next((u for u in urls if u.get("packagetype") == "sdist"), None)
-    if sdist is None:
-        raise TaskError(f"{spec}: the release has no sdist (only wheels, which ship no tests)")
-    archive = Path(dest, sdist["filename"])
-    with urllib.request.urlopen(urllib.parse.urljoin(f"{INDEX}/{name}/json", sdist["url"]), timeout=300) as r:
-        archive.write_bytes(r.read())
-    if hashlib.sha256(archive.read_bytes()).hexdigest() != sdist["digests"]["sha256"]:
-        raise TaskError(f"{spec}: {archive.name} does not match the index's SHA-256")
-    src = Path(dest, "src")
-    if archive.name.endswith(".zip"):
-        with zipfile.ZipFile(archive) as z:
-            for m in z.infolist():
-                if not m.is_dir() and ".." not in Path(m.filename).parts and not m.filename.startswith("/"):
-                    Path(src, m.filename).parent.mkdir(parents=True, exist_ok=True)
-                    Path(src, m.filename).write_bytes(z.read(m))
-    else:
-        with tarfile.open(archive) as tf:
-            tf.extractall(src, filter="data")
-    tops = list(src.iterdir())
-    return tops[0] if len(tops) == 1 and tops[0].is_dir() else src
-
+# Survey: make tasks from packages nobody here chose, as a user would (harness/survey.py fetches them and
+# prints the table). A package's row: its sdist unpacked into a git repository, `env`, `make --n N`, then
+# verify of each task's gold patch (1 expected) and of its untouched snapshot (0 expected), the strength of
+# each, how many are served, and the one-line reason of whatever failed.
 
 def survey_one(spec, root, n, timeout, isolate):
     """One package through download, env, make and verify: its row (a dict), its log in root/spec/log.txt."""
@@ -5112,46 +3394,6 @@ def survey_one(spec, root, n, timeout, isolate):
             row["why"] = f"{type(e).__name__}: {e}"
         log(json.dumps(row))
     return row
-
-
-def valid_tasks(row):
-    return sum(g == 1 and u == 0 for g, u in zip(row["gold"], row["untouched"]))
-
-
-def survey_line(r):
-    valid = valid_tasks(r)
-    num = (lambda x, f: "-" if x is None else f % x)
-    score = lambda x: "-" if x is None else f"{100 * x:.0f}"
-    killed = " ".join(f"{score(a)}/{score(b)}" for a, b in r.get("strength", [])) or "-"
-    return (f"{r['package']:<32} {num(r['tests'], '%6d'):>6} {num(r['env_s'], '%5.0f'):>5} "
-            f"{num(r['make_s'], '%6.0f'):>6} {r['made']:>2}/{r['tried'] or 0:<2} {valid:>5} "
-            f"{''.join(map(str, r['gold'])) or '-':>4} {''.join(map(str, r['untouched'])) or '-':>4} "
-            f"{num(r['executed'], '%7d'):>7} {killed:>23} {r.get('served', 0):>6}  {r['why']}")
-
-
-def survey(specs, root, n=3, jobs=2, timeout=300, isolate=True, log=print):
-    """Every spec through survey_one, up to jobs at once; prints a row as each finishes and the table at the
-    end. Returns the rows."""
-    Path(root).mkdir(parents=True, exist_ok=True)
-    head = (f"{'package':<32} {'tests':>6} {'env s':>5} {'make s':>6} made  valid gold untc   execs "
-            f"{'% killed: tests/+oracle':>23} served  why")
-    log(head)
-    with stoppable(jobs) as pool:
-        futs = [pool.submit(survey_one, spec, root, n, timeout, isolate) for spec in specs]
-        for fut in concurrent.futures.as_completed(futs):
-            log(survey_line(fut.result()))
-    rows = [f.result() for f in futs]
-    good = sum(valid_tasks(r) >= n for r in rows)
-    log("\n" + "\n".join([head, *map(survey_line, rows)]))
-    log(f"{good} of {len(rows)} packages gave {n} valid tasks (gold 1, untouched 0)")
-    scores = [x for r in rows for x in r["strength"] if None not in x]
-    if scores:
-        both, alone = (100 * statistics.median(x[i] for x in scores) for i in (1, 0))
-        log(f"mutants killed on the median task: {both:.0f}% by tests and oracle, {alone:.0f}% by the tests "
-            f"alone; "
-            f"{sum(r['served'] for r in rows)} of {sum(r['made'] for r in rows)} tasks made are served")
-    (Path(root) / "survey.json").write_text(json.dumps(rows, indent=1))
-    return rows
 
 
 # -----------------------------------------------------------------------------
@@ -5305,7 +3547,8 @@ def cli(argv=None) -> int:
             bad = [x for x in specs if not re.fullmatch(r"[A-Za-z0-9][\w.-]*==[\w.!+-]+", x)]
             if bad:
                 raise TaskError(f"package spec {bad[0]!r} is not name==version")
-            rows = survey(specs, a.out, a.n, a.jobs, a.timeout, not a.no_sandbox)
+            one = lambda spec: survey_one(spec, a.out, a.n, a.timeout, not a.no_sandbox)
+            rows = survey(specs, a.out, one, a.n, a.jobs)
             return 0 if all(valid_tasks(r) >= a.n for r in rows) else 1
         if a.cmd == "scan":
             if not Path(a.dir).is_dir():

@@ -723,9 +723,11 @@ def verdict(evals, code):
 
 def held_out_folder(family, out):
     """Where a run makes the held-out coding tasks of a family: the folder this machine keeps them in (they
-    depend on the code of tasks.py and the interpreter alone, never on a run's seed, so a run makes only those
-    no earlier one made), or the run's own where that cannot be written or lies where the sandbox reads."""
-    folder = CACHE / "held-out" / f"{family}-{code_key('tasks.py', extra=f'{sys.executable} {sys.version}')}"
+    depend on the code of tasks.py and harness/ and the interpreter alone, never on a run's seed, so a run
+    makes only those no earlier one made), or the run's own where that cannot be written or lies where the
+    sandbox reads."""
+    key = code_key("tasks.py", "harness", extra=f"{sys.executable} {sys.version}")
+    folder = CACHE / "held-out" / f"{family}-{key}"
     with contextlib.suppress(OSError, tasks.TaskError):
         folder.mkdir(parents=True, exist_ok=True)
         if os.access(folder, os.W_OK) and not tasks.Sandbox().sees(folder):
@@ -1708,11 +1710,12 @@ def transcripts(n, seed, code, delete=0.0):
     """Tokens of n gold transcripts (tasks.corpus, seeded; code: the micro-repository family of the coding
     episodes, None: tool use only; delete: the share of those that are the deletion role's), as uint16.
     Making them takes seconds and every run (every rank) makes the same ones, so they are cached in
-    ~/.cache/composer-stack under the hash of the code that makes them (tasks.py, model.py, grpo.py's summary
-    request and budget); a missing, unwritable or unreadable cache only costs the seconds. A share of them
-    are long chains, cut into the segments a rollout makes at the RL stage's context budget."""
+    ~/.cache/composer-stack under the hash of the code that makes them (tasks.py and harness/, model.py,
+    grpo.py's summary request and budget); a missing, unwritable or unreadable cache only costs the seconds.
+    A share of them are long chains, cut into the segments a rollout makes at the RL stage's context
+    budget."""
     path = CACHE / (f"{code or 'tools'}-{n}-{seed}{f'-delete{delete:g}' if delete else ''}-"
-                    f"{code_key('tasks.py', 'model.py', 'grpo.py')}.npy")
+                    f"{code_key('tasks.py', 'harness', 'model.py', 'grpo.py')}.npy")
     with contextlib.suppress(OSError, ValueError, EOFError):
         return np.load(path)
     text = tasks.corpus(n, seed=seed, long_share=LONG_SHARE, budget=GRPOConfig.context_budget,
@@ -1725,10 +1728,12 @@ def transcripts(n, seed, code, delete=0.0):
 
 
 def code_key(*files, extra=""):
-    """What a cache of these files' output (files of this folder) is kept under: 16 hex digits of their
-    SHA-256, and extra's."""
+    """What a cache of these files' output (files or folders of this folder: a folder's .py files) is kept
+    under: 16 hex digits of their SHA-256, and extra's."""
     here = Path(__file__).resolve().parent
-    return hashlib.sha256(b"".join((here / f).read_bytes() for f in files) + extra.encode()).hexdigest()[:16]
+    paths = [p for f in files for p in ([here / f] if (here / f).is_file()
+                                        else sorted((here / f).glob("*.py")))]
+    return hashlib.sha256(b"".join(p.read_bytes() for p in paths) + extra.encode()).hexdigest()[:16]
 
 
 def keep_in_cache(path, write):

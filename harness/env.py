@@ -1,0 +1,346 @@
+"""A virtual environment per repository, holding its dependencies and the test requirements it declares, so
+its pytest configuration runs as its authors meant (plugins, coverage options, doctests). The repository's own
+code is removed from the venv after install in every form (installed_copies: the package, its bytecode, links
+to a checkout; its metadata stays, less the hashes of the files removed): the tests import the work folder's
+copy, and any copy of deleted code would be a leak. make and verify check it (check_interpreter): in the
+sandbox, with no work tree, nothing of the packages imports or lies in bytecode.
+
+The configuration is read as pytest itself reads it (pytest.ini, pyproject.toml, tox.ini, setup.cfg, in that
+order), and a plugin it cannot run without (an addopts option's, an ini key's, required_plugins) is installed
+too.
+
+    python tasks.py env --repo DIR --venv DIR   # prints the venv's interpreter, for make --python
+"""
+
+import ast
+import configparser
+import contextlib
+import csv
+import functools
+import importlib.machinery
+import inspect
+import itertools
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+from harness import TaskError
+from harness.repo import imports, package_name, packages, walk
+from harness.sandbox import Sandbox, first_error, scratch
+
+# extras and dependency groups that hold test requirements
+TEST_EXTRAS = ("test", "tests", "testing", "dev")
+# a pytest command-line option -> the plugin that provides it
+PLUGIN_OPTIONS = {"--cov": "pytest-cov", "-n": "pytest-xdist", "--numprocesses": "pytest-xdist",
+                  "--dist": "pytest-xdist", "--timeout": "pytest-timeout", "--asyncio-mode": "pytest-asyncio",
+                  "--benchmark": "pytest-benchmark", "--reruns": "pytest-rerunfailures",
+                  "--doctest-plus": "pytest-doctestplus", "--mypy": "pytest-mypy",
+                  "--hypothesis": "hypothesis", "--randomly": "pytest-randomly", "--flake8": "pytest-flake8"}
+# ini keys of a pytest configuration that only a plugin understands
+INI_PLUGINS = {"asyncio_mode": "pytest-asyncio", "asyncio_default_fixture_loop_scope": "pytest-asyncio",
+               "timeout": "pytest-timeout", "env": "pytest-env", "mock_use_standalone_module": "pytest-mock",
+               "doctest_plus": "pytest-doctestplus", "xdist_auto_num_workers": "pytest-xdist"}
+# a test's import -> the distribution that provides it, where the two names differ
+DISTRIBUTIONS = {"yaml": "pyyaml", "dateutil": "python-dateutil", "PIL": "pillow", "attr": "attrs",
+                 "bs4": "beautifulsoup4", "jwt": "pyjwt", "pytest_mock": "pytest-mock", "dns": "dnspython",
+                 "pytest_asyncio": "pytest-asyncio", "pytest_benchmark": "pytest-benchmark", "Crypto":
+                 "pycryptodome", "OpenSSL": "pyopenssl", "google": "protobuf", "pkg_resources": "setuptools",
+                 "typing_extensions": "typing-extensions", "sklearn": "scikit-learn", "serial": "pyserial",
+                 "magic": "python-magic", "docutils": "docutils", "markdown": "markdown"}
+SELF_REQUIREMENT = re.compile(r"\s*(-e\s+|--editable[=\s]\s*)?\.(/)?(\[[^\]]*\])?\s*(#.*)?")  # ., -e .[dev]
+COMPILED = "featdel-compiled"  # in a venv from `env`: the package's compiled modules, kept for its tests
+
+
+def make_env(repo, venv, isolate=True, log=print):
+    """Create venv with this interpreter's venv module, upgrade its pip, install repo[test extras], the test
+    requirements it declares and pytest into it (network allowed, nothing writable but the venv and a copy of
+    the repo), then what its tests import and is still missing (best effort). The repository's own packages
+    are taken out again; compiled modules of theirs that have no Python twin are kept in venv/COMPILED, for
+    make to put beside the sources. Returns the venv's interpreter."""
+    repo, venv = Path(repo).resolve(), Path(venv).resolve()
+    if not repo.is_dir() or not packages(repo):
+        raise TaskError(f"--repo {repo} is not a directory with a Python package (a folder with __init__.py) "
+                        f"or a single module the tests import")
+    if venv.exists() and any(venv.iterdir()):
+        raise TaskError(f"--venv {venv} exists and is not empty")
+    t0, (extras, reqs) = time.time(), test_requirements(repo)
+    p = subprocess.run([sys.executable, "-m", "venv", str(venv)], capture_output=True, text=True)
+    if p.returncode:
+        raise TaskError(f"python -m venv {venv} failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}")
+    python = str(venv / "bin" / "python")
+    box = Sandbox(python=python, isolate=isolate, timeout=1800)
+    keep = {k: v for k, v in os.environ.items() if k.startswith("PIP_") or k.lower().endswith("_proxy")}
+    pip = ["-m", "pip", "install", "--no-input", "--disable-pip-version-check"]
+    with scratch() as tmp:
+        # the build writes into its source folder: a copy, so the repository is untouched; an sdist's copy
+        # without the git history it was given, whose missing tags would make setuptools-scm call it 0.1.dev1
+        src = Path(tmp, repo.name)
+        sdist = (repo / "PKG-INFO").is_file()
+        shutil.copytree(repo, src, symlinks=True, ignore=shutil.ignore_patterns(".git") if sdist else None)
+        for arg in reqs:  # a requirements file that installs the project itself (-e .[dev]): it is installed
+            f = src / arg.partition("=")[2] if arg.startswith("--requirement=") else None
+            if f and f.is_file() and not f.is_symlink():
+                lines = f.read_text(errors="replace").splitlines()
+                f.write_text("\n".join(x for x in lines if not SELF_REQUIREMENT.fullmatch(x)) + "\n")
+        # a fresh venv's pip can be too old to read today's package metadata
+        rc, out = box.run([*pip, "--upgrade", "pip"], src, writable=[venv], network=True, extra_env=keep)
+        target = f"{src}[{','.join(extras)}]" if extras else str(src)
+        log(f"installing {repo.name}{'[' + ','.join(extras) + ']' if extras else ''} {' '.join(reqs)} pytest")
+        rc, out = (rc, out) if rc else box.run([*pip, target, *reqs, "pytest"], src, writable=[venv],
+                                                network=True, extra_env=keep)
+        if rc and "No module named 'pkg_resources'" in out:  # an old setup.py; setuptools 81 dropped it
+            log("its build needs pkg_resources: building with setuptools<81 in the venv instead")
+            rc, out = box.run([*pip, "setuptools<81", "wheel"], src, writable=[venv], network=True,
+                              extra_env=keep)
+            rc, out = (rc, out) if rc else box.run([*pip, "--no-build-isolation", target, *reqs, "pytest"],
+                                                    src, writable=[venv], network=True, extra_env=keep)
+        if rc:
+            raise TaskError(f"pip install failed in {venv}: {pip_failure(out)}")
+        # a pin older than this interpreter (pytest<6 on Python 3.11 cannot rewrite an assert): the newest
+        # 7.x, which still takes the hook arguments such suites' conftests use (path), or else the newest
+        Path(tmp, "probe").mkdir()
+        Path(tmp, "probe", "test_probe.py").write_text("def test_probe():\n    assert 1\n")
+        probe = lambda: box.run(["-m", "pytest", "-q", "-p", "no:cacheprovider", "test_probe.py"],
+                                Path(tmp, "probe"))
+        rc, out = probe()
+        for newer in ("pytest<8", "pytest") if rc else ():
+            log(f"its pytest does not run on this Python ({first_error(out)}): installing {newer}")
+            rc, out = box.run([*pip, "--upgrade", newer], src, writable=[venv], network=True, extra_env=keep)
+            if rc:
+                raise TaskError(f"pip install failed in {venv}: {pip_failure(out)}")
+            rc, out = probe()
+            if not rc:
+                break
+        site_dir = next(venv.glob("lib/python3*/site-packages"))
+        names = {package_name(pkg) for pkg in packages(repo)}
+        missing = sorted(m for m in test_imports(repo) - names
+                         if not (site_dir / m).exists() and not list(site_dir.glob(m + ".*")))
+        if missing:
+            dists = [DISTRIBUTIONS.get(m, m.replace("_", "-")) for m in missing]
+            log(f"the tests import {', '.join(missing)}, which nothing declares: installing "
+                + " ".join(dists))
+            for d in dists:  # one at a time: a name that is no distribution must not stop the others
+                rc, out = box.run([*pip, d], src, writable=[venv], network=True, extra_env=keep)
+                if rc:
+                    log(f"  {d}: {pip_failure(out)}")
+    kept, names = 0, [package_name(pkg) for pkg in packages(repo)]
+    for name in names:
+        installed = site_dir / name
+        for f in sorted(installed.rglob("*")) if installed.is_dir() else []:
+            suffix = next((x for x in importlib.machinery.EXTENSION_SUFFIXES if f.name.endswith(x)), None)
+            if suffix and not f.with_name(f.name[:-len(suffix)] + ".py").exists():  # no mypyc twin
+                to = venv / COMPILED / name / f.relative_to(installed)
+                to.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(f, to)
+                kept += 1
+    copies = list(installed_copies([site_dir], names))
+    for p, what in copies:
+        if what != "metadata":
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    for p, what in copies:  # metadata stays (version lookups), without the hashes of the files removed
+        if what == "metadata" and Path(p, "RECORD").is_file():
+            rows = [r for r in csv.reader(Path(p, "RECORD").read_text().splitlines())
+                    if r and os.path.lexists(site_dir / r[0])]
+            with open(Path(p, "RECORD"), "w", newline="") as f:
+                csv.writer(f, lineterminator="\n").writerows(rows)
+    log(f"environment for {repo.name} ready in {time.time() - t0:.0f} s"
+        + (f", {kept} compiled modules kept for the tests" if kept else "")
+        + f"; run its tests with --python {python}")
+    return python
+
+
+def test_requirements(repo):
+    """(extras, pip arguments) for the test requirements a repository declares: extras and dependency groups
+    named test/tests/testing/dev, Poetry groups and dev-dependencies, PDM dev-dependencies, hatch test
+    environments, setup.py's tests_require, requirements files, tox deps, and the plugins its pytest
+    configuration needs."""
+    repo, extras, args = Path(repo), [], []
+    pp = repo / "pyproject.toml"
+    try:
+        data = tomllib.loads(pp.read_text()) if pp.is_file() else {}
+    except tomllib.TOMLDecodeError as e:
+        raise TaskError(f"{pp} is not valid TOML: {e}")
+    extras += [k for k in data.get("project", {}).get("optional-dependencies", {})
+               if k.lower() in TEST_EXTRAS]
+    groups = data.get("dependency-groups", {})
+
+    def group(name, seen=()):  # PEP 735, with {include-group = ...}
+        for item in groups.get(name, []):
+            if isinstance(item, str):
+                yield item
+            elif isinstance(item, dict) and item.get("include-group") in groups and name not in seen:
+                yield from group(item["include-group"], (*seen, name))
+    args += [r for g in groups if g.lower() in TEST_EXTRAS for r in group(g)]
+    tool = data.get("tool", {})
+    poetry = tool.get("poetry", {})
+    tables = [poetry.get("dev-dependencies", {})] + [g.get("dependencies", {}) for k, g in poetry.get(
+        "group", {}).items() if k.lower() in TEST_EXTRAS]
+    args += [poetry_requirement(k, v) for t in tables for k, v in t.items() if k.lower() != "python"]
+    args += [r for k, v in tool.get("pdm", {}).get("dev-dependencies", {}).items() if k.lower() in TEST_EXTRAS
+             for r in v if isinstance(r, str) and not r.startswith("-")]
+    hatch = tool.get("hatch", {}).get("envs", {})
+    args += [r for e in ("default", "test", "tests") for r in hatch.get(e, {}).get("dependencies", [])
+             if "{" not in r]
+    cfg = configparser.ConfigParser(interpolation=None)
+    with contextlib.suppress(configparser.Error, UnicodeDecodeError):
+        cfg.read([repo / "setup.cfg", repo / "tox.ini"])
+    if cfg.has_section("options.extras_require"):
+        extras += [k for k in cfg["options.extras_require"] if k.lower() in TEST_EXTRAS]
+    args += [x.strip() for x in cfg.get("options", "tests_require", fallback="").splitlines() if x.strip()]
+    if (repo / "setup.py").is_file():
+        with contextlib.suppress(SyntaxError, ValueError, UnicodeDecodeError):
+            # tests_require=[...] and extras_require={"test": [...]} as literals in setup.py
+            for n in ast.walk(ast.parse((repo / "setup.py").read_bytes())):
+                for kw in n.keywords if isinstance(n, ast.Call) else []:
+                    with contextlib.suppress(ValueError):
+                        v = ast.literal_eval(kw.value)
+                        if kw.arg == "tests_require" and isinstance(v, (list, tuple)):
+                            args += [x for x in v if isinstance(x, str)]
+                        elif kw.arg == "extras_require" and isinstance(v, dict):
+                            extras += [k for k in v if isinstance(k, str) and k.lower() in TEST_EXTRAS]
+        if not extras:  # setup.py declares extras in code; pip ignores the ones it lacks
+            extras += ["test", "tests", "testing"]
+    for dep in cfg.get("testenv", "deps", fallback="").splitlines():
+        # tox's names for the repository's folder and for the path separator
+        dep = dep.strip().replace("{toxinidir}/", "").replace("{/}", "/")
+        if dep.startswith("-r") and "{" not in dep:
+            args.append(f"--requirement={dep[2:].strip()}")
+        elif dep and not dep.startswith(("#", "-", ".")) and "{" not in dep \
+                and not re.match(r"[\w,!{}.-]+:\s", dep):  # `docs: sphinx`: another tox env's
+            args.append(dep.split(" #")[0].strip())
+    for pattern in ("requirements*test*.txt", "requirements-dev.txt", "requirements_dev.txt",
+                    "test*requirements.txt", "dev-requirements.txt", "requirements/test*.txt",
+                    "requirements/dev*.txt", "test*/requirements*.txt"):
+        for f in sorted(repo.glob(pattern)):
+            args.append(f"--requirement={f.relative_to(repo)}")
+    args += config_plugins(repo)
+    return sorted(set(extras)), list(dict.fromkeys(a for a in args if a.split("[")[0].lower() != "pytest"))
+
+
+def poetry_requirement(name, spec):
+    """A Poetry dependency table entry as a pip requirement (its version constraint dropped: Poetry's ^ and ~
+    are not PEP 440; the resolver picks a version the package's own metadata admits)."""
+    extras = spec.get("extras", []) if isinstance(spec, dict) else []
+    return name + (f"[{','.join(extras)}]" if extras else "")
+
+
+def config_plugins(repo):
+    """The plugins a repository's pytest configuration cannot run without: those its addopts' options
+    belong to, its ini keys need, and its required_plugins."""
+    cfg = pytest_config(repo)
+
+    def words(v):
+        with contextlib.suppress(ValueError):
+            return v if isinstance(v, list) else shlex.split(str(v))
+        return str(v).split()
+    need = [plugin_for(w) for w in words(cfg.get("addopts", ""))] + [INI_PLUGINS.get(k) for k in cfg]
+    need += words(cfg.get("required_plugins", ""))
+    return list(dict.fromkeys(x for x in need if x))
+
+
+def pytest_config(repo):
+    """{ini key: value} of the pytest configuration pytest itself would pick (pytest.ini, pyproject.toml,
+    tox.ini, setup.cfg, in that order)."""
+    repo = Path(repo)
+    for name, section in (("pytest.ini", "pytest"), ("pyproject.toml", None), ("tox.ini", "pytest"),
+                          ("setup.cfg", "tool:pytest")):
+        f = repo / name
+        if not f.is_file():
+            continue
+        if section is None:
+            with contextlib.suppress(tomllib.TOMLDecodeError, UnicodeDecodeError):
+                opts = tomllib.loads(f.read_text()).get("tool", {}).get("pytest", {}).get("ini_options")
+                if opts is not None:
+                    return opts
+            continue
+        cfg = configparser.ConfigParser(interpolation=None)
+        with contextlib.suppress(configparser.Error, UnicodeDecodeError):
+            cfg.read(f)
+            if cfg.has_section(section):
+                return dict(cfg[section])
+    return {}
+
+
+def plugin_for(option):
+    """The pytest plugin that provides a command-line option (--cov-report=x -> pytest-cov), or None."""
+    name = option.split("=")[0]
+    return next((v for k, v in PLUGIN_OPTIONS.items() if name == k or name.startswith(k + "-")
+                 or k == "-n" and re.fullmatch(r"-n\d+|-nauto", name)), None)
+
+
+def test_imports(repo):
+    """Top-level modules the test modules and conftests import unconditionally (at module level, outside
+    try); not what other scripts among the tests import (a test may run one only where it can)."""
+    names = imports(repo, lambda rel: re.fullmatch(r"test_.*\.py|.*_test\.py|conftest\.py", Path(rel).name),
+                    lambda tree: tree.body)
+    local = {part for rel in walk(repo) for part in Path(rel).with_suffix("").parts}  # helpers, conftest
+    return names - local - set(sys.stdlib_module_names) - {"__future__"}
+
+
+def pip_failure(out):
+    """The line of pip's output that says why it failed: its `ERROR: ...` line, or, after `ERROR: Exception:`
+    (pip itself crashed), the last line of the traceback."""
+    lines = [x.strip() for x in out.strip().splitlines() if x.strip()] or ["no output"]
+    if "The conflict is caused by:" in lines:  # the resolver: what conflicts with what
+        cause = itertools.takewhile(lambda x: not x.startswith(("To fix", "Additionally", "ERROR")),
+                                    lines[lines.index("The conflict is caused by:") + 1:])
+        return "conflicting requirements: " + "; ".join(itertools.islice(cause, 4))
+    err = next((x for x in reversed(lines) if x.startswith("ERROR") and x != "ERROR: Exception:"), None)
+    return err or lines[-1]
+
+def installed_copies(site_dirs, names):
+    """(path, what) for each copy of the packages `names` in site directories, in any form: the package or
+    module itself, its bytecode (a module's __pycache__ entry outlives its source, and a loader runs it
+    without one), .pth and .egg-link lines and editable-install finders that lead to a checkout, and the
+    metadata (what is "metadata": it holds no code)."""
+    for sp in map(Path, site_dirs):
+        entries = sorted([*sp.iterdir(), *Path(sp, "__pycache__").glob("*")]) if sp.is_dir() else []
+        for p, name in ((p, name) for p in entries for name in names):
+            if p.name in (name, f"{name}.py") or p.name.startswith(f"{name}.") and p.suffix in (".pyc",
+                                                                                             ".so"):
+                yield p, "bytecode" if p.suffix == ".pyc" else "installed copy"
+            elif re.fullmatch(rf"{re.escape(name)}-[^/]*\.(dist|egg)-info", p.name):
+                yield p, "metadata"
+            elif p.suffix in (".pth", ".egg-link") or p.name.startswith("__editable__"):
+                with contextlib.suppress(OSError, ValueError):
+                    text = p.read_text(errors="replace")[:1 << 20]
+                    paths = [Path(sp, x.strip()) for x in text.splitlines() if x.strip()
+                             and not x.startswith(("import", "#"))]
+                    if any(Path(x, name).exists() or Path(x, f"{name}.py").exists() for x in paths) \
+                            or p.suffix == ".py" and re.search(r"['\"]%s['\"]" % re.escape(name), text):
+                        yield p, "link to a checkout"
+
+
+# Run in the sandbox in an empty folder with the task's interpreter: what a solution could load of the
+# repository's packages from the interpreter alone, by import or by a loader pointed at leftover bytecode.
+INTERPRETER_CHILD = "\n".join(["import contextlib, importlib.util, json, os, re, sys",
+                                "from pathlib import Path", inspect.getsource(installed_copies), """
+names, found = json.loads(sys.argv[1]), []
+for n in names:
+    spec = None
+    with contextlib.suppress(Exception):
+        spec = importlib.util.find_spec(n)
+    if spec is not None:
+        found.append(f"it imports {n} from {spec.origin or ', '.join(spec.submodule_search_locations or [])}")
+dirs = [d for d in sys.path if d and os.path.isdir(d) and os.path.realpath(d) != os.getcwd()]
+found += [f"{p} ({what})" for p, what in installed_copies(dirs, names) if what != "metadata"]
+print(json.dumps(found))"""])
+
+
+@functools.cache
+def interpreter_copies(python, isolate, names):
+    """What the interpreter holds of the packages `names` (a tuple), as a sandboxed run sees it: [] when it
+    holds nothing, the gold in no form."""
+    with scratch() as empty:
+        rc, out = Sandbox(python, isolate, 120).run(["-c", INTERPRETER_CHILD, json.dumps(names)], empty)
+    try:
+        return json.loads(out.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return [f"the check did not run (exit {rc}): {out.strip()[-200:]}"]

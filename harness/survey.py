@@ -1,0 +1,157 @@
+"""Packages nobody here chose, as a user would meet them: the list a survey draws from (SURVEY_PACKAGES), a
+release's sdist fetched from the package index, checked against its SHA-256 and unpacked with nothing outside
+its folder, and the survey's table. What a package's row measures (env, make, verify of each task's gold and
+of its untouched snapshot, strength, served) is tasks.py's survey_one; this file runs it over the packages, a
+few at a time, and prints a row as each finishes.
+
+    python tasks.py survey --draw 30 --seed S --exclude README.md experiments.md test_all.py --out DIR
+"""
+
+import concurrent.futures
+import hashlib
+import json
+import re
+import statistics
+import tarfile
+import urllib.parse
+import urllib.request
+import zipfile
+from pathlib import Path
+
+from harness import TaskError
+from harness.sandbox import stoppable
+
+# 248 popular pure-Python projects (in the index's top 10,000 by downloads) whose newest sdist ships a tests/
+# or test/ folder of at least 5 test files, needs no compiler and admits Python 3.11, each at that release;
+# projects whose tests need the network, a database server or a heavy stack (numpy, Django) left out
+SURVEY_PACKAGES = tuple("""
+aiofiles==25.1.0 aiostream==0.8.1 aniso8601==10.0.1 anyio==4.16.0 anytree==2.13.0 argh==0.31.3
+Arpeggio==2.0.3 arrow==1.4.0 asgiref==3.13.0 astral==3.2 astroid==4.3.4 asttokens==3.0.2
+async-lru==2.4.0 attrs==26.1.0 babel==2.19.0 bandit==1.9.4 beautifulsoup4==4.15.0
+better-exceptions==0.3.3 bibtexparser==2.1.0 bigtree==1.5.3 bitmath==2.1.1 bleach==6.4.0 blessed==1.52.0
+boltons==26.2.0 bottle==0.13.4 cachetools==8.0.2 cattrs==26.2.1 Chameleon==4.6.0 cheroot==11.1.2
+click==8.5.1 click-repl==0.4.1 clize==5.0.2 cloup==4.0.0 cmd2==4.3.1 colorama==0.4.6 colorlog==6.12.0
+commentjson==0.9.0 confuse==2.3.0 construct==2.10.70 convertdate==2.5.1 cron-descriptor==2.2.1
+croniter==7.0.0 cssutils==2.15.0 DataProperty==1.1.1 dateparser==1.5.0 deepmerge==4.0.0 dill==0.4.1
+dirty-equals==0.11 docstring-parser==0.18.0 docstring-to-markdown==0.17 docutils==0.23 doit==0.37.0
+dominate==2.9.1 dpath==2.2.0 elementpath==5.1.4 emoji==2.16.0 exceptiongroup==1.3.2 factory-boy==3.3.3
+Faker==40.63.0 fasteners==0.20 fastjsonschema==2.22.3 feedgen==1.0.0 filelock==4.3.1 fixtures==4.3.2
+Flask==3.1.3 flask-cors==6.0.5 Flask-WTF==1.3.0 freezegun==1.5.5 ftfy==6.3.1 funcy==2.1 gast==0.7.0
+geojson==3.3.0 glom==25.12.0 graphviz==0.21 gunicorn==27.0.1 h11==0.16.0 h2==4.4.1 haversine==2.9.0
+hjson==3.1.0 hpack==4.2.0 html5lib==1.1 httpcore==1.0.9 humanize==4.17.0 Hypercorn==0.18.0
+hyperlink==21.0.0 icalendar==7.3.2 idna==3.20 importlib-metadata==10.2.0 importlib-resources==7.1.0
+inflect==7.6.0 iniparse==0.5.3 inline-snapshot==0.36.1 installer==1.1.0 intervaltree==3.2.1
+isodate==0.7.2 itsdangerous==2.2.0 jedi==0.20.1 Jinja2==3.1.6 jmespath==1.1.0 jsonpath-ng==1.16.0
+jsonpath-python==1.1.6 jsonpickle==4.1.4 jsonschema==4.26.0 jupyter-core==5.9.1 langcodes==3.5.1
+lark==1.3.1 Mako==1.4.3 mando==0.8.2 Markdown==3.11.3 markdown-it-py==4.3.0 marko==2.2.4
+marshmallow==4.4.0 memory-profiler==0.61.0 mimesis==22.2.0 mistletoe==1.6.0 mistune==3.4.0 mpmath==1.4.1
+multipart==2.0.1 mutagen==1.48.1 nameparser==2.6.0 natsort==8.4.0 nbformat==5.11.1 netaddr==1.3.0
+nose2==0.16.0 num2words==0.5.14 oauthlib==4.0.1 overrides==7.7.0 packaging==26.4 parse==1.22.4
+parse-type==0.6.6 parsel==1.12.1 parso==0.8.7 passlib==1.7.4 Paste==3.10.1 PasteDeploy==3.1.0
+pathspec==1.1.1 pathvalidate==3.3.1 petl==1.7.30 pexpect==4.9.0 pkginfo==2.0 platformdirs==4.14.9
+plumbum==2.0.2 portion==2.6.3 prettytable==3.18.0 progressbar2==4.6.0 prompt_toolkit==3.0.53
+ptyprocess==0.7.0 pyasn1==0.6.5 pyasn1-modules==0.4.2 pycodestyle==2.15.0 pycparser==3.12 pydash==8.1.0
+pydot==4.0.1 pyelftools==0.33 pyexcel-io==0.6.8 pyfakefs==6.3.2 pyflakes==4.1.0 pygal==3.1.3
+Pygments==2.21.0 PyHamcrest==2.1.0 pyhocon==0.3.63 PyJWT==2.15.1 pykakasi==2.3.0
+pymdown-extensions==13.1.2 PyMeeus==0.5.12 Pympler==1.1 pyparsing==3.3.3 pyperf==2.11.0 pypinyin==0.55.0
+pyramid==2.1 pyrepl==0.11.5 pyserial==3.5 PySnooper==1.2.3 pystache==0.6.8 pytablewriter==1.2.1
+pyte==0.8.2 pytest-asyncio==1.5.0 pytest-benchmark==5.3.1 pytest_httpserver==1.2.1
+python-barcode==0.16.1 python-crontab==3.4.0 python-daemon==3.1.2 python-dateutil==4.0.0
+python-dotenv==1.2.4 python-slugify==9.2.0 python-statemachine==3.2.2 python-stdnum==2.2 pyxdg==0.28
+qrcode==8.2 radon==6.0.1 rarfile==4.5 referencing==0.37.0 requests-mock==1.12.1 responses==0.26.3
+rfc3986==2.0.0 rich-click==1.9.9 Routes==2.5.1 segno==1.6.6 semantic-version==2.10.0 semver==3.1.2
+Send2Trash==2.2.0 simple-parsing==0.1.9 simpleeval==1.0.8 soupsieve==4.1.3 sqids==0.5.2
+sqlitedict==2.1.0 sqlparse==0.6.1 structlog==26.1.0 svgwrite==1.1.9 syrupy==7.0.2 tabulate==0.10.0
+tblib==3.2.2 tenacity==9.2.1 testfixtures==12.4.0 testtools==2.9.1 tinydb==4.9.0 tomlkit==0.15.2
+toolz==1.2.0 towncrier==26.9.0 traitlets==5.16.1 transitions==0.9.3 Twiggy==0.5.1
+typed-argument-parser==1.12.0 typeguard==4.6.1 typepy==2.0.0 typer==0.29.2 uncertainties==3.2.3
+url-normalize==3.1.0 validators==0.36.0 varname==1.0.0 vulture==2.16 w3lib==2.5.0 waitress==3.0.2
+wcmatch==12.0.3 WebOb==1.8.11 websocket-client==1.9.2 WebTest==3.0.7 webvtt-py==0.6.0 Werkzeug==3.1.9
+wheel==0.48.0 Whoosh==2.7.4 workalendar==17.0.0 wsproto==1.3.2 WTForms==3.3.2 xlwt==1.3.0
+xmlschema==4.3.2 yamllint==1.38.0 yaspin==3.5.1
+""".split())
+INDEX = "https://pypi.org/pypi"
+
+
+def unnamed(specs, files):
+    """The specs whose project name none of files mentions (as a word; '-', '_' and '.' alike, any case)."""
+    fold = lambda text: re.sub(r"[-_.]+", "-", text.lower())
+    try:
+        text = fold(" ".join(Path(f).read_text(errors="replace") for f in files))
+    except OSError as e:
+        raise TaskError(f"--exclude: cannot read {e.filename}: {e.strerror}") from None
+    named = lambda name: re.search(rf"(?<![\w-]){re.escape(fold(name))}(?![\w-])", text)
+    return [s for s in specs if not named(s.partition("==")[0])]
+
+
+def fetch_sdist(spec, dest):
+    """Download name==version's sdist from the package index into dest, checked against its SHA-256, and
+    unpack it (nothing outside dest, no links out, no special files): the unpacked folder."""
+    name, _, version = spec.partition("==")
+    if not name or not version:
+        raise TaskError(f"package spec {spec!r} is not name==version")
+    try:
+        with urllib.request.urlopen(f"{INDEX}/{name}/json", timeout=60) as r:
+            urls = json.load(r)["releases"][version]
+    except (OSError, ValueError, KeyError) as e:
+        raise TaskError(f"{spec}: the package index has no such release ({e})") from None
+    sdist = next((u for u in urls if u.get("packagetype") == "sdist"), None)
+    if sdist is None:
+        raise TaskError(f"{spec}: the release has no sdist (only wheels, which ship no tests)")
+    archive = Path(dest, sdist["filename"])
+    with urllib.request.urlopen(urllib.parse.urljoin(f"{INDEX}/{name}/json", sdist["url"]), timeout=300) as r:
+        archive.write_bytes(r.read())
+    if hashlib.sha256(archive.read_bytes()).hexdigest() != sdist["digests"]["sha256"]:
+        raise TaskError(f"{spec}: {archive.name} does not match the index's SHA-256")
+    src = Path(dest, "src")
+    if archive.name.endswith(".zip"):
+        with zipfile.ZipFile(archive) as z:
+            for m in z.infolist():
+                if not m.is_dir() and ".." not in Path(m.filename).parts and not m.filename.startswith("/"):
+                    Path(src, m.filename).parent.mkdir(parents=True, exist_ok=True)
+                    Path(src, m.filename).write_bytes(z.read(m))
+    else:
+        with tarfile.open(archive) as tf:
+            tf.extractall(src, filter="data")
+    tops = list(src.iterdir())
+    return tops[0] if len(tops) == 1 and tops[0].is_dir() else src
+
+
+def valid_tasks(row):
+    return sum(g == 1 and u == 0 for g, u in zip(row["gold"], row["untouched"]))
+
+
+def survey_line(r):
+    valid = valid_tasks(r)
+    num = (lambda x, f: "-" if x is None else f % x)
+    score = lambda x: "-" if x is None else f"{100 * x:.0f}"
+    killed = " ".join(f"{score(a)}/{score(b)}" for a, b in r.get("strength", [])) or "-"
+    return (f"{r['package']:<32} {num(r['tests'], '%6d'):>6} {num(r['env_s'], '%5.0f'):>5} "
+            f"{num(r['make_s'], '%6.0f'):>6} {r['made']:>2}/{r['tried'] or 0:<2} {valid:>5} "
+            f"{''.join(map(str, r['gold'])) or '-':>4} {''.join(map(str, r['untouched'])) or '-':>4} "
+            f"{num(r['executed'], '%7d'):>7} {killed:>23} {r.get('served', 0):>6}  {r['why']}")
+
+
+def survey(specs, root, one, n=3, jobs=2, log=print):
+    """Every spec through one(spec) -> its row (tasks.py's survey_one), up to jobs at once; prints a row as
+    each finishes and the table at the end. Returns the rows."""
+    Path(root).mkdir(parents=True, exist_ok=True)
+    head = (f"{'package':<32} {'tests':>6} {'env s':>5} {'make s':>6} made  valid gold untc   execs "
+            f"{'% killed: tests/+oracle':>23} served  why")
+    log(head)
+    with stoppable(jobs) as pool:
+        futs = [pool.submit(one, spec) for spec in specs]
+        for fut in concurrent.futures.as_completed(futs):
+            log(survey_line(fut.result()))
+    rows = [f.result() for f in futs]
+    good = sum(valid_tasks(r) >= n for r in rows)
+    log("\n" + "\n".join([head, *map(survey_line, rows)]))
+    log(f"{good} of {len(rows)} packages gave {n} valid tasks (gold 1, untouched 0)")
+    scores = [x for r in rows for x in r["strength"] if None not in x]
+    if scores:
+        both, alone = (100 * statistics.median(x[i] for x in scores) for i in (1, 0))
+        log(f"mutants killed on the median task: {both:.0f}% by tests and oracle, {alone:.0f}% by the tests "
+            f"alone; "
+            f"{sum(r['served'] for r in rows)} of {sum(r['made'] for r in rows)} tasks made are served")
+    (Path(root) / "survey.json").write_text(json.dumps(rows, indent=1))
+    return rows
