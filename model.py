@@ -6,10 +6,10 @@ many small routed experts, top-k sigmoid routing with an auxiliary-loss-free bal
 shared expert. Sources: DeepSeek-V3 technical report (arXiv 2412.19437) and its inference/model.py;
 Kimi K2 technical report (arXiv 2507.20534) and config.json. Simplification: no multi-token prediction head.
 Released checkpoints in the Hugging Face layout (DeepSeek-V3, Kimi K2, Kimi K2.5's text model, Moonlight) load
-into it and are written back (section "Released checkpoints"); transformers' DeepseekV3 gives the same logits.
-RL writes and reads turns through a tokenizer: this project's bytes, or a released model's own (HFTokenizer:
-its tokenizer.json and chat template, a conversation's tokens taken turn by turn from the template's rendering
-as multi-turn RL frameworks take them).
+into it and are written back; transformers' DeepseekV3 gives the same logits. RL writes and reads turns
+through a tokenizer: this project's bytes, or a released model's own (HFTokenizer: its tokenizer.json and chat
+template, a conversation's tokens taken turn by turn from the template's rendering as multi-turn RL
+frameworks take them). Both follow the model, in the section "Released checkpoints": the model comes first.
 
 Two layout choices serve the optimizer (muon.py) and the sharding (mesh.py):
 - expert weights are stacked, one tensor per projection, [num_experts, out, in];
@@ -118,189 +118,6 @@ class ByteTokenizer:
 
 
 BYTES = ByteTokenizer()
-
-
-class TokenizerError(ValueError):
-    """A checkpoint folder's tokenizer or chat template that RL cannot use: one line."""
-
-
-def chat_template(template, where, own=False):
-    """The template compiled as transformers compiles it: transformers' own environment when it is installed
-    (own=False), else the same one built here: sandboxed, trim_blocks and lstrip_blocks, loop controls, the
-    {% generation %} tag, tojson without HTML escapes, strftime_now, raise_exception."""
-    try:
-        import jinja2
-        import jinja2.ext
-        import jinja2.sandbox
-    except ImportError:
-        raise TokenizerError("jinja2 is missing (it renders the chat template): pip install jinja2") from None
-    try:
-        if not own:
-            with contextlib.suppress(ImportError, AttributeError):
-                from transformers.utils.chat_template_utils import _compile_jinja_template
-                return _compile_jinja_template(template)
-
-        class Generation(jinja2.ext.Extension):  # what the assistant wrote: rendered as it is
-            tags = {"generation"}
-
-            def parse(self, parser):
-                line = next(parser.stream).lineno
-                body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-                return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(line)
-
-            def _body(self, caller):
-                return caller()
-
-        def raise_exception(message):
-            raise jinja2.exceptions.TemplateError(message)
-
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[
-            Generation, jinja2.ext.loopcontrols])
-        env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: \
-            json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                       sort_keys=sort_keys)
-        env.globals.update(raise_exception=raise_exception, namespace=jinja2.utils.Namespace,
-                           strftime_now=lambda f: time.strftime(f))
-        return env.from_string(template)
-    except jinja2.TemplateError as e:
-        raise TokenizerError(f"{where}: the chat template does not parse ({e})") from None
-
-
-def article(role):
-    return ("an " if role == "assistant" else "a ") + role
-
-
-class HFTokenizer(ByteTokenizer):
-    """A released model's tokenizer, read from its checkpoint folder: tokenizer.json (through the
-    `tokenizers` package) and the chat template of tokenizer_config.json (or chat_template.jinja), rendered
-    as transformers renders it. What a turn adds is taken from renderings of the conversation, so a template
-    that puts a BOS or a default system turn first, merges the system prompt into the first user turn, or
-    opens a reply with a generation prompt unlike its in-conversation opening is followed as it is. A role
-    RL needs that the template has no place for (a tool turn after a reply, a system turn between turns) is
-    refused in one line naming it, unless `roles` maps it to one it has ({"tool": "user"})."""
-
-    def __init__(self, folder, vocab_size=None, roles=None):
-        folder = Path(folder)
-        if not (folder / "tokenizer.json").is_file():
-            raise TokenizerError(f"{folder}: no tokenizer.json (RL on a released model writes and reads its "
-                                 "tokens with the model's own tokenizer)")
-        try:
-            from tokenizers import Tokenizer as Fast
-        except ImportError:
-            raise TokenizerError("the tokenizers package is missing: pip install tokenizers") from None
-        try:
-            self.fast = Fast.from_file(str(folder / "tokenizer.json"))
-        except Exception as e:  # noqa: BLE001 (the library raises its own exception types)
-            raise TokenizerError(f"{folder}/tokenizer.json: not a tokenizer ({e})") from None
-        config = json.loads((folder / "tokenizer_config.json").read_text()) \
-            if (folder / "tokenizer_config.json").is_file() else {}
-        template = config.get("chat_template")
-        if (folder / "chat_template.jinja").is_file():
-            template = (folder / "chat_template.jinja").read_text()
-        if isinstance(template, list):  # [{"name": ..., "template": ...}]: the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        if not template:
-            raise TokenizerError(f"{folder}: no chat template (tokenizer_config.json's chat_template)")
-        self.vocab_size = self.fast.get_vocab_size(with_added_tokens=True)
-        if vocab_size is not None and self.vocab_size > vocab_size:
-            raise TokenizerError(f"{folder}/tokenizer.json has {self.vocab_size} tokens but config.json's "
-                                 f"vocab_size is {vocab_size}: the tokenizer is not this model's")
-        token = lambda k: config[k].get("content") if isinstance(config.get(k), dict) else config.get(k)
-        self.template, self.where = chat_template(template, folder), folder
-        self.tokens = {k: token(k) for k in ("bos_token", "eos_token")}
-        self.roles = {**{r: r for r in ROLES}, **(roles or {})}
-        self.end = self.probe()
-        added = self.fast.get_added_tokens_decoder()  # {id: AddedToken}
-        if not (self.end in added and added[self.end].special):
-            raise TokenizerError(f"{folder}: the chat template ends an assistant turn with "
-                                 f"{self.fast.id_to_token(self.end)!r}, not a special token to stop on")
-        pad = token("pad_token") or token("eos_token")
-        self.pad = self.fast.token_to_id(pad) if pad and self.fast.token_to_id(pad) is not None else self.end
-
-    def encode(self, text):
-        return self.fast.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids):
-        return self.fast.decode(list(ids), skip_special_tokens=True)
-
-    def render(self, messages, prompt=False):
-        """The template's text of a conversation, the turns after its first reply in their mapped roles;
-        TokenizerError where the template refuses it."""
-        import jinja2
-        first = next((i for i, (role, _) in enumerate(messages) if role == "assistant"), len(messages))
-        msgs = [{"role": self.roles[role] if i > first else role, "content": text}
-                for i, (role, text) in enumerate(messages)]
-        try:
-            return self.template.render(messages=msgs, add_generation_prompt=prompt, **self.tokens)
-        except (jinja2.TemplateError, TypeError, KeyError, IndexError) as e:
-            raise TokenizerError(f"{self.where}: the chat template refuses the conversation "
-                                 f"{[m['role'] for m in msgs]} ({e})") from None
-
-    def added(self, before, after):
-        """What the rendering `after` adds to the rendering `before`: the text after their common start (all
-        of it past `before` where the template renders the earlier turns alike, as it should)."""
-        return after[len(os.path.commonprefix([before, after])):]
-
-    def delta(self, messages, new, prompt=False):
-        before = self.render(messages) if messages else ""
-        return self.encode(self.added(before, self.render([*messages, *new], prompt)))
-
-    def closing(self, messages, text, ended):
-        opened, replied = self.render(messages, True) + text, self.render([*messages, ("assistant", text)])
-        # after the reply as the policy wrote it; where the template writes the reply otherwise (a space
-        # before it, say), its usual closing, and the difference is counted (rollout's retokenized)
-        close = self.encode(replied[len(opened):] if replied.startswith(opened) else self.close)
-        rest = close[1:] if close[:1] == [self.end] else close  # the end token: sampled, or added here
-        return rest if ended else [self.end] + rest
-
-    def probe(self):
-        """The turns RL writes, rendered once with marker texts: refused in one line where the template has no
-        place for a role after a reply (a tool's output, a summary request, a feedback hint, a summary
-        restart's next reply), renders the turns after a reply elsewhere than after it, or writes a reply
-        otherwise than right after its generation prompt (then the policy's tokens would not be the
-        template's). -> the id that ends a reply."""
-        u, a = ("user", "QqUSERqQ"), ("assistant", "QqREPLYqQ")  # markers any template keeps as they are
-        self.replies([u])
-        replied = self.render([u, a])
-        self.close = replied.split(a[1], 1)[1]  # what closes a reply
-        if not self.encode(self.close):
-            raise TokenizerError(f"{self.where}: the chat template closes an assistant turn with nothing (no "
-                                 "end token)")
-        for roles in ((), ("tool",), ("tool", "user"), ("user",), ("system",), ("tool", "system"),
-                      ("tool", "user", "system")):
-            after = [(role, f"Qq{role.upper()}{i}qQ") for i, role in enumerate(roles)]
-            mapping = f"; map it to a role it has, e.g. --chat-roles {roles[-1]}=user" if roles else ""
-            try:
-                text = self.render([u, a, *after], True)
-            except TokenizerError as e:
-                raise TokenizerError(f"{e}: it has no place for {article(roles[-1])} turn after "
-                                     f"{' and '.join(['a reply', *roles[:-1]])}{mapping}") from None
-            if not text.startswith(replied) or not all(x in text for _, x in after):
-                raise TokenizerError(f"{self.where}: the chat template puts {article(roles[-1])} turn after "
-                                     f"{' and '.join(['a reply', *roles[:-1]])} elsewhere than after "
-                                     f"them{mapping}")
-            self.replies([u, a, *after])
-        return self.encode(self.close)[0]
-
-    def replies(self, messages):
-        """Refuses a template that writes a reply to messages otherwise than right after its generation
-        prompt."""
-        opened, marker = self.render(messages, True), "QqNEXTqQ"
-        try:
-            head = self.render([*messages, ("assistant", marker)]).split(marker, 1)
-        except TokenizerError as e:
-            raise TokenizerError(f"{e}: it has no place for a reply after {article(messages[-1][0])} "
-                                 "turn") from None
-        if len(head) < 2:
-            raise TokenizerError(f"{self.where}: the chat template renders no assistant turn after "
-                                 f"{article(messages[-1][0])} turn")
-        same = len(os.path.commonprefix([head[0], opened]))
-        if head[0] != opened:
-            raise TokenizerError(
-                f"{self.where}: the chat template writes a reply after {article(messages[-1][0])} turn "
-                f"otherwise than right after its generation prompt (it renders {head[0][same:]!r} before the "
-                f"reply where the prompt ends with {opened[same:]!r}): the policy's tokens would not be the "
-                "template's")
 
 
 # -----------------------------------------------------------------------------
@@ -480,8 +297,12 @@ class MLA(nn.Module):
         # the fused (flash) kernels take one head size for q, k and v; with v narrower, SDPA falls back to its
         # unfused path (on CPU 2.6x slower at T=640, T^2 memory). So v is padded with zeros, as transformers'
         # DeepSeek-V3 does for flash attention, and the output cut back: the same attention, computed fused.
+        # A v wider than q and k pads them instead: zeros add nothing to q.k, and the scale is explicit.
         dv = cfg.v_head_dim
-        v = F.pad(v, (0, q.size(-1) - dv))  # [B, H, S, nope+rope]
+        if dv < q.size(-1):
+            v = F.pad(v, (0, q.size(-1) - dv))  # [B, H, S, nope+rope]
+        elif dv > q.size(-1):
+            q, k = F.pad(q, (0, dv - q.size(-1))), F.pad(k, (0, dv - k.size(-1)))  # [B, H, T|S, v]
         if cache is not None:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask, scale=self.scale)
         elif self.cp_group is None:
@@ -1357,6 +1178,192 @@ def save_hf(model, path, dtype=torch.bfloat16, base_config=None, shard_bytes=5 *
         raise CheckpointError(err)
 
 
+# A released model's tokenizer, for RL on it: its tokenizer.json (the tokenizers package) and its chat template
+# (jinja2, compiled as transformers compiles it), the same interface as ByteTokenizer above.
+
+class TokenizerError(ValueError):
+    """A checkpoint folder's tokenizer or chat template that RL cannot use: one line."""
+
+
+def chat_template(template, where, own=False):
+    """The template compiled as transformers compiles it: transformers' own environment when it is installed
+    (own=False), else the same one built here: sandboxed, trim_blocks and lstrip_blocks, loop controls, the
+    {% generation %} tag, tojson without HTML escapes, strftime_now, raise_exception."""
+    try:
+        import jinja2
+        import jinja2.ext
+        import jinja2.sandbox
+    except ImportError:
+        raise TokenizerError("jinja2 is missing (it renders the chat template): pip install jinja2") from None
+    try:
+        if not own:
+            with contextlib.suppress(ImportError, AttributeError):
+                from transformers.utils.chat_template_utils import _compile_jinja_template
+                return _compile_jinja_template(template)
+
+        class Generation(jinja2.ext.Extension):  # what the assistant wrote: rendered as it is
+            tags = {"generation"}
+
+            def parse(self, parser):
+                line = next(parser.stream).lineno
+                body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+                return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(line)
+
+            def _body(self, caller):
+                return caller()
+
+        def raise_exception(message):
+            raise jinja2.exceptions.TemplateError(message)
+
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[
+            Generation, jinja2.ext.loopcontrols])
+        env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: \
+            json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                       sort_keys=sort_keys)
+        env.globals.update(raise_exception=raise_exception, namespace=jinja2.utils.Namespace,
+                           strftime_now=lambda f: time.strftime(f))
+        return env.from_string(template)
+    except jinja2.TemplateError as e:
+        raise TokenizerError(f"{where}: the chat template does not parse ({e})") from None
+
+
+def article(role):
+    return ("an " if role == "assistant" else "a ") + role
+
+
+class HFTokenizer(ByteTokenizer):
+    """A released model's tokenizer, read from its checkpoint folder: tokenizer.json (through the
+    `tokenizers` package) and the chat template of tokenizer_config.json (or chat_template.jinja), rendered
+    as transformers renders it. What a turn adds is taken from renderings of the conversation, so a template
+    that puts a BOS or a default system turn first, merges the system prompt into the first user turn, or
+    opens a reply with a generation prompt unlike its in-conversation opening is followed as it is. A role
+    RL needs that the template has no place for (a tool turn after a reply, a system turn between turns) is
+    refused in one line naming it, unless `roles` maps it to one it has ({"tool": "user"})."""
+
+    def __init__(self, folder, vocab_size=None, roles=None):
+        folder = Path(folder)
+        if not (folder / "tokenizer.json").is_file():
+            raise TokenizerError(f"{folder}: no tokenizer.json (RL on a released model writes and reads its "
+                                 "tokens with the model's own tokenizer)")
+        try:
+            from tokenizers import Tokenizer as Fast
+        except ImportError:
+            raise TokenizerError("the tokenizers package is missing: pip install tokenizers") from None
+        try:
+            self.fast = Fast.from_file(str(folder / "tokenizer.json"))
+        except Exception as e:  # noqa: BLE001 (the library raises its own exception types)
+            raise TokenizerError(f"{folder}/tokenizer.json: not a tokenizer ({e})") from None
+        config = json.loads((folder / "tokenizer_config.json").read_text()) \
+            if (folder / "tokenizer_config.json").is_file() else {}
+        template = config.get("chat_template")
+        if (folder / "chat_template.jinja").is_file():
+            template = (folder / "chat_template.jinja").read_text()
+        if isinstance(template, list):  # [{"name": ..., "template": ...}]: the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if not template:
+            raise TokenizerError(f"{folder}: no chat template (tokenizer_config.json's chat_template)")
+        self.vocab_size = self.fast.get_vocab_size(with_added_tokens=True)
+        if vocab_size is not None and self.vocab_size > vocab_size:
+            raise TokenizerError(f"{folder}/tokenizer.json has {self.vocab_size} tokens but config.json's "
+                                 f"vocab_size is {vocab_size}: the tokenizer is not this model's")
+        token = lambda k: config[k].get("content") if isinstance(config.get(k), dict) else config.get(k)
+        self.template, self.where = chat_template(template, folder), folder
+        self.tokens = {k: token(k) for k in ("bos_token", "eos_token")}
+        self.roles = {**{r: r for r in ROLES}, **(roles or {})}
+        self.end = self.probe()
+        added = self.fast.get_added_tokens_decoder()  # {id: AddedToken}
+        if not (self.end in added and added[self.end].special):
+            raise TokenizerError(f"{folder}: the chat template ends an assistant turn with "
+                                 f"{self.fast.id_to_token(self.end)!r}, not a special token to stop on")
+        pad = token("pad_token") or token("eos_token")
+        self.pad = self.fast.token_to_id(pad) if pad and self.fast.token_to_id(pad) is not None else self.end
+
+    def encode(self, text):
+        return self.fast.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids):
+        return self.fast.decode(list(ids), skip_special_tokens=True)
+
+    def render(self, messages, prompt=False):
+        """The template's text of a conversation, the turns after its first reply in their mapped roles;
+        TokenizerError where the template refuses it."""
+        import jinja2
+        first = next((i for i, (role, _) in enumerate(messages) if role == "assistant"), len(messages))
+        msgs = [{"role": self.roles[role] if i > first else role, "content": text}
+                for i, (role, text) in enumerate(messages)]
+        try:
+            return self.template.render(messages=msgs, add_generation_prompt=prompt, **self.tokens)
+        except (jinja2.TemplateError, TypeError, KeyError, IndexError) as e:
+            raise TokenizerError(f"{self.where}: the chat template refuses the conversation "
+                                 f"{[m['role'] for m in msgs]} ({e})") from None
+
+    def added(self, before, after):
+        """What the rendering `after` adds to the rendering `before`: the text after their common start (all
+        of it past `before` where the template renders the earlier turns alike, as it should)."""
+        return after[len(os.path.commonprefix([before, after])):]
+
+    def delta(self, messages, new, prompt=False):
+        before = self.render(messages) if messages else ""
+        return self.encode(self.added(before, self.render([*messages, *new], prompt)))
+
+    def closing(self, messages, text, ended):
+        opened, replied = self.render(messages, True) + text, self.render([*messages, ("assistant", text)])
+        # after the reply as the policy wrote it; where the template writes the reply otherwise (a space
+        # before it, say), its usual closing, and the difference is counted (rollout's retokenized)
+        close = self.encode(replied[len(opened):] if replied.startswith(opened) else self.close)
+        rest = close[1:] if close[:1] == [self.end] else close  # the end token: sampled, or added here
+        return rest if ended else [self.end] + rest
+
+    def probe(self):
+        """The turns RL writes, rendered once with marker texts: refused in one line where the template has no
+        place for a role after a reply (a tool's output, a summary request, a feedback hint, a summary
+        restart's next reply), renders the turns after a reply elsewhere than after it, or writes a reply
+        otherwise than right after its generation prompt (then the policy's tokens would not be the
+        template's). -> the id that ends a reply."""
+        u, a = ("user", "QqUSERqQ"), ("assistant", "QqREPLYqQ")  # markers any template keeps as they are
+        self.replies([u])
+        replied = self.render([u, a])
+        self.close = replied.split(a[1], 1)[1]  # what closes a reply
+        if not self.encode(self.close):
+            raise TokenizerError(f"{self.where}: the chat template closes an assistant turn with nothing (no "
+                                 "end token)")
+        for roles in ((), ("tool",), ("tool", "user"), ("user",), ("system",), ("tool", "system"),
+                      ("tool", "user", "system")):
+            after = [(role, f"Qq{role.upper()}{i}qQ") for i, role in enumerate(roles)]
+            mapping = f"; map it to a role it has, e.g. --chat-roles {roles[-1]}=user" if roles else ""
+            try:
+                text = self.render([u, a, *after], True)
+            except TokenizerError as e:
+                raise TokenizerError(f"{e}: it has no place for {article(roles[-1])} turn after "
+                                     f"{' and '.join(['a reply', *roles[:-1]])}{mapping}") from None
+            if not text.startswith(replied) or not all(x in text for _, x in after):
+                raise TokenizerError(f"{self.where}: the chat template puts {article(roles[-1])} turn after "
+                                     f"{' and '.join(['a reply', *roles[:-1]])} elsewhere than after "
+                                     f"them{mapping}")
+            self.replies([u, a, *after])
+        return self.encode(self.close)[0]
+
+    def replies(self, messages):
+        """Refuses a template that writes a reply to messages otherwise than right after its generation
+        prompt."""
+        opened, marker = self.render(messages, True), "QqNEXTqQ"
+        try:
+            head = self.render([*messages, ("assistant", marker)]).split(marker, 1)
+        except TokenizerError as e:
+            raise TokenizerError(f"{e}: it has no place for a reply after {article(messages[-1][0])} "
+                                 "turn") from None
+        if len(head) < 2:
+            raise TokenizerError(f"{self.where}: the chat template renders no assistant turn after "
+                                 f"{article(messages[-1][0])} turn")
+        same = len(os.path.commonprefix([head[0], opened]))
+        if head[0] != opened:
+            raise TokenizerError(
+                f"{self.where}: the chat template writes a reply after {article(messages[-1][0])} turn "
+                f"otherwise than right after its generation prompt (it renders {head[0][same:]!r} before the "
+                f"reply where the prompt ends with {opened[same:]!r}): the policy's tokens would not be the "
+                "template's")
+
+
 # -----------------------------------------------------------------------------
 # Accounting: parameter counts and FLOPs (work on the meta device)
 
@@ -1383,19 +1390,27 @@ def flops_per_token(model: Transformer, T: int):
 
 
 def activation_elements(cfg: ModelConfig, layer_id: int, cp: int = 1):
-    """Numbers autograd keeps a token for block layer_id's backward, counted from the code above, as
-    flash attention runs it (no T x T scores; CPU's math attention keeps those too). Under context parallelism
-    a rank expands the gathered latent into keys and values for cp times its own tokens. test_all.py checks
-    the count against saved-tensor hooks."""
-    D, H, rope, v = cfg.dim, cfg.n_head, cfg.qk_rope_head_dim, cfg.v_head_dim
-    qk = cfg.qk_nope_head_dim + rope
-    attn = (3 * D + 2 * cfg.q_lora_rank + H * rope + H * qk + 2 * H * v  # x, norms, query, attention output
-            # K, V
-            + cp * (3 * cfg.kv_lora_rank + 2 * rope + H * qk + H * (cfg.qk_nope_head_dim + v) + H * v))
-    if layer_id < cfg.n_dense_layers:
-        return attn + 2 * D + 4 * cfg.dense_hidden  # norm in/out; SwiGLU: gate, silu(gate), up, their product
-    k = cfg.top_k  # router scores; top-k copies of the token in and out; each copy's SwiGLU; shared expert
-    return attn + 2 * D + 2 * cfg.num_experts + 2 * k + 3 * k * D + 4 * k * cfg.moe_hidden \
+    """Numbers autograd keeps a token for block layer_id's backward, counted from the code above with fused
+    attention (MLA pads its heads to one size for it: no T x T scores). An RMSNorm over n keeps its input,
+    x * rstd and rstd (2n + 1, as CPU runs it; CUDA's fused kernel keeps no x * rstd, so there the count is
+    n a norm high); its output is counted where the next op keeps it. Under context parallelism a rank
+    expands the gathered latent into keys and values for cp times its own tokens. Not per token, so not here:
+    each layer's einsum copy of wo (H * v * D) and the rope tables. test_all.py checks the count against
+    saved-tensor hooks."""
+    D, H, r, rope, v = cfg.dim, cfg.n_head, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.v_head_dim
+    qk, q_lora = cfg.qk_nope_head_dim + rope, cfg.q_lora_rank
+    d = max(qk, v)  # SDPA's one head size for q, k and v
+    attn = (3 * D + 1 + (3 * q_lora + 1 if q_lora else 0)  # x and the query latent: 2n + 1 and the output
+            + r + rope + r + 1  # wkv_a's output: 2n + 1 (the norm's output goes on in kv_a)
+            + 2 * H * d + H + H * v  # SDPA's q, output and logsumexp; the output cut to v, laid out for wo
+            # the (gathered) latent and rope key kv_a for wkv_b, k, and v: padded, or a view of [k_nope | v]
+            + cp * (r + rope + H * d + (H * qk if v < qk else H * (cfg.qk_nope_head_dim + v))))
+    if layer_id < cfg.n_dense_layers:  # the residual stream, normed; SwiGLU: gate, silu(gate), up, product
+        return attn + 3 * D + 1 + 4 * cfg.dense_hidden
+    # router scores; per choice its expert, gate, sort order, token and sorted gate, and the gates' sum; the
+    # top-k copies of the token in, out and gated; each copy's SwiGLU; the shared expert (n_group 1)
+    k = cfg.top_k
+    return attn + 3 * D + 1 + cfg.num_experts + 5 * k + 1 + 3 * k * D + 4 * k * cfg.moe_hidden \
         + 4 * cfg.moe_hidden * cfg.n_shared_experts
 
 
