@@ -83,6 +83,7 @@ import copy
 import dataclasses
 import difflib
 import fnmatch
+import functools
 import hashlib
 import inspect
 import io
@@ -2616,7 +2617,12 @@ def micro_input(rng, kind):
 
 
 def micro_value(name, x, body=None):
-    return eval(body or MICRO_BODIES[name][1], {"x": x})  # noqa: S307 (our own one-line bodies)
+    return eval(micro_code(body or MICRO_BODIES[name][1]), {"x": x})  # noqa: S307 (our own one-line bodies)
+
+
+@functools.cache
+def micro_code(body):  # compiled once: the transcripts evaluate a few bodies hundreds of thousands of times
+    return compile(body, "<micro>", "eval")
 
 
 def micro_files(rng, n=3, held_out=False, family="words"):

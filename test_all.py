@@ -11,6 +11,7 @@ import concurrent.futures
 import contextlib
 import copy
 import difflib
+import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -1306,10 +1307,12 @@ def _become_script(script, argv, env, cwd, out, err, address_space=None):
         atexit._run_exitfuncs()
 
 
-# what train.py imports beyond this module's own (torch._dynamo: on the first op on the meta device), about a
-# second a process, loaded once in the server
+# what train.py imports beyond this module's own (torch._dynamo: on the first op on the meta device; a released
+# model's chat template: transformers' compiler, where it is installed), about a second a process, loaded once
+# in the server (one that is not installed is skipped)
 TRAIN_IMPORTS = ["torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
-                 "torch.distributed.fsdp", "torch._dynamo", "mesh", "grpo", "feedback"]
+                 "torch.distributed.fsdp", "torch._dynamo", "mesh", "grpo", "feedback",
+                 "transformers.utils.chat_template_utils"]
 
 
 @functools.cache
@@ -1544,6 +1547,7 @@ def test_the_default_corpus_does_not_move_with_the_docs(tmp_path):
     copy.mkdir()
     for f in [*HERE.glob("*.py"), *HERE.glob("*.md")]:
         shutil.copy(f, copy)
+    shutil.copytree(HERE / "harness", copy / "harness", ignore=shutil.ignore_patterns("__pycache__"))
     (copy / "README.md").write_text("# another README\n" * 200)
     (copy / "notes.md").write_text("a document nobody here wrote\n" * 500)
     (copy / "train.py").write_text((copy / "train.py").read_text() + "\n# a comment at the end\n")
@@ -1624,6 +1628,26 @@ def test_the_verdict_names_each_condition_it_finds_unmet():
     assert (f"the monitor flagged train-task episodes | train-task pass rate 0.350 -> 0.550 (+0.200, "
             f"sampling noise {noise:.3f}; ") in line and "give_up 0.200 -> 0.100" in line, line
     assert "held-out" not in line, line
+
+
+def test_transcripts_are_made_once_a_machine(tmp_path, monkeypatch):
+    """train.transcripts: processes (here threads) that need the same transcripts at once wait for the first
+    one's; all get the same tokens; where the cache cannot be written, each makes its own."""
+    import train
+    made, real = [], tasks.corpus
+
+    def corpus(*args, **kw):
+        made.append(1)
+        time.sleep(0.3)  # long enough for the others to be waiting
+        return real(*args, **kw)
+    monkeypatch.setattr(tasks, "corpus", corpus)
+    monkeypatch.setattr(train, "CACHE", tmp_path / "cache")
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        got = list(pool.map(lambda _: train.transcripts(40, 7, None), range(3)))
+    assert len(made) == 1 and got[0].size > 1000 and all(np.array_equal(g, got[0]) for g in got)
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(train, "CACHE", tmp_path / "file")  # no folder can be made under a file
+    assert np.array_equal(train.transcripts(40, 7, None), got[0]) and len(made) == 2
 
 
 def test_held_out_tasks_are_kept_on_the_machine_or_else_in_the_run(tmp_path, monkeypatch):
@@ -2513,14 +2537,34 @@ PAR_RUN = ["--stage", "pretrain", "--batch-size", "8", "--seq-len", "32", "--eva
            "--log-every", "1", "--warmup", "40", "--precision", "fp32"]
 
 
+def once(tmp_path_factory, name, build):
+    """build(folder) -> a JSON-able value, made once in the whole session (-> the folder, the value): under pytest-xdist (-n) the first
+    test process that asks makes it in a folder they all share while the others wait on a lock, then read it.
+    An expensive fixture (a training run, make) so costs one process's time, not one a process. Its folder is
+    read-only to the tests (they copy what they change), as a module fixture's already is."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if "PYTEST_XDIST_WORKER" in os.environ else base
+    folder, done = root / f"once-{name}", root / f"once-{name}" / "value.json"
+    with open(root / f"once-{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.is_file():  # never made, or a build that failed: (re)made here
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            value = json.dumps(build(folder), default=str)
+            done.with_suffix(".tmp").write_text(value)
+            done.with_suffix(".tmp").rename(done)
+        return folder, json.loads(done.read_text())
+
+
 @pytest.fixture(scope="module")
 def par_data(tmp_path_factory):
     """A fixed token file, so that edits to the project's sources (the default corpus) do not move
     the test."""
-    path = tmp_path_factory.mktemp("data") / "train.bin"
-    text = " ".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(3000))
-    np.frombuffer(text.encode(), dtype=np.uint8).astype(np.uint16).tofile(path)
-    return path
+    def build(folder):
+        text = " ".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(3000))
+        np.frombuffer(text.encode(), dtype=np.uint8).astype(np.uint16).tofile(folder / "train.bin")
+        return str(folder / "train.bin")
+    return Path(once(tmp_path_factory, "par-data", build)[1])
 
 
 def final_params(out):
@@ -2716,21 +2760,24 @@ def same_run(a, b):
 def chain(par_data, tmp_path_factory):
     """One run (4 pretraining steps, then 4 RL steps) made uninterrupted and in pieces, each piece resuming
     from a different kind of checkpoint: mid-pretraining (2), the end of pretraining (4), the end of an RL run
-    (7), and a periodic checkpoint inside one (6, into another folder)."""
-    root = tmp_path_factory.mktemp("chain")
-    flags = [*RL_RUN, "--data", str(par_data), "--tasks-per-step", "1"]
-    whole = start_train(*flags, "--stage", "both", "--steps", "4", "--rl-steps", "4",
-                        "--out", str(root / "whole"))
-    pieces = [["--stage", "pretrain", "--steps", "2"], ["--stage", "pretrain", "--steps", "4", "--resume"],
-              ["--stage", "rl", "--steps", "4", "--rl-steps", "3", "--keep", "3", "--resume"],
-              ["--stage", "rl", "--steps", "4", "--rl-steps", "4", "--keep", "3", "--resume"]]
-    runs = [run_train(*flags, *piece, "--out", str(root / "pieces")) for piece in pieces[:3]]
-    mid = start_train(*flags, "--stage", "rl", "--rl-steps", "4",
-                      "--resume", str(root / "pieces" / "step-00000006"), "--out", str(root / "mid-rl"))
-    runs += [run_train(*flags, *pieces[3], "--out", str(root / "pieces")), finish(mid), finish(whole)]
-    for r in runs:
-        assert r.returncode == 0, r.stderr[-3000:]
-    return root, runs
+    (7), and a periodic checkpoint inside one (6, into another folder). -> (its folder, the runs' exit codes
+    and output)."""
+    def build(root):
+        flags = [*RL_RUN, "--data", str(par_data), "--tasks-per-step", "1"]
+        whole = start_train(*flags, "--stage", "both", "--steps", "4", "--rl-steps", "4",
+                            "--out", str(root / "whole"))
+        pieces = [["--stage", "pretrain", "--steps", "2"], ["--stage", "pretrain", "--steps", "4", "--resume"],
+                  ["--stage", "rl", "--steps", "4", "--rl-steps", "3", "--keep", "3", "--resume"],
+                  ["--stage", "rl", "--steps", "4", "--rl-steps", "4", "--keep", "3", "--resume"]]
+        runs = [run_train(*flags, *piece, "--out", str(root / "pieces")) for piece in pieces[:3]]
+        mid = start_train(*flags, "--stage", "rl", "--rl-steps", "4",
+                          "--resume", str(root / "pieces" / "step-00000006"), "--out", str(root / "mid-rl"))
+        runs += [run_train(*flags, *pieces[3], "--out", str(root / "pieces")), finish(mid), finish(whole)]
+        for r in runs:
+            assert r.returncode == 0, r.stderr[-3000:]
+        return [{"returncode": r.returncode, "stdout": r.stdout, "stderr": r.stderr} for r in runs]
+    root, runs = once(tmp_path_factory, "chain", build)
+    return root, [types.SimpleNamespace(**r) for r in runs]
 
 
 def test_resume_from_every_checkpoint_equals_the_uninterrupted_run(chain):
@@ -4145,17 +4192,17 @@ def commit(repo):
 def made(tmp_path_factory):
     """One make run over every feature (stub), and one harder remove-mode task (two related features), side by
     side: each mostly waits on its pytest runs."""
-    base = tmp_path_factory.mktemp("featdel")
-    repo = commit(write_fixture(base / "calc-repo"))
-    logs = [], []
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        stub = pool.submit(tasks.make, repo, base / "tasks", n=3, seed=0, mode="stub", jobs=2,
-                           log=logs[0].append)
-        hard = pool.submit(tasks.make, repo, base / "hard", n=1, seed=3, mode="remove", group=2,
-                           log=logs[1].append)
-        stub, hard = stub.result(), hard.result()
-    return {"repo": repo, "stub": stub, "hard": hard, "log": logs[0] + logs[1], "base": base,
-            "out": base / "tasks"}
+    def build(base):
+        repo = commit(write_fixture(base / "calc-repo"))
+        logs = [], []
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            stub = pool.submit(tasks.make, repo, base / "tasks", n=3, seed=0, mode="stub", jobs=2,
+                               log=logs[0].append)
+            hard = pool.submit(tasks.make, repo, base / "hard", n=1, seed=3, mode="remove", group=2,
+                               log=logs[1].append)
+            return {"stub": stub.result(), "hard": hard.result(), "log": logs[0] + logs[1]}
+    base, value = once(tmp_path_factory, "made", build)
+    return {**value, "repo": base / "calc-repo", "base": base, "out": base / "tasks"}
 
 
 def short(ids):
@@ -6682,13 +6729,17 @@ def test_micro_repositories_make_tasks_and_their_gold_episodes_replay(tmp_path):
 def deletion(tmp_path_factory):
     """A micro-repository, make's level-1 task on it, and the spec of the deletion that task made:
     (box, repo, task dir, task, feature [(file, qualname)], spec, spec dir)."""
-    base, box = tmp_path_factory.mktemp("deletion"), tasks.Sandbox(timeout=120)
-    repo = tasks.micro_repo(base / "orig", 7)
-    (task_dir,) = tasks.make_micro(base / "made", 7, 1, box=box)
-    task = json.loads((task_dir / "task.json").read_text())
-    feats = [(e["file"], e["qualname"]) for e in task["deleted"]]
-    spec = tasks.deletion_spec(repo, base / "spec", feats, task["fail_to_pass"], task["pass_to_pass"], box)
-    return box, repo, task_dir, task, feats, spec, base / "spec"
+    box = tasks.Sandbox(timeout=120)
+
+    def build(base):
+        repo = tasks.micro_repo(base / "orig", 7)
+        (task_dir,) = tasks.make_micro(base / "made", 7, 1, box=box)
+        task = json.loads((task_dir / "task.json").read_text())
+        feats = [(e["file"], e["qualname"]) for e in task["deleted"]]
+        spec = tasks.deletion_spec(repo, base / "spec", feats, task["fail_to_pass"], task["pass_to_pass"], box)
+        return [str(task_dir.relative_to(base)), task, feats, spec]
+    base, (task_dir, task, feats, spec) = once(tmp_path_factory, "deletion", build)
+    return box, base / "orig", base / task_dir, task, [tuple(f) for f in feats], spec, base / "spec"
 
 
 def test_a_deletion_is_judged_on_the_host_make_s_scores_1_and_wrong_ones_0(tmp_path, deletion):

@@ -45,6 +45,7 @@ import contextlib
 import difflib
 import errno
 import faulthandler
+import fcntl
 import functools
 import hashlib
 import importlib
@@ -1103,27 +1104,34 @@ def device_peak(device, bf16):
             str(dtype), torch.get_num_threads()]
     path = CACHE / f"peak-{hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]}.json"
     matmul = f"{str(dtype).removeprefix('torch.')} matmul"
-    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-        cached = json.loads(path.read_text())
-        if cached["what"] == what and math.isfinite(cached["flops"]) and cached["flops"] > 0:
-            return cached["flops"], f"{matmul} measured {cached['measured']}, cached in {path}"
-    n = 4096 if device.type == "cuda" else 512
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    reps, best, trials, start = 8 if device.type == "cuda" else 2, 0.0, 0, time.perf_counter()
-    # the best of at least 2 s of trials, 3 at least (a CPU without bf16 units takes 0.3 s a bf16 matmul)
-    while trials < 3 or time.perf_counter() - start < 2.0:
-        trials += 1
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        best = max(best, 2 * n ** 3 * reps / (time.perf_counter() - t0))
-    record = {"flops": best, "what": what, "measured": time.strftime("%Y-%m-%d %H:%M")}
-    keep_in_cache(path, lambda f: f.write(json.dumps(record).encode()))
-    return best, f"{matmul} measured now, cached in {path}"
+
+    def cached():
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            kept = json.loads(path.read_text())
+            if kept["what"] == what and math.isfinite(kept["flops"]) and kept["flops"] > 0:
+                return kept["flops"], f"{matmul} measured {kept['measured']}, cached in {path}"
+    if found := cached():
+        return found
+    with first_on_machine(path):  # one process measures (the machine otherwise idle), the others wait for it
+        if found := cached():
+            return found
+        n = 4096 if device.type == "cuda" else 512
+        a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+        reps, best, trials, start = 8 if device.type == "cuda" else 2, 0.0, 0, time.perf_counter()
+        # the best of at least 2 s of trials, 3 at least (a CPU without bf16 units takes 0.3 s a bf16 matmul)
+        while trials < 3 or time.perf_counter() - start < 2.0:
+            trials += 1
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                a @ b
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            best = max(best, 2 * n ** 3 * reps / (time.perf_counter() - t0))
+        record = {"flops": best, "what": what, "measured": time.strftime("%Y-%m-%d %H:%M")}
+        keep_in_cache(path, lambda f: f.write(json.dumps(record).encode()))
+        return best, f"{matmul} measured now, cached in {path}"
 
 
 def cpu_model():
@@ -1709,22 +1717,26 @@ def load_tokens(path, code, delete=0.0):
 def transcripts(n, seed, code, delete=0.0):
     """Tokens of n gold transcripts (tasks.corpus, seeded; code: the micro-repository family of the coding
     episodes, None: tool use only; delete: the share of those that are the deletion role's), as uint16.
-    Making them takes seconds and every run (every rank) makes the same ones, so they are cached in
+    Making them takes seconds and every run (every rank) needs the same ones, so they are cached in
     ~/.cache/composer-stack under the hash of the code that makes them (tasks.py and harness/, model.py,
-    grpo.py's summary request and budget); a missing, unwritable or unreadable cache only costs the seconds.
-    A share of them are long chains, cut into the segments a rollout makes at the RL stage's context
-    budget."""
+    grpo.py's summary request and budget), made by the first process of the machine that needs them while the
+    others (the other ranks) wait on a lock beside them; a missing, unwritable or unreadable cache only costs
+    the seconds. A share of them are long chains, cut into the segments a rollout makes at the RL stage's
+    context budget."""
     path = CACHE / (f"{code or 'tools'}-{n}-{seed}{f'-delete{delete:g}' if delete else ''}-"
                     f"{code_key('tasks.py', 'harness', 'model.py', 'grpo.py')}.npy")
     with contextlib.suppress(OSError, ValueError, EOFError):
         return np.load(path)
-    text = tasks.corpus(n, seed=seed, long_share=LONG_SHARE, budget=GRPOConfig.context_budget,
-                        request=SUMMARY_REQUEST, code_share=CODE_SHARE if code else 0.0,
-                        delete_share=delete if code else 0.0,
-                        code_budget=CODE_BUDGET, family=code or "words")
-    tokens = np.array(encode(text, specials=True), dtype=np.uint16)
-    keep_in_cache(path, lambda f: np.save(f, tokens))
-    return tokens
+    with first_on_machine(path):
+        with contextlib.suppress(OSError, ValueError, EOFError):
+            return np.load(path)  # made while this process waited
+        text = tasks.corpus(n, seed=seed, long_share=LONG_SHARE, budget=GRPOConfig.context_budget,
+                            request=SUMMARY_REQUEST, code_share=CODE_SHARE if code else 0.0,
+                            delete_share=delete if code else 0.0,
+                            code_budget=CODE_BUDGET, family=code or "words")
+        tokens = np.array(encode(text, specials=True), dtype=np.uint16)
+        keep_in_cache(path, lambda f: np.save(f, tokens))
+        return tokens
 
 
 def code_key(*files, extra=""):
@@ -1734,6 +1746,18 @@ def code_key(*files, extra=""):
     paths = [p for f in files for p in ([here / f] if (here / f).is_file()
                                         else sorted((here / f).glob("*.py")))]
     return hashlib.sha256(b"".join(p.read_bytes() for p in paths) + extra.encode()).hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def first_on_machine(path):
+    """Held while this process makes what the cache file `path` keeps: the machine's first process that needs
+    it makes it while the others (a run's other ranks) wait on a lock beside it, then read it. No lock (the
+    cache cannot be written) is no wait: each makes its own."""
+    with contextlib.ExitStack() as held:
+        with contextlib.suppress(OSError):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fcntl.flock(held.enter_context(open(path.with_name(path.name + ".lock"), "a")), fcntl.LOCK_EX)
+        yield
 
 
 def keep_in_cache(path, write):
