@@ -1307,9 +1307,9 @@ def _become_script(script, argv, env, cwd, out, err, address_space=None):
         atexit._run_exitfuncs()
 
 
-# what train.py imports beyond this module's own (torch._dynamo: on the first op on the meta device; a released
-# model's chat template: transformers' compiler, where it is installed), about a second a process, loaded once
-# in the server (one that is not installed is skipped)
+# what train.py imports beyond this module's own (torch._dynamo: on the first op on the meta device; a
+# released model's chat template: transformers' compiler, where it is installed), about a second a process,
+# loaded once in the server (one that is not installed is skipped)
 TRAIN_IMPORTS = ["torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
                  "torch.distributed.fsdp", "torch._dynamo", "mesh", "grpo", "feedback",
                  "transformers.utils.chat_template_utils"]
@@ -1664,8 +1664,7 @@ def test_held_out_tasks_are_kept_on_the_machine_or_else_in_the_run(tmp_path, mon
     assert train.held_out_folder("words", tmp_path / "out") == kept
     with open(copy / "harness" / "child.py", "a") as f:
         f.write("\n# changed\n")
-    assert train.held_out_folder("words", tmp_path / "out") not in (kept, tmp_path / "out" / "tasks" / "held-out")
-    monkeypatch.setattr(train, "__file__", str(HERE / "train.py"))
+    assert train.held_out_folder("words", tmp_path / "out") not in (kept, tmp_path / "out/tasks/held-out")
     (tmp_path / "file").write_text("")
     monkeypatch.setattr(train, "CACHE", tmp_path / "file")  # no folder can be made under a file
     assert train.held_out_folder("words", tmp_path / "out") == tmp_path / "out" / "tasks" / "held-out"
@@ -2538,8 +2537,9 @@ PAR_RUN = ["--stage", "pretrain", "--batch-size", "8", "--seq-len", "32", "--eva
 
 
 def once(tmp_path_factory, name, build):
-    """build(folder) -> a JSON-able value, made once in the whole session (-> the folder, the value): under pytest-xdist (-n) the first
-    test process that asks makes it in a folder they all share while the others wait on a lock, then read it.
+    """build(folder) -> a JSON-able value, made once in the whole session (-> the folder, the value): under
+    pytest-xdist (-n) the first test process that asks makes it in a folder they all share while the others
+    wait on a lock, then read it.
     An expensive fixture (a training run, make) so costs one process's time, not one a process. Its folder is
     read-only to the tests (they copy what they change), as a module fixture's already is."""
     base = tmp_path_factory.getbasetemp()
@@ -2766,7 +2766,8 @@ def chain(par_data, tmp_path_factory):
         flags = [*RL_RUN, "--data", str(par_data), "--tasks-per-step", "1"]
         whole = start_train(*flags, "--stage", "both", "--steps", "4", "--rl-steps", "4",
                             "--out", str(root / "whole"))
-        pieces = [["--stage", "pretrain", "--steps", "2"], ["--stage", "pretrain", "--steps", "4", "--resume"],
+        pieces = [["--stage", "pretrain", "--steps", "2"],
+                  ["--stage", "pretrain", "--steps", "4", "--resume"],
                   ["--stage", "rl", "--steps", "4", "--rl-steps", "3", "--keep", "3", "--resume"],
                   ["--stage", "rl", "--steps", "4", "--rl-steps", "4", "--keep", "3", "--resume"]]
         runs = [run_train(*flags, *piece, "--out", str(root / "pieces")) for piece in pieces[:3]]
@@ -4664,7 +4665,8 @@ def test_mutants_vary_every_argument_type_and_keep_it():
     for v in values:
         ms = harness.child.mutants(v, random.Random(0))
         assert ms and all(type(m) is type(v) and m != v for m in ms), (v, ms)
-    assert "PT1H40M" in harness.child.mutants("PT1H30M", random.Random(0))  # a digit changed: still well formed
+    # a digit changed: still well formed
+    assert "PT1H40M" in harness.child.mutants("PT1H30M", random.Random(0))
     assert [1, [3]] in harness.child.mutants([1, [2]], random.Random(0))  # an item of an item
     assert all(m.default_factory is list for m in harness.child.mutants(values[17], random.Random(0)))
     assert sorted(vars(m)["x"] for m in harness.child.mutants(values[-1], random.Random(0))) == [0, 1, 1, 2]
@@ -5465,7 +5467,8 @@ def test_scan_finds_planted_leaks_and_scrub_removes_them(made, tmp_path, monkeyp
     """One planted leak per kind, found, then scrubbed. The host never unmarshals a .pyc (marshal is not safe
     against data it did not write: another Python's bytecode, which sdists ship, corrupted the heap)."""
     real = marshal.loads
-    host = {m.__file__ for name, m in list(sys.modules.items()) if name == "tasks" or name.startswith("harness.")}
+    host = {m.__file__ for name, m in list(sys.modules.items())
+            if name == "tasks" or name.startswith("harness.")}
 
     def loads(*args):  # the import system's own calls (it loads the standard library's bytecode) pass
         if sys._getframe(1).f_code.co_filename in host:
@@ -6247,8 +6250,8 @@ def test_test_requirements_are_found_where_projects_declare_them(tmp_path):
     # pip's own crash: the cause is the traceback's last line, not "ERROR: Exception:"
     crash = ("ERROR: Exception:\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
              "pip._vendor.packaging.requirements.InvalidRequirement: Expected end or semicolon\n")
-    assert harness.env.pip_failure(crash) == ("pip._vendor.packaging.requirements.InvalidRequirement: Expected end "
-                                        "or semicolon")
+    assert harness.env.pip_failure(crash) == ("pip._vendor.packaging.requirements.InvalidRequirement: "
+                                              "Expected end or semicolon")
     assert harness.env.pip_failure("x\nERROR: No matching distribution found for y\n") == \
         "ERROR: No matching distribution found for y"
     conflict = ("ERROR: Cannot install x\n\nThe conflict is caused by:\n    The user requested x 0.1\n"
@@ -6736,7 +6739,8 @@ def deletion(tmp_path_factory):
         (task_dir,) = tasks.make_micro(base / "made", 7, 1, box=box)
         task = json.loads((task_dir / "task.json").read_text())
         feats = [(e["file"], e["qualname"]) for e in task["deleted"]]
-        spec = tasks.deletion_spec(repo, base / "spec", feats, task["fail_to_pass"], task["pass_to_pass"], box)
+        spec = tasks.deletion_spec(repo, base / "spec", feats, task["fail_to_pass"], task["pass_to_pass"],
+                                   box)
         return [str(task_dir.relative_to(base)), task, feats, spec]
     base, (task_dir, task, feats, spec) = once(tmp_path_factory, "deletion", build)
     return box, base / "orig", base / task_dir, task, [tuple(f) for f in feats], spec, base / "spec"
