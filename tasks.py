@@ -51,7 +51,7 @@ Cursor's Composer 2.5 post (dynamic difficulty, the "Tool not found" -> "Reminde
 example); Toolformer (Schick et al. 2023) for text tool calls.
 
 Standard library only: no torch, nothing of the project but harness/, the machinery that runs untrusted code
-(a repository's tests, a solution) and that no idea here depends on the details of: harness/sandbox.py
+(a repository's tests, a solution), whose details no idea here depends on: harness/sandbox.py
 (bubblewrap: an unprivileged user, no network, the host read-only, only a bounded tmpfs copy of its folder
 writable, a timeout), harness/env.py (a venv per repository with its test requirements: `env`),
 harness/repo.py (which files are source, a work tree read without trusting it), harness/child.py and

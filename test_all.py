@@ -2539,9 +2539,9 @@ PAR_RUN = ["--stage", "pretrain", "--batch-size", "8", "--seq-len", "32", "--eva
 def once(tmp_path_factory, name, build):
     """build(folder) -> a JSON-able value, made once in the whole session (-> the folder, the value): under
     pytest-xdist (-n) the first test process that asks makes it in a folder they all share while the others
-    wait on a lock, then read it.
-    An expensive fixture (a training run, make) so costs one process's time, not one a process. Its folder is
-    read-only to the tests (they copy what they change), as a module fixture's already is."""
+    wait on a lock, then read it. An expensive fixture (a training run, make) so costs one process's time,
+    not one a process. Its folder is read-only to the tests (they copy what they change), as a module
+    fixture's already is."""
     base = tmp_path_factory.getbasetemp()
     root = base.parent if "PYTEST_XDIST_WORKER" in os.environ else base
     folder, done = root / f"once-{name}", root / f"once-{name}" / "value.json"
