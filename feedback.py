@@ -13,7 +13,7 @@ The ablation runs train.py (pretraining once, then RL with lambda > 0 and lambda
 several seeds an arm) and prints the held-out targeted rates and pass rates, mean ± std over the seeds.
 
     python feedback.py                   # Cursor's "tool not found" example, a tiny model pretrained
-    python feedback.py --ablation long   # lambda 0.1 against 0, long episodes, 5 seeds an arm (or: short)
+    python feedback.py --ablation long   # lambda 0.1 against 0, long episodes, 5 seeds an arm (or: tools)
 """
 import contextlib
 import json
@@ -252,7 +252,8 @@ def ablation(regime, seeds, rl_steps, out, coef, jobs, start=None, extra=()):
     if start is None:  # one pretraining for every arm and seed (skipped when it is already there)
         start = out / "pretrain"
         if not sorted(start.glob("step-*")):
-            subprocess.run([sys.executable, str(train), "--stage", "pretrain", "--out", str(start), *extra],
+            subprocess.run([sys.executable, str(train), "--stage", "pretrain", "--rl-tasks", regime, "--out",
+                            str(start), *extra],
                            check=True)
         start = sorted(start.glob("step-*"))[-1]
     runs = {(lam, seed): out / f"{regime}-lambda{lam:g}-seed{seed}"
@@ -331,8 +332,8 @@ if __name__ == "__main__":
     ap.add_argument("--lr", type=float, default=0.05, help="the one demonstration step's SGD learning rate")
     g = ap.add_argument_group("the ablation: lambda > 0 against lambda = 0 with train.py, "
                               "from one pretraining")
-    g.add_argument("--ablation", choices=["long", "short"],
-                   help="run it on long or short episodes, not the example")
+    g.add_argument("--ablation", choices=["long", "tools"],
+                   help="run it on long episodes or the tool-use tasks, not the example")
     g.add_argument("--seeds", type=int, default=5, help="RL seeds an arm")
     g.add_argument("--rl-steps", type=int, default=12,
                    help="RL steps a run (held-out evaluations at 0, half, all)")

@@ -525,7 +525,8 @@ def unpack_policy(model, flat):
     return int(flat[0])
 
 
-def serve_rollouts(model, bridge, cfg, episodes, difficulty, staleness, me, rollout_ranks, report=None):
+def serve_rollouts(model, bridge, cfg, episodes, difficulty, staleness, me, rollout_ranks, report=None,
+                   restore=None):
     """A rollout rank's whole run. Trainer rank 0 first sends where RL starts and ends and the difficulty
     sampler's state. Then, for each RL step: load the policy version the staleness bound allows (versions
     arrive in order from trainer rank 0), sample the groups of each trainer rank this rank serves (trainer t
@@ -533,12 +534,15 @@ def serve_rollouts(model, bridge, cfg, episodes, difficulty, staleness, me, roll
     move the difficulty sampler by every trainer rank's rewards in trainer order, as the trainers move theirs
     (gathered over the rollout ranks). episodes(step, t) -> (level, envs, gen): trainer rank t's episodes of
     that step, drawn and seeded as the synchronous loop draws them. report(t) -> what else trainer t is sent
-    with its batch (figures only this rank has, such as the time its rewards took)."""
+    with its batch (figures only this rank has, such as the time its rewards took, and the state it keeps
+    for t, which t's checkpoints save); restore(hello, trainers) loads such state for the trainers served."""
     hello = bridge.recv_object(0)
     start, steps = hello["start"], hello["steps"]
     difficulty.load_state_dict(hello["difficulty"])
     flat, version = torch.empty(1 + sum(t.numel() for t in policy_tensors(model))), None
     served = [t for t in range(bridge.trainers) if t % rollout_ranks == me]
+    if restore:
+        restore(hello, served)
     for step in range(start + 1, steps + 1):
         t0 = time.perf_counter()
         while version is None or version < max(start, step - 1 - staleness):

@@ -294,15 +294,20 @@ def prompt_for(ents, f2p):
 
 
 def make_task(work, out, tid, feats, mode, stable, reach, box, source, splice=None):
-    """(task, "ok") with out/tid written, or (None, why) with nothing left behind."""
-    tdir = Path(out, tid)
-    shutil.rmtree(tdir, ignore_errors=True)
-    try:
-        task, why = build_task(work, tdir, tid, feats, mode, stable, reach, box, source, splice)
-    except (SyntaxError, AttributeError, TypeError, ValueError) as e:
-        task, why = None, f"splice failed: {e!r}"
-    if task is None:
-        shutil.rmtree(tdir, ignore_errors=True)
+    """(task, "ok") with out/tid written, or (None, why) with nothing left behind. Built aside and moved in
+    whole on success, replacing a task of that id: a failed build never removes one made before."""
+    Path(out).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out, prefix=f".making-{tid}-") as aside:
+        try:
+            task, why = build_task(work, Path(aside, tid), tid, feats, mode, stable, reach, box, source,
+                                   splice)
+        except (SyntaxError, AttributeError, TypeError, ValueError) as e:
+            task, why = None, f"splice failed: {e!r}"
+        if task is not None:
+            retired = Path(aside, ".replaced")
+            with contextlib.suppress(FileNotFoundError):
+                os.rename(Path(out, tid), retired)
+            os.rename(Path(aside, tid), Path(out, tid))
     return task, why
 
 
@@ -2923,19 +2928,22 @@ class TaskPool:
     """Coding tasks by level, made while training runs. From micro-repositories (source None): slot k of a
     level is what make produces from the micro-repository seeded (seed, level, k), or nothing, so what a run
     trains on depends on its seed alone, never on timing. A background thread makes the slots asked for, in
-    the order asked; take(level) serves the level's next task `uses` times, asking for `ahead` slots beyond
-    it, and waits for a make only when the pool has run dry. Each slot made is recorded in out (a task is
+    the order asked; take(level) serves each task `uses` times, `spread` tasks in turn (the groups of an RL
+    step: each draws a task of its own, and a task serves `uses` steps), asking for `ahead` blocks of slots
+    beyond, and waits for a make only when the pool has run dry. Each slot made is recorded in out (a task is
     made aside and moved in whole), so a pool over the same folder (a resumed run, or processes sharing it)
     takes it instead of making it again. From a folder of tasks made by make (source DIR): those it serves
     (served()) by level, in turn. held_out: the micro-repositories no transcript or training task draws from;
     family: the micro-repositories' (MICRO_FAMILIES)."""
 
-    def __init__(self, out, seed, box=None, ahead=2, uses=1, source=None, held_out=False, workers=1,
+    def __init__(self, out, seed, box=None, ahead=1, uses=1, spread=1, source=None, held_out=False, workers=1,
                  family="words"):
-        self.out, self.seed, self.box, self.ahead, self.uses = Path(out), seed, box, ahead, uses
+        self.out, self.seed, self.box, self.ahead = Path(out), seed, box, ahead
+        self.uses, self.spread = uses, spread
         self.source, self.held_out, self.family = source, held_out, family
         self.slots, self.queue, self.asked, self.served = {}, deque(), set(), dict.fromkeys(MICRO_LEVELS, 0)
         self.made, self.error, self.cond = 0, None, threading.Condition()
+        self.deletions = 0  # tasks add_deletion made (a policy's deletions)
         self.listed = {level: [] for level in MICRO_LEVELS}
         self.added = {level: [] for level in MICRO_LEVELS}  # tasks made elsewhere (a policy's deletions)
         if source is not None:
@@ -3020,6 +3028,7 @@ class TaskPool:
         if serving(json.loads((out / tid / "task.json").read_text())):
             return None
         self.added[task_level(task)].append(str(out / tid))
+        self.deletions += 1
         return out / tid
 
     def take(self, level, made=True):
@@ -3032,20 +3041,21 @@ class TaskPool:
             level = min((lv for lv in self.listed if self.listed[lv]), key=lambda lv: (abs(lv - level), lv))
             self.served[level] += 1
             return self.listed[level][(self.served[level] - 1) % len(self.listed[level])]
-        while True:
-            k, self.served[level] = self.served[level] // self.uses, self.served[level] + 1
-            self.ask(level, range(k, k + self.ahead + 1))
+        while True:  # takes n, n+1, ... -> slots: spread of them in turn, uses times, then the next spread
+            block, n = divmod(self.served[level], self.spread * self.uses)
+            k, self.served[level] = block * self.spread + n % self.spread, self.served[level] + 1
+            self.ask(level, range(k, (block + 1 + self.ahead) * self.spread))  # this block's, and ahead
             if (d := self.get(level, k)) is not None:
-                return d
-            self.served[level] = (k + 1) * self.uses  # an empty slot: on to the next
+                return d  # (an empty slot: the next take's)
 
     def state_dict(self):
         return {"served": {str(k): v for k, v in self.served.items()},
-                "added": {str(k): list(v) for k, v in self.added.items()}}
+                "added": {str(k): list(v) for k, v in self.added.items()}, "deletions": self.deletions}
 
     def load_state_dict(self, state):
         self.served.update({int(k): v for k, v in state["served"].items()})
-        self.added.update({int(k): list(v) for k, v in state.get("added", {}).items()})
+        self.added.update({int(k): list(v) for k, v in state["added"].items()})
+        self.deletions = state["deletions"]
 
 
 # -----------------------------------------------------------------------------

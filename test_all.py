@@ -150,8 +150,9 @@ def run_readme_command(line, cwd, quick_start_out):
             run = (cwd / flags[at]).parent if named else out
             if at and not run.exists():
                 shutil.copytree(quick_start_out(), run)  # a resume needs a run before it: the quick start's
-            default_steps = re.search(r'\("steps", (\d+), (\d+)\)',  # (flag, default, with --rl-tasks code)
-                                      (HERE / "train.py").read_text())[2 if "code" in flags else 1]
+            default_steps = re.search(r'\("steps", (\d+), (\d+)\)',  # (flag, the tools' default, code's)
+                                      (HERE / "train.py").read_text())[
+                1 if {"tools", "long"} & set(flags) else 2]
             # a pretraining checkpoint of the full-length run -> the shortened run's
             for k, a in enumerate(flags):
                 if re.fullmatch(r".*step-\d{8}", a) and not (cwd / a).exists():
@@ -1422,8 +1423,10 @@ class Launched:
 
 def start_train(*flags, world=1):
     """train.py started in the background, as `python train.py FLAGS` at world 1 and torchrun (gloo on CPU)
-    starts its ranks above."""
-    return Launched("train.py", *flags, world=world)
+    starts its ranks above; on the tool-use tasks unless the flags name a family (a test of the machinery:
+    their RL runs nothing in a sandbox)."""
+    return Launched("train.py", *flags, *([] if "--rl-tasks" in flags else ["--rl-tasks", "tools"]),
+                    world=world)
 
 
 def start_torchrun(*flags, world):
@@ -1566,9 +1569,9 @@ def test_the_default_corpus_does_not_move_with_the_docs(tmp_path):
 # --precision fp32, the default on a CPU, so that a machine with a GPU computes the same). A change to the
 # code that moves them moves the README's figures too: re-measure those (README: What `python train.py`
 # prints), then paste what this test prints here.
-SHORT_DEFAULT_RUN = ["--steps", "20", "--eval-every", "10", "--eval-batches", "2", "--rl-steps", "2",
-                     "--rl-eval-every", "2", "--rl-eval-tasks", "4", "--tasks-per-step", "2",
-                     "--group-size", "4", "--max-gen-tokens", "48", "--precision", "fp32"]
+SHORT_DEFAULT_RUN = ["--rl-tasks", "code", "--steps", "20", "--eval-every", "10", "--eval-batches", "2",
+                     "--rl-steps", "2", "--rl-eval-every", "2", "--rl-eval-tasks", "1", "--rl-eval-samples", "2",
+                     "--tasks-per-step", "2", "--group-size", "2", "--max-gen-tokens", "48", "--precision", "fp32"]
 SHORT_DEFAULT_FIGURES = {'val_loss': [5.575121641159058, 3.2995526790618896, 1.8620449304580688],
                          'rl': [[0.0, 48.0, 2.25, 0.0], [0.0, 48.0, 2.375, 0.0]],
                          'held_out': [[0.0, 0.0, 0.0, 0.0, 0.625], [0.0, 0.0, 0.0, 0.0, 0.625]]}
@@ -4915,9 +4918,19 @@ def test_train_py_verifies_its_evaluation_apart_and_names_a_train_task_evaluatio
              "--rl-eval-tasks", "1", "--rl-eval-samples", "1", "--ppo-epochs", "1"]
     # one process playing both roles (its one group deletes the task's feature, DeleteEnv, and so does the
     # evaluation beside re-implementing it), and a rollout rank beside a trainer re-implementing only
+    # a folder of level-3 tasks alone (features removed whole) has nothing the evaluation draws: refused at
+    # the start in one line, not a division by zero after pretraining
+    shutil.copytree(out, tmp_path / "removed")
+    Path(tmp_path, "removed", d.name, "task.json").write_text(json.dumps({**task, "mode": "remove",
+                                                                          "strength": {"score": 1.0}}))
+    none = start_train(*flags, "--task-dir", str(tmp_path / "removed"), "--out", str(tmp_path / "none"))
     runs = {"one": start_train(*flags, "--delete-share", "1", "--out", str(tmp_path / "one")),
             "rollout": start_train(*flags, "--rollout-ranks", "1", "--out", str(tmp_path / "rollout"),
                                    world=2)}
+    r = finish(none)
+    assert (r.returncode, r.stderr) == (2, f"error: --task-dir {tmp_path / 'removed'} serves no task of "
+                                           "level 1 or 2, which the evaluation draws (level 1: 0, level 2: "
+                                           "0, level 3: 1): pass --rl-eval-tasks 0 to train without it\n")
     for name, r in zip(runs, map(finish, runs.values())):
         assert r.returncode == 0, r.stderr[-2000:]
         rows = read_metrics(tmp_path / name)
@@ -4927,6 +4940,11 @@ def test_train_py_verifies_its_evaluation_apart_and_names_a_train_task_evaluatio
         assert [(e["eval_split"], e["eval_verifies"] + e["eval_verifies_shared"] + e["hack_flags"])
                 for e in evals] == [("train-task", 1 + roles)] * 2, (name, evals)
         assert (step["episodes_delete"], step["deletions_made"]) == (2 * roles, 0), (name, step)
+        # the checkpoint holds the task pool of the data rank, whoever sampled for it (the rollout rank here)
+        (ckpt,) = (tmp_path / name).glob("step-*")
+        pool = json.loads((ckpt / "meta.json").read_text())["code_pools"]
+        assert pool == {"0": {"served": {"1": 0, "2": 1, "3": 0}, "deletions": 0,
+                              "added": {"1": [], "2": [], "3": []}}}, (name, pool)
         assert [e.get("episodes_delete") for e in evals] == [1 if roles else None] * 2, (name, evals)
         assert ("deletion success" in r.stdout) == ("edits misplaced" in r.stdout) == roles
         lines = r.stdout.strip().splitlines()
@@ -6859,14 +6877,27 @@ def test_delete_env_replays_make_s_deletion_to_reward_1(tmp_path, deletion):
     assert wrong_feature(elsewhere, "ok", [("user", "fill in " + rel), *turns[1:3]]) is None  # not a deletion
     assert wrong_feature(elsewhere, "ok", turns[:1]) is None  # an edit unread is read_first's
     # in RL (train.py --delete-share), such a deletion becomes a task of the pool, which take serves once
-    # before the pool's own, and a resumed pool still holds it
-    pool = tasks.TaskPool(tmp_path / "pool", 0)
-    made = pool.add_deletion(env, "by-policy")
-    assert made == tmp_path / "pool/made/by-policy", made
-    assert tasks.serving(json.loads((made / "task.json").read_text())) == []
-    again = tasks.TaskPool(tmp_path / "pool", 0)
-    again.load_state_dict(pool.state_dict())
-    assert pool.take(1) == again.take(1) == made and pool.state_dict()["added"]["1"] == []
+    # before the pool's own. Two groups of one step drew this task and both won: a task each, by the step and
+    # the group, nothing left pending, so a resumed run's pool (its state from the checkpoint) serves the same
+    import train
+    work = train.RLTasks.__new__(train.RLTasks)
+    work.pools, work.verifier = {0: tasks.TaskPool(tmp_path / "pool", 0)}, tasks.Verifier(0)
+    work.deleting = {0: (3, [[env], [env]])}
+    report = work.sampled(0)
+    made = [tmp_path / "pool/made" / f"spec-by-3-{g}" for g in (0, 1)]
+    assert sorted((tmp_path / "pool/made").iterdir()) == made and work.deleting == {}
+    assert report["deletions_made"] == 2 and report["code_pool"]["added"]["1"] == list(map(str, made))
+    assert all(tasks.serving(json.loads((d / "task.json").read_text())) == [] for d in made)
+    again = train.RLTasks.__new__(train.RLTasks)
+    again.pools = {0: tasks.TaskPool(tmp_path / "pool", 0)}
+    again.restore({"code_pools": {"0": report["code_pool"]}}, [0])
+    assert [again.pools[0].take(1) for _ in made] == [work.pools[0].take(1) for _ in made] == made
+    assert again.pools[0].state_dict() == {**report["code_pool"], "added": {"1": [], "2": [], "3": []}}
+    # a task built again under its id is built aside: a build that fails leaves the one made before whole
+    assert tasks.make_task(spec_dir / "repo", tmp_path / "pool/made", made[0].name, feats, "stub", set(),
+                           set(), box, None, splice=lambda snap: int("not a deletion")) == (
+        None, "splice failed: ValueError(\"invalid literal for int() with base 10: 'not a deletion'\")")
+    assert (made[0] / "task.json").is_file() and not list((tmp_path / "pool/made").glob(".*"))
     env = tasks.DeleteEnv(spec_dir, box=box, verifier=tasks.Verifier(0))
     assert env.step(f"call delete({rel})")[0] == "ok: deleted"
     assert rel not in env.step("call ls()")[0].split("\n")

@@ -5,10 +5,12 @@ main() reads as the recipe: the flags, the run (processes and meshes, the run fo
 optimizer), pretrain(), then rl(); the machinery follows in the order main() needs it, the run folder (lock,
 resume, checkpoints, metrics, signals) as one object, then the data, the checks and the flags.
 
-With no arguments it trains the `tiny` preset on a laptop CPU in four to six minutes: pretraining on generated
-transcripts of the tool-use tasks (tasks.py: nothing to download, nothing read from files, so the same seed
-trains the same model whatever else the checkout holds), then Dr. GRPO with textual feedback (grpo.py,
-feedback.py) on those tasks.
+With no arguments it trains the `tiny` preset on a laptop CPU as a coding agent: pretraining on generated
+transcripts of coding episodes on micro-repositories (tasks.py: nothing to download, nothing read from files,
+so the same seed trains the same model whatever else the checkout holds), then Dr. GRPO with textual feedback
+(grpo.py, feedback.py) on feature-deletion tasks that `make` builds from fresh micro-repositories while it
+trains, each episode (tasks.CodeEnv) rewarded by verify: the task's tests and the hidden oracle. `--rl-tasks
+tools` trains on tool-use tasks instead (no sandbox; about three minutes).
 
 For real runs `--data` takes a folder of llm.c-style token shards (memory-mapped; the read position is
 checkpointed), a raw uint16 .bin file (nanoGPT's) or a folder of text. Under torchrun the same code shards
@@ -23,11 +25,11 @@ damaged one), and Ctrl-C or SIGTERM saves the current step and prints the comman
 starts from a released checkpoint in the Hugging Face layout (DeepSeek-V3, Kimi K2/K2.5, Moonlight; each rank
 reads only its shards) and --save-hf writes the trained model back in that layout.
 
-    python train.py                                      # tiny preset, CPU: pretraining, then RL
+    python train.py                                      # tiny preset, CPU: pretraining, then RL as a coding
+                                                         # agent on feature-deletion tasks
     python train.py --stage pretrain --out pre           # pretraining only; then RL from its checkpoint:
     python train.py --stage rl --resume --out pre
-    python train.py --rl-tasks code                      # RL as a coding agent on feature-deletion tasks,
-                                                         # a share of groups deleting features (new tasks)
+    python train.py --rl-tasks tools                     # RL on tool-use tasks instead
     torchrun --nproc_per_node=4 train.py --cp 2 --ep 4   # FSDP x CP=2, EP=4 (gloo on CPU)
     torchrun --nproc_per_node=8 train.py --dp-replicate 2 --ep 4
     torchrun --nproc_per_node=4 train.py --stage rl --resume --rollout-ranks 1 --max-staleness 1  # async RL
@@ -77,6 +79,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from harness.sandbox import sandbox_problem
 from mesh import (CommCounter, LayoutError, build_meshes, expert_shard_dim, init_distributed, make_layout,
                   parallelize)
 import tasks
@@ -93,9 +96,9 @@ from muon import Muon, param_groups
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "composer-stack"
 # --rl-tasks code: an assistant message holds an edit of a few lines; a segment holds the opening, a file's
 # lines and the edits (past the budget, a summary); a reply is cut to what that context holds; a task made
-# serves CODE_USES groups (make takes about 3 s a micro-repository task on a 2-core CPU); the transcripts
-# mix has CODE_SHARE coding episodes, and with --delete-share DELETE_SHARE of them the deletion role's (the
-# task-maker's).
+# serves CODE_USES steps, a group each (make takes about 4 s a micro-repository task on a 2-core CPU); the
+# transcripts mix has CODE_SHARE coding episodes, and with --delete-share DELETE_SHARE of them the deletion
+# role's (the task-maker's).
 CODE_MESSAGE, CODE_BUDGET, CODE_REPLY, CODE_USES, CODE_SHARE, DELETE_SHARE = 64, 480, 200, 4, 0.9, 0.25
 # Other weights the RL stage keeps for the policy (grpo.Weights: this rank's shards only), and the flag that
 # asks for each: the KL reference (the policy RL started from) and a frozen or EMA feedback teacher
@@ -103,7 +106,7 @@ RL_COPIES = {"reference": "--kl-coef > 0", "teacher": "--feedback-teacher frozen
 
 
 def main(argv=None):
-    """The recipe: continued pretraining, then RL on tool-use (or coding) tasks with textual feedback."""
+    """The recipe: continued pretraining, then RL on coding (or tool-use) tasks with textual feedback."""
     faulthandler.enable()  # a crash in native code (a segfault) prints every thread's Python stack first
     started = time.time()  # metrics' "elapsed" and the progress lines count from here
 
@@ -237,8 +240,8 @@ def pretrain(t):
 
 
 # -----------------------------------------------------------------------------
-# RL: groups of rollouts on tool-use tasks at the difficulty sampler's level; Dr. GRPO + lambda x the
-# feedback KL.
+# RL: groups of rollouts on coding (or tool-use) tasks at the difficulty sampler's level; Dr. GRPO + lambda x
+# the feedback KL.
 # No trainer rank holds a whole copy of the policy: each samples its own groups with the sharded model itself,
 # FSDP gathering one unit at a time and EP exchanging tokens, all ranks in step until the longest rollout ends
 # (grpo.Lockstep); or, with --rollout-ranks, the rollout ranks sample with whole copies, up to --max-staleness
@@ -278,8 +281,8 @@ def rl(t, step):
         group["lr"] = args.rl_lr
     if run.rl_resumed:
         work.difficulty.load_state_dict(run.meta["difficulty"])
-        if "code_pool" in run.meta:
-            work.code_pool(t.rank).load_state_dict(run.meta["code_pool"])
+        if t.bridge is None:
+            work.restore(run.meta, [t.rank])
     groups = args.tasks_per_step // t.world_size  # this rank's share of the step's tasks
     print0(f"RL: {args.rl_steps} steps x {args.tasks_per_step} tasks x {args.group_size} rollouts "
            f"({groups} a rank), lr {args.rl_lr}, feedback lambda {args.feedback_coef}, "
@@ -288,14 +291,18 @@ def rl(t, step):
             "sequence split over them" if layout.cp > 1 else ""))
     # the rollout ranks start from here: where RL starts and ends, the policy RL starts from
     if t.bridge is not None:
-        publish(t, rl_start, start=rl_start, steps=args.rl_steps, difficulty=work.difficulty.state_dict())
-    if rl_start == 0:  # (while the rollout ranks sample the first step)
+        publish(t, rl_start, start=rl_start, steps=args.rl_steps, difficulty=work.difficulty.state_dict(),
+                code_pools=run.meta.get("code_pools", {}) if run.rl_resumed else {})
+    if rl_start == 0:  # (while the rollout ranks sample the first step, or this rank's pool makes its tasks)
+        if t.job.code and t.bridge is None:
+            work.code_pool(t.rank).ask(work.difficulty.level, range(groups))
         rl_eval(t, 0)
     for rl_step in range(rl_start + 1, args.rl_steps + 1):
         t0 = time.perf_counter()
         if t.bridge is None:
             level, envs, gen = work.episodes(rl_step, t.rank)
-            trajs, lag, batch = sample(t, envs, gen), {"staleness": 0}, None
+            trajs, lag = sample(t, envs, gen), {"staleness": 0}
+            batch = work.sampled(t.rank) if t.job.code else None  # its deletions made into tasks
             lag["sample_ms"] = 1000 * (time.perf_counter() - t0)  # tasks, rollouts and their rewards
         else:  # sampled by a rollout rank, with the policy of step max(rl_start, rl_step - 1 - S)
             batch = receive(t, rl_step)
@@ -382,9 +389,13 @@ def rl(t, step):
         saving = rl_step % args.rl_eval_every == 0 or rl_step == args.rl_steps
         if saving:
             rl_eval(t, rl_step)
-        rl_state = {"stage": "rl", "rl_step": rl_step, "difficulty": work.difficulty.state_dict(),
-                    **({"code_pool": work.code_pool(t.rank).state_dict()}
-                       if code and t.bridge is None else {})}
+        rl_state = {"stage": "rl", "rl_step": rl_step, "difficulty": work.difficulty.state_dict()}
+        if code and (saving or stopping):  # every data rank's task pool, from whoever sampled its step
+            pools = [batch["code_pool"]]
+            if t.world_size > 1:
+                pools = [None] * t.world_size
+                dist.all_gather_object(pools, batch["code_pool"])
+            rl_state["code_pools"] = {str(r): pool for r, pool in enumerate(pools)}
         if saving:
             run.save(t, t.steps_before_rl + rl_step, **rl_state)
         if stopping:
@@ -563,10 +574,11 @@ def role_stats(t, envs):
             "made_task_episodes": n_made}
 
 
-def code_record(t, envs, n_episodes, calls, rl_step, batch=None):
+def code_record(t, envs, n_episodes, calls, rl_step, batch):
     """An RL step's coding figures: code_stats (each flagged trajectory written with its steps to
-    flagged.jsonl); the verification time of the rank that sampled (all of it, and what the sampler waited;
-    with --rollout-ranks, the batch brings the rollout rank's), and the tasks its pool has made."""
+    flagged.jsonl); from the rank that sampled (RLTasks.sampled; with --rollout-ranks, the batch brings the
+    rollout rank's) the verification time (all of it, and what the sampler waited) and the tasks its pool
+    has made."""
     for e in envs:
         if e.flags:
             print(f"rank {t.rank}: RL step {rl_step}, task {e.dir.name}: flagged {e.flags}", flush=True)
@@ -574,9 +586,8 @@ def code_record(t, envs, n_episodes, calls, rl_step, batch=None):
                 f.write(json.dumps({"rl_step": rl_step, "task": str(e.dir), "flags": e.flags,
                                     "steps": e.steps}) + "\n")
     return {**code_stats(t, envs, n_episodes, calls), **role_stats(t, envs),
-            **verify_figures(t, "", batch["verified"] if batch else t.work.verifier.stats()),
-            "tasks_made": batch["tasks_made"] if batch else t.work.code_pool(t.rank).made,
-            "deletions_made": batch["deletions_made"] if batch else t.work.made_by_policy.get(t.rank, 0)}
+            **verify_figures(t, "", batch["verified"]), "tasks_made": batch["tasks_made"],
+            "deletions_made": batch["deletions_made"]}
 
 
 def verify_figures(t, prefix, now):
@@ -667,11 +678,14 @@ def coin_noise(p, n):
     return math.sqrt(p * (1 - p) / max(1, n))
 
 
-def sampling_noise(record):
-    """The standard deviation of an evaluation's pass rate (mean of the levels) from sampling alone: each
-    level's episodes as coin flips at its pass rate (on fixed tasks a bound: tasks' own rates spread less)."""
-    return math.hypot(*(coin_noise(record[f"pass_level{lv}"], record[f"episodes_level{lv}"])
-                        for lv in (1, 2))) / 2
+def pass_rate(record):
+    """An evaluation's pass rate: the mean of its levels' (those it has episodes of: a --task-dir may serve
+    one level alone) -> (rate, its standard deviation from sampling alone: each level's episodes as coin
+    flips at its pass rate; on fixed tasks a bound, tasks' own rates spread less)"""
+    levels = [lv for lv in (1, 2) if record[f"episodes_level{lv}"]]
+    return (sum(record[f"pass_level{lv}"] for lv in levels) / len(levels),
+            math.hypot(*(coin_noise(record[f"pass_level{lv}"], record[f"episodes_level{lv}"])
+                         for lv in levels)) / len(levels))
 
 
 def verdict(evals, code):
@@ -680,8 +694,8 @@ def verdict(evals, code):
     noise: the standard deviation two evaluations of one policy would differ by."""
     first, last = evals[0], evals[-1]
     split = last["eval_split"]
-    pass0, pass1 = ((r["pass_level1"] + r["pass_level2"]) / 2 for r in (first, last))
-    noise = math.hypot(sampling_noise(first), sampling_noise(last))
+    (pass0, noise0), (pass1, noise1) = pass_rate(first), pass_rate(last)
+    noise = math.hypot(noise0, noise1)
     tnf0, tnf1 = first["tool_error_rate"], last["tool_error_rate"]
     rise = f"{split} pass rate {pass0:.3f} -> {pass1:.3f} ({pass1 - pass0:+.3f}, sampling noise {noise:.3f}; "
     checks = [(pass1 - pass0 >= CODE_GAIN, f"the pass rate rose less than {CODE_GAIN}",
@@ -722,7 +736,7 @@ def verdict(evals, code):
 # RL's tasks and sampling, shared by the trainer ranks and, with --rollout-ranks, the rollout ranks
 
 
-def held_out_folder(family, out):
+def held_out_folder(family, out, box=None):
     """Where a run makes the held-out coding tasks of a family: the folder this machine keeps them in (they
     depend on the code of tasks.py and harness/ and the interpreter alone, never on a run's seed, so a run
     makes only those no earlier one made), or the run's own where that cannot be written or lies where the
@@ -731,7 +745,7 @@ def held_out_folder(family, out):
     folder = CACHE / "held-out" / f"{family}-{key}"
     with contextlib.suppress(OSError, tasks.TaskError):
         folder.mkdir(parents=True, exist_ok=True)
-        if os.access(folder, os.W_OK) and not tasks.Sandbox().sees(folder):
+        if os.access(folder, os.W_OK) and not (box or tasks.Sandbox()).sees(folder):
             return folder
     return Path(out) / "tasks" / "held-out"
 
@@ -755,14 +769,16 @@ class RLTasks:
         self.difficulty = tasks.DifficultySampler(max_level=len(tasks.MICRO_LEVELS) if job.code
                                                   else tasks.MAX_DIFFICULTY)
         self.pools = {}  # --rl-tasks code: a task pool a data rank (micro-repositories, or --task-dir)
+        # how the micro-repositories' tests and the policy's edits run: bubblewrap (None: each part's default
+        # sandbox), or, where it is missing, unisolated (check() said so in one line)
+        self.box = tasks.Sandbox(isolate=False, timeout=120) if job.code and sandbox_problem() else None
         self.verifier = tasks.Verifier(args.verify_workers) if job.code else None
         # the evaluation's apart, so that an RL step's verify figures count its training episodes alone
         self.eval_verifier = tasks.Verifier(args.verify_workers) if job.code else None
         # --task-dir has no held-out split: the evaluation draws from the tasks training uses
         self.eval_split = "train-task" if job.code and args.task_dir else "held-out"
-        # the deletion role: a rank's deletion groups of the last step (harvested into tasks at the next),
-        # and the tasks its policy made
-        self.deleting, self.made_by_policy = {}, {}
+        # the deletion role: a data rank's deletion groups of the step being sampled, (RL step, groups)
+        self.deleting = {}
 
     def make_held_out(self):
         """Make this rank's held-out coding tasks now, two at a time, unless an earlier run on this machine
@@ -776,17 +792,18 @@ class RLTasks:
 
     def code_pool(self, data_rank):
         """The tasks a data-parallel rank trains on. A rank (or the rollout rank that samples for it) makes
-        its own, in its own sandboxes, from micro-repositories seeded by (seed, rank); each serves CODE_USES
-        groups."""
-        args = self.job.args
+        its own, in its own sandboxes, from micro-repositories seeded by (seed, rank); each group of a step
+        draws a task of its own, and a task serves CODE_USES steps."""
         if data_rank not in self.pools:
+            args = self.job.args
             self.pools[data_rank] = tasks.TaskPool(Path(args.out) / "tasks" / f"rank{data_rank}",
-                                                   f"{args.seed}/{data_rank}", uses=CODE_USES,
+                                                   f"{args.seed}/{data_rank}", self.box, uses=CODE_USES,
+                                                   spread=args.tasks_per_step // self.job.trainers,
                                                    source=args.task_dir, family=self.job.code)
         return self.pools[data_rank]
 
     def code_env(self, task_dir, verifier=None):
-        return tasks.CodeEnv(task_dir, reply_limit=CODE_REPLY, verifier=verifier or self.verifier)
+        return tasks.CodeEnv(task_dir, self.box, reply_limit=CODE_REPLY, verifier=verifier or self.verifier)
 
     def delete_env(self, task_dir, specs, verifier=None):
         """The deletion role's episode on the deletion a task made (tasks.spec_from_task, kept in specs and
@@ -795,11 +812,11 @@ class RLTasks:
         if not (spec / "spec.json").is_file():
             Path(specs).mkdir(parents=True, exist_ok=True)
             aside = Path(specs) / f".making-{spec.name}-{os.getpid()}"
-            tasks.spec_from_task(task_dir, aside)
+            tasks.spec_from_task(task_dir, aside, self.box)
             with contextlib.suppress(OSError):  # already there: another rank made it first
                 os.rename(aside, spec)
             shutil.rmtree(aside, ignore_errors=True)
-        return tasks.DeleteEnv(spec, reply_limit=CODE_REPLY, verifier=verifier or self.verifier)
+        return tasks.DeleteEnv(spec, self.box, reply_limit=CODE_REPLY, verifier=verifier or self.verifier)
 
     def held_out_deletions(self, k):
         """The deletion role's evaluation: k episodes on the deletion each held-out task made."""
@@ -808,15 +825,27 @@ class RLTasks:
         return [self.delete_env(d, specs, self.eval_verifier)
                 for _, d in self.held_out_code() for _ in range(k)]
 
-    def harvest(self, data_rank, rl_step):
-        """The deletions a rank's policy made in the last step's deletion groups -> tasks its pool serves from
-        now on (a group's first episode that scored 1: TaskPool.add_deletion). Never the step that made them:
-        the next draws them."""
-        for group in self.deleting.pop(data_rank, []):
+    def sampled(self, data_rank):
+        """After a data rank's step is sampled: the deletions its policy made in the step's deletion groups ->
+        tasks its pool serves from the next step on (a group's first episode that scored 1:
+        TaskPool.add_deletion; the task id names the step and the group, as two groups can draw one task).
+        Nothing is left pending, so the pool's state is all a checkpoint needs. -> what the trainer records
+        and saves of the pool"""
+        rl_step, groups = self.deleting.pop(data_rank, (0, []))
+        pool = self.code_pool(data_rank)
+        for g, group in enumerate(groups):
             won = next((e for e in group if e.reward() == 1), None)
-            tid = won and f"{won.dir.name}-by-{rl_step}"
-            if won is not None and self.code_pool(data_rank).add_deletion(won, tid):
-                self.made_by_policy[data_rank] = self.made_by_policy.get(data_rank, 0) + 1
+            if won is not None:
+                pool.add_deletion(won, f"{won.dir.name}-by-{rl_step}-{g}")
+        return {"verified": self.verifier.stats(), "tasks_made": pool.made, "deletions_made": pool.deletions,
+                "code_pool": pool.state_dict()}
+
+    def restore(self, state, data_ranks):
+        """A resumed run's task pools of the data ranks given (a trainer's own, or those a rollout rank
+        samples for), from a checkpoint's state or the hello a rollout rank gets."""
+        for data_rank in data_ranks:
+            if str(data_rank) in state.get("code_pools", {}):
+                self.code_pool(data_rank).load_state_dict(state["code_pools"][str(data_rank)])
 
     def held_out_code(self):
         """This rank's held-out coding tasks, [(level, folder)], made from micro-repositories no transcript or
@@ -828,8 +857,9 @@ class RLTasks:
             listed = self.code_pool(-1).listed
             return [(lvl, listed[lvl][k]) for lvl, k in mine if k < len(listed[lvl])]
         if "held-out" not in self.pools:
-            self.pools["held-out"] = tasks.TaskPool(held_out_folder(self.job.code, args.out), "held-out",
-                                                    held_out=True, family=self.job.code, workers=2)
+            self.pools["held-out"] = tasks.TaskPool(held_out_folder(self.job.code, args.out, self.box),
+                                                    "held-out", self.box, held_out=True, family=self.job.code,
+                                                    workers=2)
         pool = self.pools["held-out"]
         for lvl in (1, 2):
             pool.ask(lvl, [k for lv, k in mine if lv == lvl])
@@ -846,14 +876,13 @@ class RLTasks:
         gen = torch.Generator().manual_seed(task_rng.getrandbits(63))
         groups = args.tasks_per_step // self.job.trainers  # a rank's share of the step's tasks
         if self.job.code:  # a group re-implements a task or (--delete-share) makes one: deletes its feature
-            self.harvest(data_rank, rl_step)
             pool, specs = self.code_pool(data_rank), Path(args.out) / "tasks" / f"rank{data_rank}" / "specs"
             share = args.delete_share
             deleting = [bool(share) and task_rng.random() < share for _ in range(groups)]
             envs = [[self.delete_env(d, specs) if delete else self.code_env(d)
                      for _ in range(args.group_size)]
                     for delete, d in ((delete, pool.take(level, made=not delete)) for delete in deleting)]
-            self.deleting[data_rank] = [g for g, delete in zip(envs, deleting) if delete]
+            self.deleting[data_rank] = (rl_step, [g for g, delete in zip(envs, deleting) if delete])
             return level, [e for g in envs for e in g], gen
         return level, [self.make_env(task)
                        for task in (self.make_task(task_rng, level) for _ in range(groups))
@@ -868,10 +897,7 @@ def rollout_rank(job, work, rank, world_size, device, bridge):
     policy = Transformer(job.cfg).to(device)
     try:
         serve_rollouts(policy, bridge, work.cfg, work.episodes, work.difficulty, args.max_staleness, rank,
-                       world_size, (lambda tr: {"verified": work.verifier.stats(),
-                                                "tasks_made": work.code_pool(tr).made,
-                                                "deletions_made": work.made_by_policy.get(tr, 0)})
-                       if job.code else None)
+                       world_size, work.sampled if job.code else None, work.restore)
     except PeerLost as e:  # a trainer stopped
         peer_lost(e, rank, role="rollout")
     dist.destroy_process_group()
@@ -1681,7 +1707,7 @@ SHARD_MAGIC, SHARD_HEADER = 20240520, 256  # llm.c's token shards: 256 int32 [ma
 def load_tokens(path, code, delete=0.0):
     """-> (train shards, val shards, vocab size or None): lists of 1-D token arrays; dies with one line on
     missing, empty or corrupt data. code, delete: the generated transcripts' (transcripts)."""
-    if path is None:  # generated: transcripts of the tool-use tasks, a pure function of the code and a seed
+    if path is None:  # generated: transcripts of the --rl-tasks family, a function of the code and a seed
         # The RL stage needs a model that knows the format and copies a call's arguments, which the tiny model
         # learns only after a few hundred steps of them. Nothing here reads a file, so an edit to a comment or
         # to the README never changes what a run trains on (a run reads fewer windows than there are).
@@ -1992,16 +2018,27 @@ def check(args):
         die(f"--task-dir {args.task_dir}: no such folder")
     if args.task_dir is not None:
         try:  # the tasks it serves: coverage and strength, as for any task (tasks.serving)
-            tasks.TaskPool(Path(args.task_dir), 0, source=args.task_dir)
+            listed = tasks.TaskPool(Path(args.task_dir), 0, source=args.task_dir).listed
         except tasks.TaskError as e:
             die(f"--task-dir {args.task_dir}: {e}")
+        if not (listed[1] or listed[2]) and args.rl_eval_tasks != 0:  # the levels the evaluation draws
+            die(f"--task-dir {args.task_dir} serves no task of level 1 or 2, which the evaluation draws ("
+                + ", ".join(f"level {lvl}: {len(ds)}" for lvl, ds in listed.items())
+                + "): pass --rl-eval-tasks 0 to train without it")
     code = args.code_family if args.rl_tasks == "code" else None  # the micro-repositories' family
+    if code and args.stage != "pretrain" and not args.dry_run and sandbox_problem():
+        if args.task_dir:
+            die(f"--task-dir: {sandbox_problem()}; a repository's tests and the policy's edits of it run "
+                "only in bubblewrap")
+        print0(f"note: {sandbox_problem()}, so the micro-repositories' tests and the policy's edits of them "
+               "run unisolated (a subprocess each in a scratch folder, with time, memory and file-size "
+               "limits); bubblewrap isolates them: apt-get install bubblewrap")
     for flag, default, code_default in (("seq_len", 256, 640), ("steps", 700, 800), ("batch_size", 8, 4),
                                         ("rl_steps", 16, 12), ("rl_eval_every", 8, args.rl_steps or 12),
                                         ("rl_eval_tasks", 64, 16), ("rl_eval_samples", 1, 6)):
         if getattr(args, flag) is None:  # the code family's episodes are longer, and need fewer of them
             setattr(args, flag, code_default if code else default)
-    args.max_gen_tokens = args.max_gen_tokens or {"long": 512, "code": 256}.get(args.rl_tasks, 128)
+    args.max_gen_tokens = args.max_gen_tokens or {"long": 512, "code": 384}.get(args.rl_tasks, 128)
     for flag in ("steps", "batch_size", "grad_accum", "seq_len", "log_every", "eval_every", "eval_batches",
                  "keep", "max_gen_tokens"):
         if getattr(args, flag) <= 0:
@@ -2210,11 +2247,11 @@ def make_parser():
                    help="routed experts per MoE layer (default: the preset's)")
     g = parser.add_argument_group("run")
     g.add_argument("--steps", type=int, default=None,
-                   help="optimizer steps in total (a resumed run stops here too); default 700, 800 with "
-                        "--rl-tasks code")
+                   help="optimizer steps in total (a resumed run stops here too); default 800, 700 with "
+                        "--rl-tasks tools or long")
     g.add_argument("--batch-size", type=int, default=None,
-                   help="global batch in sequences, whatever the layout; default 8, 4 with --rl-tasks code "
-                        "(its sequences are 2.5x as long)")
+                   help="global batch in sequences, whatever the layout; default 4, 8 with --rl-tasks tools "
+                        "or long (a coding episode is 2.5x as long)")
     g.add_argument("--grad-accum", type=int, default=1,
                    help="micro-batches a step: a rank runs batch-size/(data-parallel ranks x N) sequences a "
                         "forward, gradients add up and FSDP reduce-scatters them once, after the last (with "
@@ -2224,8 +2261,8 @@ def make_parser():
                         "unsharded gradients between them (N times the gradient traffic; what a model whose "
                         "whole gradient does not fit a rank needs)")
     g.add_argument("--seq-len", type=int, default=None,
-                   help="tokens per sequence (at most the preset's max_seq_len); default 256, 640 with "
-                        "--rl-tasks code (an episode with its file reads is longer)")
+                   help="tokens per sequence (at most the preset's max_seq_len); default 640 (an episode "
+                        "with its file reads is long), 256 with --rl-tasks tools or long")
     g.add_argument("--lr", type=float, default=8e-3,
                    help="peak learning rate for both groups: Muon uses adjust_lr_fn='match_rms_adamw' so one "
                         "AdamW-style lr serves the matrices and the embeddings/head/router/norms alike")
@@ -2268,7 +2305,7 @@ def make_parser():
                    help="a folder of token shards (*.bin: llm.c's header, uint16 or uint32; names containing "
                         "'val' are validation), one .bin file (with that header, or raw uint16 as nanoGPT's; "
                         "val.bin beside it is validation), or a folder of text files; default: generated "
-                        "transcripts of the tool-use tasks")
+                        "transcripts of the --rl-tasks family's episodes")
     g.add_argument("--out", default="out", help="folder for metrics.jsonl and the checkpoints "
                                                 "(step-NNNNNNNN/)")
     g.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
@@ -2299,23 +2336,23 @@ def make_parser():
     g.add_argument("--plot-out", default=None, metavar="FILE",
                    help="with --plot: the PNG to write; default: plot.png in the run's folder (one run), "
                         "else here")
-    g = parser.add_argument_group("RL stage: Dr. GRPO with textual feedback on the tool-use tasks")
+    g = parser.add_argument_group("RL stage: Dr. GRPO with textual feedback on coding (or tool-use) tasks")
     g.add_argument("--stage", default=None, choices=["pretrain", "rl", "both"],
                    help="pretrain then RL, pretraining only, or RL only (from --resume); default: both, but "
                         "only pretraining with --data or --init-from (the RL tasks are this project's "
-                        "tool-use tasks, not your corpus)")
+                        "tasks, not your corpus)")
     g.add_argument("--init", default=None, choices=["scratch"],
                    help="scratch: let --stage rl start from random weights (a smoke test: it earns no "
                         "reward)")
     g.add_argument("--rl-steps", type=int, default=None,
                    help="RL steps (each: sample, then --ppo-epochs x --ppo-minibatches updates); default "
-                        "16, 12 with --rl-tasks code")
+                        "12, 16 with --rl-tasks tools or long")
     g.add_argument("--group-size", type=int, default=8, help="rollouts per task (the GRPO group)")
-    g.add_argument("--rl-tasks", default="short", choices=["short", "long", "code"],
-                   help="short: nested expressions of 1-4 calls (a CPU learns them in minutes); long: "
-                        "chains of 8 x level calls that run past the context (summaries; a slip costs the "
-                        "reward little); code: feature deletion, the policy a coding agent (tasks.CodeEnv) "
-                        "rewarded by verify, on micro-repositories made while it trains, or on --task-dir")
+    g.add_argument("--rl-tasks", default="code", choices=["code", "tools", "long"],
+                   help="code: feature deletion, the policy a coding agent (tasks.CodeEnv) rewarded by "
+                        "verify, on micro-repositories made while it trains, or on --task-dir; tools: nested "
+                        "expressions of 1-4 tool calls; long: chains of 8 x level calls that run past the "
+                        "context (summaries; a slip costs the reward little)")
     g.add_argument("--code-family", default="words", choices=list(tasks.MICRO_FAMILIES),
                    help="with --rl-tasks code: the micro-repositories' functions are named by words that "
                         "say the body (double, last, count_vowels), or by an operation and a digit to copy "
@@ -2334,10 +2371,11 @@ def make_parser():
                         "only those served: held-out inputs on every feature, strength measured and >= 0.8")
     g.add_argument("--max-gen-tokens", type=int, default=None,
                    help="tokens a rollout may write over all its turns (L_max, also the loss's constant "
-                        "normaliser); default 512 for long tasks, 128 for short")
+                        "normaliser); default 384 for code, 512 for long tasks, 128 for tools")
     g.add_argument("--tasks-per-step", type=int, default=None,
                    help="tasks (groups) per RL step, a multiple of the world size (each rank samples its "
-                        "own); default: 8 (--rl-tasks code: 4) rounded up to a multiple of the world size")
+                        "own); default: 4 (--rl-tasks tools or long: 8) rounded up to a multiple of the "
+                        "world size")
     g.add_argument("--rl-lr", type=float, default=5e-4, help="RL learning rate (both groups)")
     g.add_argument("--feedback-coef", type=float, default=0.1, help="lambda of the feedback KL (0: pure RL)")
     g.add_argument("--feedback-rules", default=None,
@@ -2364,14 +2402,15 @@ def make_parser():
                    help="optimizer steps a pass, each on whole groups of this rank's (split as evenly "
                         "as they allow)")
     g.add_argument("--rl-eval-every", type=int, default=None,
-                   help="RL steps between held-out evaluations (default 8; code: --rl-steps, one at the end)")
+                   help="RL steps between held-out evaluations (default: --rl-steps, one at the end; tools "
+                        "or long: 8)")
     g.add_argument("--rl-eval-tasks", type=int, default=None,
-                   help="held-out tasks a level (1 and 2) per evaluation; 0: none (default 64; code: 16, "
-                        "from held-out micro-repositories; with --task-dir, its first tasks, which training "
-                        "uses: a train-task evaluation)")
+                   help="held-out tasks a level (1 and 2) per evaluation; 0: none (default 16, from held-out "
+                        "micro-repositories; with --task-dir, its first tasks, which training uses: a "
+                        "train-task evaluation; tools or long: 64)")
     g.add_argument("--rl-eval-samples", type=int, default=None,
-                   help="episodes a held-out task per evaluation (default 1; code: 6): more make two "
-                        "evaluations of one policy differ less (the verdict prints by how much)")
+                   help="episodes a held-out task per evaluation (default 6; tools or long: 1): more make "
+                        "two evaluations of one policy differ less (the verdict prints by how much)")
     g.add_argument("--sampler-bits", type=int, default=0, choices=[0, 8],
                    help="8: sample with 8-bit block-quantised weights (MXFP8-like), corrected by truncated "
                         "importance weights")
