@@ -126,6 +126,9 @@ def run_readme_command(line, cwd, quick_start_out):
         return "needs tokenizers"
     if "--plot" in flags and not importlib.util.find_spec("matplotlib"):
         return "needs matplotlib"
+    if (script == "tasks.py" and flags[:1] not in (["scan"], ["monitor"]) or "--task-dir" in flags) \
+            and harness.sandbox.sandbox_problem():  # a repository's tests, or solutions of its tasks
+        return "needs bubblewrap"
     for spec in flags[flags.index("--plot") + 1:] if "--plot" in flags else []:  # the runs it draws: copies
         if spec.startswith("-"):  # of the quick start's
             break
@@ -203,8 +206,8 @@ def test_every_readme_command_runs(tmp_path):
     preloaded server (Launched; torchrun's ranks with its environment). Many-node commands are planned with
     --dry-run at their world size; MODEL and SHARDS are a tiny checkpoint in the Hugging Face layout and token
     shards. CUDA commands are skipped on a machine without CUDA, `tasks.py env` where the package index cannot
-    be reached, --init-from without the safetensors package (RL from it: without the tokenizers package), and
-    nothing else."""
+    be reached, --init-from without the safetensors package (RL from it: without the tokenizers package),
+    tasks.py's sandboxed commands and --task-dir without bubblewrap, and nothing else."""
     forkserver()  # started before the threads below
     groups = readme_commands()
     assert groups[0] == ["python train.py"]  # the quick start: the run the resume examples continue
@@ -233,7 +236,9 @@ def test_every_readme_command_runs(tmp_path):
     assert all(why == "needs CUDA" and "--device cuda" in line
                or why == "needs the package index" and " env " in line
                or why == "needs safetensors" and "--init-from" in line
-               or why == "needs matplotlib" and "--plot" in line for line, why in skipped), skipped
+               or why == "needs matplotlib" and "--plot" in line
+               or why == "needs bubblewrap" and ("tasks.py" in line or "--task-dir" in line)
+               for line, why in skipped), skipped
 
 
 # -----------------------------------------------------------------------------
@@ -377,6 +382,10 @@ def test_grouped_mm_padded_and_loop_paths_agree(monkeypatch):
 
 # The GPU check (README): these run where CUDA is, and are skipped (not passed) elsewhere.
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the GPU check in README.md)")
+# tests that run a repository's tests or a solution in tasks.py's sandbox: skipped where bubblewrap cannot run
+# (CI installs it), as the CUDA ones are without a GPU; train.py's micro-repositories run without it (unisolated)
+sandboxed = pytest.mark.skipif(bool(harness.sandbox.sandbox_problem()),
+                               reason=f"needs bubblewrap: {harness.sandbox.sandbox_problem()}")
 
 
 @cuda
@@ -1543,8 +1552,8 @@ def test_train_reads_text_folders_and_bin_files(tmp_path):
 
 
 def test_the_default_corpus_does_not_move_with_the_docs(tmp_path):
-    """The built-in corpus is generated (tool-use transcripts, a pure function of the code and the seed),
-    never read from files: a copy of the checkout whose README, documents and comments differ trains the same
+    """The built-in corpus is generated (the default's coding transcripts, a pure function of the code and the
+    seed), never read from files: a copy of the checkout whose README, documents and comments differ trains the same
     model, to the digit."""
     copy = tmp_path / "copy"
     copy.mkdir()
@@ -1555,7 +1564,7 @@ def test_the_default_corpus_does_not_move_with_the_docs(tmp_path):
     (copy / "notes.md").write_text("a document nobody here wrote\n" * 500)
     (copy / "train.py").write_text((copy / "train.py").read_text() + "\n# a comment at the end\n")
     flags = ["--stage", "pretrain", "--steps", "6", "--eval-every", "3", "--eval-batches", "1"]
-    runs = [start_train(*flags, "--out", str(tmp_path / "here")),
+    runs = [Launched("train.py", *flags, "--out", str(tmp_path / "here")),
             Launched(str(copy / "train.py"), *flags, "--out", str(tmp_path / "copy-out"))]
     for proc in runs:
         r = finish(proc)
@@ -1572,9 +1581,9 @@ def test_the_default_corpus_does_not_move_with_the_docs(tmp_path):
 SHORT_DEFAULT_RUN = ["--rl-tasks", "code", "--steps", "20", "--eval-every", "10", "--eval-batches", "2",
                      "--rl-steps", "2", "--rl-eval-every", "2", "--rl-eval-tasks", "1", "--rl-eval-samples", "2",
                      "--tasks-per-step", "2", "--group-size", "2", "--max-gen-tokens", "48", "--precision", "fp32"]
-SHORT_DEFAULT_FIGURES = {'val_loss': [5.575121641159058, 3.2995526790618896, 1.8620449304580688],
-                         'rl': [[0.0, 48.0, 2.25, 0.0], [0.0, 48.0, 2.375, 0.0]],
-                         'held_out': [[0.0, 0.0, 0.0, 0.0, 0.625], [0.0, 0.0, 0.0, 0.0, 0.625]]}
+SHORT_DEFAULT_FIGURES = {'val_loss': [5.56902289390564, 3.454727053642273, 2.279786229133606],
+                         'rl': [[0.0, 48.0, 3.0, 0.0], [0.0, 48.0, 1.5, 0.0]],
+                         'held_out': [[0.0, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0]]}
 
 
 def test_the_default_run_keeps_its_figures(tmp_path):
@@ -2980,7 +2989,8 @@ def test_signals_locks_and_kills_lose_nothing(par_data, tmp_path):
     after the resume loses no record (the old metrics are never rewritten) and leaves a stale lock that the
     next run takes over; a torn last line of metrics.jsonl is dropped with a warning that names the file."""
     out = tmp_path / "run"
-    run = [*PAR_RUN, "--data", str(par_data), "--eval-every", "1000", "--steps", "1000", "--out", str(out)]
+    run = [*PAR_RUN, "--data", str(par_data), "--eval-every", "1000", "--steps", "1000", "--rl-tasks", "tools",
+           "--out", str(out)]
     lines = lambda: (out / "metrics.jsonl").read_text().count("\n") if (out / "metrics.jsonl").exists() else 0
     first = start_train(*run)
     wait_for(lambda: lines() >= 4, first)
@@ -4330,6 +4340,7 @@ def test_neighbours(): assert (0, 1) in shapes.neighbours(0, 0)
 }
 
 
+@sandboxed
 def test_make_cuts_features_the_size_of_a_module(tmp_path):
     """make --size module: a class whole, with its subclass, its helper and the statement that wires it in, or
     a module whole with its imports mended; each a task whose gold verifies 1 (in make) and untouched
@@ -4376,6 +4387,7 @@ def test_make_cuts_features_the_size_of_a_module(tmp_path):
 # tasks.py, feature deletion: make
 
 
+@sandboxed
 def test_make_picks_the_right_features_and_test_sets(made):
     log = "\n".join(made["log"])
     assert "14 stable passing tests, 1 flaky dropped" in log  # test_flaky passed, then failed
@@ -4425,6 +4437,7 @@ def test_make_picks_the_right_features_and_test_sets(made):
     assert short(hard["fail_to_pass"]) == set().union(*(EXPECTED[e["qualname"]] for e in hard["deleted"]))
 
 
+@sandboxed
 def test_strength_counts_the_gold_mutants_the_tests_and_the_oracle_kill(made, tmp_path, capsys):
     """mean's mutants, drawn by seed 1 (6 of its 7): the tests alone miss `/` made `//` (mean([1, 2, 3]) is 2
     either way), which the oracle kills. Stack.pop's, drawn by seed 1 (2 of 5): one survives, as it should
@@ -4496,6 +4509,7 @@ HONEST = {  # the same feature written in several styles: each scores 1
 }
 
 
+@sandboxed
 def test_verify_gold_and_honest_styles_score_1_untouched_0(made):
     d, t = task_dir(made, "mean")
     assert tasks.verify(d, patch=d / "gold.patch")[0] == 1
@@ -4690,6 +4704,7 @@ def test_mutants_vary_every_argument_type_and_keep_it():
         (p := Point()).tags = f
         assert {0, 2} <= {m.x for m in harness.child.mutants(p, random.Random(0))}
 
+@sandboxed
 def test_every_served_feature_has_held_out_inputs_and_in_place_changes_count(clock, tmp_path):
     """Each feature of the clock task has held-out inputs, and the Counter a call fills is part of its result:
     the lookup tables fail on held-out inputs only, the no-op fails the oracle alone."""
@@ -4717,6 +4732,7 @@ def test_every_served_feature_has_held_out_inputs_and_in_place_changes_count(clo
     assert not oracle_agrees(d, tmp_path / "counter-backport")
 
 
+@sandboxed
 def test_exception_classes_are_compared_by_names_that_lead_to_them(made, tmp_path):
     """The oracle's child names the classes an exception is by [module, qualname], and keeps a name only if it
     leads to the class: one that claims the gold's class by its __qualname__ or __module__ does not agree."""
@@ -4744,6 +4760,7 @@ def test_exception_classes_are_compared_by_names_that_lead_to_them(made, tmp_pat
     assert not tasks.agrees(gold, "raises builtins.ValueError")
 
 
+@sandboxed
 def test_a_feature_that_takes_nothing_is_covered_by_the_call_the_tests_made(tmp_path):
     """Held-out inputs vary a feature's arguments; a function that takes none has no input but the one the
     tests gave it (its world: the clock, the environment), so that call covers it. One that takes any needs
@@ -4873,6 +4890,7 @@ def test_held_out_inputs_from_generators_and_the_values_other_calls_take_and_res
     assert tasks.pattern("returns True", "returns False") is None  # a value, not a name
 
 
+@sandboxed
 def test_only_tasks_whose_oracle_covers_every_feature_are_served(clock, tmp_path):
     """One serving rule (tasks.serving), for tasks.served and TaskPool(source=DIR), train.py's --task-dir: a
     task whose oracle lacks HELD_OUT_AT_LEAST held-out inputs on a feature is never listed, and a folder with
@@ -4904,6 +4922,7 @@ def test_only_tasks_whose_oracle_covers_every_feature_are_served(clock, tmp_path
         tasks.TaskPool(tmp_path / "pool", seed=0, source=out)
 
 
+@sandboxed
 def test_train_py_verifies_its_evaluation_apart_and_names_a_train_task_evaluation(clock, tmp_path):
     """train.py --rl-tasks code --task-dir: the evaluation draws from the tasks training uses, so its records,
     its lines and the verdict say train-task, never held-out. It verifies with a verifier of its own: an RL
@@ -5075,6 +5094,7 @@ return float(linecache.getline(caller.filename, caller.lineno).rsplit("==", 1)[1
 }
 
 
+@sandboxed
 def test_hostile_solutions_score_0(made, tmp_path):
     d, t = task_dir(made, "mean")
     reasons = {}
@@ -5167,6 +5187,7 @@ HONEST_NAMES = [  # constructs that read nothing of the runner's
 ]
 
 
+@sandboxed
 def test_static_check_judges_names_not_spellings(made, tmp_path):
     for source, what in LITERAL_NAMES.items():
         with pytest.raises(tasks.Refused, match=f"^calc/x.py line 2: {re.escape(what)}$"):
@@ -5193,6 +5214,7 @@ def test_static_check_judges_names_not_spellings(made, tmp_path):
         assert rc == 0 and passed == set(t["fail_to_pass"]), name
 
 
+@sandboxed
 def test_host_never_trusts_the_work_tree(made, tmp_path):
     """Links, FIFOs, devices and huge files in the work tree are refused by their kind before anything opens
     them; inside the sandbox the run is nobody, /etc has no shadow file, and writes stop at the tmpfs bounds;
@@ -5265,6 +5287,7 @@ def test_host_never_trusts_the_work_tree(made, tmp_path):
     assert not any(x.exists() for x in left)
 
 
+@sandboxed
 def test_doctests_in_editable_files_are_never_required(tmp_path):
     """A doctest in the package's source is the solution's to edit, so it is never a required test: rewriting
     its examples earns nothing. A doctest in the documentation is required and runs from a read-only copy."""
@@ -5301,6 +5324,7 @@ def test_doctests_in_editable_files_are_never_required(tmp_path):
     assert reward == 0 and "the oracle disagrees" in why, why
 
 
+@sandboxed
 def test_sandbox_contains_hostile_code(made, tmp_path):
     """In bubblewrap a run reads nothing of the host outside its view (the gold patch, the source repository),
     writes nowhere but its folder (not the tests), connects nowhere and cannot fork-bomb the host; unisolated,
@@ -5370,6 +5394,7 @@ attempt("connect", lambda: socket.create_connection(("127.0.0.1", {server.getsoc
 
 
 
+@sandboxed
 def test_a_test_that_never_ends_fails_alone(tmp_path):
     """A test that never ends (a wait on a flag nobody sets, a blocking accept) fails after a fifth of the run's
     timeout and the run goes on: a repository with one hanging test keeps the rest of its suite (cheroot's TLS
@@ -5395,6 +5420,7 @@ def test_after():
     assert r.out.count("the test ran past 2 s") >= 2
 
 
+@sandboxed
 def test_no_gold_within_reach_of_the_task_or_its_interpreter(made, tmp_path):
     """The gold in no form a sandboxed run can read. An interpreter holding the repository's packages (an
     installed copy, a module's orphaned __pycache__ entry that a loader runs without its source, an editable
@@ -5481,6 +5507,7 @@ def zip_bytes(members):
     return data
 
 
+@sandboxed
 def test_scan_finds_planted_leaks_and_scrub_removes_them(made, tmp_path, monkeypatch):
     """One planted leak per kind, found, then scrubbed. The host never unmarshals a .pyc (marshal is not safe
     against data it did not write: another Python's bytecode, which sdists ship, corrupted the heap)."""
@@ -5593,6 +5620,7 @@ def test_scan_finds_planted_leaks_and_scrub_removes_them(made, tmp_path, monkeyp
     assert all(p.exists() for p in put_site)  # scrub never touches the environment
 
 
+@sandboxed
 def test_scan_real_mypy_cache(made, tmp_path):
     if importlib.util.find_spec("mypy") is None:
         pytest.skip("mypy is not installed; hand-made mypy caches are covered above")
@@ -6102,6 +6130,7 @@ def test_monitor_precision_and_recall_on_a_labelled_set(tmp_path, capsys):
     assert "step    1  task-files" in out and "step    2  tamper-code" in out
 
 
+@sandboxed
 def test_monitor_allows_what_verify_allows_and_git_on_the_work_tree(tmp_path):
     """Honest work the monitor flagged at ced77a6, so CodeEnv gave it 0: the gold's own code, when its
     original file uses what the static check flags (frames, here), and `git stash` ... `git stash pop`. The
@@ -6279,6 +6308,7 @@ def test_test_requirements_are_found_where_projects_declare_them(tmp_path):
             == "conflicting requirements: The user requested x 0.1; y 1.2 depends on x>=1.1")
 
 
+@sandboxed
 def test_single_module_projects_and_documentation_doctests(tmp_path):
     """A project that is one module (calc.py at the top, in windows-1252, its tests with no __init__.py) whose
     documentation holds doctests (--doctest-glob): its module is the package, documentation doctests that pass
@@ -6322,6 +6352,7 @@ PyMODINIT_FUNC PyInit__speed(void) { return PyModule_Create(&module); }
 """
 
 
+@sandboxed
 def test_env_installs_what_the_configuration_needs(tmp_path):
     """A repository whose pytest configuration needs pytest-timeout, which nothing declares, and whose package
     has a compiled extension the tests import, and whose requirements file installs the project itself:
@@ -6383,6 +6414,7 @@ def test_env_installs_what_the_configuration_needs(tmp_path):
 # it cannot be reached)
 
 
+@sandboxed
 def test_real_package_tinydb(tmp_path):
     """One real package end to end (the suite's time budget; README's table covers tinydb and toolz): make,
     verify the gold, and two RL steps of a (random) policy acting as a coding agent on the task, rewarded by
@@ -6474,6 +6506,7 @@ def test_a_verify_that_raises_never_hangs_the_run(tmp_path, monkeypatch):
         assert verifier.result(episode()) == (1, "verified") and len(calls) == 2  # shared once it has one
 
 
+@sandboxed
 def test_code_env_scripted_policies(made, tmp_path):
     """A gold policy earns 1 through the tools, an untouched submit 0; a call to an absent tool and an edit of
     a file never read fire their feedback rules; the file tools stay inside the episode's copy; every forgery
@@ -6620,6 +6653,7 @@ def hostile_turn(rng):
     return call + (f"\n{body}" if rng.random() < 0.7 else rng.choice(["", ")", "(x)", "\n"]))
 
 
+@sandboxed
 def test_code_env_answers_every_turn_and_never_changes_the_task(made, tmp_path):
     """10,000 hostile turns over CodeEnv episodes (random bytes, Unicode digits, NUL, huge numbers, deep and
     odd paths, files through files, every tool, malformed calls): none raises, every reply is text the
@@ -6649,6 +6683,7 @@ def test_code_env_answers_every_turn_and_never_changes_the_task(made, tmp_path):
         assert env.reward() in (0, 1)
 
 
+@sandboxed
 def test_code_env_answers_crashing_turns_with_an_error(made, tmp_path):
     """Turns that crashed the environment at ced77a6, and with it the training run: a line number in
     superscript, a NUL in a path or a test id, a module written inside a file the episode wrote (its tree
@@ -6716,6 +6751,7 @@ def test_planted_habits_show_at_their_shares_and_are_counted_as_planted():
     assert all(0.7 < shares[k] / v < 1.3 for k, v in expected.items()), (shares, expected)
 
 
+@sandboxed
 def test_micro_repositories_make_tasks_and_their_gold_episodes_replay(tmp_path):
     """Each level's task comes out of make; the gold episode a pretraining transcript shows (with a wrong
     edit, its failing test run and the fix) gets, call for call, the replies the environment gives, and earns
@@ -6764,6 +6800,7 @@ def deletion(tmp_path_factory):
     return box, base / "orig", base / task_dir, task, [tuple(f) for f in feats], spec, base / "spec"
 
 
+@sandboxed
 def test_a_deletion_is_judged_on_the_host_make_s_scores_1_and_wrong_ones_0(tmp_path, deletion):
     """The deletion role's reward (tasks.judge_deletion): make's own deletion of a micro-repository feature
     scores 1; the original untouched, a deletion that also breaks the other tests, and ones that keep the
@@ -6809,6 +6846,7 @@ def test_a_deletion_is_judged_on_the_host_make_s_scores_1_and_wrong_ones_0(tmp_p
                                                                                  "compared with")
 
 
+@sandboxed
 def test_delete_env_replays_make_s_deletion_to_reward_1(tmp_path, deletion):
     """DeleteEnv: make's deletion of a micro-repository feature, replayed through the environment's tools
     (read, then replace each changed block from the bottom up), earns 1 from judge_deletion and becomes a task

@@ -455,7 +455,8 @@ def finish(t):
             die(f"--save-hf: {e} (the run's own checkpoint {run.checkpoints()[-1]} is complete)")
         print0(f"wrote {args.save_hf}: a Hugging Face DeepSeek-V3 checkpoint ({args.save_hf_dtype})")
     print0(f"done: checkpoint {run.checkpoints()[-1]}, metrics {run.metrics_path}, "
-           f"peak memory {peak_memory(t.device) / 2**30:.2f} GiB (rank 0)")
+           f"peak memory {peak_memory(t.device) / 2**30:.2f} GiB (rank 0), {clock(time.time() - run.started)} "
+           "in all")
     if len(t.evals) > 1:  # the last line says whether the run did what it should
         print0(verdict(t.evals, t.job.code))
     if t.bridge is not None:
@@ -736,7 +737,7 @@ def verdict(evals, code):
 # RL's tasks and sampling, shared by the trainer ranks and, with --rollout-ranks, the rollout ranks
 
 
-def held_out_folder(family, out, box=None):
+def held_out_folder(family, out):
     """Where a run makes the held-out coding tasks of a family: the folder this machine keeps them in (they
     depend on the code of tasks.py and harness/ and the interpreter alone, never on a run's seed, so a run
     makes only those no earlier one made), or the run's own where that cannot be written or lies where the
@@ -745,7 +746,8 @@ def held_out_folder(family, out, box=None):
     folder = CACHE / "held-out" / f"{family}-{key}"
     with contextlib.suppress(OSError, tasks.TaskError):
         folder.mkdir(parents=True, exist_ok=True)
-        if os.access(folder, os.W_OK) and not (box or tasks.Sandbox()).sees(folder):
+        # (without bubblewrap no run is isolated: no folder is out of reach, the machine's as good as any)
+        if os.access(folder, os.W_OK) and (sandbox_problem() or not tasks.Sandbox().sees(folder)):
             return folder
     return Path(out) / "tasks" / "held-out"
 
@@ -857,7 +859,7 @@ class RLTasks:
             listed = self.code_pool(-1).listed
             return [(lvl, listed[lvl][k]) for lvl, k in mine if k < len(listed[lvl])]
         if "held-out" not in self.pools:
-            self.pools["held-out"] = tasks.TaskPool(held_out_folder(self.job.code, args.out, self.box),
+            self.pools["held-out"] = tasks.TaskPool(held_out_folder(self.job.code, args.out),
                                                     "held-out", self.box, held_out=True, family=self.job.code,
                                                     workers=2)
         pool = self.pools["held-out"]
@@ -2034,6 +2036,7 @@ def check(args):
                "run unisolated (a subprocess each in a scratch folder, with time, memory and file-size "
                "limits); bubblewrap isolates them: apt-get install bubblewrap")
     for flag, default, code_default in (("seq_len", 256, 640), ("steps", 700, 800), ("batch_size", 8, 4),
+                                        ("lr", 8e-3, 1.2e-2),
                                         ("rl_steps", 16, 12), ("rl_eval_every", 8, args.rl_steps or 12),
                                         ("rl_eval_tasks", 64, 16), ("rl_eval_samples", 1, 6)):
         if getattr(args, flag) is None:  # the code family's episodes are longer, and need fewer of them
@@ -2263,8 +2266,9 @@ def make_parser():
     g.add_argument("--seq-len", type=int, default=None,
                    help="tokens per sequence (at most the preset's max_seq_len); default 640 (an episode "
                         "with its file reads is long), 256 with --rl-tasks tools or long")
-    g.add_argument("--lr", type=float, default=8e-3,
-                   help="peak learning rate for both groups: Muon uses adjust_lr_fn='match_rms_adamw' so one "
+    g.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate for both groups (default 1.2e-2, 8e-3 with --rl-tasks tools or long: "
+                        "experiments.md): Muon uses adjust_lr_fn='match_rms_adamw' so one "
                         "AdamW-style lr serves the matrices and the embeddings/head/router/norms alike")
     g.add_argument("--weight-decay", type=float, default=0.1, help="decoupled weight decay")
     g.add_argument("--qk-clip", type=float, default=0.0, metavar="TAU",
