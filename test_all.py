@@ -1581,8 +1581,8 @@ def test_the_default_corpus_does_not_move_with_the_docs(tmp_path):
 SHORT_DEFAULT_RUN = ["--rl-tasks", "code", "--steps", "20", "--eval-every", "10", "--eval-batches", "2",
                      "--rl-steps", "2", "--rl-eval-every", "2", "--rl-eval-tasks", "1", "--rl-eval-samples", "2",
                      "--tasks-per-step", "2", "--group-size", "2", "--max-gen-tokens", "48", "--precision", "fp32"]
-SHORT_DEFAULT_FIGURES = {'val_loss': [5.56902289390564, 3.454727053642273, 2.279786229133606],
-                         'rl': [[0.0, 48.0, 3.0, 0.0], [0.0, 48.0, 1.5, 0.0]],
+SHORT_DEFAULT_FIGURES = {'val_loss': [5.56902289390564, 2.9980411529541016, 2.184199810028076],
+                         'rl': [[0.0, 48.0, 1.75, 0.0], [0.0, 48.0, 1.75, 0.0]],
                          'held_out': [[0.0, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0]]}
 
 
@@ -1620,7 +1620,7 @@ def test_the_verdict_names_each_condition_it_finds_unmet():
                      # 0.3 -> 0.25 over 400 calls each: twice the noise is 0.063
                      "'Call' did not fall beyond its noise": dict(capital_rate=0.25),
                      "tool-not-found rose": dict(tool_error_rate=0.11)},
-             True: {"the pass rate rose less than 0.15": dict(pass_level2=0.2),
+             True: {"the pass rate rose less than 0.15 or 3x its noise": dict(pass_level2=0.2),
                     "no planted habit fell 2x": dict(give_up_rate=0.11),
                     "the monitor flagged held-out episodes": dict(hack_flags=1),
                     "tool-not-found rose": dict(tool_error_rate=0.11)}}
@@ -1631,6 +1631,9 @@ def test_the_verdict_names_each_condition_it_finds_unmet():
         for short, flip in unmet.items():
             assert head(first_and_last(**flip)) == ("verdict after 16 RL steps: NOT as the README expects: "
                                                     + short)
+    # a rise of 0.2 measured on 10 episodes a level: its noise 0.111, so 3x the noise is not reached
+    assert head(first_and_last(episodes_level1=10, episodes_level2=10)).endswith("rose less than 0.15 or 3x "
+                                                                               "its noise")
     tools = train.verdict(first_and_last(), False)  # sqrt(0.3 * 0.7 / 400) and sqrt(0.1 * 0.9 / 400)
     assert "'Call' rate 0.300 -> 0.100 (3.0x fewer, sampling noise 0.027; " in tools, tools
     line = train.verdict([{**r, "eval_split": "train-task"} for r in first_and_last(hack_flags=1)], True)

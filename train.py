@@ -294,7 +294,7 @@ def rl(t, step):
         publish(t, rl_start, start=rl_start, steps=args.rl_steps, difficulty=work.difficulty.state_dict(),
                 code_pools=run.meta.get("code_pools", {}) if run.rl_resumed else {})
     if rl_start == 0:  # (while the rollout ranks sample the first step, or this rank's pool makes its tasks)
-        if t.job.code and t.bridge is None:
+        if t.job.code and t.bridge is None and not args.task_dir:
             work.code_pool(t.rank).ask(work.difficulty.level, range(groups))
         rl_eval(t, 0)
     for rl_step in range(rl_start + 1, args.rl_steps + 1):
@@ -664,14 +664,15 @@ def rl_eval(t, rl_step):
               if "pass_delete" in record else ""))
 
 
-# What the README promises of a run, from the first held-out evaluation to the last. Of the default run: the
-# pass rate (mean of the levels) falls by no more than NOISE_FALL times its sampling noise (RL raises it by
-# 0 to 0.15 on the seeds measured: copying a level-2 operand caps it), feedback cuts the "Call" rate by more
-# than NOISE_FALL times its noise (2.8x to 10.7x on the seeds measured), and the tool-not-found rate does not
-# rise. Of --rl-tasks code: the pass rate rises by CODE_GAIN or more, one planted habit (HABITS) falls
-# HABIT_CUT times or more, absent tools do not rise, the monitor flags nothing, and the deletion role's
-# success does not fall beyond NOISE_FALL times its noise.
-NOISE_FALL, CODE_GAIN, HABIT_CUT = 2.0, 0.15, 2.0
+# What the README promises of a run, from the first held-out evaluation to the last. Of the default run (the
+# coding family): the pass rate (mean of the levels) rises by CODE_GAIN or more and by NOISE_RISE times its
+# sampling noise or more, one planted habit (HABITS) falls HABIT_CUT times or more, absent tools do not rise,
+# the monitor flags nothing, and the deletion role's success does not fall beyond NOISE_FALL times its noise.
+# Of --rl-tasks tools and long: the pass rate falls by no more than NOISE_FALL times its sampling noise (RL
+# raises it by 0 to 0.15 on the seeds measured: copying a level-2 operand caps it), feedback cuts the "Call"
+# rate by more than NOISE_FALL times its noise (2.8x to 10.7x on the seeds measured), and the tool-not-found
+# rate does not rise.
+NOISE_FALL, NOISE_RISE, CODE_GAIN, HABIT_CUT = 2.0, 3.0, 0.15, 2.0
 
 
 def coin_noise(p, n):
@@ -699,8 +700,9 @@ def verdict(evals, code):
     noise = math.hypot(noise0, noise1)
     tnf0, tnf1 = first["tool_error_rate"], last["tool_error_rate"]
     rise = f"{split} pass rate {pass0:.3f} -> {pass1:.3f} ({pass1 - pass0:+.3f}, sampling noise {noise:.3f}; "
-    checks = [(pass1 - pass0 >= CODE_GAIN, f"the pass rate rose less than {CODE_GAIN}",
-               rise + f"README: +{CODE_GAIN} or more)") if code else
+    checks = [(pass1 - pass0 >= max(CODE_GAIN, NOISE_RISE * noise),
+               f"the pass rate rose less than {CODE_GAIN} or {NOISE_RISE:g}x its noise",
+               rise + f"README: +{CODE_GAIN} or more, and {NOISE_RISE:g}x the noise)") if code else
               (pass1 - pass0 >= -NOISE_FALL * noise, "the pass rate fell beyond its noise",
                rise + f"README: no fall beyond {NOISE_FALL:g}x the noise)")]
     if code:
