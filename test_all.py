@@ -126,9 +126,9 @@ def run_readme_command(line, cwd, quick_start_out):
         return "needs tokenizers"
     if "--plot" in flags and not importlib.util.find_spec("matplotlib"):
         return "needs matplotlib"
-    if (script == "tasks.py" and flags[:1] not in (["scan"], ["monitor"]) or "--task-dir" in flags) \
-            and harness.sandbox.sandbox_problem():  # a repository's tests, or solutions of its tasks
-        return "needs bubblewrap"
+    if (script == "tasks.py" and flags[:1] not in (["scan"], ["monitor"]) or "--task-dir" in flags
+            or any("TASKS" in a for a in flags)) and harness.sandbox.sandbox_problem():
+        return "needs bubblewrap"  # a repository's tests, solutions of its tasks, or the tasks make wrote
     for spec in flags[flags.index("--plot") + 1:] if "--plot" in flags else []:  # the runs it draws: copies
         if spec.startswith("-"):  # of the quick start's
             break
@@ -237,7 +237,7 @@ def test_every_readme_command_runs(tmp_path):
                or why == "needs the package index" and " env " in line
                or why == "needs safetensors" and "--init-from" in line
                or why == "needs matplotlib" and "--plot" in line
-               or why == "needs bubblewrap" and ("tasks.py" in line or "--task-dir" in line)
+               or why == "needs bubblewrap" and ("tasks.py" in line or "TASKS" in line)
                for line, why in skipped), skipped
 
 
@@ -4848,6 +4848,7 @@ def test_main():
 """
 
 
+@sandboxed
 def test_held_out_inputs_from_generators_and_the_values_other_calls_take_and_results_that_vary(tmp_path):
     """What a feature's own calls cannot give, the oracle finds elsewhere: a generator argument is recorded by
     its items (the call still gets them all); an argument the tests only gave empty gets the values of its
@@ -6177,6 +6178,7 @@ def test_monitor_allows_what_verify_allows_and_git_on_the_work_tree(tmp_path):
 # tasks.py, feature deletion: CLI errors, one line, no traceback
 
 
+@sandboxed
 def test_make_refuses_bad_repositories_in_one_line_and_never_touches_the_source(tmp_path):
     """Not a git repository, a module that is not Python source (binary), test files only pytest's
     python_files names, no test files, no tests, no test or only one passing twice, a baseline where most
