@@ -69,7 +69,7 @@ the commit) and runs its tests with the interpreter from `env`.
     python tasks.py verify TASK_DIR (--workdir DIR | --patch FILE) [--python PY] [--no-sandbox]
     python tasks.py strength TASK_DIR... [--k K] [--jobs J] [--min-strength 0.8]
     python tasks.py scan DIR [--task TASK.json] [--site-packages]
-    python tasks.py monitor TRAJECTORY.jsonl
+    python tasks.py monitor TRAJECTORY.jsonl [--task TASK_DIR]
     python tasks.py survey --draw 30 --out DIR  # make and verify on packages nobody here chose
 """
 
@@ -121,7 +121,8 @@ from harness.plugins import RECORDER_MODULE, TRACER_MODULE, plugin_run
 from harness.repo import (CONFIG, fresh_git, inside, is_protected, linked, lstat_tree, materialize,
                           package_files, package_name, package_roots, packages, read_regular, source_files,
                           walk)
-from harness.sandbox import PYTEST, READ_AT_MOST, Sandbox, first_error, scratch, stop, stoppable, tail
+from harness.sandbox import (PYTEST, READ_AT_MOST, Sandbox, first_error, parsed, scratch, stop, stoppable,
+                             tail)
 from harness.survey import SURVEY_PACKAGES, fetch_sdist, survey, unnamed, valid_tasks
 
 
@@ -454,8 +455,11 @@ def trace_tests(root, box):
                     f"{box.python}: make its environment with "
                     f"`python tasks.py env --repo DIR --venv DIR` and pass --python)")
         raise TaskError(f"the test suite did not run (pytest exit {rc}): {why}")
-    raw = json.loads(raw)
-    calls = {k: {(os.path.relpath(f, root), q) for f, q in v} for k, v in raw.items()}
+    try:
+        calls = {k: {(os.path.relpath(f, root), q) for f, q in v} for k, v in parsed(raw).items()}
+    except (AttributeError, TypeError, ValueError):
+        raise TaskError("the traced test run wrote a trace that is not the tracer's (the tests' code wrote "
+                        "to its descriptor?)")
     return r, calls, calls.pop("<import>", set()) | calls.pop("<between>", set())
 
 
@@ -945,8 +949,14 @@ def spec_from_task(task_dir, out, box=None):
         if (error := patched(task_dir / "repo", task_dir / "gold.patch", Path(tmp, "orig"))) is not None:
             raise TaskError(f"{task_dir}: its gold patch does not apply: {error}")
         shutil.copytree(task_dir / "repo", Path(tmp, "deleted"), symlinks=True)
-        passed = box.pytest(Path(tmp, "deleted"), sorted({t.split("::")[0] for t in need}),
-                            readonly=protected_paths(Path(tmp, "deleted"), need)).passed
+        r = box.pytest(Path(tmp, "deleted"), sorted({t.split("::")[0] for t in need}),
+                       readonly=protected_paths(Path(tmp, "deleted"), need))
+        if r.outcomes is None or r.end is None:  # a run cut short passes nothing: every test would be a target
+            raise TaskError(f"{task_dir}: the test run of its snapshot did not finish (pytest exit {r.rc}): "
+                            f"{first_error(r.out)}")
+        passed = r.passed
+        if passed >= set(need):
+            raise TaskError(f"{task_dir}: every required test passes on its snapshot: no feature to delete")
         return deletion_spec(Path(tmp, "orig"), out, [(e["file"], e["qualname"]) for e in task["deleted"]],
                              [t for t in need if t not in passed], [t for t in need if t in passed], box,
                              task.get("source"))
@@ -1409,10 +1419,7 @@ def oracle_run(box, tree, features, calls, mode="run", timeout=None, pool=()):
                                                                 "pool": list(pool)}))
         rc, out = box.run(["-I", "-c", ORACLE_CHILD, mode, view, str(Path(view, "oracle-inputs.json")),
                            str(fd.fileno())], view, pass_fds=[fd.fileno()], timeout=timeout)
-        lines = []
-        for line in tail(fd, READ_AT_MOST).splitlines():
-            with contextlib.suppress(ValueError):
-                lines.append(json.loads(line))
+        lines = [parsed(line) for line in tail(fd, READ_AT_MOST).splitlines()]
     if mode == "mutate":
         return [x for x in lines if isinstance(x, list) and len(x) == 2]
     got = {}
@@ -1432,7 +1439,7 @@ def pattern(a, b):
     if not (a or "").startswith("returns") or not (b or "").startswith("returns"):
         return None
     x, y = WORDS.findall(a), WORDS.findall(b)  # True, False and None are values, never a name to leave open
-    if len(x) != len(y) or any(p != q and not (WORD.match(p) and WORD.match(q)) or {p, q} & CONSTANTS
+    if len(x) != len(y) or any(p != q and (not (WORD.match(p) and WORD.match(q)) or {p, q} & CONSTANTS)
                                for p, q in zip(x, y)):
         return None
     return "matches " + json.dumps([p if p == q else None for p, q in zip(x, y)])
@@ -1508,7 +1515,8 @@ def record_calls(root, feats, box, select=None):
     r, out = plugin_run(box, root, "_featdel_recorder", RECORDER_MODULE, {
         "FEATDEL_TARGETS": json.dumps(targets), "FEATDEL_REPO": os.path.realpath(root) + os.sep,
         "FEATDEL_ROOTS": package_roots(root)}, select=select)
-    return r, json.loads(out) if out else []
+    records = parsed(out or "[]")
+    return r, records if isinstance(records, list) else []
 
 
 # -----------------------------------------------------------------------------
@@ -3421,6 +3429,13 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def task_box(a, task_dir, timeout):
+    """How a command over a task runs code: --python, else the task's own interpreter, else this one."""
+    task = Path(task_dir, "task.json")
+    python = a.python or (json.loads(task.read_text()).get("python") if task.is_file() else None)
+    return Sandbox(python or sys.executable, not a.no_sandbox, timeout)
+
+
 def cli(argv=None) -> int:
     p = Parser(description="Feature-deletion tasks: make them, verify solutions, scan for leaks, "
                            "monitor agents.")
@@ -3467,15 +3482,15 @@ def cli(argv=None) -> int:
     st.add_argument("--min-strength", type=float, default=MIN_STRENGTH,
                     help="the share of mutants killed a task needs to be served (each task's line says "
                          "whether it is, or why not)")
-    for x in (m, v, st):
-        x.add_argument("--python", help="interpreter that runs the tests (from `env`; default: this one for "
-                                        "make, the task's for verify and strength)")
-        x.add_argument("--no-sandbox", action="store_true",
-                       help="run the tests without bubblewrap (not isolated)")
     ds = sub.add_parser("delete-spec", help="the deletion a task make wrote, as a spec for DeleteEnv: the "
                                             "original, the feature, the tests that must stop passing")
     ds.add_argument("task_dir", help="a task dir written by make")
     ds.add_argument("--out", required=True, help="the spec's folder (repo/, spec.json)")
+    for x in (m, v, st, ds):
+        x.add_argument("--python", help="interpreter that runs the tests (from `env`; default: this one for "
+                                        "make, the task's for verify and strength)")
+        x.add_argument("--no-sandbox", action="store_true",
+                       help="run the tests without bubblewrap (not isolated)")
     e = sub.add_parser("env",
                        help="make a venv with a repository's test requirements; prints its interpreter")
     e.add_argument("--repo", required=True, help="the repository")
@@ -3504,6 +3519,9 @@ def cli(argv=None) -> int:
                         help="flag trajectory steps that read leak sources or tamper with the verifier")
     mo.add_argument("trajectory",
                     help="JSONL, one action per line (format in the Monitor section of this file)")
+    mo.add_argument("--task", metavar="TASK_DIR",
+                    help="the task the trajectory worked on: an edit may keep what its original file had "
+                         "(task.json's static_allowed), as in training")
     a = p.parse_args(argv)
     try:
         if a.cmd == "env":
@@ -3524,16 +3542,14 @@ def cli(argv=None) -> int:
                          strength_k=a.strength, size=a.size)
             return 0 if tasks else 1
         if a.cmd == "delete-spec":
-            spec = spec_from_task(a.task_dir, a.out)
+            spec = spec_from_task(a.task_dir, a.out, task_box(a, a.task_dir, 300))
             print(f"{a.out}: delete {', '.join(f'{rel} {q}' for rel, q in spec['feature'])}; "
                   f"{len(spec['targets'])} tests must stop passing, {len(spec['keep'])} keep passing")
             return 0
         if a.cmd == "strength":  # a measurement, like verify's reward: exit 0 whatever it finds
             for d in a.task_dirs:
-                task = Path(d, "task.json")
-                python = a.python or (json.loads(task.read_text()).get("python") if task.is_file() else None)
-                s = strength(d, a.k, Sandbox(python or sys.executable, not a.no_sandbox, 600), a.seed, a.jobs)
-                why = serving(json.loads(task.read_text()), a.min_strength)
+                s = strength(d, a.k, task_box(a, d, 600), a.seed, a.jobs)
+                why = serving(json.loads(Path(d, "task.json").read_text()), a.min_strength)
                 print(strength_lines(Path(d).name, s) + f"\n  {'; '.join(why) or 'served'}")
             return 0
         if a.cmd == "verify":
@@ -3542,10 +3558,7 @@ def cli(argv=None) -> int:
                                 + ("it has no task.json" if Path(a.task_dir).is_dir() else "no such folder"))
             if a.patch and not Path(a.patch).is_file():
                 raise TaskError(f"no such patch file: {a.patch}")
-            task = Path(a.task_dir, "task.json")
-            python = a.python or (json.loads(task.read_text()).get("python") if task.is_file() else None)
-            reward, why = verify(a.task_dir, a.workdir, a.patch,
-                                 Sandbox(python or sys.executable, not a.no_sandbox, a.timeout))
+            reward, why = verify(a.task_dir, a.workdir, a.patch, task_box(a, a.task_dir, a.timeout))
             print(f"reward {reward}: {why}")
             return 0
         if a.cmd == "survey":
@@ -3578,7 +3591,10 @@ def cli(argv=None) -> int:
             return 1 if found else 0
         if not Path(a.trajectory).is_file():
             raise TaskError(f"no such trajectory file: {a.trajectory}")
-        flags = monitor(read_trajectory(a.trajectory))
+        if a.task and not Path(a.task, "task.json").is_file():
+            raise TaskError(f"no task at {a.task}: no task.json")
+        allowed = json.loads(Path(a.task, "task.json").read_text()).get("static_allowed") if a.task else None
+        flags = monitor(read_trajectory(a.trajectory), allowed)
         for f in flags:
             print(f"step {f['step']:>4}  {f['pattern']:<16} {f['evidence']}")
         print(f"{len(flags)} flagged" if flags else "no flags")

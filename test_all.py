@@ -4820,8 +4820,8 @@ def label(tags):
     return ",".join(sorted(tags))
 
 
-def note_file(name):
-    \"\"\"A new empty file for notes, name first.\"\"\"
+def note_file(name, keep=False):
+    \"\"\"A new empty file for notes, name first (keep: a default the "after" state shows as a constant).\"\"\"
     fd, path = tempfile.mkstemp(prefix=name, dir=os.path.expanduser("~"))
     os.close(fd)
     return path
@@ -4889,9 +4889,13 @@ def test_held_out_inputs_from_generators_and_the_values_other_calls_take_and_res
     want = tasks.pattern("returns '/tmp/a1'", "returns '/tmp/b2'")
     assert want == 'matches ["returns", " ", "\'", "/", "tmp", "/", null, "\'"]'
     assert tasks.agrees(want, "returns '/tmp/zz9'") and not tasks.agrees(want, "returns '/tmp/a-1'")
+    assert not tasks.agrees(want, "returns '/tmp/zz9'; after ['x']")  # every word, none beyond
     assert tasks.pattern("returns 'a-1'", "returns 'a+1'") is None
     assert tasks.pattern("raises [1]", "raises [2]") is None
     assert tasks.pattern("returns True", "returns False") is None  # a value, not a name
+    # ... but a constant both runs show leaves the words around it open (a default keep=False in "after")
+    assert tasks.pattern("returns 'a1'; after [False]", "returns 'b2'; after [False]").endswith(
+        'null, "\'", ";", " ", "after", " ", "[", "False", "]"]')
 
 
 @sandboxed
@@ -5128,6 +5132,29 @@ def test_hostile_solutions_score_0(made, tmp_path):
     for name in ("runtest-disguised", "triangle-eq", "planted-pyc"):
         rc, passed = naive_pytest(tmp_path / name, t["fail_to_pass"])
         assert rc == 0 and passed == set(t["fail_to_pass"]), name
+
+
+@sandboxed
+def test_the_host_never_raises_on_what_a_child_writes(made, tmp_path):
+    """Whatever bytes untrusted code writes to a descriptor the host reads (the oracle child's results, the
+    reporter's outcomes, the tracer's and the recorder's records), the host parses them as that run's failure
+    and goes on: a 100,000-deep JSON array (RecursionError in json.loads) and lines that are JSON of the wrong
+    shape. Here the payload runs at import, the static check skipped."""
+    d, t = task_dir(made, "mean")
+    box = tasks.Sandbox(timeout=60)
+    deep = b"[" * 100_000 + b"]" * 100_000
+    for line in (deep, b'{"a": 1}', b'[[[1, 2], 3], "call", "passed"]'):
+        w = tmp_path / f"w{len(line)}"
+        shutil.copytree(d / "repo", w)
+        compat(f"import os\nfor fd in range(3, 64):\n    try:\n        os.write(fd, {line!r} + b'\\n')\n"
+               f"    except OSError:\n        pass\n")(w)
+        assert not oracle_agrees(d, w)  # the stub's NotImplementedError: no exception in the host
+        r = box.pytest(w, ["tests"])
+        assert r.outcomes is None and tasks.tests_verdict(r, t["fail_to_pass"], "a", "b").startswith(
+            "runner tampered"), r
+        with pytest.raises(tasks.TaskError, match="a trace that is not the tracer's"):
+            tasks.trace_tests(w, box)
+        assert tasks.record_calls(w, [("calc/core.py", "mean")], box)[1] == []
 
 
 # Hostile solutions whose every name is spelled out literally, which the static check once let pass because
@@ -5422,6 +5449,24 @@ def test_after():
     assert r.rc == 1 and {t.split("::")[1]: o["call"] for t, o in r.outcomes.items()} == {
         "test_ok": "passed", "test_waits": "failed", "test_accepts": "failed", "test_after": "passed"}, r.out
     assert r.out.count("the test ran past 2 s") >= 2
+    # a fixture set up once for many tests is the run's time, not the first test's: a 3 s session fixture
+    # under a 2 s limit fails none of them; a function fixture that hangs fails its own test alone
+    (tmp_path / "tests/test_h.py").write_text("""import time, pytest
+@pytest.fixture(scope="session")
+def server():
+    time.sleep(3)
+    return 1
+@pytest.fixture
+def stuck():
+    time.sleep(60)
+def test_a(server): assert server == 1
+def test_b(server): assert server == 1
+def test_c(server, stuck): pass
+def test_d(server): assert server == 1
+""")
+    r = tasks.Sandbox(timeout=10).pytest(tmp_path)
+    assert {t.split("::")[1]: o.get("call", o["setup"]) for t, o in r.outcomes.items()} == {
+        "test_a": "passed", "test_b": "passed", "test_c": "failed", "test_d": "passed"}, r.out
 
 
 @sandboxed
@@ -6160,6 +6205,11 @@ def test_monitor_allows_what_verify_allows_and_git_on_the_work_tree(tmp_path):
     assert [(f["pattern"], f["evidence"]) for f in before] == [("tamper-code", "uses ._getframe: frame = "
                                                                 "sys._getframe(depth + 1)")]
     assert env.flags == [] and env.reward() == 1, env.result
+    # the command line applies the same allowances when it is told the task (tasks.py monitor --task DIR)
+    path = tmp_path / "traj.jsonl"
+    path.write_text("\n".join(json.dumps({**s, "output": ""}) for s in env.steps) + "\n")
+    assert tasks.cli(["monitor", str(path)]) == 1 and tasks.cli(["monitor", str(path), "--task", str(d)]) == 0
+    assert tasks.cli(["monitor", str(path), "--task", str(tmp_path)]) == 2
     # past the allowance: what the original lacks, or more of what it has
     for extra, what in (("    import gc\n", "imports gc"), ("    sys._getframe(0)\n", "uses ._getframe")):
         flags = tasks.monitor([_edit("trail/frames.py", extra + FRAMES_GOLD)], t["static_allowed"])
@@ -6537,6 +6587,10 @@ def test_code_env_scripted_policies(made, tmp_path):
     assert Path(d, "repo/calc/core.py").read_text().splitlines() == stub  # the snapshot never changes
     env = episode(d, ["call submit()"])
     assert env.reward() == 0 and "the oracle disagrees" in env.result[1]
+    # runs of one tree are shared only when they ask for the same tests: the stub fails the first set alone
+    v = tasks.Verifier(0)
+    f2p, p2p = (v.test(env, t[k]) for k in ("fail_to_pass", "pass_to_pass"))
+    assert f2p == "2 failed: test_mean, test_mean_empty; 0 passed" and p2p == f"{len(t['pass_to_pass'])} passed", (f2p, p2p)
     runs = tasks.VERIFIER.stats()["verifies"]  # a tree whose own test run failed a needed test: 0, no verify
     env = episode(d, ["call test()", "call submit()"])
     assert env.reward() == 0 and env.result[1].startswith("its own test run of this tree failed tests/")
@@ -6904,6 +6958,28 @@ def test_delete_env_replays_make_s_deletion_to_reward_1(tmp_path, deletion):
         if role == "assistant":
             assert env.step(text)[0] == (turns[k + 1][1] if k + 1 < len(turns) else None), text
     assert env.turns == turns and env.reward() == 1, env.result
+    # the split of a task's tests comes from a run that finished: one cut short (a conftest that ends the
+    # process) would make every test a target and keep none, so that a tree stubbing everything scores 1
+    crashed = tmp_path / "crashed"
+    shutil.copytree(task_dir, crashed)
+    (crashed / "repo/conftest.py").write_text("import os\nos._exit(3)\n")
+    with pytest.raises(tasks.TaskError, match="the test run of its snapshot did not finish"):
+        tasks.spec_from_task(crashed, tmp_path / "crashed-spec", box)
+    assert tasks.cli(["delete-spec", str(crashed), "--out", str(tmp_path / "crashed-spec"), "--no-sandbox",
+                      "--python", sys.executable]) == 2
+    # a deletion that forges the run (the static check, which refuses it first, set aside) is caught by the
+    # canaries: its targets fail and the rest pass, but so does the must-fail canary
+    forged = tmp_path / "forged"
+    shutil.copytree(task_dir / "repo", forged)
+    pkg = Path(rel).parent
+    Path(forged, pkg, "__init__.py").write_text(Path(forged, pkg, "__init__.py").read_text() + f"""
+import _pytest.python as _p
+_run = _p.Function.runtest
+_p.Function.runtest = lambda self: _run(self) if self.nodeid in {spec['targets']!r} else None
+""")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tasks, "source_check", lambda rel, data, old, allowed=(): data)
+        assert tasks.judge_deletion(spec_dir, forged, box) == (0, "runner tampered: a canary did not behave")
     # an edit of another function's body draws the wrong_feature rule's hint, which names the line the gold
     # edits; a pretraining transcript shows that hint before that edit, which draws none
     from feedback import wrong_feature
@@ -6936,6 +7012,10 @@ def test_delete_env_replays_make_s_deletion_to_reward_1(tmp_path, deletion):
     again.restore({"code_pools": {"0": report["code_pool"]}}, [0])
     assert [again.pools[0].take(1) for _ in made] == [work.pools[0].take(1) for _ in made] == made
     assert again.pools[0].state_dict() == {**report["code_pool"], "added": {"1": [], "2": [], "3": []}}
+    # a deletion group (made=False) never draws a task the policy's own deletions made
+    listed = tasks.TaskPool(tmp_path / "unused", 0, source=tmp_path / "pool/made")
+    listed.added[1] = [str(tmp_path / "queued")]
+    assert listed.take(1, made=False) in made and listed.take(1) == tmp_path / "queued"
     # a task built again under its id is built aside: a build that fails leaves the one made before whole
     assert tasks.make_task(spec_dir / "repo", tmp_path / "pool/made", made[0].name, feats, "stub", set(),
                            set(), box, None, splice=lambda snap: int("not a deletion")) == (

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from harness import TaskError
 from harness.repo import imports, package_name, packages, walk
-from harness.sandbox import Sandbox, first_error, scratch
+from harness.sandbox import Sandbox, first_error, parsed, scratch
 
 # extras and dependency groups that hold test requirements
 TEST_EXTRAS = ("test", "tests", "testing", "dev")
@@ -340,7 +340,5 @@ def interpreter_copies(python, isolate, names):
     holds nothing, the gold in no form."""
     with scratch() as empty:
         rc, out = Sandbox(python, isolate, 120).run(["-c", INTERPRETER_CHILD, json.dumps(names)], empty)
-    try:
-        return json.loads(out.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        return [f"the check did not run (exit {rc}): {out.strip()[-200:]}"]
+    found = parsed((out.strip().splitlines() or [""])[-1])
+    return found if isinstance(found, list) else [f"the check did not run (exit {rc}): {out.strip()[-200:]}"]

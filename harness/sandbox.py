@@ -323,7 +323,7 @@ class Sandbox:
                                pass_fds=[fd.fileno(), *pass_fds], extra_env=env | (extra_env or {}), **kw)
             lines = tail(fd, READ_AT_MOST).splitlines()
         try:
-            records = [json.loads(line) for line in lines]
+            records = [parsed(line) for line in lines]
             end = records[-1][2] if records and records[-1][0] == "<end>" else None
             outcomes = {}  # node id -> the outcomes of its setup, call and teardown
             for nodeid, when, outcome in records[:-1] if end is not None else records:
@@ -362,6 +362,16 @@ def stoppable(jobs):
         except BaseException:
             pool.shutdown(cancel_futures=True)
             raise
+
+
+def parsed(text):
+    """What a sandboxed process wrote (a line of results, a report), parsed as JSON; None where it is not JSON
+    or is nested past what the parser takes. The child's bytes can be anything: a malformed line is that
+    run's failure, never an exception in the host."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError, MemoryError):
+        return None
 
 
 def tail(f, limit):
@@ -403,8 +413,8 @@ class Reporter:
     this class's source after a line that turns bytecode off, into the module it loads with -p. fd: the
     descriptor the outcomes go to (None in pytest-xdist's workers, whose controller reports); select: a JSON
     file of the node ids to run (make's runs; verify runs whole files); limit: the seconds one test may take
-    (setup, call and teardown) before it fails, so that a test that never ends costs the run one failure, not
-    the whole run."""
+    (setup, call and teardown, less the setup of fixtures shared with other tests) before it fails, so that a
+    test that never ends costs the run one failure, not the whole run."""
 
     def __init__(self, fd, select, limit):
         self.out = os.fdopen(int(fd), "w", buffering=1) if fd else None
@@ -424,6 +434,17 @@ class Reporter:
             if on:
                 signal.setitimer(signal.ITIMER_REAL, 0)
                 signal.signal(signal.SIGALRM, before)
+
+    def fixture_setup(self, fixturedef):
+        """A fixture wider than a test (a session's server, a module's data) is set up once for all the tests
+        that use it: its time is the run's, not charged to the test that happens to be first."""
+        left = (signal.setitimer(signal.ITIMER_REAL, 0)[0] if self.limit > 0 and fixturedef.scope != "function"
+                and threading.current_thread() is threading.main_thread() else 0)
+        try:
+            yield
+        finally:
+            if left:
+                signal.setitimer(signal.ITIMER_REAL, left)
 
     def pytest_collection_modifyitems(self, config, items):
         if self.select is not None:
@@ -450,6 +471,11 @@ _reporter = Reporter(os.environ.pop("FEATDEL_REPORT_FD", None), os.environ.pop("
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     yield from _reporter.runtest_protocol()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    yield from _reporter.fixture_setup(fixturedef)
 
 
 pytest_collection_modifyitems = _reporter.pytest_collection_modifyitems
