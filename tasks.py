@@ -107,6 +107,7 @@ import tempfile
 import textwrap
 import threading
 import time
+import tokenize
 import traceback
 import zipfile
 from collections import Counter, deque
@@ -121,8 +122,8 @@ from harness.plugins import RECORDER_MODULE, TRACER_MODULE, plugin_run
 from harness.repo import (CONFIG, fresh_git, inside, is_protected, linked, lstat_tree, materialize,
                           package_files, package_name, package_roots, packages, read_regular, source_files,
                           walk)
-from harness.sandbox import (PYTEST, READ_AT_MOST, Sandbox, first_error, parsed, scratch, stop, stoppable,
-                             tail)
+from harness.sandbox import (PYTEST, READ_AT_MOST, STOPPING, Sandbox, first_error, parsed, scratch, stop,
+                             stoppable, tail)
 from harness.survey import SURVEY_PACKAGES, fetch_sdist, survey, unnamed, valid_tasks
 
 
@@ -302,7 +303,7 @@ def make_task(work, out, tid, feats, mode, stable, reach, box, source, splice=No
         try:
             task, why = build_task(work, Path(aside, tid), tid, feats, mode, stable, reach, box, source,
                                    splice)
-        except (SyntaxError, AttributeError, TypeError, ValueError) as e:
+        except (SyntaxError, AttributeError, TypeError, ValueError, OSError) as e:
             task, why = None, f"splice failed: {e!r}"
         if task is not None:
             retired = Path(aside, ".replaced")
@@ -962,6 +963,96 @@ def spec_from_task(task_dir, out, box=None):
                              task.get("source"))
 
 
+STUB = ("raise NotImplementedError", "raise NotImplementedError()", "pass", "...", "return", "return None")
+
+
+def beyond_deletion(snap, files, deleted, feats):
+    """Why a deletion does more than take the feature out, or None. Against the original (snap), a file may
+    only lose statements: the feature's definitions (or a body of theirs, left as a stub under the same
+    signature and docstring: STUB), imports and __all__ entries (kept or shrunk), and top-level statements
+    that use a name the file no longer binds (an alias, a registration); a whole file only where it is all
+    feature. Nothing is added, no file, no comment, no other definition changed: so no copy of the feature
+    survives in any form (encoded, renamed, behind a condition) and nothing else is taken with it."""
+    by_file = {}
+    for rel, q in feats:
+        by_file.setdefault(rel, set()).add(q)
+    for rel in deleted:  # a module whole, or one whose every definition is the feature's
+        mine = by_file.get(rel, set())
+        if "" not in mine and not (mine and rel.endswith(".py") and {
+                n.name for n in ast.parse(Path(snap, rel).read_bytes()).body
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))} <= mine):
+            return f"it deletes {rel}, which holds more than the feature"
+    for rel, data in sorted(files.items()):
+        if not Path(snap, rel).is_file():
+            return f"it adds {rel}: a deletion only takes code out"
+        old = Path(snap, rel).read_bytes()
+        said = Counter(comments(old))
+        if Counter(comments(data)) - said:
+            return f"it adds a comment to {rel}: {next(iter(Counter(comments(data)) - said))[:80]}"
+        before, after = ast.parse(old), ast.parse(data)
+        gone = top_names(before) - top_names(after)
+        why = only_taken(before.body, after.body, "", by_file.get(rel, set()), gone | {
+            q for q in by_file.get(rel, ()) if q and "." not in q})
+        if why:
+            return f"{rel}: {why}"
+    return None
+
+
+def comments(src):
+    """The comments of Python source, each as written."""
+    with contextlib.suppress(tokenize.TokenError, SyntaxError, IndentationError):
+        return [t.string for t in tokenize.tokenize(io.BytesIO(src).readline) if t.type == tokenize.COMMENT]
+    return []
+
+
+def only_taken(old, new, prefix, feats, dead):
+    """Why the statements new are more than old less the feature (see beyond_deletion), or None. prefix:
+    the qualname the statements lie in; feats: the feature's qualnames in this file; dead: the names the
+    module no longer binds."""
+    dump = lambda s: ast.dump(s, include_attributes=False)
+    name = lambda s: getattr(s, "name", None)
+    is_all = lambda s: isinstance(s, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and any(
+        isinstance(t, ast.Name) and t.id == "__all__" for t in getattr(s, "targets", [getattr(s, "target", 0)]))
+    aliases = lambda s: {(getattr(s, "module", None), getattr(s, "level", 0), a.name, a.asname) for a in s.names}
+    ops = difflib.SequenceMatcher(None, [*map(dump, old)], [*map(dump, new)], autojunk=False).get_opcodes()
+    dropped = [s for tag, i1, i2, _, _ in ops if tag != "equal" for s in old[i1:i2]]
+    added = [s for tag, _, _, j1, j2 in ops if tag != "equal" for s in new[j1:j2]]
+    imported = set().union(*(aliases(s) for s in dropped if isinstance(s, (ast.Import, ast.ImportFrom))))
+    listed = {e.value for s in dropped if is_all(s) for e in ast.walk(s) if isinstance(e, ast.Constant)}
+    defs, paired = {name(s): s for s in dropped if name(s)}, set()
+    for s in added:  # a shrunk import or __all__, a pass, or a new version of a definition taken out
+        if isinstance(s, (ast.Import, ast.ImportFrom)) and aliases(s) <= imported or isinstance(s, ast.Pass) \
+                or is_all(s) and s.value is not None and all(
+                    isinstance(e, ast.Constant) and e.value in listed for e in getattr(s.value, "elts", [0])):
+            continue
+        o, q = defs.get(name(s)), f"{prefix}{name(s)}"
+        if o is None or type(o) is not type(s) or name(s) in paired:
+            return f"line {s.lineno} adds code: a deletion only takes code out"
+        paired.add(name(s))
+        head = lambda n: "".join(map(dump, [n.args] if hasattr(n, "args") else n.bases + n.keywords)) \
+            + "".join(map(dump, n.decorator_list))
+        if head(o) != head(s):
+            return f"{q} changes its signature, bases or decorators"
+        if q in feats:  # a stub: its docstring as it was, then one stub statement
+            doc = ast.get_docstring(o, clean=False)
+            body = s.body[1:] if doc is not None and ast.get_docstring(s, clean=False) == doc else s.body
+            if len(body) == 1 and ast.unparse(body[0]) in STUB:
+                continue
+            return f"{q} is changed, not stubbed (its docstring, then one of: {', '.join(STUB)})"
+        if not isinstance(s, ast.ClassDef):
+            return f"{q} changes, and it is not the feature"
+        if why := only_taken(o.body, s.body, q + ".", feats, set()):
+            return why
+    for s in dropped:  # what goes: the feature, imports, __all__, and what used a name that is gone
+        if name(s) in paired or name(s) and f"{prefix}{name(s)}" in feats or is_all(s) \
+                or isinstance(s, (ast.Import, ast.ImportFrom, ast.Pass)):
+            continue
+        if not name(s) and prefix == "" and {n.id for n in ast.walk(s) if isinstance(n, ast.Name)} & dead:
+            continue
+        return f"{prefix}{name(s) or f'line {s.lineno}'} is taken out, and it is not the feature"
+    return None
+
+
 def judge_deletion(spec_dir, workdir, box=None):
     """(reward, reason) of the deletion in workdir against spec_dir's original: 1 only when it changes nothing
     but source inside the packages, every package imports, the target tests all stop passing, every kept test
@@ -979,6 +1070,8 @@ def judge_deletion(spec_dir, workdir, box=None):
             return 0, f"rejected: {e}"
         if not files and not deleted:
             return 0, "nothing deleted: the tree is the original"
+        if why := beyond_deletion(snap, files, deleted, [tuple(f) for f in spec["feature"]]):
+            return 0, f"not a deletion: {why}"
         for pkg in packages(snap):
             rc, log = box.run(["-c", f"import {package_name(pkg)}"], work)
             if rc:
@@ -3027,9 +3120,14 @@ class TaskPool:
         by the rule any task is (coverage and strength), once by take (to a re-implementation group) before
         the level's own. -> its folder, or None."""
         out = self.out / "made"
-        with scratch() as tmp:
-            tree = materialize(env.snap, env.edits, Path(tmp, "tree"))
-            task, _ = task_from_deletion(env.dir, tree, out, tid, env.box)
+        try:  # whatever the policy's tree holds, a refusal, never an exception in training
+            with scratch() as tmp:
+                tree = materialize(env.snap, env.edits, Path(tmp, "tree"))
+                task, _ = task_from_deletion(env.dir, tree, out, tid, env.box)
+        except (TaskError, Refused, OSError, ValueError, SyntaxError):
+            if STOPPING.is_set():
+                raise
+            task = None
         if task is None:
             return None
         strength(out / tid, box=env.box, gold_s=task["gold_s"])  # (written into its task.json)

@@ -7,6 +7,7 @@ mesh.py, grpo.py, feedback.py, tasks.py); each section's first line names the fi
 """
 import ast
 import base64
+import codecs
 import concurrent.futures
 import contextlib
 import copy
@@ -4719,7 +4720,7 @@ def test_every_served_feature_has_held_out_inputs_and_in_place_changes_count(clo
     # the parser's held-out inputs: some well formed (a digit changed), some its gold raises on (kept)
     assert {c[2].split()[0] for c in by["parse_duration"] if c[3] == "held-out"} == {"returns", "raises"}
     # the Counter as the call leaves it is part of the result
-    assert any("Counter{'a': 2, 'is': 1, 'rose': 2}" in c[2] for c in by["tally"])
+    assert any("Counter{'a': 2, 'rose': 2, 'is': 1}" in c[2] for c in by["tally"])  # in its order
     for name, edit in CLOCK_ATTACKS.items():
         w = tmp_path / name
         shutil.copytree(d / "repo", w)
@@ -4848,6 +4849,16 @@ def test_main():
 """
 
 
+def oracle_agrees_with(repo, oracle, rel, source, tmp_path, box):
+    """The oracle on a solution: repo with rel written as source; does it agree on every call?"""
+    tree = tmp_path / "solution"
+    shutil.rmtree(tree, ignore_errors=True)
+    shutil.copytree(repo, tree)
+    Path(tree, rel).write_text(source)
+    got = tasks.oracle_run(box, tree, oracle["features"], [c[:2] for c in oracle["calls"]])
+    return all(tasks.agrees(c[2], got.get(k, "no result")) for k, c in enumerate(oracle["calls"]))
+
+
 @sandboxed
 def test_held_out_inputs_from_generators_and_the_values_other_calls_take_and_results_that_vary(tmp_path):
     """What a feature's own calls cannot give, the oracle finds elsewhere: a generator argument is recorded by
@@ -4869,17 +4880,11 @@ def test_held_out_inputs_from_generators_and_the_values_other_calls_take_and_res
     by = {q: [c[2] for c in oracle["calls"] if c[0] == i] for i, q in enumerate(names)}
     assert {"returns 'forest'", "returns None"} <= {x.split(";")[0] for x in by["first_long"]}, by
     assert {"returns 1", "returns 2"} <= {x.split(";")[0] for x in by["size"]}, by  # the pool's Tags
-    assert all(x.startswith("matches ") and '"<", "home", ">", "/", null' in x for x in by["note_file"]), by
+    assert all(x.startswith("matches ") and '"<", "home", ">", "/"' in x and "null" in x
+               for x in by["note_file"]), by
     assert "exits 2" in by["main"] and any(x.startswith("returns 0") for x in by["main"]), by
 
-    def agrees(source):  # the oracle on a solution: does it agree on every call?
-        tree = tmp_path / "solution"
-        shutil.rmtree(tree, ignore_errors=True)
-        shutil.copytree(repo, tree)
-        Path(tree, "shelf/__init__.py").write_text(source)
-        got = tasks.oracle_run(box, tree, oracle["features"], [c[:2] for c in oracle["calls"]])
-        return all(tasks.agrees(c[2], got.get(k, "no result")) for k, c in enumerate(oracle["calls"]))
-
+    agrees = lambda source: oracle_agrees_with(repo, oracle, "shelf/__init__.py", source, tmp_path, box)
     assert agrees(SHELF)
     assert agrees(SHELF.replace("for w in words:", "for w in iter(words):"))  # honest: another way to read
     assert not agrees(SHELF.replace("return len(tags)", "return 0"))  # the tests' one input, as a table
@@ -4896,6 +4901,97 @@ def test_held_out_inputs_from_generators_and_the_values_other_calls_take_and_res
     # ... but a constant both runs show leaves the words around it open (a default keep=False in "after")
     assert tasks.pattern("returns 'a1'; after [False]", "returns 'b2'; after [False]").endswith(
         'null, "\'", ";", " ", "after", " ", "[", "False", "]"]')
+
+
+TEXTS = """class Slug(str):
+    \"\"\"A name fit for a URL.\"\"\"
+
+
+def slug(text):
+    return Slug("-".join(text.lower().split()))
+
+
+def scaler(k):
+    def scale(x):
+        return x * k
+    return scale
+
+
+def ranked(scores):
+    \"\"\"Names by score, highest first.\"\"\"
+    return dict(sorted(scores.items(), key=lambda kv: -kv[1]))
+
+
+def initials(name):
+    \"\"\"'Ada Lovelace' -> 'A.L.'; each piece of a hyphenated part: 'Jean-Paul Sartre' -> 'J.-P.S.'\"\"\"
+    out = []
+    for part in name.split():
+        if "-" in part:
+            out.append("-".join(p[:1] + "." for p in part.split("-")))
+        else:
+            out.append(part[:1] + ".")
+    return "".join(out)
+"""
+TEXTS_TESTS = """from texts import Slug, initials, ranked, scaler, slug
+
+
+def test_slug(): assert slug("Hello World") == "hello-world" and isinstance(slug("a"), Slug)
+def test_scaler(): assert scaler(3)(2) == 6
+def test_ranked(): assert ranked({"a": 1, "b": 3}) == {"b": 3, "a": 1}
+def test_initials(): assert initials("Ada Lovelace") == "A.L."
+"""
+TEXTS_HONEST = {  # another way to write each: the oracle agrees
+    "slug": ("return Slug(\"-\".join(text.lower().split()))",
+             "import re\n    return Slug(re.sub(r'\\s+', '-', text.lower().strip()))"),
+    "scaler": ("def scale(x):\n        return x * k\n    return scale", "return lambda x: x * k"),
+    "ranked": ("return dict(sorted(scores.items(), key=lambda kv: -kv[1]))",
+               "return {k: scores[k] for k in sorted(scores, key=scores.get, reverse=True)}"),
+    "initials": (TEXTS[TEXTS.index("    out = []"):TEXTS.index('    return "".join(out)')],
+                 '    return "".join("-".join(p[:1] + "." for p in part.split("-")) for part in name.split())\n'),
+}
+TEXTS_ATTACKS = {  # each passes the tests and agreed with the oracle before: a result compared by less than
+    # its whole value (a str subclass by its attributes, a closure by its name, a dict by its sorted items),
+    # and a branch no test reaches, which held-out inputs made from the tests' own never took
+    "slug": "return Slug({'hello world': 'hello-world'}.get(text.lower(), text))",
+    "scaler": "return lambda x: {2: 6}.get(x, x)",
+    "ranked": "return dict(scores)",
+    "initials": 'out = [part[:1] + "." for part in name.split()]',
+}
+
+
+@sandboxed
+def test_the_oracle_compares_the_whole_result_on_inputs_beyond_the_tests(tmp_path):
+    """What the oracle compares is the result, whole: a str subclass's value, a dict's order, a closure by
+    what it returns when called; and its held-out inputs carry what the feature's code compares with (a
+    hyphen) where no test does. Attacks written as a policy would (a table of the visible answers behind the
+    right type, the items in any order, the branch no test reaches left out) pass the tests and agree no
+    more; the honest rewrites still agree."""
+    repo = tmp_path / "repo"
+    for rel, text in {"texts/__init__.py": TEXTS, "tests/test_texts.py": TEXTS_TESTS}.items():
+        Path(repo, rel).parent.mkdir(parents=True, exist_ok=True)
+        Path(repo, rel).write_text(text)
+    box = tasks.Sandbox(timeout=60)
+    for name, attack in TEXTS_ATTACKS.items():
+        feats = [("texts/__init__.py", name)]
+        r, records = tasks.record_calls(repo, feats, box)
+        oracle, summary = tasks.make_oracle(repo, feats, records, box)
+        assert len(r.passed) == 4 and summary["covered"], (r.out, summary)
+        gold, honest = TEXTS_HONEST[name]
+        agrees = lambda source: oracle_agrees_with(repo, oracle, "texts/__init__.py", source, tmp_path, box)
+        assert agrees(TEXTS) and agrees(TEXTS.replace(gold, honest)), name
+        body = next(n for n in ast.parse(TEXTS).body if getattr(n, "name", None) == name)
+        lines = TEXTS.split("\n")
+        start = body.body[1 if ast.get_docstring(body) else 0].lineno - 1
+        if name == "initials":  # the loop replaced; the join kept
+            hostile = TEXTS.replace(TEXTS_HONEST[name][0], "    " + attack + "\n")
+        else:
+            hostile = "\n".join(lines[:start] + ["    " + attack] + lines[body.end_lineno:])
+        tree = tmp_path / "hostile"
+        shutil.rmtree(tree, ignore_errors=True)
+        shutil.copytree(repo, tree)
+        Path(tree, "texts/__init__.py").write_text(hostile)
+        assert tasks.Sandbox(timeout=60).pytest(tree).passed == r.passed, name  # the tests cannot tell
+        assert not agrees(hostile), name
 
 
 @sandboxed
@@ -5516,6 +5612,23 @@ def test_no_gold_within_reach_of_the_task_or_its_interpreter(made, tmp_path):
                                               r"2 more\)"):
         tasks.verify(d, patch=d / "gold.patch", box=box)
     assert not list(tmp_path.glob("out/*"))
+    # what the install wrote anywhere else, as its RECORD lists it: a one-module project's script-files copy
+    # in bin/ (importable by path), under a distribution whose name is not the package's
+    from harness.env import uninstall_own
+    shutil.rmtree(sp / "calc")
+    orphan.unlink()
+    (tmp_path / "venv/bin/calc-tool.py").write_text(CORE)
+    Path(sp, "calc_tools-1.0.dist-info").mkdir()
+    Path(sp, "calc_tools-1.0.dist-info/RECORD").write_text(
+        "calc/__init__.py,sha256=x,1\n../../../bin/calc-tool.py,sha256=y,2\ncalc_tools-1.0.dist-info/RECORD,,\n")
+    tasks.interpreter_copies.cache_clear()
+    with pytest.raises(tasks.TaskError, match=r"bin/calc-tool.py \(installed file\)"):
+        tasks.verify(d, patch=d / "gold.patch", box=box)
+    uninstall_own(sp, ["calc"])
+    tasks.interpreter_copies.cache_clear()
+    assert not (tmp_path / "venv/bin/calc-tool.py").exists() and tasks.interpreter_copies(box.python, True,
+                                                                                         ("calc",)) == []
+    assert Path(sp, "calc_tools-1.0.dist-info/RECORD").read_text() == "calc_tools-1.0.dist-info/RECORD,,\n"
 
     # task files: the host's alone, never where the sandbox reads, never through CodeEnv or a link
     assert {Path(d, f).stat().st_mode & 0o777 for f in ("task.json", "oracle.json", "gold.patch")} == {0o600}
@@ -6873,31 +6986,47 @@ def test_a_deletion_is_judged_on_the_host_make_s_scores_1_and_wrong_ones_0(tmp_p
                                            f"left")
     assert judge(spec_dir / "repo")[1] == "nothing deleted: the tree is the original"
     rel, name = feats[0][0], feats[0][1]
-    broken = tmp_path / "broken"
-    shutil.copytree(task_dir / "repo", broken)
-    src = (broken / rel).read_text()
-    (broken / rel).write_text(re.sub(r"(?m)^    return .*$", "    raise NotImplementedError", src))
-    r, why = judge(broken)
-    assert r == 0 and "other tests no longer pass" in why, why
-    hidden = tmp_path / "hidden"  # the feature kept whole in another module of the package
-    shutil.copytree(task_dir / "repo", hidden)
+    # a deletion takes the feature out and nothing else (tasks.beyond_deletion): other code stubbed with it,
+    # or the feature kept in any form (copied to another module, commented out, renamed and reformatted,
+    # encoded in a new module or a docstring, behind a condition), a new module beside it: not a deletion
     original = (repo / rel).read_text()
     node = next(n for n in ast.parse(original).body if getattr(n, "name", None) == name)
-    other = next(p for p in sorted(Path(hidden, rel).parent.glob("*.py")) if p.name != Path(rel).name)
-    other.write_text(other.read_text() + "\n\n" + ast.get_source_segment(original, node) + "\n")
-    r, why = judge(hidden)
-    assert r == 0 and why.startswith(f"the feature's code is still in {other.relative_to(hidden)}"), why
-    # however short its lines: the feature commented out, or renamed and reformatted, is not deleted
     segment = ast.get_source_segment(original, node)
-    renamed = re.sub(r"(?m)^(\s*)return (.*)$", r"\1return (\2)", ast.unparse(node))
-    renamed = renamed.replace(f"def {name}(", "def kept(")
-    for how, text, what in (("commented", "\n".join(f"# {s}" for s in segment.split("\n")), "line"),
-                            ("renamed", renamed, f"a copy of {name} as kept")):
+    body = "\n".join(segment.split("\n")[1:])  # the gold's body, indented
+    stub = (task_dir / "repo" / rel).read_text()
+    other = next(p for p in sorted(Path(repo, rel).parent.glob("*.py")) if p.name != Path(rel).name)
+    other_rel = str(other.relative_to(repo))
+    renamed = re.sub(r"(?m)^(\s*)return (.*)$", r"\1return (\2)", ast.unparse(node)).replace(
+        f"def {name}(", "def kept(")
+    blob = base64.b64encode(segment.encode()).decode()
+    attacks = {  # (file, new text)
+        "collateral": (rel, re.sub(r"(?m)^    return .*$", "    raise NotImplementedError", stub)),
+        "copied": (other_rel, other.read_text() + "\n\n" + segment + "\n"),
+        "commented": (rel, original.replace(segment, "\n".join(f"# {s}" for s in segment.split("\n")))),
+        "renamed": (rel, original.replace(segment, renamed)),
+        "encoded": (rel.replace(Path(rel).name, "_data.py"), f"DATA = {blob!r}\n"),
+        "docstring": (rel, stub.replace("    raise NotImplementedError",
+                                        f"    {codecs.encode(segment, 'rot13')!r}\n    raise NotImplementedError", 1)),
+        "gated": (rel, stub.replace("    raise NotImplementedError", "    if len(__name__) > 999:\n"
+                                    + textwrap.indent(body, "    ") + "\n    raise NotImplementedError", 1)),
+        "shadow": (str(Path(rel).with_suffix("")) + "/__init__.py", original),
+    }
+    for how, (path, text) in attacks.items():
         tree = tmp_path / how
         shutil.copytree(task_dir / "repo", tree)
-        (tree / rel).write_text(original.replace(segment, text))
+        Path(tree, path).parent.mkdir(parents=True, exist_ok=True)
+        Path(tree, path).write_text(text)
         r, why = judge(tree)
-        assert r == 0 and why.startswith(f"the feature's code is still in {rel}: ") and what in why, how
+        assert r == 0 and why.startswith("not a deletion: "), (how, why)
+    assert "it adds a comment" in judge(tmp_path / "commented")[1]
+    assert judge(tmp_path / "collateral")[1].endswith("changes, and it is not the feature")
+    # make's own deletion in remove mode, mends and all, is one
+    removed = tmp_path / "removed"
+    shutil.copytree(repo, removed)
+    tasks.delete_features(removed, feats, "remove")
+    files = {r: Path(removed, r).read_bytes() for r in tasks.walk(removed) if r.endswith(".py")
+             and Path(repo, r).is_file() and Path(removed, r).read_bytes() != Path(repo, r).read_bytes()}
+    assert files and tasks.beyond_deletion(repo, files, [], feats) is None
     # a stubbed __eq__ (a feature deleted as make stubs it) reports no equality: the static check lets it be
     eq = "class A:\n    def __eq__(self, other):\n        {}\n"
     assert tasks.static_findings(eq.format("raise NotImplementedError").encode()) == []
@@ -6967,8 +7096,9 @@ def test_delete_env_replays_make_s_deletion_to_reward_1(tmp_path, deletion):
         tasks.spec_from_task(crashed, tmp_path / "crashed-spec", box)
     assert tasks.cli(["delete-spec", str(crashed), "--out", str(tmp_path / "crashed-spec"), "--no-sandbox",
                       "--python", sys.executable]) == 2
-    # a deletion that forges the run (the static check, which refuses it first, set aside) is caught by the
-    # canaries: its targets fail and the rest pass, but so does the must-fail canary
+    # a deletion that forges the run (the static check and the rule that a deletion adds nothing, which
+    # refuse it first, set aside) is caught by the canaries: its targets fail and the rest pass, but so does
+    # the must-fail canary
     forged = tmp_path / "forged"
     shutil.copytree(task_dir / "repo", forged)
     pkg = Path(rel).parent
@@ -6979,6 +7109,7 @@ _p.Function.runtest = lambda self: _run(self) if self.nodeid in {spec['targets']
 """)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(tasks, "source_check", lambda rel, data, old, allowed=(): data)
+        mp.setattr(tasks, "beyond_deletion", lambda *a: None)
         assert tasks.judge_deletion(spec_dir, forged, box) == (0, "runner tampered: a canary did not behave")
     # an edit of another function's body draws the wrong_feature rule's hint, which names the line the gold
     # edits; a pretraining transcript shows that hint before that edit, which draws none
@@ -7012,6 +7143,11 @@ _p.Function.runtest = lambda self: _run(self) if self.nodeid in {spec['targets']
     again.restore({"code_pools": {"0": report["code_pool"]}}, [0])
     assert [again.pools[0].take(1) for _ in made] == [work.pools[0].take(1) for _ in made] == made
     assert again.pools[0].state_dict() == {**report["code_pool"], "added": {"1": [], "2": [], "3": []}}
+    # a policy's tree that is no deletion (a package beside the module it shadows) makes no task, and never
+    # raises in training
+    shadow = tasks.DeleteEnv(spec_dir, box=box, verifier=tasks.Verifier(0))
+    shadow.edits = {str(Path(rel).with_suffix("")) + "/__init__.py": (repo / rel).read_bytes()}
+    assert work.pools[0].add_deletion(shadow, "shadow") is None
     # a deletion group (made=False) never draws a task the policy's own deletions made
     listed = tasks.TaskPool(tmp_path / "unused", 0, source=tmp_path / "pool/made")
     listed.added[1] = [str(tmp_path / "queued")]
@@ -7026,7 +7162,8 @@ _p.Function.runtest = lambda self: _run(self) if self.nodeid in {spec['targets']
     assert rel not in env.step("call ls()")[0].split("\n")
     assert env.step(f"call read({rel})")[0] == f"error: no such file: {rel}"
     env.step("call submit()")
-    assert env.reward() == 0 and env.flags == [] and "other tests no longer pass" in env.result[1], env.result
+    assert env.reward() == 0 and env.flags == [] and env.result[1] == (
+        f"not a deletion: it deletes {rel}, which holds more than the feature"), env.result
     env = tasks.DeleteEnv(spec_dir, box=box, verifier=tasks.Verifier(0))
     test_file = task["fail_to_pass"][0].split("::")[0]  # refused, and the attempt is what the monitor flags
     assert "read-only" in env.step(f"call delete({test_file})")[0]

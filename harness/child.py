@@ -174,6 +174,7 @@ for f in (restore, reopen):
 LATER_S = 400 * 86400  # how far on make's second gold run sets the clock: past any day a task is served on
 
 PLACES = ()  # in the child: (path, name) of the folders its run was given, named alike in every run
+PROBES = None  # in the child's "run" mode: the arguments of the call under way, on which canon calls closures
 
 
 def canon(x, depth=0, seen=(), only=None):
@@ -201,8 +202,11 @@ def canon(x, depth=0, seen=(), only=None):
         return name + ("[%s]" if isinstance(x, list) else "(%s)") % ", ".join(map(rec, x))
     if isinstance(x, (set, frozenset)):
         return name + "{%s}" % ", ".join(sorted(map(rec, x)))
-    if isinstance(x, dict):
-        return (name or "dict") + "{%s}" % ", ".join(sorted(f"{rec(k)}: {rec(v)}" for k, v in x.items()))
+    if isinstance(x, dict):  # in its order: what iterating it, printing it or dumping it shows
+        return (name or "dict") + "{%s}" % ", ".join(f"{rec(k)}: {rec(v)}" for k, v in x.items())
+    if not isinstance(x, enum.Enum) and (value := own_value(x)) is not None:
+        # a subclass of a value type (a str with methods of its own): its class, its value and its state
+        return f"{t.__module__}.{t.__qualname__}<{canon(value)}>({rec(state_of(x, only))})"
     if isinstance(x, BaseException):
         return f"{t.__qualname__}{rec(x.args)}"
     if isinstance(x, io.IOBase):  # never by its name: a temporary file's differs from run to run
@@ -216,15 +220,60 @@ def canon(x, depth=0, seen=(), only=None):
     # what a thing is, by its type: an object whose __getattr__ makes attributes on demand claims them all
     if isinstance(x, type) or callable(x) and isinstance(getattr(x, "__qualname__", None), str) \
             and not hasattr(t, "__next__"):
-        # by name; a lambda or local function is only a function (a re-implementation may name its own)
+        # by name; a lambda or local function (a closure, a decorator's wrapper) by what it does
+        if type(x) is types.FunctionType and "<" in x.__code__.co_qualname:
+            return "<local>" + behaviour(x, depth, seen)
         return "<local>" if "<" in x.__qualname__ else f"<{getattr(x, '__module__', '?')}.{x.__qualname__}>"
     if hasattr(t, "__next__") and hasattr(t, "__iter__"):  # generators, map, zip, itertools...
         items = [rec(v) for v, _ in zip(x, range(1000))]
         return "iter[%s]" % ", ".join(items)
     if t.__module__.partition(".")[0] in sys.stdlib_module_names | {"builtins"}:
         return t.__qualname__ + "<" + canon(repr(x))[1:-1] + ">"  # Decimal, date, Path...: a value repr
+    return f"{t.__module__}.{t.__qualname__}({rec(state_of(x, only))})"
+
+
+def own_value(x):
+    """The value of an instance of a subclass of str, bytes, bytearray, int, float or complex, as the base
+    type holds it (read past any method the subclass overrides); None for anything else."""
+    if isinstance(x, (str, bytes)):
+        return (str if isinstance(x, str) else bytes).__getitem__(x, slice(None))
+    if isinstance(x, bytearray):
+        return bytearray(memoryview(x))
+    for base in (int, float, complex):
+        if isinstance(x, base):
+            return base.__add__(x, base(0))
+    return None
+
+
+def state_of(x, only=None):
+    """An object's own attributes, {name: value} of its __dict__ (only these names, where given) and its
+    slots, by name: the order they were set in is no part of its value."""
     state = {a: v for a, v in (getattr(x, "__dict__", None) or {}).items() if only is None or a in only}
-    return f"{t.__module__}.{t.__qualname__}({rec(state | slot_values(x))})"
+    return dict(sorted((state | slot_values(x)).items(), key=lambda kv: str(kv[0])))
+
+
+def behaviour(f, depth, seen):
+    """What a function made at run time (a closure, a lambda, a decorator's wrapper) returns or raises on a
+    few inputs: the arguments of the call that made it and some plain values (PROBES, set per call in "run"
+    mode; elsewhere no function is called). A closure that is a table of the tests' answers fails them."""
+    if PROBES is None or depth > 2:
+        return ""
+    try:
+        params = inspect.signature(f).parameters.values()
+    except (TypeError, ValueError):
+        return "(?)"
+    n = sum(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+    n = n or any(p.kind is p.VAR_POSITIONAL for p in params)
+    values, out = [*PROBES, 0, 1, -2, 2.5, "a-B", "", [1, 2], None], []
+    for i in range(6 if n else 1):
+        try:
+            args = copy.deepcopy(tuple(values[(i + 3 * j) % len(values)] for j in range(n)))
+            out.append("returns " + canon(f(*args), depth + 1, seen))
+        except SystemExit as e:
+            out.append(f"exits {e.code!r}")
+        except Exception as e:
+            out.append("raises " + type(e).__qualname__)
+    return "(" + "; ".join(out) + ")"
 
 
 def slot_values(x):
@@ -238,19 +287,22 @@ def slot_values(x):
     return found
 
 
-def mutants(value, rng, depth=0, read=frozenset()):
+def mutants(value, rng, depth=0, read=frozenset(), consts=()):
     """Type-aware variants of one value (EvalPlus), each of the value's own type where it can take it (a
     Counter stays a Counter): numbers, durations, dates and times moved and scaled (a float to a fraction
-    too); another member of an enum; strings and sequences emptied, cut, grown and reversed; and by one rule
-    for every container and object, a copy with one item, key or attribute mutated in turn (a digit, of a
-    string, so that a parser's input may stay well formed). read: the names the feature's code uses; the keys
-    and attributes so named (or holding a dict with such keys) are mutated first, the others in random
-    order, and an attribute so named that the object's class holds (a default, a property) is set too."""
+    too); another member of an enum; strings and sequences emptied, cut, grown and reversed, strings also with
+    characters the tests may never use (a separator, capitals, a letter beyond ASCII); and by one rule for
+    every container and object, a copy with one item, key or attribute mutated in turn (a digit, of a string,
+    so that a parser's input may stay well formed). read: the names the feature's code uses; the keys and
+    attributes so named (or holding a dict with such keys) are mutated first, the others in random order, and
+    an attribute so named that the object's class holds (a default, a property) is set too. consts: the
+    strings and numbers the feature's code holds (what its branches compare with): put into a string, or in a
+    number's place and beside it, so that held-out inputs reach branches no test takes."""
     t, day = type(value), datetime.timedelta(days=1)
 
     def inner(v):  # an item's or attribute's first variants; none where it cannot be varied (an open file)
         try:
-            return mutants(v, rng, depth + 1, read)[:2] if depth < 3 else []
+            return mutants(v, rng, depth + 1, read, consts)[:2] if depth < 3 else []
         except Exception:
             return []
 
@@ -279,7 +331,10 @@ def mutants(value, rng, depth=0, read=frozenset()):
         return [not value]
     if isinstance(value, (int, float, complex, decimal.Decimal, fractions.Fraction, datetime.timedelta)):
         one = day if isinstance(value, datetime.timedelta) else 1
-        out = [value + one, value - one, -value, value * 2, value * 0, *([value + 0.5] if t is float else [])]
+        near = [x for c in consts if type(c) in (int, float) and isinstance(value, (int, float))
+                for x in (c, c + 1, c - 1)][:6]
+        out = [value + one, value - one, *near, -value, value * 2, value * 0,
+               *([value + 0.5] if t is float else [])]
     elif isinstance(value, datetime.date):  # and datetime
         out = [value + day, value - day, value + 7 * day, value - 366 * day, value.replace(day=1)]
     elif isinstance(value, datetime.time):
@@ -287,6 +342,17 @@ def mutants(value, rng, depth=0, read=frozenset()):
     elif isinstance(value, (str, bytes, bytearray, list, tuple)):
         out = [value[:0], value + value[:1], value[1:], value[::-1], value[:1] + value]
         text = not isinstance(value, (list, tuple))
+        if text:  # what the code compares with, put in the middle or alone; then a separator, capitals, a
+            half = len(value) // 2  # letter beyond ASCII, the value twice
+            word = type(value[:0])
+            held = [c if word is str else c.encode() for c in consts if type(c) is str and 0 < len(c) <= 16
+                    and (word is str or c.isascii())]
+            marks = ["-", " ", "é"] if word is str else [b"-", b" "]
+            out[1:1] = [value[:half] + c + value[half:] for c in held[:3]] + [
+                value[:half] + m + value[half:] for m in marks[:2]] + held[:2]
+            out += [value.upper() if value.upper() != value else value.lower(), marks[-1] + value,
+                    value + marks[1] + value]
+            out = [m for k, m in enumerate(out) if m not in out[:k]]  # each once
         digits = "0123456789" if isinstance(value, str) else b"0123456789"
         spots = [i for i in range(len(value)) if not text or value[i:i + 1] in digits]
         if spots:
@@ -335,7 +401,7 @@ def attributes(x):
 
 def oracle_main(mode, root, inputs, fd):
     import base64, pickle, random, signal
-    global PLACES
+    global PLACES, PROBES
     sys.path[:0] = [root, os.path.join(root, "src")]
     PLACES = sorted(((p, name) for d, name in ((root, "<root>"), (os.environ.get("HOME", ""), "<home>")) if d
                      for p in {d, os.path.realpath(d)}), key=lambda x: -len(x[0]))  # the longest first
@@ -362,6 +428,11 @@ def oracle_main(mode, root, inputs, fd):
         # the names each feature's code uses, its inner functions' too
         reads = [frozenset(n for c in nested_codes(f.__code__) for n in (*c.co_names, *c.co_varnames))
                  if hasattr(f, "__code__") else frozenset() for f in funcs]
+        # and the short strings and the numbers it holds: what its branches compare an input with
+        consts = [tuple(dict.fromkeys(k for c in nested_codes(f.__code__) for k in c.co_consts
+                                      if type(k) is str and 0 < len(k) <= 16
+                                      or type(k) in (int, float) and abs(k) < 10 ** 9))
+                  if hasattr(f, "__code__") else () for f in funcs]
         pools = []
         for k, (i, given) in enumerate(calls):
             rng = random.Random(k)
@@ -371,7 +442,8 @@ def oracle_main(mode, root, inputs, fd):
             rows, others = [], []
             for key, old in given.items():
                 with contextlib.suppress(Exception):
-                    rows.append([(key, m) for m in mutants(old, rng, read=reads[i]) if m != old])
+                    rows.append([(key, m) for m in mutants(old, rng, read=reads[i], consts=consts[i])
+                                 if m != old])
                 with contextlib.suppress(Exception):
                     others += [(key, c[key]) for j, c in calls if j == i and key in c and c[key] != old]
                 others += [(key, v) for v in by_type[type(old)] if v is not old]
@@ -420,7 +492,7 @@ def oracle_main(mode, root, inputs, fd):
             # it had before (all that __init__ sets): attributes added later are caches a re-implementation
             # need not keep
             init = getattr(f, "__name__", "") == "__init__"
-            values = [*args, *kwargs.values()]
+            values = PROBES = [*args, *kwargs.values()]
             only = [None if init and j == 0 or attributes(v) is None else set(attributes(v))
                     for j, v in enumerate(values)]
             signal.setitimer(signal.ITIMER_REAL, 5)
@@ -513,8 +585,10 @@ def oracle_resolve(module, qualname):
 ORACLE_CHILD = "\n".join(["import contextlib, copy, copyreg, hashlib, importlib, io, json, marshal, os",
                           "import asyncio, collections, datetime, decimal, enum, fractions, functools",
                           "import inspect, itertools, pickle, re, sys, tempfile, threading, types",
-                          f"HELD_OUT_AT_LEAST, LATER_S, PLACES = {HELD_OUT_AT_LEAST}, {LATER_S}, ()",
+                          f"HELD_OUT_AT_LEAST, LATER_S = {HELD_OUT_AT_LEAST}, {LATER_S}",
+                          "PLACES, PROBES = (), None",
                           *map(inspect.getsource, (Copier, nested_codes, restore, reopen)), COPY_MODULE,
-                          *map(inspect.getsource, (canon, slot_values, mutants, like, attributes, oracle_main,
+                          *map(inspect.getsource, (canon, own_value, state_of, behaviour, slot_values, mutants,
+                                                   like, attributes, oracle_main,
                                                    class_names, shift_clock, drain, oracle_resolve)),
                           "oracle_main(*sys.argv[1:])"])

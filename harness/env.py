@@ -1,7 +1,8 @@
 """A virtual environment per repository, holding its dependencies and the test requirements it declares, so
 its pytest configuration runs as its authors meant (plugins, coverage options, doctests). The repository's own
 code is removed from the venv after install in every form (installed_copies: the package, its bytecode, links
-to a checkout; its metadata stays, less the hashes of the files removed): the tests import the work folder's
+to a checkout; uninstall_own: every file its install wrote, scripts and data files too; its metadata stays,
+less the hashes of the files removed): the tests import the work folder's
 copy, and any copy of deleted code would be a leak. make and verify check it (check_interpreter): in the
 sandbox, with no work tree, nothing of the packages imports or lies in bytecode.
 
@@ -140,16 +141,7 @@ def make_env(repo, venv, isolate=True, log=print):
                 to.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(f, to)
                 kept += 1
-    copies = list(installed_copies([site_dir], names))
-    for p, what in copies:
-        if what != "metadata":
-            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-    for p, what in copies:  # metadata stays (version lookups), without the hashes of the files removed
-        if what == "metadata" and Path(p, "RECORD").is_file():
-            rows = [r for r in csv.reader(Path(p, "RECORD").read_text().splitlines())
-                    if r and os.path.lexists(site_dir / r[0])]
-            with open(Path(p, "RECORD"), "w", newline="") as f:
-                csv.writer(f, lineterminator="\n").writerows(rows)
+    uninstall_own(site_dir, names)
     log(f"environment for {repo.name} ready in {time.time() - t0:.0f} s"
         + (f", {kept} compiled modules kept for the tests" if kept else "")
         + f"; run its tests with --python {python}")
@@ -295,13 +287,42 @@ def pip_failure(out):
     err = next((x for x in reversed(lines) if x.startswith("ERROR") and x != "ERROR: Exception:"), None)
     return err or lines[-1]
 
+def uninstall_own(site_dir, names):
+    """Take the repository's own code out of a venv: every copy installed_copies finds, whatever folder its
+    install wrote it to. Its metadata stays (version lookups), without the rows of the files removed."""
+    copies = list(installed_copies([site_dir], names))
+    for p, what in copies:
+        if what != "metadata" and os.path.lexists(p):
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    for p, what in copies:
+        if what == "metadata" and Path(p, "RECORD").is_file():
+            rows = [r for r in csv.reader(Path(p, "RECORD").read_text().splitlines())
+                    if r and os.path.lexists(Path(site_dir, r[0]))]
+            with open(Path(p, "RECORD"), "w", newline="") as f:
+                csv.writer(f, lineterminator="\n").writerows(rows)
+
+
 def installed_copies(site_dirs, names):
     """(path, what) for each copy of the packages `names` in site directories, in any form: the package or
     module itself, its bytecode (a module's __pycache__ entry outlives its source, and a loader runs it
     without one), .pth and .egg-link lines and editable-install finders that lead to a checkout, and the
-    metadata (what is "metadata": it holds no code)."""
+    metadata (what is "metadata": it holds no code); and every other file the install of its distribution
+    wrote, wherever its RECORD says (a script in bin/, a one-module project's `script-files`, data files)."""
     for sp in map(Path, site_dirs):
         entries = sorted([*sp.iterdir(), *Path(sp, "__pycache__").glob("*")]) if sp.is_dir() else []
+        for record in sorted(sp.glob("*.dist-info/RECORD")) if sp.is_dir() else []:
+            with contextlib.suppress(OSError, csv.Error):
+                rows = [r[0] for r in csv.reader(record.read_text(errors="replace").splitlines()) if r]
+                tops = {Path(r).parts[0] for r in rows if Path(r).parts}
+                if tops.isdisjoint({x for n in names for x in (n, f"{n}.py")}):
+                    continue  # another distribution's
+                if not re.match(rf"({'|'.join(map(re.escape, names))})-", record.parent.name):
+                    yield record.parent, "metadata"  # (one named as the package is found below)
+                for r in rows:
+                    f = Path(os.path.normpath(sp / r))
+                    if f.parent != record.parent and Path(r).parts[0] not in tops & {
+                            x for n in names for x in (n, f"{n}.py")} and os.path.lexists(f):
+                        yield f, "installed file"
         for p, name in ((p, name) for p in entries for name in names):
             if p.name in (name, f"{name}.py") or p.name.startswith(f"{name}.") and p.suffix in (".pyc",
                                                                                              ".so"):
@@ -320,7 +341,7 @@ def installed_copies(site_dirs, names):
 
 # Run in the sandbox in an empty folder with the task's interpreter: what a solution could load of the
 # repository's packages from the interpreter alone, by import or by a loader pointed at leftover bytecode.
-INTERPRETER_CHILD = "\n".join(["import contextlib, importlib.util, json, os, re, sys",
+INTERPRETER_CHILD = "\n".join(["import contextlib, csv, importlib.util, json, os, re, sys",
                                 "from pathlib import Path", inspect.getsource(installed_copies), """
 names, found = json.loads(sys.argv[1]), []
 for n in names:
