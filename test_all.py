@@ -5614,7 +5614,6 @@ def test_no_gold_within_reach_of_the_task_or_its_interpreter(made, tmp_path):
     assert not list(tmp_path.glob("out/*"))
     # what the install wrote anywhere else, as its RECORD lists it: a one-module project's script-files copy
     # in bin/ (importable by path), under a distribution whose name is not the package's
-    from harness.env import uninstall_own
     shutil.rmtree(sp / "calc")
     orphan.unlink()
     (tmp_path / "venv/bin/calc-tool.py").write_text(CORE)
@@ -5624,6 +5623,7 @@ def test_no_gold_within_reach_of_the_task_or_its_interpreter(made, tmp_path):
     tasks.interpreter_copies.cache_clear()
     with pytest.raises(tasks.TaskError, match=r"bin/calc-tool.py \(installed file\)"):
         tasks.verify(d, patch=d / "gold.patch", box=box)
+    from harness.env import uninstall_own  # what `tasks.py env` does after its install
     uninstall_own(sp, ["calc"])
     tasks.interpreter_copies.cache_clear()
     assert not (tmp_path / "venv/bin/calc-tool.py").exists() and tasks.interpreter_copies(box.python, True,
@@ -6992,15 +6992,23 @@ def test_a_deletion_is_judged_on_the_host_make_s_scores_1_and_wrong_ones_0(tmp_p
     original = (repo / rel).read_text()
     node = next(n for n in ast.parse(original).body if getattr(n, "name", None) == name)
     segment = ast.get_source_segment(original, node)
-    body = "\n".join(segment.split("\n")[1:])  # the gold's body, indented
     stub = (task_dir / "repo" / rel).read_text()
     other = next(p for p in sorted(Path(repo, rel).parent.glob("*.py")) if p.name != Path(rel).name)
     other_rel = str(other.relative_to(repo))
-    renamed = re.sub(r"(?m)^(\s*)return (.*)$", r"\1return (\2)", ast.unparse(node)).replace(
-        f"def {name}(", "def kept(")
+    fn = ast.parse(segment).body[0]  # the feature under another name, its parameters renamed too
+    params = {a.arg for a in ast.walk(fn.args) if isinstance(a, ast.arg)}
+    for n in ast.walk(fn):
+        if isinstance(n, ast.arg) and n.arg in params or isinstance(n, ast.Name) and n.id in params:
+            setattr(n, "arg" if isinstance(n, ast.arg) else "id", getattr(n, "arg", None) or n.id + "_")
+    fn.name = "kept"
+    renamed = ast.unparse(fn)
+    call = f"kept({', '.join(a.arg for a in node.args.args)})"
     blob = base64.b64encode(segment.encode()).decode()
+    lines, at = stub.split("\n"), next(n.lineno for n in ast.parse(stub).body
+                                       if isinstance(n, ast.FunctionDef) and n.name != name)
     attacks = {  # (file, new text)
-        "collateral": (rel, re.sub(r"(?m)^    return .*$", "    raise NotImplementedError", stub)),
+        "collateral": (rel, "\n".join(lines[:at] + ["    if len(__name__) > 999:", "        return None"]
+                                       + lines[at:])),  # another function changed: its tests still pass
         "copied": (other_rel, other.read_text() + "\n\n" + segment + "\n"),
         "commented": (rel, original.replace(segment, "\n".join(f"# {s}" for s in segment.split("\n")))),
         "renamed": (rel, original.replace(segment, renamed)),
@@ -7008,8 +7016,9 @@ def test_a_deletion_is_judged_on_the_host_make_s_scores_1_and_wrong_ones_0(tmp_p
         "docstring": (rel, stub.replace("    raise NotImplementedError",
                                         f"    {codecs.encode(segment, 'rot13')!r}\n    raise NotImplementedError", 1)),
         "gated": (rel, stub.replace("    raise NotImplementedError", "    if len(__name__) > 999:\n"
-                                    + textwrap.indent(body, "    ") + "\n    raise NotImplementedError", 1)),
-        "shadow": (str(Path(rel).with_suffix("")) + "/__init__.py", original),
+                                    + textwrap.indent(renamed, "        ") + f"\n        return {call}"
+                                    + "\n    raise NotImplementedError", 1)),
+        "shadow": (str(Path(rel).with_suffix("")) + "/__init__.py", original.replace(segment, renamed)),
     }
     for how, (path, text) in attacks.items():
         tree = tmp_path / how
@@ -7020,6 +7029,13 @@ def test_a_deletion_is_judged_on_the_host_make_s_scores_1_and_wrong_ones_0(tmp_p
         assert r == 0 and why.startswith("not a deletion: "), (how, why)
     assert "it adds a comment" in judge(tmp_path / "commented")[1]
     assert judge(tmp_path / "collateral")[1].endswith("changes, and it is not the feature")
+    broken = tmp_path / "broken"  # other code stubbed with the feature, which its tests notice
+    shutil.copytree(task_dir / "repo", broken)
+    (broken / rel).write_text(re.sub(r"(?m)^    return .*$", "    raise NotImplementedError", stub))
+    with pytest.MonkeyPatch.context() as mp:  # (the rule above set aside: the tests judge it too)
+        mp.setattr(tasks, "beyond_deletion", lambda *a: None)
+        r, why = judge(broken)
+    assert r == 0 and "other tests no longer pass" in why, why
     # make's own deletion in remove mode, mends and all, is one
     removed = tmp_path / "removed"
     shutil.copytree(repo, removed)
