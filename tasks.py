@@ -1572,10 +1572,7 @@ def make_oracle(gold, feats, records, box):
             known.add(data)
             held.append([i, data])
     calls = traced + held
-    # twice, the second time a year on: a result that depends on when it runs (a token that expires) differs
-    first, second = (oracle_run(box, gold, features, calls, mode) for mode in ("run", "later"))
-    expected = [first.get(k) if first.get(k) == second.get(k) else pattern(first.get(k), second.get(k))
-                for k in range(len(calls))]
+    first, expected = gold_results(box, gold, features, calls)
     ok = [(e or "").startswith(("returns", "raises", "exits", "matches")) for e in expected]
     kept = [[i, data, expected[k], "traced" if k < len(traced) else "held-out"]
             for k, (i, data) in enumerate(calls) if ok[k]]
@@ -1600,6 +1597,15 @@ def make_oracle(gold, feats, records, box):
     return {"encoding": ENCODING, "features": features, "calls": kept}, summary
 
 
+def gold_results(box, gold, features, calls):
+    """The gold's results on calls, run twice, the second time a year on (a result that depends on when it
+    runs, a token that expires, differs): (the first run's {k: line}, [expected line, a pattern where the
+    runs differ in some words, or None where they differ otherwise])."""
+    first, second = (oracle_run(box, gold, features, calls, mode) for mode in ("run", "later"))
+    return first, [first.get(k) if first.get(k) == second.get(k) else pattern(first.get(k), second.get(k))
+                   for k in range(len(calls))]
+
+
 def record_calls(root, feats, box, select=None):
     """One pytest run of root (the gold code; select: those tests only) with Recorder on feats: (report,
     recorded calls)."""
@@ -1617,10 +1623,12 @@ def record_calls(root, feats, box, select=None):
 # cosmic-ray measure a test suite). A mutant is the gold with one small change inside a deleted definition: an
 # operator swapped, a comparison negated or moved by one, a constant nudged, a returned value dropped, a
 # statement dropped, a branch dropped or its condition negated. Each is verified once: one that scores 1
-# survives. Most mutants are wrong code, so a verifier that passes many is weaker than the gold's reward says;
-# the survivors are listed for a person to judge, since some behave exactly like the gold (an error message
-# nothing reads). The tests alone and the tests plus the oracle are judged in the same verify, so what the
-# oracle adds is measured too.
+# survives. Most mutants are wrong code, so a verifier that passes many is weaker than the gold's reward says.
+# A survivor is then run on a wider set of held-out inputs (told_apart): one that differs from the gold there
+# is live, and the inputs that tell it apart join the oracle (mutation-guided inputs, as EvoSuite selects
+# tests); one that agrees on all of them is listed as equivalent for a person to judge (an error message
+# nothing reads, a cast that does nothing) and left out of the score. The tests alone and the tests plus the
+# oracle are judged in the same verify, so what the oracle adds is measured too.
 
 STRENGTH_K = 12  # mutants a task; each is a verify of a few seconds
 
@@ -1737,9 +1745,9 @@ def mutations(gold, deleted, k, seed=0):
 def strength(task_dir, k=STRENGTH_K, box=None, seed=0, jobs=2, gold_s=None):
     """The verifier's mutation score on a task: up to k mutants of the gold (mutations), each laid over the
     snapshot and verified, jobs at a time; written into task.json as "strength" and returned: {mutants,
-    killed_by_tests, killed (by tests plus oracle: verify's reward 0), score_tests, score, seed, survivors:
-    [{mutant, diff}], missed_by_tests: [what changed]}. A mutant verify refuses before its tests run counts
-    as killed by both. The gold is verified first: a gold that fails here would make every mutant look
+    killed_by_tests, killed (by tests plus oracle: verify's reward 0, or by the inputs told_apart adds),
+    score_tests, score (of the mutants not equivalent), seed, equivalent: [{mutant, diff}], oracle_added,
+    missed_by_tests: [what changed]}. A mutant verify refuses before its tests run counts as killed by both. The gold is verified first: a gold that fails here would make every mutant look
     killed. Each mutant gets five times the gold's time, at least 30 s (a mutant may loop forever). gold_s:
     the seconds the gold's verify took, where the caller (make) has just verified it: not verified again."""
     task_dir = Path(task_dir)
@@ -1775,32 +1783,89 @@ def strength(task_dir, k=STRENGTH_K, box=None, seed=0, jobs=2, gold_s=None):
         with stoppable(jobs) as pool:
             judged = list(pool.map(judge, found))
         gold_src = {rel: Path(gold, rel).read_bytes().decode("utf-8", "replace") for rel, _, _ in found}
-    n, survivors = len(found), []
-    for (rel, what, data), (reward, _) in zip(found, judged):
-        if reward == 1:
+        alive = [m for m, (reward, _) in zip(found, judged) if reward == 1]
+        added, apart = told_apart(task_dir, gold, alive, box) if alive else ([], [])
+    n, equivalent = len(found), []
+    for (rel, what, data), killer in zip(alive, apart):
+        if killer is None:
             diff = difflib.unified_diff(gold_src[rel].splitlines(keepends=True),
                                         data.decode("utf-8", "replace").splitlines(keepends=True),
                                         f"a/{rel}", f"b/{rel}")
-            survivors.append({"mutant": what, "diff": "".join(diff)})
+            equivalent.append({"mutant": what, "diff": "".join(diff)})
     a, b = sum(tests is not None for _, tests in judged), sum(reward == 0 for reward, _ in judged)
-    result = {"mutants": n, "killed_by_tests": a, "killed": b, "score_tests": a / n if n else 0.0,
-              "score": b / n if n else 0.0, "seed": seed, "survivors": survivors,
+    b += len(alive) - len(equivalent)  # live survivors: killed by the inputs added to the oracle
+    m = n - len(equivalent)
+    result = {"mutants": n, "killed_by_tests": a, "killed": b, "score_tests": a / m if m else 0.0,
+              "score": b / m if m else 0.0, "seed": seed, "equivalent": equivalent,
+              "oracle_added": len(added),
               "missed_by_tests": [what for (_, what, _), (_, tests) in zip(found, judged) if tests is None]}
-    task = json.loads((task_dir / "task.json").read_text())  # as it is now: only "strength" changes
-    task["strength"] = result
+    task = json.loads((task_dir / "task.json").read_text())  # as it is now: "strength" changes, and the
+    task["strength"] = result                                  # oracle's counts where inputs were added
+    if added:
+        per = task["oracle"]["held_out_per_feature"]
+        for c in added:
+            per[c[0]] += 1
+        task["oracle"].update(held_out=task["oracle"]["held_out"] + len(added), covered=task["oracle"][
+            "covered"] or all(x >= HELD_OUT_AT_LEAST for x in per))
     temp = task_dir / f".task.json.{secrets.token_hex(4)}"
     temp.write_text(json.dumps(task, indent=1))
     os.replace(temp, task_dir / "task.json")  # a reader sees the old task.json or the new, never half of one
     return result
 
 
+WIDER_AT_MOST = 400  # inputs of the wider set that tells a surviving mutant apart from the gold
+
+
+def told_apart(task_dir, gold, alive, box):
+    """Survivors told apart from equivalent mutants: the held-out inputs made again from every input the
+    oracle holds (traced and held-out alike, so a variant of a variant: characters, constants and lengths
+    further from the tests'), the gold's results on them, and each surviving mutant run on them. An input on
+    which a mutant's result differs from the gold's is a held-out input the oracle lacked: up to
+    HELD_OUT_AT_LEAST of them go into the task's oracle.json, and the mutant is killed; a mutant that agrees
+    on all of them is listed as equivalent (no input found tells it apart). -> (the calls added, for each
+    mutant the first call that told it apart or None)."""
+    path = Path(task_dir, "oracle.json")
+    oracle = json.loads(path.read_text()) if path.is_file() else {"calls": []}
+    if not oracle["calls"]:
+        return [], [None] * len(alive)
+    known, per = {c[1] for c in oracle["calls"]}, Counter()
+    wider = []
+    for i, data in oracle_run(box, gold, oracle["features"], [c[:2] for c in oracle["calls"]], "mutate"):
+        if data not in known and per[i] < WIDER_AT_MOST // len(oracle["features"]):
+            known.add(data)
+            per[i] += 1
+            wider.append([i, data])
+    _, expected = gold_results(box, gold, oracle["features"], wider)
+    wider = [[*c, e, "held-out"] for c, e in zip(wider, expected)
+             if (e or "").startswith(("returns", "raises", "exits", "matches"))]
+    added, apart = [], []
+    for rel, _, data in alive:
+        with scratch() as mine:
+            shutil.copytree(gold, Path(mine, "m"), symlinks=True)
+            Path(mine, "m", rel).write_bytes(data)
+            got = oracle_run(box, Path(mine, "m"), oracle["features"], [c[:2] for c in wider])
+        killers = [c for k, c in enumerate(wider) if not agrees(c[2], got.get(k, "no result"))]
+        apart.append(killers[0] if killers else None)
+        added += [c for c in killers[:HELD_OUT_AT_LEAST] if c not in added]
+    if added:
+        oracle["calls"] += added
+        temp = path.with_name(f".oracle.json.{secrets.token_hex(4)}")
+        temp.write_text(json.dumps(oracle))
+        os.chmod(temp, 0o600)
+        os.replace(temp, path)
+    return added, apart
+
+
 def strength_lines(tid, s):
-    """What `strength` prints for a task: its figures, then each survivor."""
+    """What `strength` prints for a task: its figures, then each mutant found equivalent."""
     n = s["mutants"]
-    share = lambda x: f"{x} ({x / n:.0%})" if n else "0"
-    return "\n".join([f"{tid}: {n} mutants, killed by the tests alone {share(s['killed_by_tests'])}, by "
-                      f"tests and oracle {share(s['killed'])}; survivors {len(s['survivors'])}"]
-                     + [f"  survives: {x['mutant']}" for x in s["survivors"]])
+    m = n - len(s.get("equivalent", []))
+    share = lambda x: f"{x} ({x / m:.0%})" if m else "0"
+    return "\n".join([f"{tid}: {n} mutants, {n - m} equivalent (no input found tells them apart), of the "
+                      f"{m} others killed by the tests alone {share(s['killed_by_tests'])}, by tests and "
+                      f"oracle {share(s['killed'])}"
+                      + (f" ({s['oracle_added']} inputs added to the oracle)" if s.get("oracle_added") else "")]
+                     + [f"  equivalent: {x['mutant']}" for x in s.get("equivalent", [])])
 
 
 # -----------------------------------------------------------------------------

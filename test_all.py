@@ -4445,7 +4445,8 @@ def test_make_picks_the_right_features_and_test_sets(made):
 def test_strength_counts_the_gold_mutants_the_tests_and_the_oracle_kill(made, tmp_path, capsys):
     """mean's mutants, drawn by seed 1 (6 of its 7): the tests alone miss `/` made `//` (mean([1, 2, 3]) is 2
     either way), which the oracle kills. Stack.pop's, drawn by seed 1 (2 of 5): one survives, as it should
-    (with its `raise IndexError` dropped, [].pop() raises IndexError itself), and is listed with its diff."""
+    (with its `raise IndexError` dropped, [].pop() raises IndexError itself): no wider input tells it apart,
+    so it is listed as equivalent with its diff, and out of the score."""
     d = tmp_path / "mean"
     shutil.copytree(task_dir(made, "mean")[0], d, symlinks=True)
     task, inode = json.loads((d / "task.json").read_text()), (d / "task.json").stat().st_ino
@@ -4470,22 +4471,23 @@ def test_strength_counts_the_gold_mutants_the_tests_and_the_oracle_kill(made, tm
     assert after == task and (d / "task.json").stat().st_ino != inode  # replaced whole, nothing else changed
     assert sorted(p.name for p in d.iterdir()) == ["gold.patch", "oracle.json", "repo", "task.json"]
     assert out == tasks.strength_lines("mean", s) + "\n  served\n"
-    assert out == ("mean: 6 mutants, killed by the tests alone 5 (83%), by tests and oracle 6 (100%); "
-                   "survivors 0\n  served\n")
-    assert s["score"] > s["score_tests"] and s["seed"] == 1 and s["survivors"] == []
+    assert out == ("mean: 6 mutants, 0 equivalent (no input found tells them apart), of the 6 others killed "
+                   "by the tests alone 5 (83%), by tests and oracle 6 (100%)\n  served\n")
+    assert s["score"] > s["score_tests"] and s["seed"] == 1 and s["equivalent"] == []
     (floor,) = s["missed_by_tests"]
     assert floor in [what for _, what, _ in drawn] and "`(sum(values) // len(values))`" in floor
-    # a survivor, listed for a person to judge
+    # a survivor no input tells apart from the gold: equivalent, listed for a person to judge, left out of
+    # the score
     pop = tmp_path / "pop"
     shutil.copytree(task_dir(made, "Stack.pop")[0], pop, symlinks=True)
     s = tasks.strength(pop, 2, seed=1)
-    (survivor,) = s["survivors"]
-    assert (s["killed"], s["score"]) == (1, 0.5)
+    (survivor,) = s["equivalent"]
+    assert (s["killed"], s["score"], s["oracle_added"]) == (1, 1.0, 0)
     assert 'raise IndexError("pop from an empty Stack")` -> `pass`' in survivor["mutant"]
     assert survivor["diff"].startswith("--- a/calc/core.py\n+++ b/calc/core.py\n@@ ")
     assert [line[0] for line in survivor["diff"].splitlines()[3:] if line[:1] in "-+"] == ["-", "+"]
     # served: covered and measured at or above the bar
-    assert tasks.served(tmp_path) == [d] and tasks.served(tmp_path, min_strength=0.5) == [d, pop]
+    assert tasks.served(tmp_path) == [d, pop] and tasks.served(tmp_path, min_strength=1.01) == []
     # bad input: one line, exit 2
     here = Path(tasks.__file__)
     for args in [["strength", str(tmp_path / "nope")], ["strength", str(d), "--k", "0"]]:
@@ -4992,6 +4994,21 @@ def test_the_oracle_compares_the_whole_result_on_inputs_beyond_the_tests(tmp_pat
         Path(tree, "texts/__init__.py").write_text(hostile)
         assert tasks.Sandbox(timeout=60).pytest(tree).passed == r.passed, name  # the tests cannot tell
         assert not agrees(hostile), name
+    # a mutant that survives an oracle of the traced calls alone is told apart on the wider set (variants of
+    # variants) and the inputs that tell it join the oracle; one no input tells apart is equivalent
+    d = tmp_path / "task"
+    d.mkdir()
+    oracle["calls"] = traced = [c for c in oracle["calls"] if c[3] == "traced"]
+    (d / "oracle.json").write_text(json.dumps(oracle))
+    live = TEXTS.replace('"-".join(p[:1] + "." for p', '"-".join(p[:2] + "." for p')
+    same = TEXTS.replace('out.append(part[:1] + ".")', 'out.append(part[0:1] + ".")')
+    assert agrees(live) and agrees(same)
+    added, apart = tasks.told_apart(d, repo, [("texts/__init__.py", "live", live.encode()),
+                                              ("texts/__init__.py", "same", same.encode())], box)
+    assert apart[0] in added and apart[1] is None and 0 < len(added) <= tasks.HELD_OUT_AT_LEAST
+    assert json.loads((d / "oracle.json").read_text())["calls"] == traced + added
+    assert not oracle_agrees_with(repo, json.loads((d / "oracle.json").read_text()), "texts/__init__.py", live,
+                                  tmp_path, box)
 
 
 @sandboxed
