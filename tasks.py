@@ -117,7 +117,8 @@ from typing import Optional, Protocol
 
 from harness import Refused, TaskError
 from harness.child import HELD_OUT_AT_LEAST, ORACLE_CHILD, RECORD_AT_MOST
-from harness.env import COMPILED, installed_copies, interpreter_copies, make_env, plugin_for, pytest_config
+from harness.env import (COMPILED, collect_args, installed_copies, interpreter_copies, make_env, old_config,
+                         plugin_for, pytest_config)
 from harness.plugins import RECORDER_MODULE, TRACER_MODULE, plugin_run
 from harness.repo import (CONFIG, fresh_git, inside, is_protected, linked, lstat_tree, materialize,
                           package_files, package_name, package_roots, packages, read_regular, source_files,
@@ -343,7 +344,8 @@ def build_task(work, tdir, tid, feats, mode, stable, reach, box, source, splice=
     unrun = stable - reach  # their outcome is the baseline's
     with scratch() as tmp:  # tests may write files: run them on a throwaway copy
         shutil.copytree(snap, Path(tmp, "s"), symlinks=True)
-        r = box.pytest(Path(tmp, "s"), select=reach if mode == "stub" else None)
+        r = (box.pytest(Path(tmp, "s"), select=reach) if mode == "stub" else
+             box.pytest(Path(tmp, "s"), collect_args(Path(tmp, "s"))))
         rc, broken, log = r.rc, r.passed | (unrun if mode == "stub" else set()), r.out
     if rc == 124:  # a deletion can make the suite far slower (packaging: past 300 s, where it passes in 80 s)
         return None, f"with the feature deleted the tests ran past the timeout of {box.timeout} s"
@@ -411,13 +413,22 @@ DEBRIS = (".benchmarks", ".hypothesis", ".pytest_cache", ".tox", ".nox", "htmlco
           ".coverage.*")
 
 
+# what a test that measures time is called: it passes or fails with the machine's load, so it is never required
+TIMED = re.compile(r"(?i)perf(ormance)?|benchmark|timing|speed|latency|throughput|slow|timeout")
+
+
+def timed(test):
+    """Whether a test's name or its file's says it measures time."""
+    return bool(TIMED.search(test.split("::")[-1]) or TIMED.search(Path(test.split("::")[0]).name))
+
+
 def baseline(work, box, repo, log):
     """The suite run twice, once traced, past test files that fail to collect: (the tests that pass both
-    times, {test: functions it calls}, the functions called at import). A suite that mostly fails is refused
+    times, less those that measure time, {test: functions it calls}, the functions called at import). A suite that mostly fails is refused
     with pytest's first error: a broken environment (a compiled extension missing) is no baseline."""
     r1, calls, at_import = trace_tests(work, box)
-    r2 = box.pytest(work)
-    stable = r1.passed & r2.passed
+    r2 = box.pytest(work, collect_args(work))
+    stable = {t for t in r1.passed & r2.passed if not timed(t)}
     bad = [t for t, o in (r2.outcomes or {}).items() if {"failed", "error"} & set(o.values())]
     log(f"baseline: {len(stable)} stable passing tests, {len(r1.passed ^ r2.passed)} flaky dropped"
         + (f", {len(bad)} failing ({first_error(r2.out)})" if bad else ""))
@@ -489,8 +500,8 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reac
                         f"that are not tests by their names or folder, e.g. {unseen[0]}: make knows "
                         f"test_*.py, *_test.py and .py files in a tests/ or test/ folder")
     if not any(r.endswith(".py") and is_protected(r) and Path(r).name not in CONFIG for r in walk(repo)):
-        raise TaskError(f"{repo} has no test files (test_*.py, *_test.py, or .py files in a tests/ or test/ "
-                        f"folder): its tests are the verifier (an sdist may ship none; take its source "
+        raise TaskError(f"{repo} has no test files (test_*.py, *_test.py, tests.py, or .py files in a tests/ "
+                        f"or test/ folder): its tests are the verifier (an sdist may ship none; take its source "
                         f"repository)")
     if n < 1 or group < 1 or jobs < 1 or reach is not None and not 0 < reach <= 1 or size not in SIZES:
         raise TaskError(f"--n, --group and --jobs must be >= 1, --reach in (0, 1], --size one of {SIZES}")
@@ -510,6 +521,8 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reac
         work = Path(tmp, "repo")
         # leaks and all (the scan before scrubbing reports them), test-run debris aside
         shutil.copytree(repo, work, symlinks=True, ignore=shutil.ignore_patterns(*DEBRIS))
+        for line in old_config(work):
+            log(line)
         compiled = Path(box.prefix, COMPILED)  # from `env`: the package's compiled modules, put beside it
         for pkg in packages(work) if compiled.is_dir() else []:
             if (compiled / package_name(pkg)).is_dir() and not pkg.endswith(".py"):

@@ -6385,7 +6385,7 @@ def test_make_refuses_bad_repositories_in_one_line_and_never_touches_the_source(
              "names or folder, e.g. check_calc.py": {
                  "pyproject.toml": b'[tool.pytest.ini_options]\npython_files = ["check_*.py"]\n',
                  "check_calc.py": b"import calc\ndef test_add(): assert calc.add(1, 2) == 3\n"},
-             "has no test files (test_*.py, *_test.py, or .py files in a tests/ or test/ folder)": {
+             "has no test files (test_*.py, *_test.py, tests.py, or .py files in a tests/ or test/ folder)": {
                  "tests/test_calc.py": None},
              "the baseline is broken: 2 of 3 tests fail and 1 pass in": {
                  "tests/test_calc.py": b"def test_no(): assert False\ndef test_no2(): assert 0\n"
@@ -6526,6 +6526,42 @@ def test_single_module_projects_and_documentation_doctests(tmp_path):
     assert task["fail_to_pass"] == ["docs/usage.rst::usage.rst", "tests/test_calc.py::test_mean"], logs
     assert "docs/notes.rst::notes.rst" not in task["pass_to_pass"] and len(task["pass_to_pass"]) == 9
     assert "tests/test_calc.py::test_writes" in task["pass_to_pass"]
+    assert tasks.verify(d, patch=d / "gold.patch")[0] == 1 and tasks.verify(d, workdir=d / "repo")[0] == 0
+
+
+@sandboxed
+def test_layouts_pytest_defaults_miss_are_made(tmp_path):
+    """Ordinary layouts of the package index that pytest's defaults do not run: a single module tested by a
+    root tests.py (unittest cases too), a test module in a test folder under another name (tests/tests.py,
+    test/suite.py), and an old setup.cfg whose [pytest] section pytest 7 stopped reading; and a test whose
+    name says it measures time is never required."""
+    repo = write_fixture(tmp_path / "calc")
+    shutil.rmtree(repo / "calc")
+    (repo / "calc.py").write_text(CORE)
+    shutil.rmtree(repo / "tests")
+    (repo / "tests.py").write_text("import unittest\nimport calc\n\n\ndef test_mean(): assert calc.mean([1, 3]) == 2\n"
+                                   + "".join(f"def test_{i}(): assert calc.add({i}, 1) == {i + 1}\n"
+                                             for i in range(6))
+                                   + "def test_add_speed(): assert calc.add(1, 1) == 2\n\n\n"
+                                   "class TestClamp(unittest.TestCase):\n"
+                                   "    def test_low(self): self.assertEqual(calc.clamp(-1, 0, 9), 0)\n")
+    (repo / "setup.cfg").write_text("[pytest]\naddopts = -q\n")
+    assert tasks.packages(commit(repo)) == ["calc.py"] and tasks.is_protected("tests.py")
+    at = str(repo.resolve())
+    assert tasks.collect_args(repo) == ["-o", f"python_files=test_*.py *_test.py {at}/tests.py"]
+    (repo / "docs").mkdir()  # by the same rule: tests/tests.py, and not a module that is no test
+    (repo / "docs/tests.py").write_text("def test_x(): pass\n")
+    (repo / "test").mkdir()
+    (repo / "test/suite.py").write_text("from calc import add\n\n\ndef test_add(): assert add(1, 2) == 3\n")
+    assert tasks.collect_args(repo) == ["-o", f"python_files=test_*.py *_test.py {at}/test/suite.py {at}/tests.py"]
+    shutil.rmtree(repo / "test")
+    logs = []
+    made = tasks.make(repo, tmp_path / "out", n=2, seed=0, log=logs.append)
+    assert made and "setup.cfg: its [pytest] section renamed [tool:pytest], as pytest 7 and later read it" in logs
+    required = {t for task in made for t in task["fail_to_pass"] + task["pass_to_pass"]}
+    assert "tests.py::TestClamp::test_low" in required and "tests.py::test_mean" in required, logs
+    assert not any("speed" in t for t in required)
+    d = tmp_path / "out" / made[0]["id"]
     assert tasks.verify(d, patch=d / "gold.patch")[0] == 1 and tasks.verify(d, workdir=d / "repo")[0] == 0
 
 

@@ -17,6 +17,7 @@ import ast
 import configparser
 import contextlib
 import csv
+import fnmatch
 import functools
 import importlib.machinery
 import inspect
@@ -33,7 +34,7 @@ import tomllib
 from pathlib import Path
 
 from harness import TaskError
-from harness.repo import imports, package_name, packages, walk
+from harness.repo import CONFIG, imports, is_protected, package_name, packages, walk
 from harness.sandbox import Sandbox, first_error, parsed, scratch
 
 # extras and dependency groups that hold test requirements
@@ -235,6 +236,44 @@ def config_plugins(repo):
     need = [plugin_for(w) for w in words(cfg.get("addopts", ""))] + [INI_PLUGINS.get(k) for k in cfg]
     need += words(cfg.get("required_plugins", ""))
     return list(dict.fromkeys(x for x in need if x))
+
+
+def old_config(root):
+    """Bring a configuration today's pytest refuses to the form it reads, in place (a task's snapshot is
+    made from the result): setup.cfg's `[pytest]` section, which pytest 7 stopped reading, as
+    `[tool:pytest]`. -> what changed, a line each."""
+    f, done = Path(root, "setup.cfg"), []
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        text = f.read_text()
+        if re.search(r"(?m)^\[pytest\]\s*$", text) and "[tool:pytest]" not in text:
+            f.write_text(re.sub(r"(?m)^\[pytest\]\s*$", "[tool:pytest]", text))
+            done.append("setup.cfg: its [pytest] section renamed [tool:pytest], as pytest 7 and later read it")
+    return done
+
+
+def collect_args(root):
+    """pytest options that collect the test modules the configured python_files patterns miss (a project's
+    root tests.py, tests/tests.py: a user runs them by name): modules in test folders, or named tests.py or
+    test.py, that define tests (test_ functions, Test classes or unittest cases) and import the packages."""
+    named = pytest_config(root).get("python_files") or "test_*.py *_test.py"
+    pats = named if isinstance(named, list) else str(named).replace(",", " ").split()
+    own = {package_name(p) for p in packages(root)}
+    extra = set()
+    for rel in walk(root):
+        name = Path(rel).name
+        if not rel.endswith(".py") or name in CONFIG or not is_protected(rel) \
+                or any(fnmatch.fnmatch(name, pat) for pat in pats):
+            continue
+        with contextlib.suppress(SyntaxError, ValueError, OSError):
+            tree = ast.parse(Path(root, rel).read_bytes())
+            tests = any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name.startswith("test")
+                        or isinstance(n, ast.ClassDef) and (n.name.startswith("Test") or "TestCase" in
+                                                            ast.unparse(n.bases)) for n in tree.body)
+            uses = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names} | {
+                n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+            if tests and uses & own:  # by its path: another file of that name may be no test
+                extra.add(str(Path(root).resolve() / rel))
+    return ["-o", "python_files=" + " ".join([*pats, *sorted(extra)])] if extra else []
 
 
 def pytest_config(repo):

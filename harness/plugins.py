@@ -26,7 +26,7 @@ from collections import Counter
 from pathlib import Path
 
 from harness.child import COPY_MODULE, POOL_AT_MOST, RECORD_AT_MOST, Copier, nested_codes, reopen, restore
-from harness.env import pytest_config
+from harness.env import collect_args, pytest_config
 from harness.repo import CONFIG, is_protected
 from harness.sandbox import scratch, tail
 
@@ -212,6 +212,7 @@ def plugin_run(box, root, name, source, env, select=None, timeout=None):
     instead (-n 0): the plugin sees them only here."""
     opts = str(pytest_config(root).get("addopts", ""))
     here = ["-n", "0"] if re.search(r"(^|\s)(-n|--numprocesses|--dist)\b", opts) else []
+    here += collect_args(root) if select is None else []
     with scratch() as tmp, tempfile.TemporaryFile() as fd:
         Path(tmp, f"{name}.py").write_text(source)
         r = box.pytest(root, ["-p", name, *here], path=[tmp], pass_fds=[fd.fileno()], select=select,

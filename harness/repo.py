@@ -38,7 +38,8 @@ CONFIG = {"conftest.py", "pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml",
 
 def is_protected(rel):
     p = Path(rel)
-    return (p.name in CONFIG or p.suffix == ".pth" or bool(re.fullmatch(r"test_.*\.py|.*_test\.py", p.name))
+    return (p.name in CONFIG or p.suffix == ".pth" or bool(re.fullmatch(r"test_.*\.py|.*_test\.py|tests?\.py",
+                                                                     p.name))
             or any(part in ("tests", "test", "testing") for part in p.parts[:-1]))
 
 
