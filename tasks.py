@@ -424,8 +424,9 @@ def timed(test):
 
 def baseline(work, box, repo, log):
     """The suite run twice, once traced, past test files that fail to collect: (the tests that pass both
-    times, less those that measure time, {test: functions it calls}, the functions called at import). A suite that mostly fails is refused
-    with pytest's first error: a broken environment (a compiled extension missing) is no baseline."""
+    times, less those that measure time, {test: functions it calls}, the functions called at import). A
+    suite that mostly fails is refused with pytest's first error: a broken environment (a compiled extension
+    missing) is no baseline."""
     r1, calls, at_import = trace_tests(work, box)
     r2 = box.pytest(work, collect_args(work))
     stable = {t for t in r1.passed & r2.passed if not timed(t)}
@@ -1760,9 +1761,10 @@ def strength(task_dir, k=STRENGTH_K, box=None, seed=0, jobs=2, gold_s=None):
     snapshot and verified, jobs at a time; written into task.json as "strength" and returned: {mutants,
     killed_by_tests, killed (by tests plus oracle: verify's reward 0, or by the inputs told_apart adds),
     score_tests, score (of the mutants not equivalent), seed, equivalent: [{mutant, diff}], oracle_added,
-    missed_by_tests: [what changed]}. A mutant verify refuses before its tests run counts as killed by both. The gold is verified first: a gold that fails here would make every mutant look
-    killed. Each mutant gets five times the gold's time, at least 30 s (a mutant may loop forever). gold_s:
-    the seconds the gold's verify took, where the caller (make) has just verified it: not verified again."""
+    missed_by_tests: [what changed]}. A mutant verify refuses before its tests run counts as killed by both.
+    The gold is verified first: a gold that fails here would make every mutant look killed. Each mutant gets
+    five times the gold's time, at least 30 s (a mutant may loop forever). gold_s: the seconds the gold's
+    verify took, where the caller (make) has just verified it: not verified again."""
     task_dir = Path(task_dir)
     if not (task_dir / "task.json").is_file():
         raise TaskError(f"no task at {task_dir}: "

@@ -6756,7 +6756,8 @@ def test_code_env_scripted_policies(made, tmp_path):
     # runs of one tree are shared only when they ask for the same tests: the stub fails the first set alone
     v = tasks.Verifier(0)
     f2p, p2p = (v.test(env, t[k]) for k in ("fail_to_pass", "pass_to_pass"))
-    assert f2p == "2 failed: test_mean, test_mean_empty; 0 passed" and p2p == f"{len(t['pass_to_pass'])} passed", (f2p, p2p)
+    assert f2p == "2 failed: test_mean, test_mean_empty; 0 passed", f2p
+    assert p2p == f"{len(t['pass_to_pass'])} passed", p2p
     runs = tasks.VERIFIER.stats()["verifies"]  # a tree whose own test run failed a needed test: 0, no verify
     env = episode(d, ["call test()", "call submit()"])
     assert env.reward() == 0 and env.result[1].startswith("its own test run of this tree failed tests/")
