@@ -40,6 +40,7 @@ import sys
 import tempfile
 import threading
 import types
+import weakref
 
 from harness.repo import is_protected
 
@@ -98,6 +99,23 @@ class Copier(pickle.Pickler):
             attrs = {k: v for k, v in vars(obj).items() if k not in ("__dict__", "__weakref__")}
             shell = {k: attrs.pop(k) for k in ("__module__", "__qualname__", "__slots__") if k in attrs}
             return t, (obj.__name__, obj.__bases__, shell), attrs, None, None, restore
+        # what pickle refuses but a copy can stand for: weak references (held: in the copy nothing else holds
+        # their objects) and the containers of them, a match (made again), the standard streams (the copy's
+        # own), an SQLite connection (its database copied)
+        if isinstance(obj, weakref.ref):
+            return Held, (obj(),)
+        if isinstance(obj, weakref.WeakSet):
+            return set, (list(obj),)
+        if isinstance(obj, (weakref.WeakValueDictionary, weakref.WeakKeyDictionary)):
+            return dict, (list(obj.items()),)
+        if t is re.Match:
+            return rematch, (obj.re, obj.string, obj.start(), obj.endpos)
+        for name in ("stdout", "stderr", "stdin"):
+            if obj is getattr(sys, name) or obj is getattr(sys, f"__{name}__"):
+                return getattr, (sys, name)
+        if type(obj).__module__ == "sqlite3" and hasattr(obj, "serialize"):
+            with contextlib.suppress(Exception):
+                return database, (obj.serialize(),)
         if isinstance(obj, io.IOBase) and not obj.closed and obj.seekable() and obj.readable():
             at = obj.tell()  # an open file (the tests' temporary ones): a new file with the same content
             obj.seek(0)
@@ -158,9 +176,33 @@ def reopen(data, mode, at):
     return f
 
 
-# what a pickle of Copier's names restore and reopen by, in the recorder and in the oracle's child alike
+class Held:
+    """A weak reference as Copier sends it: it holds what it refers to (in the copy nothing else may), and
+    calling it gives that, as calling the reference did."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __call__(self):
+        return self.obj
+
+
+def rematch(pattern, string, start, end):
+    """Unpickling a regular expression match that Copier sent: the same match, made again."""
+    return pattern.match(string, start, end)
+
+
+def database(data):
+    """Unpickling an SQLite connection that Copier sent: a new in-memory one holding the same database."""
+    import sqlite3
+    db = sqlite3.connect(":memory:")
+    db.deserialize(data)
+    return db
+
+
+# what a pickle of Copier's names these by, in the recorder and in the oracle's child alike
 COPY_MODULE = """sys.modules["_featdel_copy"] = types.ModuleType("_featdel_copy")
-for f in (restore, reopen):
+for f in (restore, reopen, Held, rematch, database):
     f.__module__ = "_featdel_copy"
     setattr(sys.modules["_featdel_copy"], f.__name__, f)
 """
@@ -478,6 +520,7 @@ def oracle_main(mode, root, inputs, fd):
 
     signal.signal(signal.SIGALRM, alarm)
     for k, (i, data) in enumerate(spec["calls"]):
+        sys.stdout = printed = io.StringIO()  # before the input is made: an argument may hold the stream
         try:
             args, kwargs = pickle.loads(base64.b64decode(data))
         except Exception as e:  # a class of the tests, say: make drops such inputs
@@ -503,7 +546,9 @@ def oracle_main(mode, root, inputs, fd):
                 result = canon(result)  # first: a generator changes what it changes as it runs
                 after = [canon(v, only=o) if not hasattr(type(v), "__next__") else "iterator"  # how far a
                          for v, o in zip(values, only)]  # call reads an iterator is its own affair
-                line = f"returns {result}; after {json.dumps(after)}"
+                shown = printed.getvalue()  # what it printed is a result too (a command's output)
+                line = f"returns {result}; " + (f"prints {canon(shown)}; " if shown else "") + \
+                    f"after {json.dumps(after)}"
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
         except Timeout:
@@ -582,12 +627,13 @@ def oracle_resolve(module, qualname):
     return obj if callable(obj) else f"no function {qualname} in {module}"
 
 
-ORACLE_CHILD = "\n".join(["import contextlib, copy, copyreg, hashlib, importlib, io, json, marshal, os",
+ORACLE_CHILD = "\n".join(["import contextlib, copy, copyreg, hashlib, importlib, io, json, marshal, os, weakref",
                           "import asyncio, collections, datetime, decimal, enum, fractions, functools",
                           "import inspect, itertools, pickle, re, sys, tempfile, threading, types",
                           f"HELD_OUT_AT_LEAST, LATER_S = {HELD_OUT_AT_LEAST}, {LATER_S}",
                           "PLACES, PROBES = (), None",
-                          *map(inspect.getsource, (Copier, nested_codes, restore, reopen)), COPY_MODULE,
+                          *map(inspect.getsource, (Copier, nested_codes, restore, reopen, Held, rematch,
+                                                   database)), COPY_MODULE,
                           *map(inspect.getsource, (canon, own_value, state_of, behaviour, slot_values, mutants,
                                                    like, attributes, oracle_main,
                                                    class_names, shift_clock, drain, oracle_resolve)),

@@ -25,7 +25,8 @@ import threading
 from collections import Counter
 from pathlib import Path
 
-from harness.child import COPY_MODULE, POOL_AT_MOST, RECORD_AT_MOST, Copier, nested_codes, reopen, restore
+from harness.child import (COPY_MODULE, POOL_AT_MOST, RECORD_AT_MOST, Copier, Held, database, nested_codes,
+                           rematch, reopen, restore)
 from harness.env import collect_args, pytest_config
 from harness.repo import CONFIG, is_protected
 from harness.sandbox import scratch, tail
@@ -140,7 +141,7 @@ class Recorder:
 
 
 RECORDER_MODULE = f"""import contextlib, copyreg, importlib, inspect, io, json, marshal, os, pickle, re, sys
-import tempfile, threading, types
+import tempfile, threading, types, weakref
 RECORD_AT_MOST, POOL_AT_MOST, CONFIG = {RECORD_AT_MOST}, {POOL_AT_MOST}, {CONFIG!r}
 from collections import Counter
 from pathlib import Path
@@ -149,6 +150,9 @@ from pathlib import Path
 {inspect.getsource(nested_codes)}
 {inspect.getsource(restore)}
 {inspect.getsource(reopen)}
+{inspect.getsource(Held)}
+{inspect.getsource(rematch)}
+{inspect.getsource(database)}
 {COPY_MODULE}
 {inspect.getsource(Recorder)}
 # popped: the tests never see them
