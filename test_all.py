@@ -6604,6 +6604,23 @@ def test_layouts_pytest_defaults_miss_are_made(tmp_path):
     assert tasks.verify(d, patch=d / "gold.patch")[0] == 1 and tasks.verify(d, workdir=d / "repo")[0] == 0
 
 
+@sandboxed
+def test_a_test_that_crashes_the_traced_run_costs_only_itself(tmp_path):
+    """A test that kills the interpreter only under the profiler (jsonpickle's deep recursion, traced: a
+    segmentation fault) ends the traced run; the tests traced before it are kept and the rest run again
+    without it, so the suite's trace is whole but for that one test."""
+    repo = write_fixture(tmp_path / "calc")
+    (repo / "tests/test_crash.py").write_text("import os, signal, sys\n\n\ndef test_before(): pass\n"
+                                              "def test_profiled():\n    if sys.getprofile() is not None:\n"
+                                              "        os.kill(os.getpid(), signal.SIGSEGV)\n"
+                                              "def test_after(): pass\n")
+    r, calls, at_import = tasks.trace_tests(repo, tasks.Sandbox(timeout=60))
+    crash = "tests/test_crash.py::test_"
+    assert {crash + "before", crash + "after", "tests/test_calc.py::test_mean"} <= r.passed, r.out
+    assert crash + "profiled" not in r.passed | set(calls) and r.end is not None
+    assert ("calc/core.py", "mean") in calls["tests/test_calc.py::test_mean"]
+
+
 SPEED_C = """#include <Python.h>
 static PyObject *twice(PyObject *self, PyObject *x) { return PyNumber_Add(x, x); }
 static PyMethodDef methods[] = {{"twice", twice, METH_O, "x + x"}, {NULL}};

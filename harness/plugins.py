@@ -167,10 +167,12 @@ class Tracer:
     """The tracing plugin. It runs inside the repository's pytest, not here: trace_tests writes this class's
     source into the plugin module it loads with -p, which makes one Tracer at import (before collection
     imports any of the package) and hands pytest its hooks. roots: the package folders; out: where the calls
-    go."""
+    go, a JSON line as each test starts (["start", id]) and ends (["calls", id, [[file, qualname], ...]]), the
+    calls outside tests under "<import>" and "<between>", then ["end"]: a run the profiler makes crash (a
+    test of deep recursion) keeps what it traced, and trace_tests runs the rest without the test in flight."""
 
     def __init__(self, roots, out):
-        self.out, self.current, self.calls = out, "<import>", {"<import>": set()}
+        self.out, self.current, self.calls = os.fdopen(int(out), "w", buffering=1), "<import>", {}
         keys = {}  # code object -> (file, qualname) inside the package, or None
 
         def profile(frame, event, arg):  # a closure, not a method: it runs on every call the tests make
@@ -187,17 +189,28 @@ class Tracer:
         sys.setprofile(profile)
         threading.setprofile(profile)
 
+    def write(self, *record):
+        self.out.write(json.dumps(record) + "\n")
+
+    def flush(self, *buckets):
+        for b in buckets:
+            self.write("calls", b, sorted(self.calls.pop(b, ())))
+
     def pytest_runtest_logstart(self, nodeid, location):
         # setup, call and teardown all count: a fixture that needs the feature breaks it
+        self.flush("<import>", "<between>")
+        self.write("start", nodeid)
         self.current = nodeid
 
     def pytest_runtest_logfinish(self, nodeid, location):
         self.current = "<between>"
+        self.flush(nodeid)
 
     def pytest_sessionfinish(self, session):
         sys.setprofile(None)
-        with os.fdopen(int(self.out), "w") as f:
-            json.dump({k: sorted(v) for k, v in self.calls.items()}, f)
+        self.flush("<import>", "<between>")
+        self.write("end")
+        self.out.close()
 
 
 TRACER_MODULE = f"""import json, os, sys, threading
@@ -209,7 +222,7 @@ pytest_sessionfinish = _tracer.pytest_sessionfinish
 """
 
 
-def plugin_run(box, root, name, source, env, select=None, timeout=None):
+def plugin_run(box, root, name, source, env, select=None, timeout=None, args=()):
     """One pytest run of root (select: node ids, as Sandbox.pytest) with one more plugin (source, loaded with
     -p name), which writes its result to the descriptor in FEATDEL_OUT: (report, what it wrote or None). A
     configuration that hands the tests to pytest-xdist's workers (addopts -n) runs them in this one process
@@ -219,6 +232,6 @@ def plugin_run(box, root, name, source, env, select=None, timeout=None):
     here += collect_args(root) if select is None else []
     with scratch() as tmp, tempfile.TemporaryFile() as fd:
         Path(tmp, f"{name}.py").write_text(source)
-        r = box.pytest(root, ["-p", name, *here], path=[tmp], pass_fds=[fd.fileno()], select=select,
+        r = box.pytest(root, ["-p", name, *here, *args], path=[tmp], pass_fds=[fd.fileno()], select=select,
                        timeout=timeout, extra_env={**env, "FEATDEL_OUT": str(fd.fileno())})
         return r, tail(fd, box.disk) or None  # whole: a large trace is over 64 MiB; bounded by RLIMIT_FSIZE
