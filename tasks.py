@@ -1655,9 +1655,10 @@ def record_calls(root, feats, box, select=None):
 # survives. Most mutants are wrong code, so a verifier that passes many is weaker than the gold's reward says.
 # A survivor is then run on a wider set of held-out inputs (told_apart): one that differs from the gold there
 # is live, and the inputs that tell it apart join the oracle (mutation-guided inputs, as EvoSuite selects
-# tests); one that agrees on all of them is listed as equivalent for a person to judge (an error message
-# nothing reads, a cast that does nothing) and left out of the score. The tests alone and the tests plus the
-# oracle are judged in the same verify, so what the oracle adds is measured too.
+# tests). One that agrees on all of them is equivalent where some input reaches the code it changed (an error
+# message nothing reads, a cast that does nothing), listed for a person to judge and left out of the score;
+# where none reaches it, it stays a survivor and counts against the score. The tests alone and the tests plus
+# the oracle are judged in the same verify, so what the oracle adds is measured too.
 
 STRENGTH_K = 12  # mutants a task; each is a verify of a few seconds
 
@@ -1741,10 +1742,14 @@ def mutation_sites(fn):
     return sites
 
 
+REACHED = "RuntimeError('featdel: reached')"
+
+
 def mutations(gold, deleted, k, seed=0):
     """Up to k mutants of the deleted definitions (task.json's "deleted") in the gold tree, drawn by seed:
-    [(file, what changed, the mutated file's bytes)], each a valid parse whose tree differs from the
-    gold's."""
+    [(file, what changed, the mutated file's bytes, the probe's)], each a valid parse whose tree differs from
+    the gold's. The probe is the gold with the mutated node raising REACHED instead: what tells a mutant no
+    input reaches from one that is reached and changes nothing."""
     srcs = {e["file"]: Path(gold, e["file"]).read_bytes() for e in deleted}
     trees = {rel: ast.dump(ast.parse(src)) for rel, src in srcs.items()}
     sites = [(e, *site) for e in deleted for tree in [ast.parse(srcs[e["file"]])]
@@ -1760,12 +1765,18 @@ def mutations(gold, deleted, k, seed=0):
             same = ast.dump(ast.parse(data)) == trees[rel]
         except (SyntaxError, ValueError):  # a pattern or target that takes no parentheses, say
             continue
+        probe = f"raise {REACHED}" if isinstance(node, ast.stmt) else f"(_ for _ in ()).throw({REACHED})"
+        probe = apply_edits(src, [(a, b, probe.encode())])
+        try:
+            ast.parse(probe)
+        except (SyntaxError, ValueError):  # a node no raise can stand for: no mutant
+            continue
         if same or data in seen:
             continue
         seen.add(data)
         old = " ".join(src[a:b].decode("utf-8", "replace").split())
         what = f"{rel}:{node.lineno} {e['qualname']}, {kind}: `{short(old)}` -> `{short(new)}`"
-        out.append((rel, what, data))
+        out.append((rel, what, data, probe))
         if len(out) == k:
             break
     return out
@@ -1775,8 +1786,8 @@ def strength(task_dir, k=STRENGTH_K, box=None, seed=0, jobs=2, gold_s=None):
     """The verifier's mutation score on a task: up to k mutants of the gold (mutations), each laid over the
     snapshot and verified, jobs at a time; written into task.json as "strength" and returned: {mutants,
     killed_by_tests, killed (by tests plus oracle: verify's reward 0, or by the inputs told_apart adds),
-    score_tests, score (of the mutants not equivalent), seed, equivalent: [{mutant, diff}], oracle_added,
-    missed_by_tests: [what changed]}. A mutant verify refuses before its tests run counts as killed by both.
+    score_tests, score (of the mutants not equivalent), seed, survivors and equivalent: [{mutant, diff}],
+    oracle_added, missed_by_tests: [what changed]}. A mutant verify refuses before its tests run counts as killed by both.
     The gold is verified first: a gold that fails here would make every mutant look killed. Each mutant gets
     five times the gold's time, at least 30 s (a mutant may loop forever). gold_s: the seconds the gold's
     verify took, where the caller (make) has just verified it: not verified again."""
@@ -1803,7 +1814,7 @@ def strength(task_dir, k=STRENGTH_K, box=None, seed=0, jobs=2, gold_s=None):
         found = mutations(gold, task["deleted"], k, seed)
 
         def judge(mutant):  # (reward, the tests' reason for 0 or None)
-            rel, _, data = mutant
+            rel, _, data, _ = mutant
             with scratch() as mine:
                 shutil.copytree(gold, Path(mine, "m"), symlinks=True)
                 Path(mine, "m", rel).write_bytes(data)
@@ -1812,23 +1823,22 @@ def strength(task_dir, k=STRENGTH_K, box=None, seed=0, jobs=2, gold_s=None):
             return reward, verdicts.get("tests", why)
         with stoppable(jobs) as pool:
             judged = list(pool.map(judge, found))
-        gold_src = {rel: Path(gold, rel).read_bytes().decode("utf-8", "replace") for rel, _, _ in found}
+        gold_src = {rel: Path(gold, rel).read_bytes().decode("utf-8", "replace") for rel, *_ in found}
         alive = [m for m, (reward, _) in zip(found, judged) if reward == 1]
-        added, apart = told_apart(task_dir, gold, alive, box) if alive else ([], [])
-    n, equivalent = len(found), []
-    for (rel, what, data), killer in zip(alive, apart):
-        if killer is None:
+        added, fates = told_apart(task_dir, gold, alive, box) if alive else ([], [])
+    n, kept = len(found), {"equivalent": [], "survivors": []}
+    for (rel, what, data, _), fate in zip(alive, fates):
+        if fate != "killed":
             diff = difflib.unified_diff(gold_src[rel].splitlines(keepends=True),
                                         data.decode("utf-8", "replace").splitlines(keepends=True),
                                         f"a/{rel}", f"b/{rel}")
-            equivalent.append({"mutant": what, "diff": "".join(diff)})
+            kept[fate].append({"mutant": what, "diff": "".join(diff)})
     a, b = sum(tests is not None for _, tests in judged), sum(reward == 0 for reward, _ in judged)
-    b += len(alive) - len(equivalent)  # live survivors: killed by the inputs added to the oracle
-    m = n - len(equivalent)
+    b += fates.count("killed")  # live survivors: killed by the inputs added to the oracle
+    m = n - len(kept["equivalent"])
     result = {"mutants": n, "killed_by_tests": a, "killed": b, "score_tests": a / m if m else 0.0,
-              "score": b / m if m else 0.0, "seed": seed, "equivalent": equivalent,
-              "oracle_added": len(added),
-              "missed_by_tests": [what for (_, what, _), (_, tests) in zip(found, judged) if tests is None]}
+              "score": b / m if m else 0.0, "seed": seed, **kept, "oracle_added": len(added),
+              "missed_by_tests": [what for (_, what, *_), (_, tests) in zip(found, judged) if tests is None]}
     task = json.loads((task_dir / "task.json").read_text())  # as it is now: "strength" changes, and the
     task["strength"] = result                                  # oracle's counts where inputs were added
     if added:
@@ -1851,13 +1861,14 @@ def told_apart(task_dir, gold, alive, box):
     oracle holds (traced and held-out alike, so a variant of a variant: characters, constants and lengths
     further from the tests'), the gold's results on them, and each surviving mutant run on them. An input on
     which a mutant's result differs from the gold's is a held-out input the oracle lacked: up to
-    HELD_OUT_AT_LEAST of them go into the task's oracle.json, and the mutant is killed; a mutant that agrees
-    on all of them is listed as equivalent (no input found tells it apart). -> (the calls added, for each
-    mutant the first call that told it apart or None)."""
+    HELD_OUT_AT_LEAST of them go into the task's oracle.json, and the mutant is "killed". One that agrees on
+    all of them is "equivalent" where some input reaches the code it changed (its probe, which raises there,
+    gives another result), else a "survivors" one: no input reaches it, so nothing says it does no harm.
+    -> (the calls added, each mutant's fate)."""
     path = Path(task_dir, "oracle.json")
     oracle = json.loads(path.read_text()) if path.is_file() else {"calls": []}
     if not oracle["calls"]:
-        return [], [None] * len(alive)
+        return [], ["survivors"] * len(alive)
     known, per = {c[1] for c in oracle["calls"]}, Counter()
     wider = []
     for i, data in oracle_run(box, gold, oracle["features"], [c[:2] for c in oracle["calls"]], "mutate"):
@@ -1868,14 +1879,17 @@ def told_apart(task_dir, gold, alive, box):
     _, expected = gold_results(box, gold, oracle["features"], wider)
     wider = [[*c, e, "held-out"] for c, e in zip(wider, expected)
              if (e or "").startswith(("returns", "raises", "exits", "matches"))]
-    added, apart = [], []
-    for rel, _, data in alive:
+    every, added, fates = oracle["calls"] + wider, [], []
+
+    def differs(rel, data, calls):  # the calls on which the gold with data as rel gives another result
         with scratch() as mine:
             shutil.copytree(gold, Path(mine, "m"), symlinks=True)
             Path(mine, "m", rel).write_bytes(data)
-            got = oracle_run(box, Path(mine, "m"), oracle["features"], [c[:2] for c in wider])
-        killers = [c for k, c in enumerate(wider) if not agrees(c[2], got.get(k, "no result"))]
-        apart.append(killers[0] if killers else None)
+            got = oracle_run(box, Path(mine, "m"), oracle["features"], [c[:2] for c in calls])
+        return [c for k, c in enumerate(calls) if not agrees(c[2], got.get(k, "no result"))]
+    for rel, _, data, probe in alive:
+        killers = differs(rel, data, wider)
+        fates.append("killed" if killers else "equivalent" if differs(rel, probe, every) else "survivors")
         added += [c for c in killers[:HELD_OUT_AT_LEAST] if c not in added]
     if added:
         oracle["calls"] += added
@@ -1883,19 +1897,20 @@ def told_apart(task_dir, gold, alive, box):
         temp.write_text(json.dumps(oracle))
         os.chmod(temp, 0o600)
         os.replace(temp, path)
-    return added, apart
+    return added, fates
 
 
 def strength_lines(tid, s):
-    """What `strength` prints for a task: its figures, then each mutant found equivalent."""
+    """What `strength` prints for a task: its figures, then each survivor and each mutant found equivalent."""
     n = s["mutants"]
     m = n - len(s.get("equivalent", []))
     share = lambda x: f"{x} ({x / m:.0%})" if m else "0"
-    return "\n".join([f"{tid}: {n} mutants, {n - m} equivalent (no input found tells them apart), of the "
-                      f"{m} others killed by the tests alone {share(s['killed_by_tests'])}, by tests and "
+    return "\n".join([f"{tid}: {n} mutants, {n - m} equivalent (reached, and no input tells them apart), of "
+                      f"the {m} others killed by the tests alone {share(s['killed_by_tests'])}, by tests and "
                       f"oracle {share(s['killed'])}"
                       + (f" ({s['oracle_added']} inputs added to the oracle)" if s.get("oracle_added") else "")]
-                     + [f"  equivalent: {x['mutant']}" for x in s.get("equivalent", [])])
+                     + [f"  {k[:-1] if k == 'survivors' else k}: {x['mutant']}"
+                        for k in ("survivors", "equivalent") for x in s.get(k, [])])
 
 
 # -----------------------------------------------------------------------------

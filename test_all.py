@@ -4456,11 +4456,12 @@ def test_strength_counts_the_gold_mutants_the_tests_and_the_oracle_kill(made, tm
     # it); the draw depends on the seed alone
     everyone = tasks.mutations(tmp_path / "gold", task["deleted"], 100)
     head, tail = gold[:gold.index(b'"""Arithmetic mean')], gold[gold.index(b"\n\n\ndef clamp"):]
-    for rel, what, data in everyone:
+    for rel, what, data, probe in everyone:
+        assert tasks.REACHED.encode() in probe and probe.startswith(head) and probe.endswith(tail), what
         assert rel == "calc/core.py" and what.startswith("calc/core.py:") and compile(data, rel, "exec")
         assert data != gold and data.startswith(head) and data.endswith(tail), what
         assert b"mean of nothing is undefined" in data or "statement dropped" in what, what
-    assert len(everyone) == 7 and len({data for _, _, data in everyone}) == 7
+    assert len(everyone) == 7 and len({data for _, _, data, _ in everyone}) == 7
     drawn = tasks.mutations(tmp_path / "gold", task["deleted"], 6, seed=1)
     assert drawn == tasks.mutations(tmp_path / "gold", task["deleted"], 6, seed=1)
     assert drawn != tasks.mutations(tmp_path / "gold", task["deleted"], 6, seed=2)
@@ -4471,13 +4472,13 @@ def test_strength_counts_the_gold_mutants_the_tests_and_the_oracle_kill(made, tm
     assert after == task and (d / "task.json").stat().st_ino != inode  # replaced whole, nothing else changed
     assert sorted(p.name for p in d.iterdir()) == ["gold.patch", "oracle.json", "repo", "task.json"]
     assert out == tasks.strength_lines("mean", s) + "\n  served\n"
-    assert out == ("mean: 6 mutants, 0 equivalent (no input found tells them apart), of the 6 others killed "
-                   "by the tests alone 5 (83%), by tests and oracle 6 (100%)\n  served\n")
-    assert s["score"] > s["score_tests"] and s["seed"] == 1 and s["equivalent"] == []
+    assert out == ("mean: 6 mutants, 0 equivalent (reached, and no input tells them apart), of the 6 others "
+                   "killed by the tests alone 5 (83%), by tests and oracle 6 (100%)\n  served\n")
+    assert s["score"] > s["score_tests"] and s["seed"] == 1 and s["equivalent"] == s["survivors"] == []
     (floor,) = s["missed_by_tests"]
-    assert floor in [what for _, what, _ in drawn] and "`(sum(values) // len(values))`" in floor
-    # a survivor no input tells apart from the gold: equivalent, listed for a person to judge, left out of
-    # the score
+    assert floor in [what for _, what, *_ in drawn] and "`(sum(values) // len(values))`" in floor
+    # a survivor no input tells apart from the gold, though inputs reach what it changed: equivalent, listed
+    # for a person to judge, left out of the score
     pop = tmp_path / "pop"
     shutil.copytree(task_dir(made, "Stack.pop")[0], pop, symlinks=True)
     s = tasks.strength(pop, 2, seed=1)
@@ -5033,7 +5034,8 @@ def test_the_oracle_compares_the_whole_result_on_inputs_beyond_the_tests(tmp_pat
         assert tasks.Sandbox(timeout=60).pytest(tree).passed == r.passed, name  # the tests cannot tell
         assert not agrees(hostile), name
     # a mutant that survives an oracle of the traced calls alone is told apart on the wider set (variants of
-    # variants) and the inputs that tell it join the oracle; one no input tells apart is equivalent
+    # variants) and the inputs that tell it join the oracle; one no input tells apart, though inputs reach
+    # what it changed, is equivalent
     d, oracle = tmp_path / "task", oracles["initials"][0]
     agrees = lambda source: oracle_agrees_with(repo, oracle, "texts/__init__.py", source, tmp_path, box)
     d.mkdir()
@@ -5042,9 +5044,16 @@ def test_the_oracle_compares_the_whole_result_on_inputs_beyond_the_tests(tmp_pat
     live = TEXTS.replace('"-".join(p[:1] + "." for p', '"-".join(p[:2] + "." for p')
     same = TEXTS.replace('out.append(part[:1] + ".")', 'out.append(part[0:1] + ".")')
     assert agrees(live) and agrees(same)
-    added, apart = tasks.told_apart(d, repo, [("texts/__init__.py", "live", live.encode()),
-                                              ("texts/__init__.py", "same", same.encode())], box)
-    assert apart[0] in added and apart[1] is None and 0 < len(added) <= tasks.HELD_OUT_AT_LEAST
+    reached = f"(_ for _ in ()).throw({tasks.REACHED})"
+    probes = [TEXTS.replace('"-".join(p[:1] + "." for p', f'"-".join({reached} for p'),
+              TEXTS.replace('out.append(part[:1] + ".")', f"out.append({reached})"),
+              TEXTS.replace('print(f"Hello, {name.title()}!")', f"raise {tasks.REACHED}")]
+    elsewhere = TEXTS.replace('print(f"Hello, {name.title()}!")', 'print(f"Hi, {name.title()}!")')
+    added, fates = tasks.told_apart(d, repo, [("texts/__init__.py", what, mutant.encode(), probe.encode())
+                                              for what, mutant, probe in zip(("live", "same", "elsewhere"),
+                                                                             (live, same, elsewhere), probes)], box)
+    # ...and one no input reaches (in a function the feature never calls) stays a survivor
+    assert fates == ["killed", "equivalent", "survivors"] and 0 < len(added) <= tasks.HELD_OUT_AT_LEAST
     assert json.loads((d / "oracle.json").read_text())["calls"] == traced + added
     assert not oracle_agrees_with(repo, json.loads((d / "oracle.json").read_text()), "texts/__init__.py", live,
                                   tmp_path, box)
@@ -6602,6 +6611,30 @@ def test_layouts_pytest_defaults_miss_are_made(tmp_path):
     assert not any("speed" in t for t in required)
     d = tmp_path / "out" / made[0]["id"]
     assert tasks.verify(d, patch=d / "gold.patch")[0] == 1 and tasks.verify(d, workdir=d / "repo")[0] == 0
+
+
+@sandboxed
+def test_a_namespace_package_s_portion_is_the_package(tmp_path):
+    """A namespace package (PEP 420: acme/ without __init__.py, a name several distributions share): its
+    portion acme/calc is the package, imported as acme.calc; an installed copy of the portion is found
+    without touching another distribution's portion beside it."""
+    repo = write_fixture(tmp_path / "calc")
+    (repo / "acme").mkdir()
+    (repo / "calc").rename(repo / "acme/calc")
+    for f in (repo / "tests").glob("*.py"):
+        f.write_text(f.read_text().replace("import calc", "import acme.calc as calc")
+                     .replace("from calc.", "from acme.calc."))
+    assert tasks.packages(commit(repo)) == ["acme/calc"] and tasks.package_name("acme/calc") == "acme.calc"
+    made = tasks.make(repo, tmp_path / "out", n=1, seed=0, log=lambda line: None)
+    d = tmp_path / "out" / made[0]["id"]
+    assert made[0]["deleted"][0]["file"].startswith("acme/calc/")
+    assert tasks.verify(d, patch=d / "gold.patch")[0] == 1 and tasks.verify(d, workdir=d / "repo")[0] == 0
+    site = tmp_path / "site"
+    for rel in ("acme/calc/__init__.py", "acme/other/__init__.py", "acme_calc-1.0.dist-info/RECORD"):
+        Path(site, rel).parent.mkdir(parents=True, exist_ok=True)
+        Path(site, rel).write_text("acme/calc/__init__.py,,\n")
+    found = {str(p.relative_to(site)): what for p, what in tasks.installed_copies([site], ["acme.calc"])}
+    assert found == {"acme/calc": "installed copy", "acme_calc-1.0.dist-info": "metadata"}, found
 
 
 @sandboxed

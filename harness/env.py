@@ -121,7 +121,7 @@ def make_env(repo, venv, isolate=True, log=print):
             if not rc:
                 break
         site_dir = next(venv.glob("lib/python3*/site-packages"))
-        names = {package_name(pkg) for pkg in packages(repo)}
+        names = {package_name(pkg).split(".")[0] for pkg in packages(repo)}  # a namespace's portion: its top
         missing = sorted(m for m in test_imports(repo) - names
                          if not (site_dir / m).exists() and not list(site_dir.glob(m + ".*")))
         if missing:
@@ -134,7 +134,7 @@ def make_env(repo, venv, isolate=True, log=print):
                     log(f"  {d}: {pip_failure(out)}")
     kept, names = 0, [package_name(pkg) for pkg in packages(repo)]
     for name in names:
-        installed = site_dir / name
+        installed = site_dir.joinpath(*name.split("."))
         for f in sorted(installed.rglob("*")) if installed.is_dir() else []:
             suffix = next((x for x in importlib.machinery.EXTENSION_SUFFIXES if f.name.endswith(x)), None)
             if suffix and not f.with_name(f.name[:-len(suffix)] + ".py").exists():  # no mypyc twin
@@ -257,7 +257,7 @@ def collect_args(root):
     test.py, that define tests (test_ functions, Test classes or unittest cases) and import the packages."""
     named = pytest_config(root).get("python_files") or "test_*.py *_test.py"
     pats = named if isinstance(named, list) else str(named).replace(",", " ").split()
-    own = {package_name(p) for p in packages(root)}
+    own = {package_name(p).split(".")[0] for p in packages(root)}
     extra = set()
     for rel in walk(root):
         name = Path(rel).name
@@ -342,40 +342,44 @@ def uninstall_own(site_dir, names):
 
 
 def installed_copies(site_dirs, names):
-    """(path, what) for each copy of the packages `names` in site directories, in any form: the package or
-    module itself, its bytecode (a module's __pycache__ entry outlives its source, and a loader runs it
-    without one), .pth and .egg-link lines and editable-install finders that lead to a checkout, and the
-    metadata (what is "metadata": it holds no code); and every other file the install of its distribution
-    wrote, wherever its RECORD says (a script in bin/, a one-module project's `script-files`, data files)."""
+    """(path, what) for each copy of the packages `names` (ns.pkg: a namespace's portion) in site
+    directories, in any form: the package or module itself, its bytecode (a module's __pycache__ entry
+    outlives its source, and a loader runs it without one), .pth and .egg-link lines and editable-install
+    finders that lead to a checkout, and the metadata (what is "metadata": it holds no code); and every other
+    file the install of its distribution wrote, wherever its RECORD says (a script in bin/, a one-module
+    project's `script-files`, data files)."""
+    paths = [n.replace(".", "/") for n in names]  # where each lies under a site directory
+    own = lambda r: any(r == f"{x}.py" or r.startswith(f"{x}/") for x in paths)
     for sp in map(Path, site_dirs):
-        entries = sorted([*sp.iterdir(), *Path(sp, "__pycache__").glob("*")]) if sp.is_dir() else []
         for record in sorted(sp.glob("*.dist-info/RECORD")) if sp.is_dir() else []:
             with contextlib.suppress(OSError, csv.Error):
                 rows = [r[0] for r in csv.reader(record.read_text(errors="replace").splitlines()) if r]
-                tops = {Path(r).parts[0] for r in rows if Path(r).parts}
-                if tops.isdisjoint({x for n in names for x in (n, f"{n}.py")}):
+                if not any(map(own, rows)):
                     continue  # another distribution's
                 if not re.match(rf"({'|'.join(map(re.escape, names))})-", record.parent.name):
                     yield record.parent, "metadata"  # (one named as the package is found below)
                 for r in rows:
                     f = Path(os.path.normpath(sp / r))
-                    if f.parent != record.parent and Path(r).parts[0] not in tops & {
-                            x for n in names for x in (n, f"{n}.py")} and os.path.lexists(f):
+                    if f.parent != record.parent and not own(r) and os.path.lexists(f):
                         yield f, "installed file"
-        for p, name in ((p, name) for p in entries for name in names):
-            if p.name in (name, f"{name}.py") or p.name.startswith(f"{name}.") and p.suffix in (".pyc",
-                                                                                             ".so"):
-                yield p, "bytecode" if p.suffix == ".pyc" else "installed copy"
-            elif re.fullmatch(rf"{re.escape(name)}-[^/]*\.(dist|egg)-info", p.name):
-                yield p, "metadata"
-            elif p.suffix in (".pth", ".egg-link") or p.name.startswith("__editable__"):
-                with contextlib.suppress(OSError, ValueError):
-                    text = p.read_text(errors="replace")[:1 << 20]
-                    paths = [Path(sp, x.strip()) for x in text.splitlines() if x.strip()
-                             and not x.startswith(("import", "#"))]
-                    if any(Path(x, name).exists() or Path(x, f"{name}.py").exists() for x in paths) \
-                            or p.suffix == ".py" and re.search(r"['\"]%s['\"]" % re.escape(name), text):
-                        yield p, "link to a checkout"
+        tops = sorted(sp.iterdir()) if sp.is_dir() else []
+        for name, path in zip(names, paths):
+            home, leaf = Path(sp, path).parent, Path(path).name  # the folder it lies in, its own name
+            for p in sorted([*home.iterdir(), *Path(home, "__pycache__").glob("*")]) if home.is_dir() else []:
+                if p.name in (leaf, f"{leaf}.py") or p.name.startswith(f"{leaf}.") and p.suffix in (".pyc",
+                                                                                                   ".so"):
+                    yield p, "bytecode" if p.suffix == ".pyc" else "installed copy"
+            for p in tops:
+                if re.fullmatch(rf"{re.escape(name)}-[^/]*\.(dist|egg)-info", p.name):
+                    yield p, "metadata"
+                elif p.suffix in (".pth", ".egg-link") or p.name.startswith("__editable__"):
+                    with contextlib.suppress(OSError, ValueError):
+                        text = p.read_text(errors="replace")[:1 << 20]
+                        links = [Path(sp, x.strip()) for x in text.splitlines() if x.strip()
+                                 and not x.startswith(("import", "#"))]
+                        if any(Path(x, path).exists() or Path(x, f"{path}.py").exists() for x in links) \
+                                or p.suffix == ".py" and re.search(r"['\"]%s['\"]" % re.escape(name), text):
+                            yield p, "link to a checkout"
 
 
 # Run in the sandbox in an empty folder with the task's interpreter: what a solution could load of the

@@ -51,18 +51,25 @@ def walk(root, skip=SKIP_DIRS):
 
 
 def packages(root):
-    """The top-level import packages (folders with __init__.py, flat or src/ layout) and, for a project that
-    is one module, its module file (`name.py`, declared as py-modules or imported by the tests); tests
-    excluded. Relative paths: "pkg", "src/pkg", "name.py"."""
+    """The top-level import packages (folders with __init__.py, flat or src/ layout), the portions of a
+    namespace package the tests import (jaraco/text: a folder without __init__.py under a name several
+    distributions share, PEP 420) and, for a project that is one module, its module file (`name.py`,
+    declared as py-modules or imported by the tests); tests excluded. Relative paths: "pkg", "src/pkg",
+    "ns/pkg", "name.py"."""
     root = Path(root)
     bases = [b for b in (root, root / "src") if b.is_dir()]
-    found = [p for base in bases for p in sorted(base.iterdir())
-             if (p / "__init__.py").is_file() and not is_protected(p.name + "/x") and p.name not in SKIP_DIRS]
+    ours = lambda p: not is_protected(p.name + "/x") and p.name not in SKIP_DIRS and p.name.isidentifier()
+    found = [p for base in bases for p in sorted(base.iterdir()) if (p / "__init__.py").is_file() and ours(p)]
     loose = [p for base in bases for p in sorted(base.glob("*.py")) if not is_protected(p.name)
              and p.stem not in NOT_MODULES and p.is_file() and not p.is_symlink()]
-    if loose:  # a single-module project: the module the tests import
+    spaces = [p for base in bases for p in sorted(base.iterdir()) if p.is_dir() and not p.is_symlink()
+              and ours(p) and not (p / "__init__.py").exists() and not list(p.glob("*.py"))
+              and any((s / "__init__.py").is_file() for s in p.iterdir())]
+    if loose or spaces:  # a single-module project, or a namespace's portions: what the tests import
         imported = imports(root, lambda rel: rel.endswith(".py") and is_protected(rel), ast.walk)
         found += [p for p in loose if p.stem in imported and p.stem not in {f.name for f in found}]
+        found += [s for p in spaces if p.name in imported for s in sorted(p.iterdir())
+                  if (s / "__init__.py").is_file() and ours(s)]
     return [str(p.relative_to(root)) for p in found]
 
 
@@ -82,7 +89,9 @@ def imports(root, which, nodes):
 
 
 def package_name(pkg):
-    return Path(pkg).stem  # "src/pkg" -> pkg, "name.py" -> name
+    """The name an entry of packages() imports by: "src/pkg" -> pkg, "name.py" -> name, "ns/pkg" -> ns.pkg."""
+    parts = Path(pkg).with_suffix("").parts if pkg.endswith(".py") else Path(pkg).parts
+    return ".".join(parts[1:] if parts[0] == "src" and len(parts) > 1 else parts)
 
 
 def package_files(root, pkg):
