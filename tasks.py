@@ -1783,14 +1783,14 @@ def mutations(gold, deleted, k, seed=0):
 
 
 def strength(task_dir, k=STRENGTH_K, box=None, seed=0, jobs=2, gold_s=None):
-    """The verifier's mutation score on a task: up to k mutants of the gold (mutations), each laid over the
-    snapshot and verified, jobs at a time; written into task.json as "strength" and returned: {mutants,
+    """The verifier's mutation score on a task: up to k mutants of the gold (mutations), each laid over the snapshot
+    and verified, jobs at a time; written into task.json as "strength" and returned: {mutants,
     killed_by_tests, killed (by tests plus oracle: verify's reward 0, or by the inputs told_apart adds),
     score_tests, score (of the mutants not equivalent), seed, survivors and equivalent: [{mutant, diff}],
-    oracle_added, missed_by_tests: [what changed]}. A mutant verify refuses before its tests run counts as killed by both.
-    The gold is verified first: a gold that fails here would make every mutant look killed. Each mutant gets
-    five times the gold's time, at least 30 s (a mutant may loop forever). gold_s: the seconds the gold's
-    verify took, where the caller (make) has just verified it: not verified again."""
+    oracle_added, missed_by_tests: [what changed]}. A mutant verify refuses before its tests run counts as
+    killed by both. The gold is verified first: a gold that fails here would make every mutant look killed.
+    Each mutant gets five times the gold's time, at least 30 s (a mutant may loop forever). gold_s: the
+    seconds the gold's verify took, where the caller (make) has just verified it: not verified again."""
     task_dir = Path(task_dir)
     if not (task_dir / "task.json").is_file():
         raise TaskError(f"no task at {task_dir}: "
