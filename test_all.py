@@ -6527,6 +6527,13 @@ def test_test_requirements_are_found_where_projects_declare_them(tmp_path):
                     "nose", "pytest-xdist", "--requirement=requirements/ci.txt",
                     "--requirement=requirements-test.txt", "--requirement=requirements/dev.txt",
                     "pytest-asyncio"], args
+    # a test requirement the index does not have for this Python (gunicorn's gunicorn_h1c, typer's
+    # markdown-include-variants) is left out, given directly or in a requirements file; a name that no test
+    # requirement is (the project's own dependency) is not
+    assert harness.env.without(args, tmp_path, "Trustme") == [a for a in args if a != "trustme>=1"]
+    assert harness.env.without(args, tmp_path, "pytest_mock") == args
+    assert Path(tmp_path, "requirements-test.txt").read_text() == "\n"
+    assert harness.env.without(args, tmp_path, "numpy") is None
     # pip's own crash: the cause is the traceback's last line, not "ERROR: Exception:"
     crash = ("ERROR: Exception:\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
              "pip._vendor.packaging.requirements.InvalidRequirement: Expected end or semicolon\n")
@@ -6611,6 +6618,15 @@ def test_layouts_pytest_defaults_miss_are_made(tmp_path):
     assert not any("speed" in t for t in required)
     d = tmp_path / "out" / made[0]["id"]
     assert tasks.verify(d, patch=d / "gold.patch")[0] == 1 and tasks.verify(d, workdir=d / "repo")[0] == 0
+    # a configuration that names the cache's options (async-lru's --cache-clear): they run, on a fresh cache
+    # in the run's own home, so a cache planted in the tree steers nothing (--lf runs every test)
+    (repo / "setup.cfg").write_text("[tool:pytest]\naddopts = --cache-clear --lf\n")
+    Path(repo, ".pytest_cache/v/cache").mkdir(parents=True)
+    Path(repo, ".pytest_cache/v/cache/lastfailed").write_text('{"tests.py::test_mean": true}')
+    for isolate in (True, False):
+        r = tasks.Sandbox(isolate=isolate, timeout=60).pytest(repo, ["tests.py"])
+        assert r.end == 0 and len(r.passed) == 9, r.out
+    assert Path(repo, ".pytest_cache/v/cache/lastfailed").read_text() == '{"tests.py::test_mean": true}'
 
 
 @sandboxed

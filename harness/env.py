@@ -95,8 +95,14 @@ def make_env(repo, venv, isolate=True, log=print):
         rc, out = box.run([*pip, "--upgrade", "pip"], src, writable=[venv], network=True, extra_env=keep)
         target = f"{src}[{','.join(extras)}]" if extras else str(src)
         log(f"installing {repo.name}{'[' + ','.join(extras) + ']' if extras else ''} {' '.join(reqs)} pytest")
-        rc, out = (rc, out) if rc else box.run([*pip, target, *reqs, "pytest"], src, writable=[venv],
-                                                network=True, extra_env=keep)
+        for _ in range(5) if not rc else ():
+            rc, out = box.run([*pip, target, *reqs, "pytest"], src, writable=[venv], network=True, extra_env=keep)
+            missing = re.search(r"No matching distribution found for ([A-Za-z0-9][\w.-]*)", out) if rc else None
+            left = without(reqs, src, missing[1]) if missing else None
+            if left is None:  # installed, another failure, or a dependency of the project itself
+                break
+            reqs = left
+            log(f"{missing[1]}, a test requirement, is not on the package index for this Python: left out")
         if rc and "No module named 'pkg_resources'" in out:  # an old setup.py; setuptools 81 dropped it
             log("its build needs pkg_resources: building with setuptools<81 in the venv instead")
             rc, out = box.run([*pip, "setuptools<81", "wheel"], src, writable=[venv], network=True,
@@ -147,6 +153,23 @@ def make_env(repo, venv, isolate=True, log=print):
         + (f", {kept} compiled modules kept for the tests" if kept else "")
         + f"; run its tests with --python {python}")
     return python
+
+
+def without(reqs, src, name):
+    """The pip arguments reqs less the requirement `name`, given directly or in a requirements file under src
+    (rewritten without it); None where neither names it (a dependency of the project itself)."""
+    fold = lambda x: re.sub(r"[-_.]+", "-", (re.match(r"\s*([A-Za-z0-9][\w.-]*)", x) or [None, ""])[1].lower())
+    kept = [r for r in reqs if fold(r) != fold(name)]
+    dropped = len(kept) < len(reqs)
+    for arg in kept:
+        f = Path(src, arg.partition("=")[2]) if arg.startswith("--requirement=") else None
+        if f and f.is_file() and not f.is_symlink():
+            lines = f.read_text(errors="replace").splitlines()
+            left = [x for x in lines if fold(x) != fold(name)]
+            if len(left) < len(lines):
+                f.write_text("\n".join(left) + "\n")
+                dropped = True
+    return kept if dropped else None
 
 
 def test_requirements(repo):

@@ -41,8 +41,10 @@ from typing import NamedTuple, Optional
 
 from harness import TaskError
 
-# no .pytest_cache (it names tests); a test file that fails to collect costs its own tests, not the run's
-PYTEST = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--continue-on-collection-errors"]
+# pytest's cache in the run's own fresh home, never in the tree (it names tests, and a planted one would steer
+# --lf); its options stay, as a configuration's addopts may name them (--cache-clear); a test file that fails
+# to collect costs its own tests, not the run's
+PYTEST = ["-m", "pytest", "-q", "-o", "cache_dir=~/.pytest_cache", "--continue-on-collection-errors"]
 # what a sandboxed run sees of the host; with the network (installs), all of /etc
 SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64")
 ETC = ("passwd", "group", "hosts", "nsswitch.conf", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime",
