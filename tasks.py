@@ -413,7 +413,8 @@ DEBRIS = (".benchmarks", ".hypothesis", ".pytest_cache", ".tox", ".nox", "htmlco
           ".coverage.*")
 
 
-# what a test that measures time is called: it passes or fails with the machine's load, so it is never required
+# what a test that measures time is called: it passes or fails with the machine's load, so it is never
+# required
 TIMED = re.compile(r"(?i)perf(ormance)?|benchmark|timing|speed|latency|throughput|slow|timeout")
 
 
@@ -453,8 +454,9 @@ def trace_tests(root, box, tries=3):
     root, calls, outcomes, skip = Path(root).resolve(), {}, {}, []
     for attempt in range(tries):
         # a profiler on every call: the traced run may take TRACE_SLOWER times a plain run's timeout
-        r, raw = plugin_run(box, root, "_featdel_tracer", TRACER_MODULE, {"FEATDEL_ROOTS": package_roots(root)},
-                            timeout=TRACE_SLOWER * box.timeout, args=[a for t in skip for a in ("--deselect", t)])
+        r, raw = plugin_run(box, root, "_featdel_tracer", TRACER_MODULE,
+                            {"FEATDEL_ROOTS": package_roots(root)}, timeout=TRACE_SLOWER * box.timeout,
+                            args=[a for t in skip for a in ("--deselect", t)])
         if r.rc == 124:
             raise TaskError(f"the traced test suite ran past {TRACE_SLOWER} x the timeout of {box.timeout} s "
                             f"(make --timeout)")
@@ -480,8 +482,8 @@ def trace_tests(root, box, tries=3):
         except (IndexError, TypeError, ValueError):
             bad = True
         if bad:
-            raise TaskError("the traced test run wrote a trace that is not the tracer's (the tests' code wrote "
-                            "to its descriptor?)")
+            raise TaskError("the traced test run wrote a trace that is not the tracer's (the tests' code "
+                            "wrote to its descriptor?)")
         outcomes.update(r.outcomes or {})
         started = [x[1] for x in records if x[0] == "start"]
         if ["end"] in records or not started or started[-1] in calls:
@@ -517,7 +519,8 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reac
                         f"test_*.py, *_test.py and .py files in a tests/ or test/ folder")
     if not any(r.endswith(".py") and is_protected(r) and Path(r).name not in CONFIG for r in walk(repo)):
         raise TaskError(f"{repo} has no test files (test_*.py, *_test.py, tests.py, or .py files in a tests/ "
-                        f"or test/ folder): its tests are the verifier (an sdist may ship none; take its source "
+                        f"or test/ folder): its tests are the verifier (an sdist may ship none; take its "
+                        f"source "
                         f"repository)")
     if n < 1 or group < 1 or jobs < 1 or reach is not None and not 0 < reach <= 1 or size not in SIZES:
         raise TaskError(f"--n, --group and --jobs must be >= 1, --reach in (0, 1], --size one of {SIZES}")
@@ -981,7 +984,7 @@ def spec_from_task(task_dir, out, box=None):
         shutil.copytree(task_dir / "repo", Path(tmp, "deleted"), symlinks=True)
         r = box.pytest(Path(tmp, "deleted"), sorted({t.split("::")[0] for t in need}),
                        readonly=protected_paths(Path(tmp, "deleted"), need))
-        if r.outcomes is None or r.end is None:  # a run cut short passes nothing: every test would be a target
+        if r.outcomes is None or r.end is None:  # a run cut short passes nothing: every test a target
             raise TaskError(f"{task_dir}: the test run of its snapshot did not finish (pytest exit {r.rc}): "
                             f"{first_error(r.out)}")
         passed = r.passed
@@ -1041,8 +1044,10 @@ def only_taken(old, new, prefix, feats, dead):
     dump = lambda s: ast.dump(s, include_attributes=False)
     name = lambda s: getattr(s, "name", None)
     is_all = lambda s: isinstance(s, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and any(
-        isinstance(t, ast.Name) and t.id == "__all__" for t in getattr(s, "targets", [getattr(s, "target", 0)]))
-    aliases = lambda s: {(getattr(s, "module", None), getattr(s, "level", 0), a.name, a.asname) for a in s.names}
+        isinstance(t, ast.Name) and t.id == "__all__"
+        for t in getattr(s, "targets", [getattr(s, "target", 0)]))
+    aliases = lambda s: {(getattr(s, "module", None), getattr(s, "level", 0), a.name, a.asname)
+                         for a in s.names}
     ops = difflib.SequenceMatcher(None, [*map(dump, old)], [*map(dump, new)], autojunk=False).get_opcodes()
     dropped = [s for tag, i1, i2, _, _ in ops if tag != "equal" for s in old[i1:i2]]
     added = [s for tag, _, _, j1, j2 in ops if tag != "equal" for s in new[j1:j2]]
@@ -1783,14 +1788,15 @@ def mutations(gold, deleted, k, seed=0):
 
 
 def strength(task_dir, k=STRENGTH_K, box=None, seed=0, jobs=2, gold_s=None):
-    """The verifier's mutation score on a task: up to k mutants of the gold (mutations), each laid over the snapshot
-    and verified, jobs at a time; written into task.json as "strength" and returned: {mutants,
+    """The verifier's mutation score on a task: up to k mutants of the gold (mutations), each laid over the
+    snapshot and verified, jobs at a time; written into task.json as "strength" and returned: {mutants,
     killed_by_tests, killed (by tests plus oracle: verify's reward 0, or by the inputs told_apart adds),
     score_tests, score (of the mutants not equivalent), seed, survivors and equivalent: [{mutant, diff}],
     oracle_added, missed_by_tests: [what changed]}. A mutant verify refuses before its tests run counts as
-    killed by both. The gold is verified first: a gold that fails here would make every mutant look killed.
-    Each mutant gets five times the gold's time, at least 30 s (a mutant may loop forever). gold_s: the
-    seconds the gold's verify took, where the caller (make) has just verified it: not verified again."""
+    killed by both. The gold is verified first: a gold that fails here would make every mutant look
+    killed. Each mutant gets five times the gold's time, at least 30 s (a mutant may loop forever).
+    gold_s: the seconds the gold's verify took, where the caller (make) has just verified it: not verified
+    again."""
     task_dir = Path(task_dir)
     if not (task_dir / "task.json").is_file():
         raise TaskError(f"no task at {task_dir}: "
@@ -1908,7 +1914,8 @@ def strength_lines(tid, s):
     return "\n".join([f"{tid}: {n} mutants, {n - m} equivalent (reached, and no input tells them apart), of "
                       f"the {m} others killed by the tests alone {share(s['killed_by_tests'])}, by tests and "
                       f"oracle {share(s['killed'])}"
-                      + (f" ({s['oracle_added']} inputs added to the oracle)" if s.get("oracle_added") else "")]
+                      + (f" ({s['oracle_added']} inputs added to the oracle)" if s.get("oracle_added")
+                         else "")]
                      + [f"  {k[:-1] if k == 'survivors' else k}: {x['mutant']}"
                         for k in ("survivors", "equivalent") for x in s.get(k, [])])
 

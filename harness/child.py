@@ -627,14 +627,15 @@ def oracle_resolve(module, qualname):
     return obj if callable(obj) else f"no function {qualname} in {module}"
 
 
-ORACLE_CHILD = "\n".join(["import contextlib, copy, copyreg, hashlib, importlib, io, json, marshal, os, weakref",
+ORACLE_CHILD = "\n".join(["import contextlib, copy, copyreg, hashlib, importlib, io, json, marshal, os",
+                          "import weakref",
                           "import asyncio, collections, datetime, decimal, enum, fractions, functools",
                           "import inspect, itertools, pickle, re, sys, tempfile, threading, types",
                           f"HELD_OUT_AT_LEAST, LATER_S = {HELD_OUT_AT_LEAST}, {LATER_S}",
                           "PLACES, PROBES = (), None",
                           *map(inspect.getsource, (Copier, nested_codes, restore, reopen, Held, rematch,
                                                    database)), COPY_MODULE,
-                          *map(inspect.getsource, (canon, own_value, state_of, behaviour, slot_values, mutants,
-                                                   like, attributes, oracle_main,
+                          *map(inspect.getsource, (canon, own_value, state_of, behaviour, slot_values,
+                                                   mutants, like, attributes, oracle_main,
                                                    class_names, shift_clock, drain, oracle_resolve)),
                           "oracle_main(*sys.argv[1:])"])

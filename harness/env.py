@@ -96,8 +96,9 @@ def make_env(repo, venv, isolate=True, log=print):
         target = f"{src}[{','.join(extras)}]" if extras else str(src)
         log(f"installing {repo.name}{'[' + ','.join(extras) + ']' if extras else ''} {' '.join(reqs)} pytest")
         for _ in range(5) if not rc else ():
-            rc, out = box.run([*pip, target, *reqs, "pytest"], src, writable=[venv], network=True, extra_env=keep)
-            missing = re.search(r"No matching distribution found for ([A-Za-z0-9][\w.-]*)", out) if rc else None
+            rc, out = box.run([*pip, target, *reqs, "pytest"], src, writable=[venv], network=True,
+                              extra_env=keep)
+            missing = rc and re.search(r"No matching distribution found for ([A-Za-z0-9][\w.-]*)", out)
             left = without(reqs, src, missing[1]) if missing else None
             if left is None:  # installed, another failure, or a dependency of the project itself
                 break
@@ -158,7 +159,8 @@ def make_env(repo, venv, isolate=True, log=print):
 def without(reqs, src, name):
     """The pip arguments reqs less the requirement `name`, given directly or in a requirements file under src
     (rewritten without it); None where neither names it (a dependency of the project itself)."""
-    fold = lambda x: re.sub(r"[-_.]+", "-", (re.match(r"\s*([A-Za-z0-9][\w.-]*)", x) or [None, ""])[1].lower())
+    fold = lambda x: re.sub(r"[-_.]+", "-",
+                            (re.match(r"\s*([A-Za-z0-9][\w.-]*)", x) or [None, ""])[1].lower())
     kept = [r for r in reqs if fold(r) != fold(name)]
     dropped = len(kept) < len(reqs)
     for arg in kept:
@@ -270,7 +272,8 @@ def old_config(root):
         text = f.read_text()
         if re.search(r"(?m)^\[pytest\]\s*$", text) and "[tool:pytest]" not in text:
             f.write_text(re.sub(r"(?m)^\[pytest\]\s*$", "[tool:pytest]", text))
-            done.append("setup.cfg: its [pytest] section renamed [tool:pytest], as pytest 7 and later read it")
+            done.append("setup.cfg: its [pytest] section renamed [tool:pytest], as pytest 7 and later read "
+                        "it")
     return done
 
 
@@ -292,8 +295,10 @@ def collect_args(root):
             tests = any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name.startswith("test")
                         or isinstance(n, ast.ClassDef) and (n.name.startswith("Test") or "TestCase" in
                                                             ast.unparse(n.bases)) for n in tree.body)
-            uses = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names} | {
-                n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+            uses = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
+                    for a in n.names}
+            uses |= {n.module.split(".")[0] for n in ast.walk(tree)
+                     if isinstance(n, ast.ImportFrom) and n.module}
             if tests and uses & own:  # by its path: another file of that name may be no test
                 extra.add(str(Path(root).resolve() / rel))
     return ["-o", "python_files=" + " ".join([*pats, *sorted(extra)])] if extra else []

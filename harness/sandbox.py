@@ -440,7 +440,8 @@ class Reporter:
     def fixture_setup(self, fixturedef):
         """A fixture wider than a test (a session's server, a module's data) is set up once for all the tests
         that use it: its time is the run's, not charged to the test that happens to be first."""
-        left = (signal.setitimer(signal.ITIMER_REAL, 0)[0] if self.limit > 0 and fixturedef.scope != "function"
+        shared = fixturedef.scope != "function"
+        left = (signal.setitimer(signal.ITIMER_REAL, 0)[0] if self.limit > 0 and shared
                 and threading.current_thread() is threading.main_thread() else 0)
         try:
             yield
