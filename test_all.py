@@ -12,9 +12,11 @@ import concurrent.futures
 import contextlib
 import copy
 import difflib
+import enum
 import fcntl
 import functools
 import hashlib
+import io
 import importlib.util
 import json
 import marshal
@@ -4710,6 +4712,40 @@ def test_mutants_vary_every_argument_type_and_keep_it():
     with open(__file__) as f:
         (p := Point()).tags = f
         assert {0, 2} <= {m.x for m in harness.child.mutants(p, random.Random(0))}
+
+class _Parsed(tuple):  # rfc3986's ParseResult: a tuple subclass whose __new__ takes more than its items
+    def __new__(cls, scheme, path, ref):
+        self = tuple.__new__(cls, (scheme, path))
+        self.ref = ref
+        return self
+
+
+class _Pair(tuple, enum.Enum):
+    A = (1, 2)
+
+
+def test_the_copier_takes_what_pickle_refuses():
+    """What a recorded call's arguments hold and plain pickle refuses or gets wrong, copied as a copy can
+    stand for it: a weak reference (held: nothing else holds its object in the copy) and the weak
+    containers, a match (made again), the standard streams (the copy's own), an SQLite connection (its
+    database copied), a tuple subclass whose __new__ takes other arguments than its items; structseq
+    values and a tuple enum keep their own way."""
+    import weakref
+    db = sqlite3.connect(":memory:")
+    db.execute("create table t(x)")
+    db.execute("insert into t values (7)")
+    held = test_the_copier_takes_what_pickle_refuses
+    values = {"ref": weakref.ref(held), "set": weakref.WeakSet([tasks]), "match": re.match("a(b)", "ab"),
+              "stdout": sys.stdout, "db": db, "parsed": _Parsed("https", "/a", "ref"), "stat": os.stat("/"),
+              "enum": _Pair.A}
+    buffer = io.BytesIO()
+    harness.child.Copier(buffer).dump(values)
+    got = pickle.loads(buffer.getvalue())
+    assert got["ref"]() is held and got["set"] == {tasks} and got["match"].group(1) == "b"
+    assert got["stdout"] is sys.stdout and got["db"].execute("select x from t").fetchall() == [(7,)]
+    assert got["parsed"] == ("https", "/a") and type(got["parsed"]) is _Parsed and got["parsed"].ref == "ref"
+    assert got["stat"] == values["stat"] and got["enum"] is _Pair.A
+
 
 @sandboxed
 def test_every_served_feature_has_held_out_inputs_and_in_place_changes_count(clock, tmp_path):

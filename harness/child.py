@@ -113,6 +113,11 @@ class Copier(pickle.Pickler):
         for name in ("stdout", "stderr", "stdin"):
             if obj is getattr(sys, name) or obj is getattr(sys, f"__{name}__"):
                 return getattr, (sys, name)
+        if isinstance(obj, tuple) and isinstance(t.__new__, types.FunctionType) \
+                and not isinstance(obj, enum.Enum):
+            # a tuple subclass by its items and state, not through its own __new__, which may take other
+            # arguments than its items (rfc3986's ParseResult: pickle's way calls it with the items alone)
+            return tuple.__new__, (t, tuple(obj)), getattr(obj, "__dict__", None) or None
         if type(obj).__module__ == "sqlite3" and hasattr(obj, "serialize"):
             with contextlib.suppress(Exception):
                 return database, (obj.serialize(),)

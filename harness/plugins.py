@@ -140,8 +140,8 @@ class Recorder:
             json.dump(self.records, f)
 
 
-RECORDER_MODULE = f"""import contextlib, copyreg, importlib, inspect, io, json, marshal, os, pickle, re, sys
-import tempfile, threading, types, weakref
+RECORDER_MODULE = f"""import contextlib, copyreg, enum, importlib, inspect, io, json, marshal, os, pickle, re
+import sys, tempfile, threading, types, weakref
 RECORD_AT_MOST, POOL_AT_MOST, CONFIG = {RECORD_AT_MOST}, {POOL_AT_MOST}, {CONFIG!r}
 from collections import Counter
 from pathlib import Path
