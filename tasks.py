@@ -1048,6 +1048,8 @@ def only_taken(old, new, prefix, feats, dead):
         for t in getattr(s, "targets", [getattr(s, "target", 0)]))
     aliases = lambda s: {(getattr(s, "module", None), getattr(s, "level", 0), a.name, a.asname)
                          for a in s.names}
+    head = lambda n: "".join(map(dump, [n.args] if hasattr(n, "args") else n.bases + n.keywords)) \
+        + "".join(map(dump, n.decorator_list))  # a definition's signature, bases and decorators
     ops = difflib.SequenceMatcher(None, [*map(dump, old)], [*map(dump, new)], autojunk=False).get_opcodes()
     dropped = [s for tag, i1, i2, _, _ in ops if tag != "equal" for s in old[i1:i2]]
     added = [s for tag, _, _, j1, j2 in ops if tag != "equal" for s in new[j1:j2]]
@@ -1063,8 +1065,6 @@ def only_taken(old, new, prefix, feats, dead):
         if o is None or type(o) is not type(s) or name(s) in paired:
             return f"line {s.lineno} adds code: a deletion only takes code out"
         paired.add(name(s))
-        head = lambda n: "".join(map(dump, [n.args] if hasattr(n, "args") else n.bases + n.keywords)) \
-            + "".join(map(dump, n.decorator_list))
         if head(o) != head(s):
             return f"{q} changes its signature, bases or decorators"
         if q in feats:  # a stub: its docstring as it was, then one stub statement
@@ -1787,6 +1787,14 @@ def mutations(gold, deleted, k, seed=0):
     return out
 
 
+def laid_over(gold, rel, data, folder):
+    """A copy of the gold tree in folder with rel's bytes replaced by data (a mutant, or its probe)."""
+    tree = Path(folder, "m")
+    shutil.copytree(gold, tree, symlinks=True)
+    Path(tree, rel).write_bytes(data)
+    return tree
+
+
 def strength(task_dir, k=STRENGTH_K, box=None, seed=0, jobs=2, gold_s=None):
     """The verifier's mutation score on a task: up to k mutants of the gold (mutations), each laid over the
     snapshot and verified, jobs at a time; written into task.json as "strength" and returned: {mutants,
@@ -1822,10 +1830,9 @@ def strength(task_dir, k=STRENGTH_K, box=None, seed=0, jobs=2, gold_s=None):
         def judge(mutant):  # (reward, the tests' reason for 0 or None)
             rel, _, data, _ = mutant
             with scratch() as mine:
-                shutil.copytree(gold, Path(mine, "m"), symlinks=True)
-                Path(mine, "m", rel).write_bytes(data)
                 verdicts = {}
-                reward, why = verify(task_dir, workdir=Path(mine, "m"), box=box, verdicts=verdicts)
+                reward, why = verify(task_dir, workdir=laid_over(gold, rel, data, mine), box=box,
+                                     verdicts=verdicts)
             return reward, verdicts.get("tests", why)
         with stoppable(jobs) as pool:
             judged = list(pool.map(judge, found))
@@ -1889,9 +1896,8 @@ def told_apart(task_dir, gold, alive, box):
 
     def differs(rel, data, calls):  # the calls on which the gold with data as rel gives another result
         with scratch() as mine:
-            shutil.copytree(gold, Path(mine, "m"), symlinks=True)
-            Path(mine, "m", rel).write_bytes(data)
-            got = oracle_run(box, Path(mine, "m"), oracle["features"], [c[:2] for c in calls])
+            got = oracle_run(box, laid_over(gold, rel, data, mine), oracle["features"],
+                             [c[:2] for c in calls])
         return [c for k, c in enumerate(calls) if not agrees(c[2], got.get(k, "no result"))]
     for rel, _, data, probe in alive:
         killers = differs(rel, data, wider)
