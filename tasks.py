@@ -1632,10 +1632,11 @@ def make_oracle(gold, feats, records, box):
 
 
 def gold_results(box, gold, features, calls):
-    """The gold's results on calls, run twice, the second time a year on (a result that depends on when it
-    runs, a token that expires, differs): (the first run's {k: line}, [expected line, a pattern where the
-    runs differ in some words, or None where they differ otherwise])."""
-    first, second = (oracle_run(box, gold, features, calls, mode) for mode in ("run", "later"))
+    """The gold's results on calls, run twice (a result that depends on a temporary name, a random draw or
+    the time a call takes differs; the date does not: every oracle run's clock starts at CLOCK_AT): (the
+    first run's {k: line}, [expected line, a pattern where the runs differ in some words, or None where they
+    differ otherwise])."""
+    first, second = (oracle_run(box, gold, features, calls, "run") for _ in range(2))
     return first, [first.get(k) if first.get(k) == second.get(k) else pattern(first.get(k), second.get(k))
                    for k in range(len(calls))]
 

@@ -4807,7 +4807,7 @@ def test_exception_classes_are_compared_by_names_that_lead_to_them(made, tmp_pat
 def test_a_feature_that_takes_nothing_is_covered_by_the_call_the_tests_made(tmp_path):
     """Held-out inputs vary a feature's arguments; a function that takes none has no input but the one the
     tests gave it (its world: the clock, the environment), so that call covers it. One that takes any needs
-    HELD_OUT_AT_LEAST of them."""
+    HELD_OUT_AT_LEAST of them. The clock is one world for every oracle run: it starts at CLOCK_AT."""
     Path(tmp_path, "stamp").mkdir()
     Path(tmp_path, "stamp/__init__.py").write_text("def build_tag():\n    return 'v1'\n\n\n"
                                                     "def label(x):\n    return f'v{x}'\n")
@@ -4820,16 +4820,22 @@ def test_a_feature_that_takes_nothing_is_covered_by_the_call_the_tests_made(tmp_
     one = base64.b64encode(pickle.dumps(((1,), {}))).decode()
     oracle, summary = tasks.make_oracle(tmp_path, [("stamp/__init__.py", "label")], [[0, one]], box)
     assert summary["covered"] and summary["held_out_per_feature"][0] >= tasks.HELD_OUT_AT_LEAST
-    # a result that depends on when it runs (a token valid for an hour, by either clock) is no evidence: the
-    # second gold run, a year on, differs, so the call is dropped (a verify next week would fail the gold)
+    # a result that depends on when it runs (a token valid for an hour, by either clock; today's date and
+    # hour) is the same in every oracle run: each one's clock starts at CLOCK_AT, in UTC, whatever the day
+    # the task is made or verified on, so the call is compared (a verify next year agrees with make)
     Path(tmp_path, "stamp/clock.py").write_text(
-        "import time\nfrom datetime import datetime, timezone\n\n\ndef valid(exp):\n"
+        "import time\nfrom datetime import date, datetime, timezone\n\n\ndef valid(exp):\n"
         "    return time.time() < exp\n\n\ndef valid_utc(exp):\n"
-        "    return datetime.now(timezone.utc).timestamp() < exp\n")
-    soon = base64.b64encode(pickle.dumps(((time.time() + 3600,), {}))).decode()
-    feats = [("stamp/clock.py", "valid"), ("stamp/clock.py", "valid_utc")]
-    oracle, summary = tasks.make_oracle(tmp_path, feats, [[0, soon], [1, soon]], box)
-    assert summary["recorded"] == 2 and summary["traced"] == 0, summary
+        "    return datetime.now(timezone.utc).timestamp() < exp\n\n\ndef today(sep):\n"
+        "    return date.today().isoformat().replace('-', sep) + time.strftime(' %H') + time.ctime()[-5:]\n")
+    at = harness.child.CLOCK_AT
+    soon, gone = (base64.b64encode(pickle.dumps(((at + d,), {}))).decode() for d in (3600, -3600))
+    feats = [("stamp/clock.py", "valid"), ("stamp/clock.py", "valid_utc"), ("stamp/clock.py", "today")]
+    slash = base64.b64encode(pickle.dumps((("/",), {}))).decode()
+    oracle, summary = tasks.make_oracle(tmp_path, feats, [[0, soon], [1, gone], [2, slash]], box)
+    traced = {c[0]: c[2] for c in oracle["calls"] if c[3] == "traced"}
+    assert summary["traced"] == 3 and traced[0].startswith("returns True;"), (summary, traced)
+    assert traced[1].startswith("returns False;") and traced[2].startswith("returns '2026/01/01 12 2026';")
 
 
 SHELF = """import os, sys, tempfile
@@ -5626,7 +5632,7 @@ attempt("connect", lambda: socket.create_connection(("127.0.0.1", {server.getsoc
 def test_a_test_that_never_ends_fails_alone(tmp_path):
     """A test that never ends (a wait on a flag nobody sets, a blocking accept) fails after a fifth of the run's
     timeout and the run goes on: a repository with one hanging test keeps the rest of its suite (cheroot's TLS
-    tests wait forever for a server that failed to start)."""
+    tests wait forever for a server that failed to start). A test that fails ends no run either."""
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests/test_h.py").write_text("""import socket, time
 def test_ok():
@@ -5664,6 +5670,14 @@ def test_d(server): assert server == 1
     r = tasks.Sandbox(timeout=10).pytest(tmp_path)
     assert {t.split("::")[1]: o.get("call", o["setup"]) for t, o in r.outcomes.items()} == {
         "test_a": "passed", "test_b": "passed", "test_c": "failed", "test_d": "passed"}, r.out
+    # nor does a failing test end the run, whatever the configuration's addopts say (transitions: `-x`, and
+    # verify's must-fail canary, in a file drawn at random, ended the run before most required tests ran)
+    (tmp_path / "tests/test_h.py").write_text("def test_a(): assert 0\ndef test_b(): pass\ndef test_c(): pass\n")
+    for opts in ("-x", "--maxfail=1", "--sw", "--exitfirst --stepwise-skip"):
+        (tmp_path / "pytest.ini").write_text(f"[pytest]\naddopts = {opts}\n")
+        r = tasks.Sandbox(timeout=10).pytest(tmp_path)
+        assert {t.split("::")[1]: o["call"] for t, o in r.outcomes.items()} == {
+            "test_a": "failed", "test_b": "passed", "test_c": "passed"}, (opts, r.out)
 
 
 @sandboxed

@@ -449,6 +449,15 @@ class Reporter:
             if left:
                 signal.setitimer(signal.ITIMER_REAL, left)
 
+    @staticmethod
+    def configure(config):
+        """Every test selected runs: options that end a run at a failure (`-x`, `--maxfail`, `--sw` in a
+        configuration's addopts) are turned off. The must-fail canary fails in every verify, wherever it lies."""
+        config.option.maxfail = 0
+        for name in ("stepwise", "stepwise_skip"):
+            if hasattr(config.option, name):
+                setattr(config.option, name, False)
+
     def pytest_collection_modifyitems(self, config, items):
         if self.select is not None:
             items[:] = [item for item in items if item.nodeid in self.select]
@@ -479,6 +488,11 @@ def pytest_runtest_protocol(item, nextitem):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_fixture_setup(fixturedef, request):
     yield from _reporter.fixture_setup(fixturedef)
+
+
+@pytest.hookimpl(tryfirst=True)  # before the stepwise plugin reads its option
+def pytest_configure(config):
+    _reporter.configure(config)
 
 
 pytest_collection_modifyitems = _reporter.pytest_collection_modifyitems
