@@ -6,6 +6,7 @@ mesh.py, grpo.py, feedback.py, tasks.py); each section's first line names the fi
     python -m pytest -q -n auto --dist worksteal test_all.py
 """
 import ast
+import asyncio
 import base64
 import codecs
 import concurrent.futures
@@ -4728,8 +4729,8 @@ def test_the_copier_takes_what_pickle_refuses():
     """What a recorded call's arguments hold and plain pickle refuses or gets wrong, copied as a copy can
     stand for it: a weak reference (held: nothing else holds its object in the copy) and the weak
     containers, a match (made again), the standard streams (the copy's own), an SQLite connection (its
-    database copied), a tuple subclass whose __new__ takes other arguments than its items; structseq
-    values and a tuple enum keep their own way."""
+    database copied), a tuple subclass whose __new__ takes other arguments than its items, an event loop (the
+    copy's own), a thread pool (a new one); structseq values and a tuple enum keep their own way."""
     import weakref
     db = sqlite3.connect(":memory:")
     db.execute("create table t(x)")
@@ -4737,7 +4738,8 @@ def test_the_copier_takes_what_pickle_refuses():
     held = test_the_copier_takes_what_pickle_refuses
     values = {"ref": weakref.ref(held), "set": weakref.WeakSet([tasks]), "match": re.match("a(b)", "ab"),
               "stdout": sys.stdout, "db": db, "parsed": _Parsed("https", "/a", "ref"), "stat": os.stat("/"),
-              "enum": _Pair.A}
+              "enum": _Pair.A, "loop": asyncio.new_event_loop(), "pool": concurrent.futures.ThreadPoolExecutor(3)}
+    values["pool"].submit(print).result()  # a pool with a thread: pickle refuses its lock and queue
     buffer = io.BytesIO()
     harness.child.Copier(buffer).dump(values)
     got = pickle.loads(buffer.getvalue())
@@ -4745,6 +4747,11 @@ def test_the_copier_takes_what_pickle_refuses():
     assert got["stdout"] is sys.stdout and got["db"].execute("select x from t").fetchall() == [(7,)]
     assert got["parsed"] == ("https", "/a") and type(got["parsed"]) is _Parsed and got["parsed"].ref == "ref"
     assert got["stat"] == values["stat"] and got["enum"] is _Pair.A
+    assert got["loop"] is harness.child.event_loop() and got["loop"] is not values["loop"]
+    assert got["pool"]._max_workers == 3 and got["pool"].submit(len, "ab").result() == 2
+    for x in (got["loop"], values["loop"]):
+        x.close()
+    del harness.child.loop
 
 
 @sandboxed
@@ -4902,6 +4909,66 @@ def oracle_agrees_with(repo, oracle, rel, source, tmp_path, box):
     Path(tree, rel).write_text(source)
     got = tasks.oracle_run(box, tree, oracle["features"], [c[:2] for c in oracle["calls"]])
     return all(tasks.agrees(c[2], got.get(k, "no result")) for k, c in enumerate(oracle["calls"]))
+
+
+SPOOL = """import asyncio
+
+
+class Spool:
+    \"\"\"An async buffer bound to the loop it was made in, as an async file is.\"\"\"
+    def __init__(self, executor=None):
+        self._loop, self._executor, self.data = asyncio.get_running_loop(), executor, []
+
+    async def write(self, text):
+        n = await self._loop.run_in_executor(self._executor, len, text)
+        self.data.append(text.upper() if n > 3 else text)
+        return n
+
+
+async def shout(words):
+    await asyncio.sleep(0)
+    return [w.upper() + "!" for w in words]
+"""
+
+SPOOL_TESTS = """import asyncio, concurrent.futures
+from spool import Spool, shout
+
+
+def test_write():
+    async def go():
+        s = Spool(concurrent.futures.ThreadPoolExecutor(2))
+        assert await s.write("ab") == 2 and await s.write("abcd") == 4
+        assert s.data == ["ab", "ABCD"]
+    asyncio.run(go())
+
+
+def test_shout():
+    assert asyncio.run(shout(["a", "bc"])) == ["A!", "BC!"]
+"""
+
+
+@sandboxed
+def test_async_features_are_recorded_and_run_on_the_loop_their_receiver_holds(tmp_path):
+    """A coroutine function is recorded at its call and run to the end in the oracle's child; a receiver that
+    holds the event loop it was made in, and a thread pool (an async file's), is copied with the child's own
+    loop and a new pool, so its calls are compared, and a table of the tests' answers disagrees."""
+    repo = tmp_path / "repo"
+    for rel, text in {"spool/__init__.py": SPOOL, "tests/test_spool.py": SPOOL_TESTS}.items():
+        Path(repo, rel).parent.mkdir(parents=True, exist_ok=True)
+        Path(repo, rel).write_text(text)
+    box, names = tasks.Sandbox(timeout=60), ["Spool.write", "shout"]
+    feats = [("spool/__init__.py", q) for q in names]
+    r, records = tasks.record_calls(repo, feats, box)
+    assert r.passed == {"tests/test_spool.py::test_write", "tests/test_spool.py::test_shout"}, r.out
+    oracle, summary = tasks.make_oracle(repo, feats, records, box)
+    assert summary["covered"] and summary["traced"] == 3, summary
+    writes = [c[2] for c in oracle["calls"] if c[0] == 0]
+    assert any(x.startswith("returns 4; after") and "'ABCD'" in x for x in writes), writes
+    agrees = lambda source: oracle_agrees_with(repo, oracle, "spool/__init__.py", source, tmp_path, box)
+    assert agrees(SPOOL)
+    assert not agrees(SPOOL.replace("await self._loop.run_in_executor(self._executor, len, text)",
+                                    "{'ab': 2, 'abcd': 4}.get(text, 0)"))
+    assert not agrees(SPOOL.replace('w.upper() + "!" for w in words', 'w.upper() + "!" for w in words[:2]'))
 
 
 @sandboxed

@@ -102,7 +102,7 @@ class Copier(pickle.Pickler):
             return t, (obj.__name__, obj.__bases__, shell), attrs, None, None, restore
         # what pickle refuses but a copy can stand for: weak references (held: in the copy nothing else holds
         # their objects) and the containers of them, a match (made again), the standard streams (the copy's
-        # own), an SQLite connection (its database copied)
+        # own), an event loop (the copy's), a thread pool (a new one), an SQLite connection (its database)
         if isinstance(obj, weakref.ref):
             return Held, (obj(),)
         if isinstance(obj, weakref.WeakSet):
@@ -119,6 +119,10 @@ class Copier(pickle.Pickler):
             # a tuple subclass by its items and state, not through its own __new__, which may take other
             # arguments than its items (rfc3986's ParseResult: pickle's way calls it with the items alone)
             return tuple.__new__, (t, tuple(obj)), getattr(obj, "__dict__", None) or None
+        if isinstance(obj, asyncio.AbstractEventLoop):  # the loop the copy's coroutines run in
+            return event_loop, ()
+        if type(obj).__name__ == "ThreadPoolExecutor" and hasattr(obj, "_max_workers"):
+            return type(obj), (obj._max_workers,)  # a new pool of the same size
         if type(obj).__module__ == "sqlite3" and hasattr(obj, "serialize"):
             with contextlib.suppress(Exception):
                 return database, (obj.serialize(),)
@@ -206,9 +210,18 @@ def database(data):
     return db
 
 
+def event_loop():
+    """Unpickling an event loop that Copier sent (an async file's, a client's): the loop the child runs this
+    call's coroutines in, made at the first need (oracle_main closes it after the call)."""
+    home = sys.modules[event_loop.__module__]  # _featdel_copy, in a child
+    if getattr(home, "loop", None) is None:
+        home.loop = asyncio.new_event_loop()
+    return home.loop
+
+
 # what a pickle of Copier's names these by, in the recorder and in the oracle's child alike
 COPY_MODULE = """sys.modules["_featdel_copy"] = types.ModuleType("_featdel_copy")
-for f in (restore, reopen, Held, rematch, database):
+for f in (restore, reopen, Held, rematch, database, event_loop):
     f.__module__ = "_featdel_copy"
     setattr(sys.modules["_featdel_copy"], f.__name__, f)
 """
@@ -546,8 +559,9 @@ def oracle_main(mode, root, inputs, fd):
             signal.setitimer(signal.ITIMER_REAL, 5)
             try:
                 result = f(*args, **kwargs)
-                if inspect.iscoroutine(result) or inspect.isasyncgen(result):  # an async feature: run it
-                    result = asyncio.run(result if inspect.iscoroutine(result) else drain(result))
+                if inspect.iscoroutine(result) or inspect.isasyncgen(result):  # an async feature: run it, on
+                    result = event_loop().run_until_complete(  # the loop its inputs hold, if any
+                        result if inspect.iscoroutine(result) else drain(result))
                 result = canon(result)  # first: a generator changes what it changes as it runs
                 after = [canon(v, only=o) if not hasattr(type(v), "__next__") else "iterator"  # how far a
                          for v, o in zip(values, only)]  # call reads an iterator is its own affair
@@ -556,6 +570,8 @@ def oracle_main(mode, root, inputs, fd):
                     f"after {json.dumps(after)}"
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
+                if (loop := vars(sys.modules[event_loop.__module__]).pop("loop", None)) is not None:
+                    loop.close()
         except Timeout:
             line = "timeout"
         except SystemExit as e:  # a main()'s exit status, as the interpreter would make it of the code
@@ -655,7 +671,7 @@ ORACLE_CHILD = "\n".join(["import contextlib, copy, copyreg, hashlib, importlib,
                           f"HELD_OUT_AT_LEAST, CLOCK_AT = {HELD_OUT_AT_LEAST}, {CLOCK_AT}",
                           "PLACES, PROBES = (), None",
                           *map(inspect.getsource, (Copier, nested_codes, restore, reopen, Held, rematch,
-                                                   database)), COPY_MODULE,
+                                                   database, event_loop)), COPY_MODULE,
                           *map(inspect.getsource, (canon, own_value, state_of, behaviour, slot_values,
                                                    mutants, like, attributes, oracle_main,
                                                    class_names, fixed_clock, drain, oracle_resolve)),

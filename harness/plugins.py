@@ -25,8 +25,8 @@ import threading
 from collections import Counter
 from pathlib import Path
 
-from harness.child import (COPY_MODULE, POOL_AT_MOST, RECORD_AT_MOST, Copier, Held, database, nested_codes,
-                           rematch, reopen, restore)
+from harness.child import (COPY_MODULE, POOL_AT_MOST, RECORD_AT_MOST, Copier, Held, database, event_loop,
+                           nested_codes, rematch, reopen, restore)
 from harness.env import collect_args, pytest_config
 from harness.repo import CONFIG, is_protected
 from harness.sandbox import scratch, tail
@@ -140,7 +140,7 @@ class Recorder:
             json.dump(self.records, f)
 
 
-RECORDER_MODULE = f"""import contextlib, copyreg, enum, importlib, inspect, io, json, marshal, os, pickle, re
+RECORDER_MODULE = f"""import asyncio, contextlib, copyreg, enum, importlib, inspect, io, json, marshal, os, pickle, re
 import sys, tempfile, threading, types, weakref
 RECORD_AT_MOST, POOL_AT_MOST, CONFIG = {RECORD_AT_MOST}, {POOL_AT_MOST}, {CONFIG!r}
 from collections import Counter
@@ -153,6 +153,7 @@ from pathlib import Path
 {inspect.getsource(Held)}
 {inspect.getsource(rematch)}
 {inspect.getsource(database)}
+{inspect.getsource(event_loop)}
 {COPY_MODULE}
 {inspect.getsource(Recorder)}
 # popped: the tests never see them
