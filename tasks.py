@@ -830,6 +830,15 @@ def add_canaries(work, need):
     return f"{home}::{names[0]}", f"{home}::{names[1]}"
 
 
+def canaries_behave(outcomes, must_pass, must_fail):
+    """Whether the must-pass canary passed and the must-fail one failed in its call, each as itself or, where
+    a conftest parametrizes every test (pygal's pytest_generate_tests: `test_x[lxml]`, `test_x[etree]`), in
+    every instance of it."""
+    runs = lambda canary: [o for t, o in outcomes.items() if t == canary or t.startswith(canary + "[")]
+    return bool(runs(must_pass)) and all(set(o.values()) == {"passed"} and "call" in o for o in runs(must_pass)) \
+        and bool(runs(must_fail)) and all(o.get("call") == "failed" for o in runs(must_fail))
+
+
 def tests_verdict(r, need, must_pass, must_fail, missing=None):
     """Why the verifier's report of a test run fails the solution, or None. missing: as verify's."""
     rc, outcomes, passed = r.rc, r.outcomes, r.passed
@@ -842,7 +851,7 @@ def tests_verdict(r, need, must_pass, must_fail, missing=None):
     if failed:
         return f"{len(failed)} of {len(need)} required tests did not pass (skipped counts as failed), " \
                f"e.g. {failed[0]}; pytest exit {rc}"
-    if must_fail in passed or outcomes.get(must_fail, {}).get("call") != "failed" or must_pass not in passed:
+    if not canaries_behave(outcomes, must_pass, must_fail):
         return f"runner tampered: a canary did not behave ({outcomes.get(must_fail)}, " \
                f"{outcomes.get(must_pass)}); pytest exit {rc}"
     if rc != 1 or r.end != 1:
@@ -1126,7 +1135,7 @@ def judge_deletion(spec_dir, workdir, box=None):
         return 0, (f"{len(still)} of {len(spec['targets'])} target tests still pass, e.g. {still[0]}"
                    if still else f"{len(broken)} of {len(spec['keep'])} other tests no longer pass, e.g. "
                                  f"{broken[0]}")
-    if must_fail in r.passed or must_pass not in r.passed:
+    if not canaries_behave(r.outcomes, must_pass, must_fail):
         return 0, "runner tampered: a canary did not behave"
     return 1, f"all {len(spec['targets'])} target tests stop passing, all {len(spec['keep'])} others pass, " \
               f"none of the feature's code left"

@@ -5748,6 +5748,25 @@ def test_d(server): assert server == 1
 
 
 @sandboxed
+def test_canaries_are_judged_in_every_instance_a_conftest_makes(tmp_path):
+    """A conftest that parametrizes every test (pygal's pytest_generate_tests, for its two XML backends) runs
+    each canary as instances (`test_x[a]`, `test_x[b]`): the canaries behave when every instance does."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests/conftest.py").write_text(
+        "def pytest_generate_tests(metafunc):\n    metafunc.fixturenames.append('backend')\n"
+        "    metafunc.parametrize('backend', ['a', 'b'])\n")
+    (tmp_path / "tests/test_x.py").write_text("def test_one():\n    pass\n")
+    need = ["tests/test_x.py::test_one[a]", "tests/test_x.py::test_one[b]"]
+    must_pass, must_fail = tasks.add_canaries(tmp_path, need)
+    r = tasks.Sandbox(timeout=30).pytest(tmp_path, ["tests/test_x.py"])
+    assert tasks.tests_verdict(r, need, must_pass, must_fail) is None, r.out
+    assert {must_pass + "[a]", must_fail + "[b]"} <= set(r.outcomes)
+    forged = {**r.outcomes, must_fail + "[b]": {"setup": "passed", "call": "passed", "teardown": "passed"}}
+    assert not tasks.canaries_behave(forged, must_pass, must_fail)  # one instance that does not behave
+    assert not tasks.canaries_behave({}, must_pass, must_fail)  # none ran
+
+
+@sandboxed
 def test_no_gold_within_reach_of_the_task_or_its_interpreter(made, tmp_path):
     """The gold in no form a sandboxed run can read. An interpreter holding the repository's packages (an
     installed copy, a module's orphaned __pycache__ entry that a loader runs without its source, an editable
