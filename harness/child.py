@@ -358,7 +358,9 @@ def mutants(value, rng, depth=0, read=frozenset(), consts=()):
     attributes so named (or holding a dict with such keys) are mutated first, the others in random order, and
     an attribute so named that the object's class holds (a default, a property) is set too. consts: the
     strings and numbers the feature's code holds (what its branches compare with): put into a string, or in a
-    number's place and beside it, so that held-out inputs reach branches no test takes."""
+    number's place and beside it, so that held-out inputs reach branches no test takes. A str's last variant
+    is its bytes where the code names bytes (an API that takes both), and bytes' their str where it names
+    str."""
     t, day = type(value), datetime.timedelta(days=1)
 
     def inner(v):  # an item's or attribute's first variants; none where it cannot be varied (an open file)
@@ -436,7 +438,11 @@ def mutants(value, rng, depth=0, read=frozenset(), consts=()):
                 for m in inner(v)]
     else:
         return []
-    return [m for m in map(functools.partial(like, t), out) if m is not None]
+    crossed = []  # a str as bytes where the code names bytes, and bytes as a str where it names str, last:
+    with contextlib.suppress(UnicodeError):  # the other half of an API that takes both
+        crossed = [value.encode()] if t is str and read & {"bytes", "decode"} else \
+            [value.decode()] if t is bytes and read & {"str", "encode"} else []
+    return [m for m in map(functools.partial(like, t), out) if m is not None] + crossed
 
 
 def like(t, x):
