@@ -4734,7 +4734,8 @@ def test_the_copier_takes_what_pickle_refuses():
     stand for it: a weak reference (held: nothing else holds its object in the copy) and the weak
     containers, a match (made again), the standard streams (the copy's own), an SQLite connection (its
     database copied), a tuple subclass whose __new__ takes other arguments than its items, an event loop (the
-    copy's own), a thread pool (a new one); structseq values and a tuple enum keep their own way."""
+    copy's own), a thread pool (a new one), a class made in a function with its properties, class and static
+    methods; structseq values and a tuple enum keep their own way."""
     import weakref
     db = sqlite3.connect(":memory:")
     db.execute("create table t(x)")
@@ -4743,6 +4744,17 @@ def test_the_copier_takes_what_pickle_refuses():
     values = {"ref": weakref.ref(held), "set": weakref.WeakSet([tasks]), "match": re.match("a(b)", "ab"),
               "stdout": sys.stdout, "db": db, "parsed": _Parsed("https", "/a", "ref"), "stat": os.stat("/"),
               "enum": _Pair.A, "loop": asyncio.new_event_loop(), "pool": concurrent.futures.ThreadPoolExecutor(3)}
+
+    def phase():  # a class made in a function (html5lib's phases), sent by value with its descriptors
+        class Phase:
+            size = property(lambda self: 2 * self.n)
+            make = classmethod(lambda cls, n: cls(n))
+            double = staticmethod(lambda x: 2 * x)
+
+            def __init__(self, n):
+                self.n = n
+        return Phase
+    values["phase"] = phase().make(3)
     values["pool"].submit(print).result()  # a pool with a thread: pickle refuses its lock and queue
     buffer = io.BytesIO()
     harness.child.Copier(buffer).dump(values)
@@ -4751,6 +4763,7 @@ def test_the_copier_takes_what_pickle_refuses():
     assert got["stdout"] is sys.stdout and got["db"].execute("select x from t").fetchall() == [(7,)]
     assert got["parsed"] == ("https", "/a") and type(got["parsed"]) is _Parsed and got["parsed"].ref == "ref"
     assert got["stat"] == values["stat"] and got["enum"] is _Pair.A
+    assert got["phase"].size == 6 and type(got["phase"]).make(4).size == 8 and got["phase"].double(5) == 10
     assert got["loop"] is harness.child.event_loop() and got["loop"] is not values["loop"]
     assert got["pool"]._max_workers == 3 and got["pool"].submit(len, "ab").result() == 2
     for x in (got["loop"], values["loop"]):

@@ -96,6 +96,10 @@ class Copier(pickle.Pickler):
             return importlib.import_module, (obj.__name__,)
         if t in (type(threading.Lock()), type(threading.RLock())) and repr(obj).startswith("<unlocked"):
             return (threading.Lock if t is type(threading.Lock()) else threading.RLock), ()  # a new one
+        if t in (property, staticmethod, classmethod):  # what a class sent by value holds (html5lib's phases,
+            if t is property:                              # classes made in a function)
+                return property, (obj.fget, obj.fset, obj.fdel, obj.__doc__)
+            return t, (obj.__func__,)
         if isinstance(obj, type) and self.by_value(obj):
             attrs = {k: v for k, v in vars(obj).items() if k not in ("__dict__", "__weakref__")}
             shell = {k: attrs.pop(k) for k in ("__module__", "__qualname__", "__slots__") if k in attrs}
