@@ -1285,10 +1285,11 @@ class HFTokenizer(ByteTokenizer):
         return self.fast.decode(list(ids), skip_special_tokens=True)
 
     def render(self, messages, prompt=False):
-        """The template's text of a conversation, the turns after its first reply in their mapped roles;
-        TokenizerError where the template refuses it."""
+        """The template's text of a conversation, the turns after its opening (the system turns and the first
+        user turn) in their mapped roles: a feedback hint before the first reply too; TokenizerError where the
+        template refuses it."""
         import jinja2
-        first = next((i for i, (role, _) in enumerate(messages) if role == "assistant"), len(messages))
+        first = next((i for i, (role, _) in enumerate(messages) if role != "system"), len(messages))
         msgs = [{"role": self.roles[role] if i > first else role, "content": text}
                 for i, (role, text) in enumerate(messages)]
         try:
@@ -1317,7 +1318,8 @@ class HFTokenizer(ByteTokenizer):
     def probe(self):
         """The turns RL writes, rendered once with marker texts: refused in one line where the template has no
         place for a role after a reply (a tool's output, a summary request, a feedback hint, a summary
-        restart's next reply), renders the turns after a reply elsewhere than after it, or writes a reply
+        restart's next reply) or for a hint before the first reply, renders such turns elsewhere than after
+        what precedes them, renders a reply otherwise once the next one is prompted, or writes a reply
         otherwise than right after its generation prompt (then the policy's tokens would not be the
         template's). -> the id that ends a reply."""
         u, a = ("user", "QqUSERqQ"), ("assistant", "QqREPLYqQ")  # markers any template keeps as they are
@@ -1327,20 +1329,26 @@ class HFTokenizer(ByteTokenizer):
         if not self.encode(self.close):
             raise TokenizerError(f"{self.where}: the chat template closes an assistant turn with nothing (no "
                                  "end token)")
-        for roles in ((), ("tool",), ("tool", "user"), ("user",), ("system",), ("tool", "system"),
-                      ("tool", "user", "system")):
-            after = [(role, f"Qq{role.upper()}{i}qQ") for i, role in enumerate(roles)]
+        cases = [([u, a], [(role, f"Qq{role.upper()}{i}qQ") for i, role in enumerate(roles)]) for roles in (
+            (), ("tool",), ("tool", "user"), ("user",), ("system",), ("tool", "system"),
+            ("tool", "user", "system"))] + [([u], [("system", "QqHINTqQ")])]  # a hint before the first reply
+        for before, after in cases:
+            roles = [role for role, _ in after]
+            what = (f"{article(roles[-1])} turn after "
+                    + " and ".join(["a reply" if before[-1] is a else "the first user turn", *roles[:-1]])
+                    if roles else "a reply right after a reply (a summary restart's next reply)")
             mapping = f"; map it to a role it has, e.g. --chat-roles {roles[-1]}=user" if roles else ""
             try:
-                text = self.render([u, a, *after], True)
+                text = self.render([*before, *after], True)
             except TokenizerError as e:
-                raise TokenizerError(f"{e}: it has no place for {article(roles[-1])} turn after "
-                                     f"{' and '.join(['a reply', *roles[:-1]])}{mapping}") from None
-            if not text.startswith(replied) or not all(x in text for _, x in after):
-                raise TokenizerError(f"{self.where}: the chat template puts {article(roles[-1])} turn after "
-                                     f"{' and '.join(['a reply', *roles[:-1]])} elsewhere than after "
-                                     f"them{mapping}")
-            self.replies([u, a, *after])
+                raise TokenizerError(f"{e}: it has no place for {what}{mapping}") from None
+            if not text.startswith(self.render(before)) or not all(x in text for _, x in after):
+                raise TokenizerError(f"{self.where}: the chat template puts {what} elsewhere than after "
+                                     f"what precedes it{mapping}" if roles else
+                                     f"{self.where}: the chat template renders a reply otherwise once the "
+                                     f"next one is prompted, so {what} would not extend the tokens the "
+                                     "policy saw")
+            self.replies([*before, *after])
         return self.encode(self.close)[0]
 
     def replies(self, messages):

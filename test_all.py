@@ -2380,6 +2380,36 @@ def test_released_chat_templates_give_the_conversation_token_for_token(tmp_path)
                 name
 
 
+def test_a_template_that_rewrites_a_reply_or_takes_a_system_turn_first_only_is_one_line(tmp_path):
+    """A template that renders a finished reply otherwise once the next reply is prompted is refused in one
+    line (the probe raised IndexError on it). A hint before the first reply takes the mapped role as a hint
+    after one does: DeepSeek-V3 with `--chat-roles system=user` renders it after the user turn (it went
+    first, before the user's), and a template that takes a system turn only first, refused without the
+    mapping, renders it as a user turn with it (before, feedback's first hint crashed mid-run)."""
+    rewrites = CHATML.replace("{{ m.content }}", "{{ m.content | lower if add_generation_prompt and m.role == "
+                              "'assistant' else m.content }}")
+    first_only = CHATML.replace("{% for m in messages %}", "{% for m in messages %}{% if m.role == 'system' and "
+                                "not loop.first %}{{ raise_exception('system first only') }}{% endif %}")
+    for name, template, expected in (
+            ("rewrites", rewrites, "renders a reply otherwise once the next one is prompted, so a reply right "
+                                   "after a reply (a summary restart's next reply) would not extend"),
+            ("first-only", first_only, "(system first only): it has no place for a system turn after a reply; "
+                                       "map it to a role it has, e.g. --chat-roles system=user")):
+        (tmp_path / name).mkdir()
+        released_tokenizer(tmp_path / name, template)
+        with pytest.raises(M.TokenizerError) as e:
+            M.HFTokenizer(tmp_path / name)
+        assert expected in str(e.value) and "\n" not in str(e.value), str(e.value)
+    tok = M.HFTokenizer(tmp_path / "first-only", roles={"system": "user"})
+    assert tok.render([("user", "U"), ("system", "H")], True).endswith(
+        "<|im_start|>user\nU<|im_end|>\n<|im_start|>user\nH<|im_end|>\n<|im_start|>assistant\n")
+    template, bos, eos, specials = RELEASED_TEMPLATES["deepseek-v3"]
+    (tmp_path / "ds").mkdir()
+    released_tokenizer(tmp_path / "ds", template, 300, specials, {"bos_token": bos, "eos_token": eos})
+    text = M.HFTokenizer(tmp_path / "ds", roles={"system": "user"}).render([("user", "U"), ("system", "H")], True)
+    assert text.index("U") < text.index("H"), text
+
+
 def anew(tok, seg):
     """A segment's tokens with each sampled message (a run of policy tokens) encoded anew from its text: a
     random policy's tokens are not what encoding their text gives."""
