@@ -73,6 +73,7 @@ class Segment:
     sampler_logp: list = field(default_factory=list)
     messages: list = field(default_factory=list)  # the conversation the tokens render: (role, text)
     rendered: int = 0  # the messages whose tokens are in tokens; the later ones wait for what follows them
+    text: str = ""  # what the tokens stand for: the template's text and the replies, as the policy saw them
 
     def add(self, ids, policy=False, logps=None):
         self.tokens += ids
@@ -95,6 +96,7 @@ class Trajectory:
     # prompt; the messages whose tokens precede that token; the messages before the turn)
     openings: list = field(default_factory=list)
     retokenized: int = 0  # tokens where the turn-by-turn ids differ from the whole rendering encoded at once
+    rewritten: int = 0  # segments started because the template rewrote what the policy had seen
 
 
 
@@ -376,10 +378,20 @@ def rollout(policy, envs, cfg, gen, sharded=False):
                 break
             cache.keep([i for i, t in enumerate(rows) if not t.done])
             rows = live
-            for t in live:  # the turns that wait, and the generation prompt: the template's, not the policy's
+            for row, t in enumerate(live):  # the turns that wait, and the generation prompt: the template's
                 seg = t.segments[-1]
+                opened = tok.render(seg.messages, prompt=True)
+                if not opened.startswith(seg.text):  # the template renders what the policy saw otherwise now
+                    # (a reasoning template drops an earlier reply's thinking): the reply starts a segment
+                    # whose context is the template's rendering, what the model sees at inference
+                    t.segments.append(Segment(messages=list(seg.messages)))
+                    del seg.messages[seg.rendered:]
+                    seg = t.segments[-1]
+                    cache.reset(row)
+                    t.rewritten += 1
                 t.openings.append((len(seg.tokens), seg.rendered, len(seg.messages)))
                 seg.add(tok.delta(seg.messages[:seg.rendered], seg.messages[seg.rendered:], prompt=True))
+                seg.text = opened
             cached = cache.next_pos.tolist()  # [B] tokens of each row's segment in the cache
             msgs = sample_messages(sampler, [t.segments[-1].tokens[n:] for t, n in zip(live, cached)], cfg,
                                    gen, [min(cfg.max_message_tokens, cfg.max_gen_tokens - t.written)
@@ -390,8 +402,10 @@ def rollout(policy, envs, cfg, gen, sharded=False):
                 start = len(seg.tokens)
                 seg.add(ids, True, logps)
                 text = tok.decode(ids[:-1] if ended else ids)
-                seg.add(tok.closing(seg.messages, text, ended))  # what the template puts after it (the end
-                seg.messages.append(("assistant", text))         # token too, where the message was cut)
+                closing, after = tok.closing(seg.text, seg.messages, text, ended)  # what the template puts
+                seg.add(closing)                                     # after it (the end token too, where the
+                seg.text += text + after                             # message was cut)
+                seg.messages.append(("assistant", text))
                 seg.rendered, t.written = len(seg.messages), t.written + len(ids)
                 if t.summarizing:  # the summary ends the segment; the next one starts from prompt + summary
                     t.openings.pop()  # no turn of its own
@@ -421,8 +435,10 @@ def rollout(policy, envs, cfg, gen, sharded=False):
             sampler.drain()
     for t in trajs:  # the turns still waiting (after the last reply), then the ids built turn by turn against
         for s in t.segments:  # the whole conversation rendered and encoded at once
-            s.add(tok.delta(s.messages[:s.rendered], s.messages[s.rendered:]) if s.rendered < len(s.messages)
-                  else [])
+            if tok.render(s.messages).startswith(s.text):
+                s.add(tok.delta(s.messages[:s.rendered], s.messages[s.rendered:]))
+            else:  # they would rewrite what the policy saw: left out (they are never trained)
+                del s.messages[s.rendered:]
             s.rendered = len(s.messages)
         t.retokenized = sum(retokenized(s.tokens, tok.rendered(s.messages)) for s in t.segments)
     for t, reward in zip(trajs, ENV_THREADS.map(lambda t: t.env.reward(), trajs)):  # verifies side by side

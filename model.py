@@ -108,9 +108,16 @@ class ByteTokenizer:
         return [i for role, text in new for i in self.turn(role, text)] + (self.opens["assistant"] if prompt
                                                                            else [])
 
-    def closing(self, messages, text, ended):
-        """The ids after a sampled reply to `messages` (its text; ended: its last sampled token is `end`)."""
-        return [] if ended else [self.end]
+    def render(self, messages, prompt=False):
+        """The conversation's text, its role and end tokens written as their names: what rollout compares
+        with what the policy saw (the ids are delta's: a message's text never becomes a special token)."""
+        return "".join(f"<|{role}|>{text}<|end|>" for role, text in messages) + ("<|assistant|>" if prompt
+                                                                                 else "")
+
+    def closing(self, seen, messages, text, ended):
+        """What follows a sampled reply to `messages` (its text; seen: the text the policy saw before it;
+        ended: its last sampled token is `end`): (the ids to add, the text they close the reply with)."""
+        return ([] if ended else [self.end]), "<|end|>"
 
     def rendered(self, messages, prompt=False):
         """The whole conversation's ids at once: what the ids built turn by turn must equal."""
@@ -1307,21 +1314,22 @@ class HFTokenizer(ByteTokenizer):
         before = self.render(messages) if messages else ""
         return self.encode(self.added(before, self.render([*messages, *new], prompt)))
 
-    def closing(self, messages, text, ended):
-        opened, replied = self.render(messages, True) + text, self.render([*messages, ("assistant", text)])
-        # after the reply as the policy wrote it; where the template writes the reply otherwise (a space
-        # before it, say), its usual closing, and the difference is counted (rollout's retokenized)
-        close = self.encode(replied[len(opened):] if replied.startswith(opened) else self.close)
+    def closing(self, seen, messages, text, ended):
+        replied = self.render([*messages, ("assistant", text)])
+        # after the reply as the policy saw and wrote it; where the template renders it otherwise (a space
+        # before it, an earlier reply rewritten), its usual closing: the next reply starts a segment
+        after = replied[len(seen + text):] if replied.startswith(seen + text) else self.close
+        close = self.encode(after)
         rest = close[1:] if close[:1] == [self.end] else close  # the end token: sampled, or added here
-        return rest if ended else [self.end] + rest
+        return (rest if ended else [self.end] + rest), after
 
     def probe(self):
         """The turns RL writes, rendered once with marker texts: refused in one line where the template has no
         place for a role after a reply (a tool's output, a summary request, a feedback hint, a summary
         restart's next reply) or for a hint before the first reply, renders such turns elsewhere than after
-        what precedes them, renders a reply otherwise once the next one is prompted, or writes a reply
-        otherwise than right after its generation prompt (then the policy's tokens would not be the
-        template's). -> the id that ends a reply."""
+        what precedes them, or writes a reply otherwise than right after its generation prompt (then the
+        policy's tokens would not be the template's). A template that renders earlier turns otherwise once
+        more follow is taken: rollout starts a segment there. -> the id that ends a reply."""
         u, a = ("user", "QqUSERqQ"), ("assistant", "QqREPLYqQ")  # markers any template keeps as they are
         self.replies([u])
         replied = self.render([u, a])
@@ -1342,12 +1350,12 @@ class HFTokenizer(ByteTokenizer):
                 text = self.render([*before, *after], True)
             except TokenizerError as e:
                 raise TokenizerError(f"{e}: it has no place for {what}{mapping}") from None
-            if not text.startswith(self.render(before)) or not all(x in text for _, x in after):
-                raise TokenizerError(f"{self.where}: the chat template puts {what} elsewhere than after "
-                                     f"what precedes it{mapping}" if roles else
-                                     f"{self.where}: the chat template renders a reply otherwise once the "
-                                     f"next one is prompted, so {what} would not extend the tokens the "
-                                     "policy saw")
+            # the new turns after the user's, in their order; the turns before them may be rendered otherwise
+            # than before (rollout starts a segment there: a reasoning template drops earlier thinking)
+            at = [text.find(x) for _, x in after]
+            if -1 in at or at != sorted(at) or at and at[0] < text.find(u[1]):
+                raise TokenizerError(f"{self.where}: the chat template puts {what} elsewhere than after what "
+                                     f"precedes it{mapping}")
             self.replies([*before, *after])
         return self.encode(self.close)[0]
 
@@ -1364,7 +1372,9 @@ class HFTokenizer(ByteTokenizer):
             raise TokenizerError(f"{self.where}: the chat template renders no assistant turn after "
                                  f"{article(messages[-1][0])} turn")
         same = len(os.path.commonprefix([head[0], opened]))
-        if head[0] != opened:
+        prompt = self.added(self.render(messages), opened)  # what the generation prompt adds
+        # the reply right after the prompt; the turns before it may be rendered otherwise (a segment starts)
+        if head[0] != opened and (head[0].startswith(opened) or not head[0].endswith(prompt)):
             raise TokenizerError(
                 f"{self.where}: the chat template writes a reply after {article(messages[-1][0])} turn "
                 f"otherwise than right after its generation prompt (it renders {head[0][same:]!r} before the "

@@ -2357,7 +2357,8 @@ def test_released_chat_templates_give_the_conversation_token_for_token(tmp_path)
         for k, (role, text) in enumerate(turns):
             if role == "assistant":
                 ids += tok.delta(turns[:done], turns[done:k], prompt=True)
-                ids += tok.encode(text) + [tok.end] + tok.closing(turns[:k], text, ended=True)
+                ids += tok.encode(text) + [tok.end] + tok.closing(tok.render(turns[:k], True), turns[:k], text,
+                                                                  ended=True)[0]
                 done = k + 1
         ids += tok.delta(turns[:done], turns[done:], prompt=True)
         first = next(k for k, (role, _) in enumerate(turns) if role == "assistant")
@@ -2381,8 +2382,8 @@ def test_released_chat_templates_give_the_conversation_token_for_token(tmp_path)
 
 
 def test_a_template_that_rewrites_a_reply_or_takes_a_system_turn_first_only_is_one_line(tmp_path):
-    """A template that renders a finished reply otherwise once the next reply is prompted is refused in one
-    line (the probe raised IndexError on it). A hint before the first reply takes the mapped role as a hint
+    """A template whose generation prompt renders the reply before it otherwise than its finished rendering
+    is refused in one line (the probe raised IndexError on it). A hint before the first reply takes the mapped role as a hint
     after one does: DeepSeek-V3 with `--chat-roles system=user` renders it after the user turn (it went
     first, before the user's), and a template that takes a system turn only first, refused without the
     mapping, renders it as a user turn with it (before, feedback's first hint crashed mid-run)."""
@@ -2391,8 +2392,8 @@ def test_a_template_that_rewrites_a_reply_or_takes_a_system_turn_first_only_is_o
     first_only = CHATML.replace("{% for m in messages %}", "{% for m in messages %}{% if m.role == 'system' and "
                                 "not loop.first %}{{ raise_exception('system first only') }}{% endif %}")
     for name, template, expected in (
-            ("rewrites", rewrites, "renders a reply otherwise once the next one is prompted, so a reply right "
-                                   "after a reply (a summary restart's next reply) would not extend"),
+            ("rewrites", rewrites, "writes a reply after an assistant turn otherwise than right after its "
+                                   "generation prompt"),
             ("first-only", first_only, "(system first only): it has no place for a system turn after a reply; "
                                        "map it to a role it has, e.g. --chat-roles system=user")):
         (tmp_path / name).mkdir()
@@ -2408,6 +2409,28 @@ def test_a_template_that_rewrites_a_reply_or_takes_a_system_turn_first_only_is_o
     released_tokenizer(tmp_path / "ds", template, 300, specials, {"bos_token": bos, "eos_token": eos})
     text = M.HFTokenizer(tmp_path / "ds", roles={"system": "user"}).render([("user", "U"), ("system", "H")], True)
     assert text.index("U") < text.index("H"), text
+
+
+def test_a_template_that_rewrites_earlier_replies_starts_a_segment_there(tmp_path):
+    """A template that renders earlier replies otherwise once more turns follow (as reasoning templates drop
+    an earlier reply's thinking; here every earlier reply becomes '(earlier reply)'): each next reply starts a
+    segment whose context is the template's rendering, so every segment is exactly the conversation the
+    template renders, the policy's tokens kept as sampled; the segments are counted (`rewritten`). Before,
+    the template was refused at load (it renders the turns before a reply otherwise)."""
+    from grpo import GRPOConfig, retokenized, rollout
+    (tmp_path / "t").mkdir()
+    released_tokenizer(tmp_path / "t", CHATML.replace(
+        "{{ m.content }}", "{{ '(earlier reply)' if m.role == 'assistant' and not loop.last else m.content }}"))
+    tok = M.HFTokenizer(tmp_path / "t")
+    cfg = GRPOConfig(group_size=2, max_message_tokens=6, context_budget=200, tokenizer=tok)
+    trajs = rollout(tiny_model(vocab_size=300, n_layer=2), [_ToolNotFoundEnv(1.0, 3), _ToolNotFoundEnv(0.0, 3)],
+                    cfg, torch.Generator().manual_seed(0))
+    for t in trajs:
+        assert t.rewritten == 2 and len(t.segments) == 3 and len(t.spans) == 3, (t.rewritten, t.spans)
+        assert t.retokenized == sum(retokenized(s.tokens, tok.rendered(s.messages)) for s in t.segments)
+        for s in t.segments:
+            assert anew(tok, s) == tok.rendered(s.messages) and sum(s.policy) > 0
+            assert "(earlier reply)" in tok.decode(s.tokens) or s is t.segments[0]
 
 
 def anew(tok, seg):

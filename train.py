@@ -353,7 +353,8 @@ def rl(t, step):
         signal_stats = {"groups_all_equal": (by_group == by_group[:, :1]).all(-1).double().mean().item(),
                         "reward_std_in_group": by_group.std(-1, unbiased=False).mean().item(),
                         "grad_norm": sum(grad_norms) / len(grad_norms)}
-        calls, errors, capital, malformed, summaries, n_episodes, retok = episode_stats(t, envs, trajs)
+        calls, errors, capital, malformed, summaries, n_episodes, retok, rewritten = episode_stats(t, envs,
+                                                                                                  trajs)
         tokens, stopping, *fb_all = sum_over_ranks(t, [stats["gen_tokens"] * len(train) / layout.cp,
                                                        run.stop_signal is not None, *fb_sums, *fb_counts])
         fb_sums, fb_counts = fb_all[:len(weighted)], fb_all[len(weighted):]
@@ -363,7 +364,7 @@ def rl(t, step):
                   "reward": rewards.mean().item(), "tool_error_rate": errors / max(1, calls),
                   "capital_rate": capital / max(1, calls), "malformed_rate": malformed / n_episodes,
                   "summaries": summaries / n_episodes, "gen_tokens": tokens / n_episodes,
-                  "retokenized": retok / n_episodes,
+                  "retokenized": retok / n_episodes, "rewritten": rewritten / n_episodes,
                   "feedback_targets": fb_counts[0], "feedback_kl": fb_means["feedback_kl"] or 0.0,
                   **({k: v for k, v in fb_means.items() if k.startswith("p_")} if args.feedback_coef else {}),
                   "loss": mean_over_ranks(t, stats["loss"]),
@@ -536,12 +537,14 @@ def cp_union(t, trajs):
 
 def episode_stats(t, envs, trajs):
     """What a batch of episodes did, summed over the ranks: calls, absent-tool calls, "Call" calls,
-    malformed messages, summaries (segments past the first), episodes, and the tokens where the turns built
-    one by one differ from the whole conversation rendered and encoded at once (grpo.rollout)."""
+    malformed messages, summaries (segments past the first but those a template's rewrite started),
+    episodes, the tokens where the turns built one by one differ from the whole conversation rendered and
+    encoded at once, and the segments started because the chat template rewrote what the policy had seen
+    (grpo.rollout)."""
     return sum_over_ranks(t, [sum(e.tool_calls for e in envs), sum(e.tool_errors for e in envs),
                               sum(e.capital for e in envs), sum(e.malformed for e in envs),
-                              sum(len(tr.segments) - 1 for tr in trajs), len(envs),
-                              sum(tr.retokenized for tr in trajs)])
+                              sum(len(tr.segments) - 1 - tr.rewritten for tr in trajs), len(envs),
+                              sum(tr.retokenized for tr in trajs), sum(tr.rewritten for tr in trajs)])
 
 
 # The planted habits of the coding transcripts (tasks.Habits) as the records name them: edits of unread files
@@ -629,7 +632,7 @@ def rl_eval(t, rl_step):
                                 "turns": tr.turns}) + "\n")
     passed = sum_over_ranks(t, [sum(tr.reward for tr, (lvl, _) in zip(trajs, mine) if lvl == lv)
                                 for lv in (1, 2)] + [sum(lvl == lv for lvl, _ in mine) for lv in (1, 2)])
-    calls, errors, capital, _, summaries, episodes, _ = episode_stats(t, envs, trajs)
+    calls, errors, capital, _, summaries, episodes, *_ = episode_stats(t, envs, trajs)
     record = {"stage": "rl_eval", "step": t.steps_before_rl + rl_step, "rl_step": rl_step,
               "eval_split": split, "pass_level1": passed[0] / max(1, passed[2]),
               "pass_level2": passed[1] / max(1, passed[3]), "episodes_level1": passed[2],
