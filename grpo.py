@@ -16,7 +16,10 @@ Sampling. The whole batch is sampled in lockstep with MLA's KV cache (model.KVCa
 across its turns, so each message prefills only the tokens since the last, then decodes one token a row),
 through a tokenizer (this project's bytes, or a released model's: what each turn adds to the chat template's
 rendering, the sampled tokens kept as sampled; the tokens where that differs from the whole conversation
-encoded at once are counted, `retokenized`). When a context passes its budget the model
+encoded at once are counted, `retokenized`). Where the template renders what the policy saw otherwise once
+more turns follow (a reasoning template drops an earlier reply's thinking), the next reply starts a new
+segment whose context is the template's rendering, as at inference (counted, `rewritten`). When a context
+passes its budget the model
 is asked to summarize, and the rollout continues from prompt + summary; every segment is trained with the
 trajectory's reward (Composer 2 report). Sampling may use a fake-quantised copy of the policy (8-bit blocks,
 like MXFP8).
