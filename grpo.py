@@ -357,6 +357,54 @@ def decode_threads(policy):
         torch.set_num_threads(threads)
 
 
+def open_turn(tok, t):
+    """Before the policy's next reply in trajectory t: the turns that wait and the generation prompt, as the
+    chat template renders them, added to its last segment. Where the template now renders what the policy saw
+    otherwise (a reasoning template drops an earlier reply's thinking, or shows text the policy never wrote),
+    the reply starts a new segment whose context is the template's rendering, as at inference. -> whether a
+    segment started (its cache row starts again)."""
+    seg = t.segments[-1]
+    opened = tok.render(seg.messages, prompt=True)
+    rewrites = not opened.startswith(seg.text)
+    if rewrites:
+        t.segments.append(Segment(messages=list(seg.messages)))
+        del seg.messages[seg.rendered:]  # the waiting turns go with the reply
+        seg = t.segments[-1]
+        t.rewritten += 1
+    t.openings.append((len(seg.tokens), seg.rendered, len(seg.messages)))
+    seg.add(tok.delta(seg.messages[:seg.rendered], seg.messages[seg.rendered:], prompt=True, seen=seg.text))
+    seg.text = opened
+    return rewrites
+
+
+def close_turn(tok, seg, ids, logps=None):
+    """The policy's sampled ids (and their log-probs) as the segment's next reply, kept as sampled, then what
+    the template puts after it (the end token too, where the message was cut). -> (where the reply starts in
+    seg.tokens, its text)."""
+    ended = bool(ids) and ids[-1] == tok.end
+    start, text = len(seg.tokens), tok.decode(ids[:-1] if ended else ids)
+    seg.add(ids, True, logps)
+    closing, after = tok.closing(seg.text, seg.messages, text, ended)
+    seg.add(closing)
+    seg.text += text + after
+    seg.messages.append(("assistant", text))
+    seg.rendered = len(seg.messages)
+    return start, text
+
+
+def finish_turns(tok, t):
+    """After the episode: each segment's turns still waiting (after its last reply), unless they would rewrite
+    what the policy saw (they are never trained), then the tokens where the ids built turn by turn differ from
+    the whole conversation rendered and encoded at once (t.retokenized)."""
+    for s in t.segments:
+        if tok.render(s.messages).startswith(s.text):
+            s.add(tok.delta(s.messages[:s.rendered], s.messages[s.rendered:], seen=s.text))
+        else:
+            del s.messages[s.rendered:]
+        s.rendered = len(s.messages)
+    t.retokenized = sum(retokenized(s.tokens, tok.rendered(s.messages)) for s in t.segments)
+
+
 def rollout(policy, envs, cfg, gen, sharded=False):
     """Run one episode per env, all batched, until each ends or writes max_gen_tokens. -> [Trajectory]
     With cfg.sampler_bits the policy samples with its fake-quantised Weights loaded. sharded: the policy is
@@ -382,34 +430,16 @@ def rollout(policy, envs, cfg, gen, sharded=False):
             cache.keep([i for i, t in enumerate(rows) if not t.done])
             rows = live
             for row, t in enumerate(live):  # the turns that wait, and the generation prompt: the template's
-                seg = t.segments[-1]
-                opened = tok.render(seg.messages, prompt=True)
-                if not opened.startswith(seg.text):  # the template renders what the policy saw otherwise now
-                    # (a reasoning template drops an earlier reply's thinking): the reply starts a segment
-                    # whose context is the template's rendering, what the model sees at inference
-                    t.segments.append(Segment(messages=list(seg.messages)))
-                    del seg.messages[seg.rendered:]
-                    seg = t.segments[-1]
+                if open_turn(tok, t):
                     cache.reset(row)
-                    t.rewritten += 1
-                t.openings.append((len(seg.tokens), seg.rendered, len(seg.messages)))
-                seg.add(tok.delta(seg.messages[:seg.rendered], seg.messages[seg.rendered:], prompt=True))
-                seg.text = opened
             cached = cache.next_pos.tolist()  # [B] tokens of each row's segment in the cache
             msgs = sample_messages(sampler, [t.segments[-1].tokens[n:] for t, n in zip(live, cached)], cfg,
                                    gen, [min(cfg.max_message_tokens, cfg.max_gen_tokens - t.written)
                                          for t in live], cache=cache)
             stepping = []  # the trajectories whose message goes to their environment
             for row, (t, (ids, logps)) in enumerate(zip(live, msgs)):
-                seg, ended = t.segments[-1], bool(ids) and ids[-1] == tok.end
-                start = len(seg.tokens)
-                seg.add(ids, True, logps)
-                text = tok.decode(ids[:-1] if ended else ids)
-                closing, after = tok.closing(seg.text, seg.messages, text, ended)  # what the template puts
-                seg.add(closing)                                     # after it (the end token too, where the
-                seg.text += text + after                             # message was cut)
-                seg.messages.append(("assistant", text))
-                seg.rendered, t.written = len(seg.messages), t.written + len(ids)
+                start, text = close_turn(tok, t.segments[-1], ids, logps)
+                t.written += len(ids)
                 if t.summarizing:  # the summary ends the segment; the next one starts from prompt + summary
                     t.openings.pop()  # no turn of its own
                     t.summarizing, first = False, t.segments[0].messages[:t.openings[0][2]]
@@ -436,14 +466,8 @@ def rollout(policy, envs, cfg, gen, sharded=False):
                     t.summarizing = True
         if sharded:
             sampler.drain()
-    for t in trajs:  # the turns still waiting (after the last reply), then the ids built turn by turn against
-        for s in t.segments:  # the whole conversation rendered and encoded at once
-            if tok.render(s.messages).startswith(s.text):
-                s.add(tok.delta(s.messages[:s.rendered], s.messages[s.rendered:]))
-            else:  # they would rewrite what the policy saw: left out (they are never trained)
-                del s.messages[s.rendered:]
-            s.rendered = len(s.messages)
-        t.retokenized = sum(retokenized(s.tokens, tok.rendered(s.messages)) for s in t.segments)
+    for t in trajs:
+        finish_turns(tok, t)
     for t, reward in zip(trajs, ENV_THREADS.map(lambda t: t.env.reward(), trajs)):  # verifies side by side
         t.reward = float(reward)
     policy.train(was_training)

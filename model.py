@@ -102,9 +102,9 @@ class ByteTokenizer:
     def turn(self, role, text):
         return self.opens[role] + self.encode(text) + [self.end]
 
-    def delta(self, messages, new, prompt=False):
-        """The ids that the messages `new` add after `messages`, and a generation prompt after them if
-        prompt."""
+    def delta(self, messages, new, prompt=False, seen=None):
+        """The ids that the messages `new` add after `messages` (seen: the text the ids so far stand for,
+        where it is not the rendering of messages), and a generation prompt after them if prompt."""
         return [i for role, text in new for i in self.turn(role, text)] + (self.opens["assistant"] if prompt
                                                                            else [])
 
@@ -1310,8 +1310,8 @@ class HFTokenizer(ByteTokenizer):
         of it past `before` where the template renders the earlier turns alike, as it should)."""
         return after[len(os.path.commonprefix([before, after])):]
 
-    def delta(self, messages, new, prompt=False):
-        before = self.render(messages) if messages else ""
+    def delta(self, messages, new, prompt=False, seen=None):
+        before = seen if seen is not None else self.render(messages) if messages else ""
         return self.encode(self.added(before, self.render([*messages, *new], prompt)))
 
     def closing(self, seen, messages, text, ended):
@@ -1360,9 +1360,11 @@ class HFTokenizer(ByteTokenizer):
         return self.encode(self.close)[0]
 
     def replies(self, messages):
-        """Refuses a template that writes a reply to messages otherwise than right after its generation
-        prompt."""
-        opened, marker = self.render(messages, True), "QqNEXTqQ"
+        """Refuses a template that has no place for a reply after messages. One that writes text of its own
+        before a reply (a space, an empty thinking block) or renders the turns before it otherwise is taken:
+        the policy writes right after the generation prompt, and rollout starts a segment where the template's
+        rendering no longer extends what the policy saw."""
+        marker = "QqNEXTqQ"
         try:
             head = self.render([*messages, ("assistant", marker)]).split(marker, 1)
         except TokenizerError as e:
@@ -1371,15 +1373,6 @@ class HFTokenizer(ByteTokenizer):
         if len(head) < 2:
             raise TokenizerError(f"{self.where}: the chat template renders no assistant turn after "
                                  f"{article(messages[-1][0])} turn")
-        same = len(os.path.commonprefix([head[0], opened]))
-        prompt = self.added(self.render(messages), opened)  # what the generation prompt adds
-        # the reply right after the prompt; the turns before it may be rendered otherwise (a segment starts)
-        if head[0] != opened and (head[0].startswith(opened) or not head[0].endswith(prompt)):
-            raise TokenizerError(
-                f"{self.where}: the chat template writes a reply after {article(messages[-1][0])} turn "
-                f"otherwise than right after its generation prompt (it renders {head[0][same:]!r} before the "
-                f"reply where the prompt ends with {opened[same:]!r}): the policy's tokens would not be the "
-                "template's")
 
 
 # -----------------------------------------------------------------------------

@@ -2317,24 +2317,28 @@ RELEASED_TEMPLATES = {
         ['<|im_end|>', '<|im_start|>']),
 }
 
-# each family: the --chat-roles it needs, and None where the turns RL writes equal transformers' rendering id
-# for id, else the reason it is refused (one line)
-FAMILIES = {"deepseek-v3": ({"system": "user"}, None), "kimi-k2": ({}, None), "moonlight": ({}, None),
-            "llama-3": ({}, None), "qwen2.5": ({}, None), "chatml-loopcontrols": ({}, None),
-            "mistral": ({}, "it renders ' ' before the reply where the prompt ends with ''"),
-            "qwen3": ({}, "it renders '<think>\\n\\n</think>\\n\\n' before the reply"),
-            "gemma": ({}, "it has no place for a reply after an assistant turn")}
+# each family: the --chat-roles it needs; None where RL takes it, else the reason it is refused (one line);
+# and whether the scripted episode below stays one segment (False: the template rewrites what the policy saw)
+FAMILIES = {"deepseek-v3": ({"system": "user"}, None, True), "kimi-k2": ({}, None, True),
+            "moonlight": ({}, None, True), "llama-3": ({}, None, True), "qwen2.5": ({}, None, True),
+            "chatml-loopcontrols": ({}, None, True),
+            "mistral": ({}, "it has no place for a reply after an assistant turn", None),  # alternation
+            "qwen3": ({}, None, False),  # an empty thinking block before a reply the policy wrote without one
+            "gemma": ({}, "it has no place for a reply after an assistant turn", None)}
 
 
 def test_released_chat_templates_give_the_conversation_token_for_token(tmp_path):
-    """On the templates of released families, a conversation built turn by turn as RL builds it (the turns
-    after a reply taken with the next generation prompt, each reply's tokens as sampled, the template's
-    closing after it) is transformers' apply_chat_template of the whole conversation, id for id: system, user,
-    a reply, a tool's output, a user turn, a reply, and the generation prompt. A template that cannot hold the
-    turns RL writes is refused in one line naming the role or the reason; a role it has no place for is
-    refused unless --chat-roles maps it. Without transformers the template renders the same (loop controls,
-    generation tags, tojson)."""
-    from grpo import GRPOConfig, retokenized, rollout
+    """On the templates of released families, an episode built as rollout builds it (grpo.open_turn before
+    each reply, the reply's ids as sampled, close_turn after it) gives the policy, at every reply, exactly
+    transformers' apply_chat_template of the conversation so far with a generation prompt, id for id; where
+    the template keeps what the policy saw, the whole episode is one segment equal to apply_chat_template of
+    the whole conversation; where it rewrites it (Mistral's space before a reply, Qwen3's empty thinking
+    block), the reply starts a new segment (counted). A template that cannot hold the turns RL writes is
+    refused in one line naming the role or the reason; a role it has no place for is refused unless
+    --chat-roles maps it. Without transformers the template renders the same (loop controls, generation
+    tags, tojson)."""
+    from grpo import (GRPOConfig, Segment, Trajectory, close_turn, finish_turns, open_turn, retokenized,
+                      rollout)
     tf = pytest.importorskip("transformers", reason="pip install transformers")
     turns = [("system", "S"), ("user", "add 2 and 3"), ("assistant", "call add(2,3)"), ("tool", "5"),
              ("user", "and 4 and 4?"), ("assistant", "answer 8")]
@@ -2343,7 +2347,7 @@ def test_released_chat_templates_give_the_conversation_token_for_token(tmp_path)
         folder.mkdir()
         tokens = {"bos_token": bos, "eos_token": eos}
         assert released_tokenizer(folder, template, 300, specials, tokens) <= 300
-        roles, refused = FAMILIES[name]
+        roles, refused, whole = FAMILIES[name]
         if roles:  # without the mapping: refused, naming the role to map
             with pytest.raises(M.TokenizerError, match=f"--chat-roles {next(iter(roles))}=user$"):
                 M.HFTokenizer(folder)
@@ -2353,54 +2357,54 @@ def test_released_chat_templates_give_the_conversation_token_for_token(tmp_path)
             assert "\n" not in str(e.value)
             continue
         tok, chat = M.HFTokenizer(folder, roles=roles), tf.PreTrainedTokenizerFast.from_pretrained(folder)
-        ids, done = [], 0  # as rollout writes them
-        for k, (role, text) in enumerate(turns):
-            if role == "assistant":
-                ids += tok.delta(turns[:done], turns[done:k], prompt=True)
-                ids += tok.encode(text) + [tok.end] + tok.closing(tok.render(turns[:k], True), turns[:k], text,
-                                                                  ended=True)[0]
-                done = k + 1
-        ids += tok.delta(turns[:done], turns[done:], prompt=True)
-        first = next(k for k, (role, _) in enumerate(turns) if role == "assistant")
-        msgs = [{"role": roles.get(r, r) if k > first else r, "content": c} for k, (r, c) in enumerate(turns)]
-        text = chat.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        assert ids == chat(text, add_special_tokens=False)["input_ids"] == tok.rendered(turns, True), name
+        hf = lambda msgs: [{"role": roles.get(r, r) if k > 1 else r, "content": c}
+                           for k, (r, c) in enumerate(msgs)]
+        prompt = lambda msgs: chat(chat.apply_chat_template(hf(msgs), tokenize=False,
+                                                            add_generation_prompt=True),
+                                   add_special_tokens=False)["input_ids"]
+        t = Trajectory([Segment(messages=turns[:2])])
+        for k, (role, text) in enumerate(turns[2:], 2):
+            if role == "assistant":  # what the policy sees before its reply: the template's, exactly
+                open_turn(tok, t)
+                assert t.segments[-1].tokens == prompt(turns[:k]), (name, k)
+                close_turn(tok, t.segments[-1], tok.encode(text) + [tok.end])
+            else:
+                t.segments[-1].messages.append((role, text))
+        open_turn(tok, t)
+        assert t.segments[-1].tokens == prompt(turns), name
+        assert (len(t.segments) == 1) == whole and t.rewritten == len(t.segments) - 1, (name, t.rewritten)
+        text = chat.apply_chat_template(hf(turns), tokenize=False, add_generation_prompt=True)
+        if whole:
+            assert t.segments[0].tokens == tok.rendered(turns, True), name
         own = M.chat_template(template, name, own=True)
-        assert own.render(messages=msgs, add_generation_prompt=True, **tokens) == text, name
-        # a rollout (tool replies, a summary request, a summary restart): with each sampled message encoded
-        # anew from its text, every segment is its conversation rendered and encoded at once
+        assert own.render(messages=hf(turns), add_generation_prompt=True, **tokens) == text, name
+        # a rollout (tool replies, a summary request, a summary restart): at every reply the policy's context,
+        # with each sampled message encoded anew from its text, is the conversation so far rendered with a
+        # generation prompt and encoded at once
         cfg = GRPOConfig(group_size=2, max_message_tokens=6, context_budget=60, tokenizer=tok)
         envs = [_ToolNotFoundEnv(1.0, 4), _ToolNotFoundEnv(0.0, 4)]
         trajs = rollout(tiny_model(vocab_size=300, n_layer=2), envs, cfg,
                         torch.Generator().manual_seed(0))
         assert any(len(t.segments) > 1 for t in trajs), name
-        for t in trajs:  # (Llama-3's template trims each message: a reply with spaces at its ends differs,
-            # and the difference is what rollout reports)
+        for t in trajs:
             assert t.retokenized == sum(retokenized(s.tokens, tok.rendered(s.messages)) for s in t.segments)
-            assert name == "llama-3" or all(anew(tok, s) == tok.rendered(s.messages) for s in t.segments), \
-                name
+            assert all(contexts_exact(tok, t)) or name == "llama-3", name  # (Llama-3's template trims each
+            # message: a reply with spaces at its ends differs, and the difference is what rollout reports)
 
 
-def test_a_template_that_rewrites_a_reply_or_takes_a_system_turn_first_only_is_one_line(tmp_path):
-    """A template whose generation prompt renders the reply before it otherwise than its finished rendering
-    is refused in one line (the probe raised IndexError on it). A hint before the first reply takes the mapped role as a hint
-    after one does: DeepSeek-V3 with `--chat-roles system=user` renders it after the user turn (it went
-    first, before the user's), and a template that takes a system turn only first, refused without the
-    mapping, renders it as a user turn with it (before, feedback's first hint crashed mid-run)."""
-    rewrites = CHATML.replace("{{ m.content }}", "{{ m.content | lower if add_generation_prompt and m.role == "
-                              "'assistant' else m.content }}")
-    first_only = CHATML.replace("{% for m in messages %}", "{% for m in messages %}{% if m.role == 'system' and "
-                                "not loop.first %}{{ raise_exception('system first only') }}{% endif %}")
-    for name, template, expected in (
-            ("rewrites", rewrites, "writes a reply after an assistant turn otherwise than right after its "
-                                   "generation prompt"),
-            ("first-only", first_only, "(system first only): it has no place for a system turn after a reply; "
-                                       "map it to a role it has, e.g. --chat-roles system=user")):
-        (tmp_path / name).mkdir()
-        released_tokenizer(tmp_path / name, template)
-        with pytest.raises(M.TokenizerError) as e:
-            M.HFTokenizer(tmp_path / name)
-        assert expected in str(e.value) and "\n" not in str(e.value), str(e.value)
+def test_a_first_hint_takes_the_mapped_role_as_a_later_one_does(tmp_path):
+    """A hint before the first reply takes the mapped role as a hint after one does: DeepSeek-V3 with
+    `--chat-roles system=user` renders it after the user turn (it went first, before the user's), and a
+    template that takes a system turn only first, refused in one line without the mapping, renders it as a
+    user turn with it (before, the probe passed it and feedback's first hint crashed mid-run)."""
+    (tmp_path / "first-only").mkdir()
+    released_tokenizer(tmp_path / "first-only", CHATML.replace(
+        "{% for m in messages %}", "{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+        "{{ raise_exception('system first only') }}{% endif %}"))
+    with pytest.raises(M.TokenizerError) as e:
+        M.HFTokenizer(tmp_path / "first-only")
+    assert str(e.value).endswith("(system first only): it has no place for a system turn after a reply; map "
+                                 "it to a role it has, e.g. --chat-roles system=user"), str(e.value)
     tok = M.HFTokenizer(tmp_path / "first-only", roles={"system": "user"})
     assert tok.render([("user", "U"), ("system", "H")], True).endswith(
         "<|im_start|>user\nU<|im_end|>\n<|im_start|>user\nH<|im_end|>\n<|im_start|>assistant\n")
@@ -2412,25 +2416,41 @@ def test_a_template_that_rewrites_a_reply_or_takes_a_system_turn_first_only_is_o
 
 
 def test_a_template_that_rewrites_earlier_replies_starts_a_segment_there(tmp_path):
-    """A template that renders earlier replies otherwise once more turns follow (as reasoning templates drop
-    an earlier reply's thinking; here every earlier reply becomes '(earlier reply)'): each next reply starts a
-    segment whose context is the template's rendering, so every segment is exactly the conversation the
-    template renders, the policy's tokens kept as sampled; the segments are counted (`rewritten`). Before,
-    the template was refused at load (it renders the turns before a reply otherwise)."""
+    """Templates that render what the policy saw otherwise once more turns follow, as reasoning templates drop
+    an earlier reply's thinking: every earlier reply shown as '(earlier reply)', or every reply lowercased
+    under a generation prompt. Each next reply starts a segment whose context is the template's rendering
+    (counted, `rewritten`), so at every reply the policy's context is the conversation so far rendered with
+    a generation prompt, its own tokens kept as sampled. Before, the first was refused at load and the second
+    raised IndexError inside the probe."""
     from grpo import GRPOConfig, retokenized, rollout
-    (tmp_path / "t").mkdir()
-    released_tokenizer(tmp_path / "t", CHATML.replace(
-        "{{ m.content }}", "{{ '(earlier reply)' if m.role == 'assistant' and not loop.last else m.content }}"))
-    tok = M.HFTokenizer(tmp_path / "t")
-    cfg = GRPOConfig(group_size=2, max_message_tokens=6, context_budget=200, tokenizer=tok)
-    trajs = rollout(tiny_model(vocab_size=300, n_layer=2), [_ToolNotFoundEnv(1.0, 3), _ToolNotFoundEnv(0.0, 3)],
-                    cfg, torch.Generator().manual_seed(0))
-    for t in trajs:
-        assert t.rewritten == 2 and len(t.segments) == 3 and len(t.spans) == 3, (t.rewritten, t.spans)
-        assert t.retokenized == sum(retokenized(s.tokens, tok.rendered(s.messages)) for s in t.segments)
-        for s in t.segments:
-            assert anew(tok, s) == tok.rendered(s.messages) and sum(s.policy) > 0
-            assert "(earlier reply)" in tok.decode(s.tokens) or s is t.segments[0]
+    for name, shown in (("earlier", "'(earlier reply)' if m.role == 'assistant' and not loop.last "
+                                    "else m.content"),
+                        ("lower", "m.content | lower if add_generation_prompt and m.role == 'assistant' "
+                                  "else m.content")):
+        (tmp_path / name).mkdir()
+        released_tokenizer(tmp_path / name, CHATML.replace("{{ m.content }}", "{{ " + shown + " }}"))
+        tok = M.HFTokenizer(tmp_path / name)
+        cfg = GRPOConfig(group_size=2, max_message_tokens=6, context_budget=200, tokenizer=tok)
+        trajs = rollout(tiny_model(vocab_size=300, n_layer=2),
+                        [_ToolNotFoundEnv(1.0, 3), _ToolNotFoundEnv(0.0, 3)], cfg,
+                        torch.Generator().manual_seed(0))
+        for t in trajs:
+            assert t.rewritten == len(t.segments) - 1 and len(t.spans) == 3, (name, t.rewritten)
+            assert t.retokenized == sum(retokenized(s.tokens, tok.rendered(s.messages)) for s in t.segments)
+            assert all(contexts_exact(tok, t)) and all(sum(s.policy) > 0 for s in t.segments), name
+        # every reply after the first starts a segment; a reply with capitals, before the next one
+        assert [t.rewritten for t in trajs] == [2, 2] if name == "earlier" else \
+            max(t.rewritten for t in trajs) > 0
+
+
+def contexts_exact(tok, t):
+    """For each reply of trajectory t: whether the tokens before it (each sampled message encoded anew from
+    its text) are its segment's conversation before it rendered with a generation prompt."""
+    from grpo import Segment
+    for (seg, start, _), (_, _, before) in zip(t.spans, t.openings):
+        s = t.segments[seg]
+        seen = Segment(tokens=s.tokens[:start], policy=s.policy[:start])
+        yield anew(tok, seen) == tok.rendered(s.messages[:before], True)
 
 
 def anew(tok, seg):
