@@ -4808,7 +4808,8 @@ def test_the_copier_takes_what_pickle_refuses():
     containers, a match (made again), the standard streams (the copy's own), an SQLite connection (its
     database copied), a tuple subclass whose __new__ takes other arguments than its items, an event loop (the
     copy's own), a thread pool (a new one), a class made in a function with its properties, class and static
-    methods; structseq values and a tuple enum keep their own way."""
+    methods, a file open for appending only (its content read from its path); structseq values and a tuple
+    enum keep their own way."""
     import weakref
     db = sqlite3.connect(":memory:")
     db.execute("create table t(x)")
@@ -4829,6 +4830,8 @@ def test_the_copier_takes_what_pickle_refuses():
         return Phase
     values["phase"] = phase().make(3)
     values["pool"].submit(print).result()  # a pool with a thread: pickle refuses its lock and queue
+    values["log"] = open(Path(tempfile.mkdtemp()) / "x.lock", "a")  # open for appending only (fasteners')
+    values["log"].write("held\n")
     buffer = io.BytesIO()
     harness.child.Copier(buffer).dump(values)
     got = pickle.loads(buffer.getvalue())
@@ -4837,6 +4840,12 @@ def test_the_copier_takes_what_pickle_refuses():
     assert got["parsed"] == ("https", "/a") and type(got["parsed"]) is _Parsed and got["parsed"].ref == "ref"
     assert got["stat"] == values["stat"] and got["enum"] is _Pair.A
     assert got["phase"].size == 6 and type(got["phase"]).make(4).size == 8 and got["phase"].double(5) == 10
+    got["log"].write("again\n")
+    got["log"].flush()
+    assert got["log"].mode == "a" and Path(got["log"].name).read_text() == "held\nagain\n"
+    assert got["log"].name != values["log"].name and Path(values["log"].name).read_text() == "held\n"
+    for f in (got["log"], values["log"]):
+        f.close()
     assert got["loop"] is harness.child.event_loop() and got["loop"] is not values["loop"]
     assert got["pool"]._max_workers == 3 and got["pool"].submit(len, "ab").result() == 2
     for x in (got["loop"], values["loop"]):

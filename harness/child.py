@@ -130,12 +130,17 @@ class Copier(pickle.Pickler):
         if type(obj).__module__ == "sqlite3" and hasattr(obj, "serialize"):
             with contextlib.suppress(Exception):
                 return database, (obj.serialize(),)
-        if isinstance(obj, io.IOBase) and not obj.closed and obj.seekable() and obj.readable():
-            at = obj.tell()  # an open file (the tests' temporary ones): a new file with the same content
-            obj.seek(0)
-            data = obj.read(1 << 20)
-            obj.seek(at)
-            if len(data) < 1 << 20:
+        if isinstance(obj, io.IOBase) and not obj.closed and obj.seekable():
+            at, data = obj.tell(), None  # an open file (the tests' temporary ones): a new file with the same
+            if obj.readable():           # content, opened the same way
+                obj.seek(0)
+                data = obj.read(1 << 20)
+                obj.seek(at)
+            elif isinstance(getattr(obj, "name", None), str) and os.path.isfile(obj.name):
+                obj.flush()  # open for writing or appending only (a lock file): what its file holds
+                with open(obj.name, "rb") as f:
+                    data = f.read(1 << 20)
+            if data is not None and len(data) < 1 << 20:
                 return reopen, (data, getattr(obj, "mode", "r"), at)
         if (t.__reduce__ is not object.__reduce__ or t.__reduce_ex__ is not object.__reduce_ex__) \
                 and hasattr(obj, "__dict__") and not isinstance(obj, type):
