@@ -169,8 +169,9 @@ class Feedback:
                 # the teacher's context: the turns before the message, the hint's system turn with the
                 # generation prompt after it (what the template adds there), then the message
                 tokens, messages = t.segments[seg].tokens, t.segments[seg].messages
-                opening, done, before = t.openings[t.spans.index((seg, start, end))]
-                h = self.tok.delta(messages[:done], [*messages[done:before], ("system", hint)], prompt=True) \
+                opening, done, before, seen = t.openings[t.spans.index((seg, start, end))]
+                h = self.tok.delta(messages[:done], [*messages[done:before], ("system", hint)], prompt=True,
+                                   seen=seen) \
                     if hint else tokens[opening:start]
                 students.append((rows[id(t.segments[seg])], tokens[:end]))
                 teachers.append(tokens[:opening] + h + tokens[start:end])
@@ -384,7 +385,7 @@ if __name__ == "__main__":
     error = f"error: tool not found: {absent}. available tools: {', '.join(task.tools)}"
     traj = Trajectory([seg], turns=first + [("assistant", f"call {absent}(1,2)"), ("tool", error)],
                       spans=[(0, len(ctx), len(ctx) + len(bad))],
-                      openings=[(len(ctx) - len(BYTES.opens["assistant"]), len(first), len(first))])
+                      openings=[(len(ctx) - len(BYTES.opens["assistant"]), len(first), len(first), None)])
     hint = tool_not_found(f"call {absent}(1,2)", error, first)
     offered = [n for n in TOOLS if n in task.tools]
 

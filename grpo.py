@@ -96,9 +96,10 @@ class Trajectory:
     summarizing: bool = False  # the next message answers the summary request
     spans: list = field(default_factory=list)  # (segment, start, end) of each assistant turn's policy tokens
     # each turn's opening: (the token where what came since the last reply starts, before the generation
-    # prompt; the messages whose tokens precede that token; the messages before the turn)
+    # prompt; the messages whose tokens precede that token; the messages before the turn; the text the tokens
+    # before that token stand for)
     openings: list = field(default_factory=list)
-    retokenized: int = 0  # tokens where the turn-by-turn ids differ from the whole rendering encoded at once
+    retokenized: int = 0  # tokens where the ids built turn by turn differ from their text encoded at once
     rewritten: int = 0  # segments started because the template rewrote what the policy had seen
 
 
@@ -371,7 +372,7 @@ def open_turn(tok, t):
         del seg.messages[seg.rendered:]  # the waiting turns go with the reply
         seg = t.segments[-1]
         t.rewritten += 1
-    t.openings.append((len(seg.tokens), seg.rendered, len(seg.messages)))
+    t.openings.append((len(seg.tokens), seg.rendered, len(seg.messages), seg.text))
     seg.add(tok.delta(seg.messages[:seg.rendered], seg.messages[seg.rendered:], prompt=True, seen=seg.text))
     seg.text = opened
     return rewrites
@@ -395,14 +396,16 @@ def close_turn(tok, seg, ids, logps=None):
 def finish_turns(tok, t):
     """After the episode: each segment's turns still waiting (after its last reply), unless they would rewrite
     what the policy saw (they are never trained), then the tokens where the ids built turn by turn differ from
-    the whole conversation rendered and encoded at once (t.retokenized)."""
+    the text they stand for encoded at once (t.retokenized)."""
     for s in t.segments:
-        if tok.render(s.messages).startswith(s.text):
+        text = tok.render(s.messages)
+        if text.startswith(s.text):
             s.add(tok.delta(s.messages[:s.rendered], s.messages[s.rendered:], seen=s.text))
+            s.text = text
         else:
             del s.messages[s.rendered:]
         s.rendered = len(s.messages)
-    t.retokenized = sum(retokenized(s.tokens, tok.rendered(s.messages)) for s in t.segments)
+    t.retokenized = sum(retokenized(s.tokens, tok.at_once(s)) for s in t.segments)
 
 
 def rollout(policy, envs, cfg, gen, sharded=False):

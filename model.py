@@ -24,8 +24,10 @@ parallelism (MLA.cp_group set; each rank holds a chunk of the sequence and gathe
     python model.py --bench-decode   # decode tokens/s with the KV cache, absorbed MLA against expanded
 """
 import contextlib
+import itertools
 import json
 import math
+import operator
 import os
 import re
 import shutil
@@ -122,6 +124,10 @@ class ByteTokenizer:
     def rendered(self, messages, prompt=False):
         """The whole conversation's ids at once: what the ids built turn by turn must equal."""
         return self.delta([], messages, prompt)
+
+    def at_once(self, seg):
+        """A segment's text (what its tokens stand for) encoded at once: here, its messages' rendering."""
+        return self.rendered(seg.messages)
 
 
 BYTES = ByteTokenizer()
@@ -1234,6 +1240,18 @@ def chat_template(template, where, own=False):
         raise TokenizerError(f"{where}: the chat template does not parse ({e})") from None
 
 
+# how turns RL writes may be rendered where a template has no place for them, the most faithful first: (a
+# tool's output as, a hint (a system turn after the opening) as, an opening system turn as, a summary as,
+# whether turns of one role in a row are joined into one)
+FAITHFUL = ("tool", "system", "system", "assistant", False)
+MAPPINGS = sorted(itertools.product(("tool", "user"), ("system", "user"), ("system", "user"),
+                                    ("assistant", "user"), (False, True)),
+                  key=lambda m: sum(map(operator.ne, m, FAITHFUL)))
+
+
+TOOL_TURN = ("tool", "QqTOOLqQ")  # a marker text any template keeps as it is
+
+
 def article(role):
     return ("an " if role == "assistant" else "a ") + role
 
@@ -1243,11 +1261,13 @@ class HFTokenizer(ByteTokenizer):
     `tokenizers` package) and the chat template of tokenizer_config.json (or chat_template.jinja), rendered
     as transformers renders it. What a turn adds is taken from renderings of the conversation, so a template
     that puts a BOS or a default system turn first, merges the system prompt into the first user turn, or
-    opens a reply with a generation prompt unlike its in-conversation opening is followed as it is. A role
-    RL needs that the template has no place for (a tool turn after a reply, a system turn between turns) is
-    refused in one line naming it, unless `roles` maps it to one it has ({"tool": "user"})."""
+    opens a reply with a generation prompt unlike its in-conversation opening is followed as it is. Turns RL
+    writes that the template has no place for are written, as probing finds, in turns it has (`mapping`: a
+    tool's output or a hint as a user turn, a summary as a user turn, turns of one role in a row joined into
+    one); a template no such rendering can hold is refused in one line naming why. kwargs: the template's
+    variables (`{"enable_thinking": false}`), as vLLM's chat_template_kwargs."""
 
-    def __init__(self, folder, vocab_size=None, roles=None):
+    def __init__(self, folder, vocab_size=None, kwargs=None):
         folder = Path(folder)
         if not (folder / "tokenizer.json").is_file():
             raise TokenizerError(f"{folder}: no tokenizer.json (RL on a released model writes and reads its "
@@ -1275,32 +1295,44 @@ class HFTokenizer(ByteTokenizer):
                                  f"vocab_size is {vocab_size}: the tokenizer is not this model's")
         token = lambda k: config[k].get("content") if isinstance(config.get(k), dict) else config.get(k)
         self.template, self.where = chat_template(template, folder), folder
-        self.tokens = {k: token(k) for k in ("bos_token", "eos_token")}
-        self.roles = {**{r: r for r in ROLES}, **(roles or {})}
-        self.end = self.probe()
+        self.tokens = {**(kwargs or {}), **{k: token(k) for k in ("bos_token", "eos_token")}}
         added = self.fast.get_added_tokens_decoder()  # {id: AddedToken}
-        if not (self.end in added and added[self.end].special):
-            raise TokenizerError(f"{folder}: the chat template ends an assistant turn with "
-                                 f"{self.fast.id_to_token(self.end)!r}, not a special token to stop on")
+        self.specials = {i for i, t in added.items() if t.special}
+        self.end = self.probe()
         pad = token("pad_token") or token("eos_token")
         self.pad = self.fast.token_to_id(pad) if pad and self.fast.token_to_id(pad) is not None else self.end
 
     def encode(self, text):
         return self.fast.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids):
-        return self.fast.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids):  # special tokens too: a reasoning model's <think> is the reply's text
+        return self.fast.decode(list(ids), skip_special_tokens=False)
+
+    def chat(self, messages, prompt=False):
+        """The conversation as the template is given it, in the turns the probe chose: after the opening (the
+        system turns and the first user turn) each role as `roles` maps it, an opening system turn as
+        `opening`, a summary (a reply that another reply follows) as `restart`, and where `join`, turns of
+        one role in a row as one turn. -> [{"role", "content"}]"""
+        first = next((i for i, (role, _) in enumerate(messages) if role != "system"), len(messages))
+        msgs: list[dict] = []
+        for i, (role, text) in enumerate(messages):
+            role = self.roles[role] if i > first else self.opening if role == "system" else role
+            follows = messages[i + 1][0] if i + 1 < len(messages) else "assistant" if prompt else None
+            if role == "assistant" == follows:
+                role = self.restart
+            if self.join and msgs and msgs[-1]["role"] == role != "assistant":
+                msgs[-1]["content"] += "\n\n" + text
+            else:
+                msgs.append({"role": role, "content": text})
+        return msgs
 
     def render(self, messages, prompt=False):
-        """The template's text of a conversation, the turns after its opening (the system turns and the first
-        user turn) in their mapped roles: a feedback hint before the first reply too; TokenizerError where the
-        template refuses it."""
+        """The template's text of a conversation (chat's turns); TokenizerError where it refuses them."""
         import jinja2
-        first = next((i for i, (role, _) in enumerate(messages) if role != "system"), len(messages))
-        msgs = [{"role": self.roles[role] if i > first else role, "content": text}
-                for i, (role, text) in enumerate(messages)]
+        msgs = self.chat(messages, prompt)
         try:
-            return self.template.render(messages=msgs, add_generation_prompt=prompt, **self.tokens)
+            return self.template.render(messages=msgs, tools=None, documents=None,  # as transformers does
+                                        add_generation_prompt=prompt, **self.tokens)
         except (jinja2.TemplateError, TypeError, KeyError, IndexError) as e:
             raise TokenizerError(f"{self.where}: the chat template refuses the conversation "
                                  f"{[m['role'] for m in msgs]} ({e})") from None
@@ -1314,50 +1346,99 @@ class HFTokenizer(ByteTokenizer):
         before = seen if seen is not None else self.render(messages) if messages else ""
         return self.encode(self.added(before, self.render([*messages, *new], prompt)))
 
+    def at_once(self, seg):
+        return self.encode(seg.text)
+
+    def common(self, texts):
+        """The longest common start of texts that ends where their tokens do (never in a special token)."""
+        start = os.path.commonprefix(texts)
+        while start and any(self.encode(x)[:len(self.encode(start))] != self.encode(start) for x in texts):
+            start = start[:-1]
+        return start
+
     def closing(self, seen, messages, text, ended):
-        replied = self.render([*messages, ("assistant", text)])
-        # after the reply as the policy saw and wrote it; where the template renders it otherwise (a space
-        # before it, an earlier reply rewritten), its usual closing: the next reply starts a segment
-        after = replied[len(seen + text):] if replied.startswith(seen + text) else self.close
-        close = self.encode(after)
-        rest = close[1:] if close[:1] == [self.end] else close  # the end token: sampled, or added here
-        return (rest if ended else [self.end] + rest), after
+        # after the reply as the policy saw and wrote it: what the template writes there both where the
+        # conversation ends and where a tool's output follows (and the next turn's marker, where that closes
+        # a reply); where the template renders the reply otherwise (a space before it, an earlier reply
+        # rewritten), or writes text before the end token the policy sampled, its usual closing: a segment
+        # starts after it
+        head = seen + text
+        renders = [self.render([*messages, ("assistant", text), *more]) for more in ([], [TOOL_TURN])]
+        after = self.common([r[len(head):] for r in renders]) + self.close * self.by_next \
+            if all(r.startswith(head) for r in renders) else self.close
+        if ended and not after.startswith(self.mark):
+            after = self.close
+        ids = self.encode(after)
+        return (ids[1:] if ended else ids), after  # the end token: sampled, or added here
 
     def probe(self):
-        """The turns RL writes, rendered once with marker texts: refused in one line where the template has no
-        place for a role after a reply (a tool's output, a summary request, a feedback hint, a summary
-        restart's next reply) or for a hint before the first reply, renders such turns elsewhere than after
-        what precedes them, or writes a reply otherwise than right after its generation prompt (then the
-        policy's tokens would not be the template's). A template that renders earlier turns otherwise once
-        more follow is taken: rollout starts a segment there. -> the id that ends a reply."""
-        u, a = ("user", "QqUSERqQ"), ("assistant", "QqREPLYqQ")  # markers any template keeps as they are
-        self.replies([u])
-        replied = self.render([u, a])
-        self.close = replied.split(a[1], 1)[1]  # what closes a reply
-        if not self.encode(self.close):
-            raise TokenizerError(f"{self.where}: the chat template closes an assistant turn with nothing (no "
-                                 "end token)")
+        """The turns RL writes, rendered with marker texts in each mapping of MAPPINGS, the most faithful
+        first; the first the template holds is kept, else the last one's refusal is raised. -> the id that
+        ends a reply."""
+        for tool, system, self.opening, self.restart, self.join in MAPPINGS:
+            self.roles = {**{r: r for r in ROLES}, "tool": tool, "system": system}
+            try:
+                return self.holds()
+            except TokenizerError as e:
+                refused = e
+        raise refused
+
+    def holds(self):
+        """Refuses in one line a mapping under which the template has no place for a turn after a reply (a
+        tool's output, a summary request, a feedback hint, a summary restart's next reply) or for a hint
+        before the first reply, renders such turns elsewhere than after what precedes them, or writes a reply
+        otherwise than right after its generation prompt (then the policy's tokens would not be the
+        template's). A template that renders earlier turns otherwise once more follow is taken: rollout starts
+        a segment there. -> the id that ends a reply."""
+        s, u, a = ("system", "QqSYSTEMqQ"), ("user", "QqUSERqQ"), ("assistant", "QqREPLYqQ")  # markers any
+        # template keeps as they are
+        self.replies([s, u])
         cases = [([u, a], [(role, f"Qq{role.upper()}{i}qQ") for i, role in enumerate(roles)]) for roles in (
             (), ("tool",), ("tool", "user"), ("user",), ("system",), ("tool", "system"),
             ("tool", "user", "system"))] + [([u], [("system", "QqHINTqQ")])]  # a hint before the first reply
+        cases += [([s, *before], after) for before, after in cases]  # and after an opening system turn
         for before, after in cases:
             roles = [role for role, _ in after]
             what = (f"{article(roles[-1])} turn after "
                     + " and ".join(["a reply" if before[-1] is a else "the first user turn", *roles[:-1]])
                     if roles else "a reply right after a reply (a summary restart's next reply)")
-            mapping = f"; map it to a role it has, e.g. --chat-roles {roles[-1]}=user" if roles else ""
             try:
                 text = self.render([*before, *after], True)
             except TokenizerError as e:
-                raise TokenizerError(f"{e}: it has no place for {what}{mapping}") from None
+                raise TokenizerError(f"{e}: it has no place for {what}") from None
             # the new turns after the user's, in their order; the turns before them may be rendered otherwise
             # than before (rollout starts a segment there: a reasoning template drops earlier thinking)
             at = [text.find(x) for _, x in after]
             if -1 in at or at != sorted(at) or at and at[0] < text.find(u[1]):
                 raise TokenizerError(f"{self.where}: the chat template puts {what} elsewhere than after what "
-                                     f"precedes it{mapping}")
+                                     "precedes it")
             self.replies([*before, *after])
-        return self.encode(self.close)[0]
+        # what closes a reply: what the template writes after one both where the conversation ends and where
+        # a tool's output follows, from its first special token (the end token sampling stops on; text before
+        # it, a newline, is the reply's to write); where that has none, the next turn's marker closes a reply
+        # (GLM's), and the reply stops on the marker of the turn that most often follows one, a tool's output
+        ends, more = (self.render([s, u, a, *m]) for m in ([], [TOOL_TURN]))
+        ends = ends.split(a[1], 1)[1]
+        more = more.split(a[1], 1)[1] if a[1] in more else ends  # (a reply rewritten once a turn follows)
+        close = self.common([ends, more])
+        self.by_next = not self.specials & set(self.encode(close))
+        close = more if self.by_next else close
+        end = next((i for i in self.encode(close) if i in self.specials), None)
+        if end is None:
+            raise TokenizerError(f"{self.where}: the chat template ends an assistant turn with no special "
+                                 "token to stop on")
+        self.mark = self.fast.decode([end], skip_special_tokens=False)
+        self.close = close[close.index(self.mark):][:len(self.mark) if self.by_next else None]
+        return end
+
+    def mapping(self):
+        """The probe's choice, in words: a line of the run's header."""
+        said = [f"{'hints' if role == 'system' else 'tool outputs'} as {self.roles[role]} turns"
+                for role in ("tool", "system") if self.roles[role] != role]
+        said += ["an opening system turn as a user turn"] * (self.opening != "system")
+        said += ["a summary as a user turn"] * (self.restart != "assistant")
+        said += ["turns of one role in a row joined"] * self.join
+        return "; ".join(said) or "every turn in its own role"
 
     def replies(self, messages):
         """Refuses a template that has no place for a reply after messages. One that writes text of its own

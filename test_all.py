@@ -2022,23 +2022,33 @@ def test_rl_on_a_released_model_speaks_its_tokenizer(tmp_path):
                    {"role": "tool", "content": t.turns[2][1]}]
         text = chat.apply_chat_template(between, tokenize=False, add_generation_prompt=True).split("X", 1)[1]
         assert t.segments[seg].tokens[end1:start2] == chat(text, add_special_tokens=False)["input_ids"]
-    # train.py: one RL step at one rank, and at two (--rollout-ranks 1); the export reads back in transformers
-    run = ["--init-from", str(hf), "--stage", "rl", "--rl-steps", "1", "--group-size", "2",
-           "--tasks-per-step", "1", "--max-gen-tokens", "24", "--rl-eval-tasks", "0", "--ppo-epochs", "1",
+    # train.py from the checkpoint with a reasoning family's template (DeepSeek-R1-Distill's: its generation
+    # prompt opens a thinking block that earlier replies are rendered without, so every reply after the first
+    # starts a segment): one RL step at one rank, and at two (--rollout-ranks 1); the export reads back in
+    # transformers with the template
+    shutil.copytree(hf, tmp_path / "r1")
+    template, bos, eos, specials = RELEASED_TEMPLATES["deepseek-r1-distill"]
+    released_tokenizer(tmp_path / "r1", template, 300, specials, {"bos_token": bos, "eos_token": eos})
+    run = ["--init-from", str(tmp_path / "r1"), "--stage", "rl", "--rl-steps", "1", "--group-size", "2",
+           "--tasks-per-step", "1", "--max-gen-tokens", "72", "--rl-eval-tasks", "0", "--ppo-epochs", "1",
            "--precision", "fp32", "--save-hf-dtype", "fp32", "--feedback-rules", "malformed"]  # a loss not 0
     runs = [start_train(*run, "--out", str(tmp_path / "w1"), "--save-hf", str(tmp_path / "export"), world=1),
             start_train(*run, "--rollout-ranks", "1", "--out", str(tmp_path / "w2"), world=2)]
     for r in map(finish, runs):
         assert r.returncode == 0, r.stderr[-3000:]
+        assert "chat template: hints as user turns" in r.stdout.splitlines()
     (one,), (two,) = ([r for r in read_metrics(tmp_path / w) if r.get("stage") == "rl"] for w in ("w1", "w2"))
     assert one["loss"] == pytest.approx(two["loss"], rel=1e-6) and one["loss"] != 0, (one, two)
-    assert one["gen_tokens"] == two["gen_tokens"] > 0
+    assert one["gen_tokens"] == two["gen_tokens"] > 0 and one["rewritten"] == two["rewritten"] > 0
     exported = tf.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "export").eval()
     trained, idx = load_ours(tmp_path / "export"), torch.tensor([render_ids(msgs, True)])
     with torch.no_grad():
         assert (exported(input_ids=idx).logits.float() - trained(idx)[0]).abs().max() <= 1e-4
         assert (exported(input_ids=idx).logits - ref(input_ids=idx).logits).abs().max() > 0  # RL moved it
-    assert (tmp_path / "export" / "tokenizer.json").read_bytes() == (hf / "tokenizer.json").read_bytes()
+    assert (tmp_path / "export" / "tokenizer.json").read_bytes() == \
+        (tmp_path / "r1" / "tokenizer.json").read_bytes()
+    assert tf.PreTrainedTokenizerFast.from_pretrained(tmp_path / "export").apply_chat_template(
+        msgs[:1], tokenize=False, add_generation_prompt=True).endswith("<｜Assistant｜><think>\n")
 
 
 # Chat templates of released model families (each one's source beside it), and a ChatML one that needs
@@ -2304,6 +2314,455 @@ RELEASED_TEMPLATES = {
         "_of_turn>model\n'}}{% endif %}"
         , '<bos>', '<eos>',
         ['<bos>', '<eos>', '<start_of_turn>', '<end_of_turn>']),
+    # google/gemma-3-270m-it's
+    # (huggingface/huggingface.js packages/ollama-utils/src/chat-template-automap.ts at fe42e680)
+    'gemma-3': (
+        "{{ bos_token }}\n{%- if messages[0]['role'] == 'system' -%}\n    {%- if messages[0]['content'] i"
+        "s string -%}\n        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n    {%- e"
+        "lse -%}\n        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}\n   "
+        ' {%- endif -%}\n    {%- set loop_messages = messages[1:] -%}\n{%- else -%}\n    {%- set first_us'
+        'er_prefix = "" -%}\n    {%- set loop_messages = messages -%}\n{%- endif -%}\n{%- for message in '
+        "loop_messages -%}\n    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n       "
+        ' {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}\n '
+        '   {%- endif -%}\n    {%- if (message[\'role\'] == \'assistant\') -%}\n        {%- set role = "m'
+        'odel" -%}\n    {%- else -%}\n        {%- set role = message[\'role\'] -%}\n    {%- endif -%}\n  '
+        '  {{ \'<start_of_turn>\' + role + \'\n\' + (first_user_prefix if loop.first else "") }}\n    {%-'
+        " if message['content'] is string -%}\n        {{ message['content'] | trim }}\n    {%- elif mess"
+        "age['content'] is iterable -%}\n        {%- for item in message['content'] -%}\n            {%- "
+        "if item['type'] == 'image' -%}\n                {{ '<start_of_image>' }}\n            {%- elif i"
+        "tem['type'] == 'text' -%}\n                {{ item['text'] | trim }}\n            {%- endif -%}"
+        '\n        {%- endfor -%}\n    {%- else -%}\n        {{ raise_exception("Invalid content type") }'
+        "}\n    {%- endif -%}\n    {{ '<end_of_turn>\n' }}\n{%- endfor -%}\n{%- if add_generation_prompt "
+        "-%}\n    {{'<start_of_turn>model\n'}}\n{%- endif -%}\n"
+        , '<bos>', '<eos>',
+        ['<start_of_turn>', '<end_of_turn>', '<start_of_image>', '<eos>']),
+    # deepseek-ai/DeepSeek-R1's (huggingface/huggingface.js packages/jinja/test/e2e.test.js at fe42e680)
+    'deepseek-r1': (
+        '{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}{'
+        "% set ns = namespace(is_first=false, is_tool=false, is_output_first=true, system_prompt='', is_f"
+        "irst_sp=true) %}{%- for message in messages %}{%- if message['role'] == 'system' %}{%- if ns.is_"
+        "first_sp %}{% set ns.system_prompt = ns.system_prompt + message['content'] %}{% set ns.is_first_"
+        "sp = false %}{%- else %}{% set ns.system_prompt = ns.system_prompt + '\\n\\n' + message['content"
+        "'] %}{%- endif %}{%- endif %}{%- endfor %}{{ bos_token }}{{ ns.system_prompt }}{%- for message i"
+        "n messages %}{%- if message['role'] == 'user' %}{%- set ns.is_tool = false -%}{{'<｜User｜>' + mes"
+        "sage['content']}}{%- endif %}{%- if message['role'] == 'assistant' and 'tool_calls' in message %"
+        "}{%- set ns.is_tool = false -%}{%- for tool in message['tool_calls'] %}{%- if not ns.is_first %}"
+        "{%- if message['content'] is none %}{{'<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + t"
+        "ool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '```json' + '\\n' + tool['func"
+        "tion']['arguments'] + '\\n' + '```' + '<｜tool▁call▁end｜>'}}{%- else %}{{'<｜Assistant｜>' + messag"
+        "e['content'] + '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool["
+        "'function']['name'] + '\\n' + '```json' + '\\n' + tool['function']['arguments'] + '\\n' + '```' "
+        "+ '<｜tool▁call▁end｜>'}}{%- endif %}{%- set ns.is_first = true -%}{%- else %}{{'\\n' + '<｜tool▁ca"
+        "ll▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '```json' + '\\"
+        "n' + tool['function']['arguments'] + '\\n' + '```' + '<｜tool▁call▁end｜>'}}{%- endif %}{%- endfor"
+        " %}{{'<｜tool▁calls▁end｜><｜end▁of▁sentence｜>'}}{%- endif %}{%- if message['role'] == 'assistant' "
+        "and 'tool_calls' not in message %}{%- if ns.is_tool %}{{'<｜tool▁outputs▁end｜>' + message['conten"
+        "t'] + '<｜end▁of▁sentence｜>'}}{%- set ns.is_tool = false -%}{%- else %}{% set content = message['"
+        "content'] %}{% if '</think>' in content %}{% set content = content.split('</think>')[-1] %}{% en"
+        "dif %}{{'<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>'}}{%- endif %}{%- endif %}{%- if messag"
+        "e['role'] == 'tool' %}{%- set ns.is_tool = true -%}{%- if ns.is_output_first %}{{'<｜tool▁outputs"
+        "▁begin｜><｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}{%- set ns.is_outpu"
+        "t_first = false %}{%- else %}{{'<｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end"
+        "｜>'}}{%- endif %}{%- endif %}{%- endfor -%}{% if ns.is_tool %}{{'<｜tool▁outputs▁end｜>'}}{% endif"
+        " %}{% if add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜>'}}{% endif %}"
+        , '<｜begin▁of▁sentence｜>', '<｜end▁of▁sentence｜>',
+        ['<｜User｜>', '<｜Assistant｜>', '<｜end▁of▁sentence｜>', '<｜tool▁calls▁begin｜>', '<｜tool▁calls▁end｜>',
+         '<｜tool▁call▁begin｜>', '<｜tool▁call▁end｜>', '<｜tool▁sep｜>', '<｜tool▁outputs▁begin｜>',
+         '<｜tool▁outputs▁end｜>', '<｜tool▁output▁begin｜>', '<｜tool▁output▁end｜>']),
+    # deepseek-ai/DeepSeek-R1-Distill-Qwen-32B's: a thinking block opened by the generation prompt
+    # (ggml-org/llama.cpp models/templates/deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja at 20bdc4fa)
+    'deepseek-r1-distill': (
+        '{% if not add_generation_prompt is defined -%}\n  {%- set add_generation_prompt = false -%}\n{%-'
+        ' endif -%}\n{%- set ns = namespace(is_first=false, is_tool=false, is_output_first=true, system_p'
+        "rompt='') -%}\n{%- for message in messages -%}\n  {%- if message['role'] == 'system' -%}\n    {%"
+        "- set ns.system_prompt = message['content'] -%}\n  {%- endif -%}\n{%- endfor -%}{{bos_token}}{{n"
+        "s.system_prompt}}\n{%- for message in messages -%}\n  {%- if message['role'] == 'user' -%}\n    "
+        "{%- set ns.is_tool = false -%}{{'<｜User｜>' + message['content']}}\n  {%- endif -%}\n  {%- if mes"
+        "sage['role'] == 'assistant' and message['tool_calls'] -%}\n    {%- set ns.is_tool = false -%}\n "
+        "   {%- for tool in message['tool_calls']-%}\n      {%- if not ns.is_first -%}\n        {{'<｜Assi"
+        "stant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function"
+        "']['name'] + '\\n' + '```json' + '\\n' + tool['function']['arguments'] + '\\n' + '```' + '<｜tool"
+        "▁call▁end｜>'}}\n        {%- set ns.is_first = true -%}\n      {%- else -%}\n        {{'\\n' + '<"
+        "｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '```jso"
+        "n' + '\\n' + tool['function']['arguments'] + '\\n' + '```' + '<｜tool▁call▁end｜>'}}\n      {%- en"
+        "dif -%}\n    {%- endfor -%}\n    {{'<｜tool▁calls▁end｜><｜end▁of▁sentence｜>'}}\n  {%- endif -%}\n "
+        " {%- if message['role'] == 'assistant' and message['content'] is not none -%}\n    {%- if ns.is_"
+        "tool -%}{{'<｜tool▁outputs▁end｜>' + message['content'] + '<｜end▁of▁sentence｜>'}}\n      {%- set n"
+        "s.is_tool = false -%}\n    {%- else -%}\n      {%- set content = message['content'] -%}\n      {"
+        "%- if '</think>' in content -%}\n        {%- set content = content.split('</think>')[-1] -%}\n  "
+        "    {%- endif -%}{{'<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>'}}\n    {%- endif -%}\n  {%-"
+        " endif -%}\n  {%- if message['role'] == 'tool' -%}\n    {%- set ns.is_tool = true -%}\n    {%- i"
+        "f ns.is_output_first -%}{{'<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>' + message['content'] + '"
+        "<｜tool▁output▁end｜>'}}\n      {%- set ns.is_output_first = false -%}\n      {%- else -%}{{'\\n<｜"
+        "tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}\n    {%- endif -%}\n  {%- en"
+        "dif -%}\n{%- endfor -%}\n{%- if ns.is_tool -%}{{'<｜tool▁outputs▁end｜>'}}\n{%- endif -%}\n{%- if "
+        "add_generation_prompt and not ns.is_tool -%}{{'<｜Assistant｜><think>\\n'}}\n{%- endif %}"
+        , '<｜begin▁of▁sentence｜>', '<｜end▁of▁sentence｜>',
+        ['<｜User｜>', '<｜Assistant｜>', '<｜end▁of▁sentence｜>', '<｜tool▁calls▁begin｜>', '<｜tool▁calls▁end｜>',
+         '<｜tool▁call▁begin｜>', '<｜tool▁call▁end｜>', '<｜tool▁sep｜>', '<｜tool▁outputs▁begin｜>',
+         '<｜tool▁outputs▁end｜>', '<｜tool▁output▁begin｜>', '<｜tool▁output▁end｜>']),
+    # zai-org/GLM-4.5's, as llama.cpp ships it (ggml-org/llama.cpp models/templates/glm_4_5.jinja at 623f3dd0)
+    'glm-4.5': (
+        '[gMASK]<sop>\n{%- if tools -%}\n<|system|>\n# Tools\n\nYou may call one or more functions to ass'
+        'ist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML'
+        ' tags:\n<tools>\n{% for tool in tools %}\n{{ tool | tojson }}\n{% endfor %}\n</tools>\n\nFor eac'
+        'h function call, output the function name and arguments within the following XML format:\n<tool_'
+        'call>{function-name}\n<arg_key>{arg-key-1}</arg_key>\n<arg_value>{arg-value-1}</arg_value>\n<arg'
+        '_key>{arg-key-2}</arg_key>\n<arg_value>{arg-value-2}</arg_value>\n...\n</tool_call>{%- endif -%}'
+        '\n{%- macro visible_text(content) -%}\n    {%- if content is string -%}\n        {{- content }}'
+        '\n    {%- elif content is iterable and content is not mapping -%}\n        {%- for item in conte'
+        "nt -%}\n            {%- if item is mapping and item.type == 'text' -%}\n                {{- item"
+        '.text }}\n            {%- elif item is string -%}\n                {{- item }}\n            {%- '
+        'endif -%}\n        {%- endfor -%}\n    {%- else -%}\n        {{- content }}\n    {%- endif -%}\n'
+        '{%- endmacro -%}\n{%- set ns = namespace(last_user_index=-1) %}\n{%- for m in messages %}\n    {'
+        "%- if m.role == 'user' %}\n        {% set ns.last_user_index = loop.index0 -%}\n    {%- endif %}"
+        "\n{%- endfor %}\n{% for m in messages %}\n{%- if m.role == 'user' -%}<|user|>\n{%- set user_cont"
+        "ent = visible_text(m.content) -%}\n{{ user_content }}\n{{- '/nothink' if (enable_thinking is def"
+        'ined and not enable_thinking and not user_content.endswith("/nothink")) else \'\' -}}\n{%- elif '
+        "m.role == 'assistant' -%}\n<|assistant|>\n{%- set reasoning_content = '' %}\n{%- set content = v"
+        'isible_text(m.content) %}\n{%- if m.reasoning_content is string %}\n    {%- set reasoning_conten'
+        "t = m.reasoning_content %}\n{%- else %}\n    {%- if '</think>' in content %}\n        {%- set pa"
+        "rts = content.split('</think>') -%}\n        {%- set before_first_close = parts | first -%}\n   "
+        "     {%- set inner_parts = before_first_close.rstrip('\\n').split('<think>') -%}\n        {%- se"
+        't extracted_reasoning = inner_parts | last -%}\n        {%- set reasoning_content = extracted_re'
+        "asoning.lstrip('\\n') -%}\n        {%- set after_last_close = parts | last -%}\n        {%- set "
+        "content = after_last_close.lstrip('\\n') -%}\n    {%- endif %}\n{%- endif %}\n{%- if loop.index0"
+        " > ns.last_user_index and reasoning_content -%}\n{{ '\\n<think>' + reasoning_content.strip() +  "
+        "'</think>'}}\n{%- else -%}\n{{ '\\n<think></think>' }}\n{%- endif -%}\n{%- if content.strip() -%"
+        "}\n{{ '\\n' + content.strip() }}\n{%- endif -%}\n{% if m.tool_calls %}\n{% for tc in m.tool_call"
+        's %}\n{%- if tc.function %}\n    {%- set tc_obj = tc.function %}\n{%- else %}\n    {%- set tc_ob'
+        "j = tc %}\n{%- endif %}\n{{ '\\n<tool_call>' + tc_obj.name }}\n{%- if tc_obj.arguments is mappin"
+        'g -%}\n    {%- for k, v in tc_obj.arguments.items() -%}\n\n<arg_key>{{ k }}</arg_key>\n<arg_valu'
+        'e>{{ v | tojson if v is not string else v }}</arg_value>\n    {%- endfor -%}\n{%- else -%}\n    '
+        "{#- Arguments came as string - this shouldn't happen with polyfills disabled -#}\n    {#- Output"
+        ' as single argument for debugging -#}\n\n<arg_key>raw_arguments</arg_key>\n<arg_value>{{ tc_obj.'
+        'arguments }}</arg_value>\n{%- endif -%}\n</tool_call>{% endfor %}\n{% endif %}\n{%- elif m.role '
+        "== 'tool' -%}\n{%- if m.content is string -%}\n{%- if loop.first or (messages[loop.index0 - 1].r"
+        'ole != "tool") %}\n    {{- \'<|observation|>\' }}\n{%- endif %}\n{{- \'\\n<tool_response>\\n\' }'
+        "}\n{{- m.content }}\n{{- '\\n</tool_response>' }}\n{%- else -%}\n<|observation|>{% for tr in m.c"
+        'ontent %}\n\n<tool_response>\n{{ tr.output if tr.output is defined else tr }}\n</tool_response>{'
+        "% endfor -%}\n{% endif -%}\n{%- elif m.role == 'system' -%}\n<|system|>\n{{ visible_text(m.conte"
+        "nt) }}\n{%- endif -%}\n{%- endfor -%}\n{%- if add_generation_prompt -%}\n    <|assistant|>{{- '"
+        "\\n<think></think>' if (enable_thinking is defined and not enable_thinking) else '' -}}\n{%- end"
+        'if -%}'
+        , None, '<|endoftext|>',
+        ['[gMASK]', '<sop>', '<|system|>', '<|user|>', '<|assistant|>', '<|observation|>', '<think>',
+         '</think>', '<tool_call>', '</tool_call>', '<arg_key>', '</arg_key>', '<arg_value>',
+         '</arg_value>', '<tool_response>', '</tool_response>', '<|endoftext|>']),
+    # microsoft/Phi-4-mini-instruct's (huggingface/huggingface.js packages/ollama-utils/src/
+    # chat-template-automap.ts at fe42e680, library/phi4-mini:3.8b)
+    'phi-4-mini': (
+        "{% for message in messages %}{% if message['role'] == 'system' and 'tools' in message and messag"
+        "e['tools'] is not none %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|tool|>' + me"
+        "ssage['tools'] + '<|/tool|>' + '<|end|>' }}{% else %}{{ '<|' + message['role'] + '|>' + message["
+        "'content'] + '<|end|>' }}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>'"
+        ' }}{% else %}{{ eos_token }}{% endif %}'
+        , '<|endoftext|>', '<|endoftext|>',
+        ['<|system|>', '<|end|>', '<|user|>', '<|assistant|>', '<|tool|>', '<|/tool|>', '<|endoftext|>']),
+    # mistralai/Mistral-Small-3.1-24B-Instruct-2503's
+    # (ggml-org/llama.cpp models/templates/mistralai-Mistral-Small-3.1-24B-Instruct-2503.jinja at 9190da22)
+    'mistral-small-3.1': (
+        '{%- set today = strftime_now("%Y-%m-%d") %}\n{%- set default_system_message = "You are Mistral S'
+        'mall 3, a Large Language Model (LLM) created by Mistral AI, a French startup headquartered in Pa'
+        'ris.\\\nYour knowledge base was last updated on 2023-10-01. The current date is " + today + ".\\'
+        "\n\\\nWhen you're not sure about some information, you say that you don't have the information a"
+        "nd don't make up anything.\\\nIf the user's question is not clear, ambiguous, or does not provid"
+        'e enough context for you to accurately answer the question, you do not try to answer it right aw'
+        'ay and you rather ask the user to clarify their request (e.g. \\"What are some good restaurants '
+        'around me?\\" => \\"Where are you?\\" or \\"When is the next flight to Tokyo\\" => \\"Where do y'
+        'ou travel from?\\")" %}\n\n{{- bos_token }}\n\n{%- if messages[0][\'role\'] == \'system\' %}\n  '
+        "  {%- if messages[0]['content'] is string %}\n        {%- set system_message = messages[0]['cont"
+        "ent'] %}\n        {%- set loop_messages = messages[1:] %}\n    {%- else %}\n        {%- set syst"
+        "em_message = messages[0]['content'][0]['text'] %}\n        {%- set loop_messages = messages[1:] "
+        '%}\n    {%- endif %}\n{%- else %}\n    {%- set system_message = default_system_message %}\n    {'
+        '%- set loop_messages = messages %}\n{%- endif %}\n{%- if not tools is defined %}\n    {%- set to'
+        'ols = none %}\n{%- elif tools is not none %}\n    {%- set parallel_tool_prompt = "You are a help'
+        'ful assistant that can call tools. If you call one or more tools, format them in a single JSON a'
+        'rray or objects, where each object is a tool call, not as separate objects outside of an array o'
+        'r multiple arrays. Use the format [{\\"name\\": tool call name, \\"arguments\\": tool call argum'
+        'ents}, additional tool calls] if you call more than one tool. If you call tools, do not attempt '
+        'to interpret them or otherwise provide a response until you receive a tool call result that you '
+        'can interpret for the user." %}\n    {%- if system_message is defined %}\n        {%- set system'
+        '_message = parallel_tool_prompt + "\\\n\\\n" + system_message %}\n    {%- else %}\n        {%- s'
+        "et system_message = parallel_tool_prompt %}\n    {%- endif %}\n{%- endif %}\n{{- '[SYSTEM_PROMPT"
+        "]' + system_message + '[/SYSTEM_PROMPT]' }}\n\n{%- set user_messages = loop_messages | selectatt"
+        'r("role", "equalto", "user") | list %}\n\n{%- set filtered_messages = [] %}\n{%- for message in '
+        'loop_messages %}\n    {%- if message["role"] not in ["tool", "tool_results"] and not message.get'
+        '("tool_calls") %}\n        {%- set filtered_messages = filtered_messages + [message] %}\n    {%-'
+        ' endif %}\n{%- endfor %}\n\n{%- for message in filtered_messages %}\n    {%- if (message["role"]'
+        ' == "user") != (loop.index0 % 2 == 0) %}\n        {{- raise_exception("After the optional system'
+        ' message, conversation roles must alternate user/assistant/user/assistant/...") }}\n    {%- endi'
+        'f %}\n{%- endfor %}\n\n{%- for message in loop_messages %}\n    {%- if message["role"] == "user"'
+        ' %}\n        {%- if tools is not none and (message == user_messages[-1]) %}\n            {{- "[A'
+        'VAILABLE_TOOLS] [" }}\n            {%- for tool in tools %}\n                {%- set tool = tool'
+        '.function %}\n                {{- \'{"type": "function", "function": {\' }}\n                {%-'
+        ' for key, val in tool.items() if key != "return" %}\n                    {%- if val is string %}'
+        '\n                        {{- \'"\' + key + \'": "\' + val + \'"\' }}\n                    {%- e'
+        'lse %}\n                        {{- \'"\' + key + \'": \' + val|tojson }}\n                    {'
+        '%- endif %}\n                    {%- if not loop.last %}\n                        {{- ", " }}\n '
+        '                   {%- endif %}\n                {%- endfor %}\n                {{- "}}" }}\n   '
+        '             {%- if not loop.last %}\n                    {{- ", " }}\n                {%- else '
+        '%}\n                    {{- "]" }}\n                {%- endif %}\n            {%- endfor %}\n   '
+        '         {{- "[/AVAILABLE_TOOLS]" }}\n        {%- endif %}\n        {%- if message[\'content\'] '
+        "is string %}\n        {{- '[INST]' + message['content'] + '[/INST]' }}\n        {%- else %}\n   "
+        "             {{- '[INST]' }}\n                {%- for block in message['content'] %}\n          "
+        "              {%- if block['type'] == 'text' %}\n                                {{- block['text"
+        "'] }}\n                        {%- elif block['type'] == 'image' or block['type'] == 'image_url'"
+        " %}\n                                {{- '[IMG]' }}\n                            {%- else %}\n  "
+        "                              {{- raise_exception('Only text and image blocks are supported in m"
+        "essage content!') }}\n                            {%- endif %}\n                    {%- endfor %"
+        '}\n                {{- \'[/INST]\' }}\n            {%- endif %}\n    {%- elif message["role"] =='
+        ' "tool_calls" or message.tool_calls is defined %}\n        {%- if message.tool_calls is defined '
+        '%}\n            {%- set tool_calls = message.tool_calls %}\n        {%- else %}\n            {%-'
+        ' set tool_calls = message.content %}\n        {%- endif %}\n        {{- "[TOOL_CALLS] [" }}\n   '
+        '     {%- for tool_call in tool_calls %}\n            {%- set out = tool_call.function|tojson %}'
+        '\n            {{- out[:-1] }}\n            {%- if not tool_call.id is defined or tool_call.id|le'
+        'ngth < 9 %}\n                {{- raise_exception("Tool call IDs should be alphanumeric strings w'
+        'ith length >= 9! (1)" + tool_call.id) }}\n            {%- endif %}\n            {{- \', "id": "'
+        '\' + tool_call.id[-9:] + \'"}\' }}\n            {%- if not loop.last %}\n                {{- ", '
+        '" }}\n            {%- else %}\n                {{- "]" + eos_token }}\n            {%- endif %}'
+        "\n        {%- endfor %}\n    {%- elif message['role'] == 'assistant' %}\n        {%- if message["
+        "'content'] is string %}\n            {{- message['content'] + eos_token }}\n        {%- else %}"
+        "\n            {{- message['content'][0]['text'] + eos_token }}\n        {%- endif %}\n    {%- el"
+        'if message["role"] == "tool_results" or message["role"] == "tool" %}\n        {%- if message.con'
+        'tent is defined and message.content.content is defined %}\n            {%- set content = message'
+        '.content.content %}\n        {%- else %}\n            {%- set content = message.content %}\n    '
+        '    {%- endif %}\n        {{- \'[TOOL_RESULTS] {"content": \' + content|string + ", " }}\n      '
+        '  {%- if not message.tool_call_id is defined or message.tool_call_id|length < 9 %}\n            '
+        '{{- raise_exception("Tool call IDs should be alphanumeric strings with length >= 9! (2)" + messa'
+        'ge.tool_call_id) }}\n        {%- endif %}\n        {{- \'"call_id": "\' + message.tool_call_id[-'
+        '9:] + \'"}[/TOOL_RESULTS]\' }}\n    {%- else %}\n        {{- raise_exception("Only user and assi'
+        'stant roles are supported, with the exception of an initial optional system message!") }}\n    {'
+        '%- endif %}\n{%- endfor %}\n'
+        , '<s>', '</s>',
+        ['[SYSTEM_PROMPT]', '[/SYSTEM_PROMPT]', '[INST]', '[/INST]', '[AVAILABLE_TOOLS]',
+         '[/AVAILABLE_TOOLS]', '[TOOL_CALLS]', '[TOOL_RESULTS]', '[/TOOL_RESULTS]', '[IMG]', '</s>']),
+    # moonshotai/Kimi-K2-Thinking's
+    # (ggml-org/llama.cpp models/templates/moonshotai-Kimi-K2-Thinking.jinja at 0c3c896e)
+    'kimi-k2-thinking': (
+        "{%- macro render_content(msg) -%}\n    {%- set c = msg.get('content') -%}\n    {%- if c is strin"
+        'g -%}\n      {{ c }}\n    {%- elif c is not none -%}\n      {% for content in c -%}\n        {% '
+        "if content['type'] == 'image' or 'image' in content or 'image_url' in content -%}\n          <|m"
+        'edia_start|>image<|media_content|><|media_pad|><|media_end|>\n        {% else -%}\n          {{ '
+        "content['text'] }}\n        {%- endif -%}\n      {%- endfor -%}\n    {%- endif -%}\n{%- endmacro"
+        " -%}\n\n{% macro set_roles(message) -%}\n  {%- set role_name =  message.get('name') or  message["
+        "'role'] -%}\n  {%- if message['role'] == 'user' -%}\n    <|im_user|>{{role_name}}<|im_middle|>\n"
+        "  {%- elif message['role'] == 'assistant' -%}\n    <|im_assistant|>{{role_name}}<|im_middle|>\n "
+        ' {%- else -%}\n    <|im_system|>{{role_name}}<|im_middle|>\n  {%- endif -%}\n{%- endmacro -%}\n'
+        '\n\n{%- macro render_toolcalls(message) -%}\n  <|tool_calls_section_begin|>\n  {%- for tool_call'
+        " in message['tool_calls'] -%}\n    {%- set formatted_id = tool_call['id'] -%}\n    <|tool_call_b"
+        "egin|>{{ formatted_id }}<|tool_call_argument_begin|>{% if tool_call['function']['arguments'] is "
+        "string %}{{ tool_call['function']['arguments'] }}{% else %}{{ tool_call['function']['arguments']"
+        ' | tojson }}{% endif %}<|tool_call_end|>\n  {%- endfor -%}\n  <|tool_calls_section_end|>\n{%- en'
+        'dmacro -%}\n\n\n{# Find last non-tool-call assisitant message #}\n{%- set ns = namespace(last_no'
+        'n_tool_call_assistant_msg=-1) -%}\n{%- for idx in range(messages|length-1, -1, -1) -%}\n    {%- '
+        "if messages[idx]['role'] == 'assistant' and not messages[idx].get('tool_calls') -%}\n        {%-"
+        ' set ns.last_non_tool_call_assistant_msg = idx -%}\n        {%- break -%}\n    {%- endif -%}\n{%'
+        '- endfor -%}\n\n{# split all messages into history & suffix, reasoning_content in suffix should '
+        'be reserved.#}\n{%- set hist_msgs = messages[:ns.last_non_tool_call_assistant_msg+1] -%}\n{%- se'
+        't suffix_msgs = messages[ns.last_non_tool_call_assistant_msg+1:] -%}\n\n{%- if tools -%}\n  <|im'
+        '_system|>tool_declare<|im_middle|>{{ tools | tojson() }}<|im_end|>\n{%- endif -%}\n\n{%- if mess'
+        "ages|length == 0 or messages[0]['role'] != 'system' -%}\n  <|im_system|>system<|im_middle|>You a"
+        're Kimi, an AI assistant created by Moonshot AI.<|im_end|>\n{%- endif -%}\n  \n{%- for message i'
+        "n hist_msgs -%}\n  {{set_roles(message)}}\n  {%- if message['role'] == 'assistant' -%}\n    <thi"
+        "nk></think>{{render_content(message)}}\n    {%- if message.get('tool_calls') -%}\n      {{render"
+        "_toolcalls(message)}}\n    {%- endif -%}\n  {%- elif message['role'] == 'tool' -%}\n    {%- set "
+        'tool_call_id = message.tool_call_id -%}\n    ## Return of {{ tool_call_id }}\n{{render_content(m'
+        "essage)}}\n  {%- elif message['content'] is not none -%}\n    {{render_content(message)}}\n  {%-"
+        ' endif -%}\n  <|im_end|>\n{%- endfor -%}\n\n{%- for message in suffix_msgs -%}\n  {{set_roles(me'
+        "ssage)}}\n  {%- if message['role'] == 'assistant' -%}\n    {%- set rc = message.get('reasoning_c"
+        "ontent', '') -%}\n    <think>{{rc}}</think>{{render_content(message)}}\n    {%- if message.get('"
+        "tool_calls') -%}\n     {{render_toolcalls(message)}}\n    {%- endif -%}\n  {%- elif message['rol"
+        "e'] == 'tool' -%}\n    {%- set tool_call_id = message.tool_call_id -%}\n    ## Return of {{ tool"
+        "_call_id }}\n{{render_content(message)}}\n  {%- elif message['content'] is not none -%}\n    {{r"
+        'ender_content(message)}}\n  {%- endif -%}\n  <|im_end|>\n{%- endfor -%}\n\n\n{%- if add_generati'
+        'on_prompt -%}\n  <|im_assistant|>assistant<|im_middle|>\n{%- endif -%}\n'
+        , '[BOS]', '[EOS]',
+        ['<|im_system|>', '<|im_user|>', '<|im_assistant|>', '<|im_middle|>', '<|im_end|>', '<think>',
+         '</think>', '<|tool_calls_section_begin|>', '<|tool_calls_section_end|>', '<|tool_call_begin|>',
+         '<|tool_call_argument_begin|>', '<|tool_call_end|>', '<|media_start|>', '<|media_content|>',
+         '<|media_pad|>', '<|media_end|>', '[EOS]']),
+    # HuggingFaceTB/SmolLM3-3B's (huggingface/huggingface.js packages/jinja/test/e2e.test.js at fe42e680)
+    'smollm3': (
+        '{# ───── defaults ───── #}\n{%- if enable_thinking is not defined -%}\n{%- set enable_thinking ='
+        ' true -%}\n{%- endif -%}\n\n{# ───── reasoning mode ───── #}\n{%- if enable_thinking -%}\n  {%- '
+        'set reasoning_mode = "/think" -%}\n{%- else -%}\n  {%- set reasoning_mode = "/no_think" -%}\n{%-'
+        ' endif -%}\n\n{# ───── header (system message) ───── #}\n{{- "<|im_start|>system\\n" -}}\n\n{%- '
+        'if messages[0].role == "system" -%}\n  {%- set system_message = messages[0].content -%}\n  {%- i'
+        'f "/no_think" in system_message -%}\n    {%- set reasoning_mode = "/no_think" -%}\n  {%- elif "/'
+        'think" in system_message -%}\n    {%- set reasoning_mode = "/think" -%}\n  {%- endif -%}\n  {%- '
+        'set custom_instructions = system_message.replace("/no_think", "").replace("/think", "").rstrip()'
+        ' -%}\n{%- endif -%}\n\n{%- if "/system_override" in system_message -%}\n  {{- custom_instruction'
+        's.replace("/system_override", "").rstrip() -}}\n  {{- "<|im_end|>\\n" -}}\n{%- else -%}\n  {{- "'
+        '## Metadata\\n\\n" -}}\n  {{- "Knowledge Cutoff Date: June 2025\\n" -}}\n  {%- set today = strft'
+        'ime_now("%d %B %Y") -%}\n  {{- "Today Date: " ~ today ~ "\\n" -}}\n  {{- "Reasoning Mode: " + re'
+        'asoning_mode + "\\n\\n" -}}\n  \n  {{- "## Custom Instructions\\n\\n" -}}\n  {%- if custom_instr'
+        'uctions -%}\n    {{- custom_instructions + "\\n\\n" -}}\n  {%- elif reasoning_mode == "/think" -'
+        '%}\n    {{- "You are a helpful AI assistant named SmolLM, trained by Hugging Face. Your role as '
+        'an assistant involves thoroughly exploring questions through a systematic thinking process befor'
+        'e providing the final precise and accurate solutions. This requires engaging in a comprehensive '
+        'cycle of analysis, summarizing, exploration, reassessment, reflection, backtracking, and iterati'
+        'on to develop well-considered thinking process. Please structure your response into two main sec'
+        'tions: Thought and Solution using the specified format: <think> Thought section </think> Solutio'
+        'n section. In the Thought section, detail your reasoning process in steps. Each step should incl'
+        'ude detailed considerations such as analysing questions, summarizing relevant findings, brainsto'
+        'rming new ideas, verifying the accuracy of the current steps, refining any errors, and revisitin'
+        'g previous steps. In the Solution section, based on various attempts, explorations, and reflecti'
+        'ons from the Thought section, systematically present the final solution that you deem correct. T'
+        'he Solution section should be logical, accurate, and concise and detail necessary steps needed t'
+        'o reach the conclusion.\\n\\n" -}}\n  {%- else -%}\n    {{- "You are a helpful AI assistant name'
+        'd SmolLM, trained by Hugging Face.\\n\\n" -}}\n  {%- endif -%}\n\n  {%- if xml_tools or python_t'
+        'ools or tools -%}\n    {{- "### Tools\\n\\n" -}}\n    {%- if xml_tools or tools -%}\n      {%- i'
+        'f tools -%}\n        {%- set xml_tools = tools -%}\n      {%- endif -%}\n      {%- set ns = name'
+        'space(xml_tool_string="You may call one or more functions to assist with the user query.\\nYou a'
+        're provided with function signatures within <tools></tools> XML tags:\\n\\n<tools>\\n") -%}\n   '
+        '   {%- for tool in xml_tools[:] -%} {# The slicing makes sure that xml_tools is a list #}\n     '
+        '   {%- set ns.xml_tool_string = ns.xml_tool_string ~ (tool | string) ~ "\\n" -%}\n      {%- endf'
+        'or -%}\n      {%- set xml_tool_string = ns.xml_tool_string + "</tools>\\n\\nFor each function ca'
+        'll, return a json object with function name and arguments within <tool_call></tool_call> XML tag'
+        's:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_c'
+        'all>" -%}\n      {{- xml_tool_string -}}\n    {%- endif -%}\n    {%- if python_tools -%}\n      '
+        '{%- set ns = namespace(python_tool_string="When you send a message containing Python code betwee'
+        "n '<code>' and '</code>' tags, it will be executed in a stateful Jupyter notebook environment, a"
+        'nd you will then be given the output to continued reasoning in an agentic loop.\\n\\nYou can use'
+        ' the following tools in your python code like regular functions:\\n<tools>\\n") -%}\n      {%- f'
+        'or tool in python_tools[:] -%} {# The slicing makes sure that python_tools is a list #}\n       '
+        ' {%- set ns.python_tool_string = ns.python_tool_string ~ (tool | string) ~ "\\n" -%}\n      {%- '
+        'endfor -%}\n      {%- set python_tool_string = ns.python_tool_string + "</tools>\\n\\nThe state '
+        'persists between code executions: so variables that you define in one step are still available t'
+        'hereafter." -%}\n      {{- python_tool_string -}}\n    {%- endif -%}\n    {{- "\\n\\n" -}}\n    '
+        '{{- "<|im_end|>\\n" -}}\n  {%- endif -%}\n{%- endif -%}\n{# ───── main loop ───── #}\n{%- for me'
+        'ssage in messages -%}\n    {%- set content = message.content if message.content is string else "'
+        '" -%}\n    {%- if message.role == "user" -%}\n        {{ "<|im_start|>" + message.role + "\\n"  '
+        '+ content + "<|im_end|>\\n" }}\n    {%- elif message.role == "assistant" -%}\n        {% generat'
+        'ion %}\n        {%- if reasoning_mode == "/think" -%}\n            {{ "<|im_start|>assistant\\n"'
+        ' + content.lstrip("\\n") + "<|im_end|>\\n" }}\n        {%- else -%}\n            {{ "<|im_start|'
+        '>assistant\\n" + "<think>\\n\\n</think>\\n" + content.lstrip("\\n") + "<|im_end|>\\n" }}\n      '
+        '  {%- endif -%}\n        {% endgeneration %}\n    {%- elif message.role == "tool" -%}\n    {{ "<'
+        '|im_start|>" + "user\\n"  + content + "<|im_end|>\\n" }}\n    {%- endif -%}\n{%- endfor -%}\n{# '
+        '───── generation prompt ───── #}\n{%- if add_generation_prompt -%}\n    {%- if reasoning_mode =='
+        ' "/think" -%}\n        {{ "<|im_start|>assistant\\n" }}\n    {%- else -%}\n        {{ "<|im_star'
+        't|>assistant\\n" + "<think>\\n\\n</think>\\n"  }}\n    {%- endif -%}\n{%- endif -%}'
+        , None, '<|im_end|>',
+        ['<|im_start|>', '<|im_end|>', '<think>', '</think>']),
+    # ibm-granite/granite-3.2-8b-instruct's
+    # (huggingface/huggingface.js packages/ollama-utils/src/chat-template-automap.ts at fe42e680)
+    'granite-3': (
+        "{%- if messages[0]['role'] == 'system' %}\n    {%- set system_message = messages[0]['content'] %"
+        '}\n    {%- set loop_messages = messages[1:] %}\n{%- else %}\n    {%- set system_message = "Knowl'
+        'edge Cutoff Date: April 2024.\nToday\'s Date: " + strftime_now(\'%B %d, %Y\') + ".\nYou are Gran'
+        'ite, developed by IBM." %}\n    {%- if tools and documents %}\n        {%- set system_message = '
+        'system_message + " You are a helpful AI assistant with access to the following tools. When a too'
+        "l is required to answer the user's query, respond with <|tool_call|> followed by a JSON list of "
+        'tools used. If a tool does not exist in the provided list of tools, notify the user that you do '
+        "not have the ability to fulfill the request.\n\nWrite the response to the user's input by strict"
+        'ly aligning with the facts in the provided documents. If the information needed to answer the qu'
+        'estion is not available in the documents, inform the user that the question cannot be answered b'
+        'ased on the available data." %}\n    {%- elif tools %}\n        {%- set system_message = system_'
+        'message + " You are a helpful AI assistant with access to the following tools. When a tool is re'
+        "quired to answer the user's query, respond with <|tool_call|> followed by a JSON list of tools u"
+        'sed. If a tool does not exist in the provided list of tools, notify the user that you do not hav'
+        'e the ability to fulfill the request." %}\n    {%- elif documents %}\n        {%- set system_mes'
+        'sage = system_message + " Write the response to the user\'s input by strictly aligning with the '
+        'facts in the provided documents. If the information needed to answer the question is not availab'
+        'le in the documents, inform the user that the question cannot be answered based on the available'
+        ' data." %}\n    {%- elif thinking %}\n    {%- set system_message = system_message + " You are a '
+        'helpful AI assistant.\nRespond to every user query in a comprehensive and detailed way. You can '
+        'write down your thoughts and reasoning process before responding. In the thought process, engage'
+        ' in a comprehensive cycle of analysis, summarization, exploration, reassessment, reflection, bac'
+        'ktracing, and iteration to develop well-considered thinking process. In the response section, ba'
+        'sed on various attempts, explorations, and reflections from the thoughts section, systematically'
+        ' present the final solution that you deem correct. The response should summarize the thought pro'
+        "cess. Write your thoughts after 'Here is my thought process:' and write your response after 'Her"
+        'e is my response:\' for each user query." %}\n    {%- else %}\n        {%- set system_message = '
+        'system_message + " You are a helpful AI assistant." %}    \n    {%- endif %}\n    {%- if \'citat'
+        "ions' in controls and documents %}\n        {%- set system_message = system_message + '\n\nIn yo"
+        'ur response, use the symbols <co> and </co> to indicate when a fact comes from a document in the'
+        ' search result, e.g <co>0</co> for a fact from document 0. Afterwards, list all the citations wi'
+        "th their corresponding documents in an ordered list.' %}\n    {%- endif %}\n    {%- if 'hallucin"
+        "ations' in controls and documents %}\n        {%- set system_message = system_message + '\n\nFin"
+        'ally, after the response is written, include a numbered list of sentences from the response that'
+        " are potentially hallucinated and not based in the documents.' %}\n    {%- endif %}\n    {%- set"
+        " loop_messages = messages %}\n{%- endif %}\n{{- '<|start_of_role|>system<|end_of_role|>' + syste"
+        "m_message + '<|end_of_text|>\n' }}\n{%- if tools %}\n    {{- '<|start_of_role|>tools<|end_of_rol"
+        "e|>' }}\n    {{- tools | tojson(indent=4) }}\n    {{- '<|end_of_text|>\n' }}\n{%- endif %}\n{%- "
+        "if documents %}\n    {{- '<|start_of_role|>documents<|end_of_role|>' }}\n    {%- for document in"
+        " documents %}\n        {{- 'Document ' + loop.index0 | string + '\n' }}\n        {{- document['t"
+        "ext'] }}\n        {%- if not loop.last %}\n            {{- '\n\n'}}\n        {%- endif%}\n    {%"
+        "- endfor %}\n    {{- '<|end_of_text|>\n' }}\n{%- endif %}\n{%- for message in loop_messages %}\n"
+        "    {{- '<|start_of_role|>' + message['role'] + '<|end_of_role|>' + message['content'] + '<|end_"
+        "of_text|>\n' }}\n    {%- if loop.last and add_generation_prompt %}\n        {{- '<|start_of_role"
+        "|>assistant' }}\n            {%- if controls %}\n                {{- ' ' + controls | tojson()}}"
+        "\n            {%- endif %}\n        {{- '<|end_of_role|>' }}\n    {%- endif %}\n{%- endfor %}"
+        , '<|end_of_text|>', '<|end_of_text|>',
+        ['<|start_of_role|>', '<|end_of_role|>', '<|end_of_text|>', '<|tool_call|>']),
+    # nvidia/NVIDIA-Nemotron-Nano-9B-v2's
+    # (ggml-org/llama.cpp models/templates/NVIDIA-Nemotron-Nano-v2.jinja at 5801ed35)
+    'nemotron-nano-v2': (
+        '{%- set ns = namespace(enable_thinking=true) -%}\n{%- for message in messages -%}\n  {%- set con'
+        "tent = message['content'] -%}\n  {%- if message['role'] == 'user' or message['role'] == 'system'"
+        " -%}\n    {%- if '/think' in content -%}\n      {%- set ns.enable_thinking = true -%}\n    {%- e"
+        "lif '/no_think' in content -%}\n      {%- set ns.enable_thinking = false -%}\n    {%- endif -%}"
+        "\n  {%- endif -%}\n{%- endfor -%}\n\n{%- if messages[0]['role'] != 'system' -%}\n  {%- set ns.no"
+        "n_tool_system_content = '' -%}\n  {{- '<SPECIAL_10>System\n' -}}\n{%- else -%}\n  {%- set ns.non"
+        "_tool_system_content = (messages[0]['content'] | default('', true)).replace('/think', '').replac"
+        "e('/no_think', '').strip() -%}\n  {{- '<SPECIAL_10>System\n' + ns.non_tool_system_content }}\n{%"
+        '- endif -%}\n\n{%- if tools -%}\n  {%- if ns.non_tool_system_content is defined and ns.non_tool_'
+        "system_content != '' -%}\n    {{- '\n\n' -}}\n  {%- endif -%}\n  {{- 'You can use the following "
+        "tools to assist the user if required:' -}}\n  {{- '\n<AVAILABLE_TOOLS>[' -}}\n  {%- for tool in "
+        "tools -%}\n    {{- (tool.function if tool.function is defined else tool) | tojson -}}\n    {{- '"
+        ", ' if not loop.last else '' -}}\n  {%- endfor -%}\n  {{- ']</AVAILABLE_TOOLS>\n\n' -}}\n  {{- '"
+        'If you decide to call any tool(s), use the following format:\n\' -}}\n  {{- \'<TOOLCALL>[{{"name'
+        '": "tool_name1", "arguments": "tool_args1"}}, \' -}}\n  {{- \'{{"name": "tool_name2", "arguments'
+        '": "tool_args2"}}]</TOOLCALL>\n\n\' -}}\n  {{- \'The user will execute tool-calls and return res'
+        'ponses from tool(s) in this format:\n\' -}}\n  {{- \'<TOOL_RESPONSE>[{{"tool_response1"}}, {{"to'
+        'ol_response2"}}]</TOOL_RESPONSE>\n\n\' -}}\n  {{- \'Based on the tool responses, you can call ad'
+        'ditional tools if needed, correct tool calls if any errors are found, or just respond to the use'
+        "r.' -}}\n{%- endif -%}\n{{- '\n\n' -}}\n\n{%- set messages = messages[1:] if messages[0]['role']"
+        " == 'system' else messages -%}\n{%- if messages[-1]['role'] == 'assistant' -%}\n  {%- set ns.las"
+        "t_turn_assistant_content = (messages[-1]['content'] | default('', true)).strip() -%}\n  {%- set "
+        "ns.last_turn_assistant_tool_calls = messages[-1]['tool_calls'] if 'tool_calls' in messages[-1] e"
+        'lse [] -%}\n  {%- set messages = messages[:-1] -%}\n{%- endif -%}\n\n{%- for message in messages'
+        " %}\n  {%- set content = message['content'] %}\n  {%- if message['role'] == 'user' -%}\n    {{- "
+        "'<SPECIAL_11>User\n' + (content | default('', true)).replace('/think', '').replace('/no_think', "
+        "'').strip() + '\n' }}\n  {%- elif message['role'] == 'tool' -%}\n    {%- if loop.first or (messa"
+        "ges[loop.index0 - 1].role != 'tool') -%}\n      {{- '<SPECIAL_11>User\n' + '<TOOL_RESPONSE>[' }}"
+        "\n    {%- endif -%}\n    {{- message['content'] -}}\n    {{- ', ' if not loop.last and (messages"
+        "[loop.index0 + 1].role == 'tool') else '' -}}\n    {%- if loop.last or (messages[loop.index0 + 1"
+        "].role != 'tool') -%}\n      {{- ']</TOOL_RESPONSE>\n\n' -}}\n    {%- endif -%}\n  {%- elif mess"
+        "age['role'] == 'assistant' -%}\n    {%- if content and '</think>' in content -%}\n      {%- set "
+        "content = (content.split('</think>')[1] | default('', true)).strip() %}\n    {%- endif -%}\n    "
+        "{{- '<SPECIAL_11>Assistant\n' + ((content | default('', true)).strip() if content is not none el"
+        "se '') }}\n    {%- if message.tool_calls -%}\n      {%- if (content | default('', true)).strip()"
+        " != '' -%}\n        {{- '\n\n' -}}\n      {%- endif -%}\n      {{- '<TOOLCALL>[' -}}\n      {%- "
+        'for call in message.tool_calls -%}\n        {%- set fn = call.function if call.function is defin'
+        'ed else call -%}\n        {{- \'{"name": "\' + fn.name + \'", "arguments": \' -}}\n        {%- i'
+        'f fn.arguments is string -%}\n          {{- fn.arguments -}}\n        {%- else -%}\n          {{'
+        "- fn.arguments | tojson -}}\n        {%- endif -%}\n        {{- '}' + (', ' if not loop.last els"
+        "e '') -}}\n      {%- endfor -%}\n      {{- ']</TOOLCALL>' -}}\n    {%- endif -%}\n    {{- '\n<SP"
+        "ECIAL_12>\n\n' -}}\n  {%- endif -%}\n{%- endfor -%}\n\n{%- if add_generation_prompt -%}\n  {{- '"
+        "<SPECIAL_11>Assistant\n' -}}\n  {%- if ns.enable_thinking is defined and ns.enable_thinking is f"
+        "alse -%}\n    {{- '<think></think>' -}}\n  {%- else -%}\n    {{- '<think>\n\n' -}}\n  {%- endif "
+        "-%}\n  {%- if ns.last_turn_assistant_content is defined and ns.last_turn_assistant_content != ''"
+        ' -%}\n    {{- ns.last_turn_assistant_content -}}\n  {%- endif -%}\n{%- else -%}\n  {%- if ns.las'
+        "t_turn_assistant_content is defined and ns.last_turn_assistant_content != '' -%}\n    {{- '<SPEC"
+        "IAL_11>Assistant\n' -}}\n    {%- if ns.enable_thinking is defined and ns.enable_thinking is fals"
+        "e -%}\n      {{- '<think></think>' -}}\n    {%- else -%}\n      {{- '<think>\n\n' -}}\n    {%- e"
+        'ndif -%}\n    {{- ns.last_turn_assistant_content -}}\n    {%- if continue_final_message is defin'
+        "ed -%}\n      {%- if continue_final_message is false -%}\n        {{- '\n<SPECIAL_12>\n\n' -}}\n"
+        "      {%- endif -%}\n    {%- else -%}\n      {{- '\n<SPECIAL_12>\n\n' -}}\n    {%- endif -%}\n  "
+        '{%- endif -%}\n  {%- if ns.last_turn_assistant_tool_calls is defined and ns.last_turn_assistant_'
+        "tool_calls | length > 0 -%}\n    {{- '<SPECIAL_11>Assistant\n' -}}\n    {{- '<TOOLCALL>[' -}}\n "
+        '   {%- for call in ns.last_turn_assistant_tool_calls -%}\n      {%- set fn = call.function if ca'
+        'll.function is defined else call -%}\n      {{- \'{"name": "\' + fn.name + \'", "arguments": \' '
+        '-}}\n      {%- if fn.arguments is string -%}\n        {{- fn.arguments -}}\n      {%- else -%}\n'
+        "        {{- fn.arguments | tojson -}}\n      {%- endif -%}\n      {{- '}' + (', ' if not loop.la"
+        "st else '') -}}\n    {%- endfor -%}\n    {{- ']</TOOLCALL>' -}}\n    {{- '\n<SPECIAL_12>\n\n' -}"
+        '}\n {%- endif -%}\n{%- endif -%}'
+        , '<s>', '<SPECIAL_12>',
+        ['<SPECIAL_10>', '<SPECIAL_11>', '<SPECIAL_12>', '<think>', '</think>', '<TOOLCALL>',
+         '</TOOLCALL>', '<AVAILABLE_TOOLS>', '</AVAILABLE_TOOLS>', '<TOOL_RESPONSE>', '</TOOL_RESPONSE>',
+         '</s>']),
     # ChatML that stops at a message '<<END>>' ({% break %}) and skips empty ones ({% continue %})
     'chatml-loopcontrols': (
         "{#- ChatML with loop controls: a message whose content is exactly '<<END>>' ends the transcrip"
@@ -2317,67 +2776,90 @@ RELEASED_TEMPLATES = {
         ['<|im_end|>', '<|im_start|>']),
 }
 
-# each family: the --chat-roles it needs; None where RL takes it, else the reason it is refused (one line);
-# and whether the scripted episode below stays one segment (False: the template rewrites what the policy saw)
-FAMILIES = {"deepseek-v3": ({"system": "user"}, None, True), "kimi-k2": ({}, None, True),
-            "moonlight": ({}, None, True), "llama-3": ({}, None, True), "qwen2.5": ({}, None, True),
-            "chatml-loopcontrols": ({}, None, True),
-            "mistral": ({}, "it has no place for a reply after an assistant turn", None),  # alternation
-            "qwen3": ({}, None, False),  # an empty thinking block before a reply the policy wrote without one
-            "gemma": ({}, "it has no place for a reply after an assistant turn", None)}
+# each family: the template's variables; how the probe writes RL's turns in it (tokenizer.mapping()), or the
+# one line it is refused with; whether the scripted episode's first segment holds every reply before the
+# summary restart (False: the template rewrites what the policy saw, and a reply starts a segment there)
+ALTERNATING = ("tool outputs as user turns; hints as user turns; a summary as a user turn; turns of one role "
+               "in a row joined")
+OWN, HINTS = "every turn in its own role", "hints as user turns"
+ON, OFF = {"enable_thinking": True}, {"enable_thinking": False}
+FAMILIES = {"deepseek-v3": ({}, HINTS, True), "kimi-k2": ({}, OWN, True), "moonlight": ({}, OWN, True),
+            "llama-3": ({}, OWN, True), "qwen2.5": ({}, OWN, True), "chatml-loopcontrols": ({}, OWN, True),
+            "mistral": ({}, ALTERNATING, False),  # the system prompt moves to the last user turn
+            "gemma": ({}, ALTERNATING.replace("; a summary", "; an opening system turn as a user turn; a "
+                                                            "summary"), True),
+            # reasoning families: an earlier reply's thinking dropped (SmolLM3 keeps it)
+            "qwen3": (ON, OWN, False), "qwen3/no-thinking": (OFF, OWN, False),
+            "gemma-3": ({}, ALTERNATING, True), "deepseek-r1": (ON, HINTS, False),
+            "deepseek-r1-distill": ({}, HINTS, False), "glm-4.5": (ON, OWN, False),
+            "glm-4.5/no-thinking": (OFF, OWN, False), "phi-4-mini": ({}, OWN, True),
+            "mistral-small-3.1": ({}, "tool outputs as user turns; " + HINTS, True),
+            "kimi-k2-thinking": (ON, OWN, False), "smollm3": (ON, HINTS, True),
+            "smollm3/no-thinking": (OFF, HINTS, True), "granite-3": ({}, OWN, True),
+            "nemotron-nano-v2": (ON, HINTS, False), "nemotron-nano-v2/no-thinking": (OFF, HINTS, False)}
+THINK = "<think>\nI add them.\n</think>\n\n"  # a reasoning family's reply, thinking on
 
 
 def test_released_chat_templates_give_the_conversation_token_for_token(tmp_path):
     """On the templates of released families, an episode built as rollout builds it (grpo.open_turn before
-    each reply, the reply's ids as sampled, close_turn after it) gives the policy, at every reply, exactly
-    transformers' apply_chat_template of the conversation so far with a generation prompt, id for id; where
-    the template keeps what the policy saw, the whole episode is one segment equal to apply_chat_template of
-    the whole conversation; where it rewrites it (Mistral's space before a reply, Qwen3's empty thinking
-    block), the reply starts a new segment (counted). A template that cannot hold the turns RL writes is
-    refused in one line naming the role or the reason; a role it has no place for is refused unless
-    --chat-roles maps it. Without transformers the template renders the same (loop controls, generation
-    tags, tojson)."""
-    from grpo import (GRPOConfig, Segment, Trajectory, close_turn, finish_turns, open_turn, retokenized,
-                      rollout)
+    each reply, the reply's ids as sampled, close_turn after it): system, user, reply, tool, user, reply, a
+    summary request and the summary, the restart and its next reply. At every reply the policy's context is
+    exactly transformers' apply_chat_template of the conversation so far with a generation prompt, id for id,
+    in the turns the probe chose for the template (a tool's output as a user turn, turns joined where it
+    wants roles to alternate), and so is the feedback teacher's, with a hint before that reply; where the
+    template keeps what the policy saw, one segment holds every reply before the summary and equals the
+    whole conversation encoded at once; where it rewrites it, the reply starts a new segment (counted). Then
+    rollouts of a random policy (tool replies, a summary, a restart) hold the same at every reply. Without
+    transformers the template renders the same (loop controls, generation tags, tojson)."""
+    from grpo import (SUMMARY_REQUEST, GRPOConfig, Segment, Trajectory, close_turn, finish_turns, open_turn,
+                      retokenized, rollout)
     tf = pytest.importorskip("transformers", reason="pip install transformers")
-    turns = [("system", "S"), ("user", "add 2 and 3"), ("assistant", "call add(2,3)"), ("tool", "5"),
-             ("user", "and 4 and 4?"), ("assistant", "answer 8")]
-    for name, (template, bos, eos, specials) in RELEASED_TEMPLATES.items():
-        folder = tmp_path / name
+    for name, (kwargs, mapping, whole) in FAMILIES.items():
+        template, bos, eos, specials = RELEASED_TEMPLATES[name.split("/")[0]]
+        folder = tmp_path / name.replace("/", "-")
         folder.mkdir()
         tokens = {"bos_token": bos, "eos_token": eos}
         assert released_tokenizer(folder, template, 300, specials, tokens) <= 300
-        roles, refused, whole = FAMILIES[name]
-        if roles:  # without the mapping: refused, naming the role to map
-            with pytest.raises(M.TokenizerError, match=f"--chat-roles {next(iter(roles))}=user$"):
-                M.HFTokenizer(folder)
-        if refused:
-            with pytest.raises(M.TokenizerError, match=re.escape(refused)) as e:
-                M.HFTokenizer(folder, roles=roles)
+        if " turn" not in mapping:  # a refusal
+            with pytest.raises(M.TokenizerError, match=re.escape(mapping)) as e:
+                M.HFTokenizer(folder, kwargs=kwargs)
             assert "\n" not in str(e.value)
             continue
-        tok, chat = M.HFTokenizer(folder, roles=roles), tf.PreTrainedTokenizerFast.from_pretrained(folder)
-        hf = lambda msgs: [{"role": roles.get(r, r) if k > 1 else r, "content": c}
-                           for k, (r, c) in enumerate(msgs)]
-        prompt = lambda msgs: chat(chat.apply_chat_template(hf(msgs), tokenize=False,
-                                                            add_generation_prompt=True),
+        tok, chat = M.HFTokenizer(folder, kwargs=kwargs), tf.PreTrainedTokenizerFast.from_pretrained(folder)
+        assert tok.mapping() == mapping, name
+        prompt = lambda msgs: chat(chat.apply_chat_template(tok.chat(msgs, True), tokenize=False,
+                                                            add_generation_prompt=True, **kwargs),
                                    add_special_tokens=False)["input_ids"]
-        t = Trajectory([Segment(messages=turns[:2])])
-        for k, (role, text) in enumerate(turns[2:], 2):
-            if role == "assistant":  # what the policy sees before its reply: the template's, exactly
-                open_turn(tok, t)
-                assert t.segments[-1].tokens == prompt(turns[:k]), (name, k)
-                close_turn(tok, t.segments[-1], tok.encode(text) + [tok.end])
-            else:
-                t.segments[-1].messages.append((role, text))
-        open_turn(tok, t)
-        assert t.segments[-1].tokens == prompt(turns), name
+        think = THINK if kwargs.get("enable_thinking") else ""
+        t = Trajectory([Segment(messages=[("system", "S"), ("user", "add 2 and 3")])])
+
+        def reply(text):
+            open_turn(tok, t)  # what the policy sees before its reply: the template's, exactly
+            seg = t.segments[-1]
+            assert seg.tokens == prompt(seg.messages), (name, len(t.spans))
+            t.spans.append((len(t.segments) - 1, *close_turn(tok, seg, tok.encode(text) + [tok.end])))
+        reply(think + "call add(2,3)")
+        t.segments[-1].messages += [("tool", "5"), ("user", "and 4 and 4?")]
+        reply(think + "answer 8")
         assert (len(t.segments) == 1) == whole and t.rewritten == len(t.segments) - 1, (name, t.rewritten)
-        text = chat.apply_chat_template(hf(turns), tokenize=False, add_generation_prompt=True)
-        if whole:
-            assert t.segments[0].tokens == tok.rendered(turns, True), name
+        t.segments[-1].messages.append(("user", SUMMARY_REQUEST))
+        reply("8, from 2+3 and 4+4")
+        summary = ("assistant", "8, from 2+3 and 4+4")
+        t.segments.append(Segment(messages=[*t.segments[0].messages[:2], summary]))
+        reply(think + "answer 8")
+        finish_turns(tok, t)
+        # the feedback teacher's context at each reply: the policy's before its turn, a hint, the prompt
+        for (seg, _, _), (opening, done, before, seen) in zip(t.spans, t.openings):
+            msgs, hint = t.segments[seg].messages, ("system", "a tool is called as call name(args)")
+            h = tok.delta(msgs[:done], [*msgs[done:before], hint], prompt=True, seen=seen)
+            assert t.segments[seg].tokens[:opening] + h == prompt([*msgs[:before], hint]), (name, seg)
+        assert t.retokenized == 0 and len(t.segments) == 2 + t.rewritten, name  # the replies are their texts'
+        if whole:  # ids, so every segment is its text encoded at once
+            assert t.segments[0].tokens == tok.rendered(t.segments[0].messages), name
         own = M.chat_template(template, name, own=True)
-        assert own.render(messages=hf(turns), add_generation_prompt=True, **tokens) == text, name
+        msgs = tok.chat(t.segments[0].messages, True)
+        assert own.render(messages=msgs, add_generation_prompt=True, **tokens, **kwargs) == \
+            chat.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **kwargs), name
         # a rollout (tool replies, a summary request, a summary restart): at every reply the policy's context,
         # with each sampled message encoded anew from its text, is the conversation so far rendered with a
         # generation prompt and encoded at once
@@ -2387,31 +2869,43 @@ def test_released_chat_templates_give_the_conversation_token_for_token(tmp_path)
                         torch.Generator().manual_seed(0))
         assert any(len(t.segments) > 1 for t in trajs), name
         for t in trajs:
-            assert t.retokenized == sum(retokenized(s.tokens, tok.rendered(s.messages)) for s in t.segments)
-            assert all(contexts_exact(tok, t)) or name == "llama-3", name  # (Llama-3's template trims each
-            # message: a reply with spaces at its ends differs, and the difference is what rollout reports)
+            assert t.retokenized == sum(retokenized(s.tokens, tok.at_once(s)) for s in t.segments)
+            assert all(contexts_exact(tok, t)), name
+
+
+def test_a_template_that_wants_roles_to_alternate_gets_them_joined(tmp_path):
+    """Gemma's template refuses a system turn and two turns of one role in a row: the probe writes an opening
+    system turn, a tool's output, a hint and a summary as user turns and joins turns of one role in a row,
+    printed as one line of the run's header; a summary restart's next reply follows a user turn."""
+    template, bos, eos, specials = RELEASED_TEMPLATES["gemma"]
+    released_tokenizer(tmp_path, template, 300, specials, {"bos_token": bos, "eos_token": eos})
+    tok = M.HFTokenizer(tmp_path)
+    msgs = [("system", "S"), ("user", "U"), ("assistant", "A"), ("tool", "T"), ("user", "V"), ("system", "H")]
+    assert tok.chat(msgs, True) == [{"role": "user", "content": "S\n\nU"},
+                                    {"role": "assistant", "content": "A"},
+                                    {"role": "user", "content": "T\n\nV\n\nH"}]
+    assert [m["role"] for m in tok.chat([("user", "U"), ("assistant", "summary")], True)] == ["user"]
+    assert [m["role"] for m in tok.chat([("user", "U"), ("assistant", "summary"), ("assistant", "B")])] == \
+        ["user", "assistant"]
 
 
 def test_a_first_hint_takes_the_mapped_role_as_a_later_one_does(tmp_path):
-    """A hint before the first reply takes the mapped role as a hint after one does: DeepSeek-V3 with
-    `--chat-roles system=user` renders it after the user turn (it went first, before the user's), and a
-    template that takes a system turn only first, refused in one line without the mapping, renders it as a
-    user turn with it (before, the probe passed it and feedback's first hint crashed mid-run)."""
+    """A hint before the first reply takes the mapped role as a hint after one does: DeepSeek-V3, whose
+    template gathers every system turn at the start, renders it as a user turn after the user's (it went
+    first, before the user's), and a template that takes a system turn only first renders it as a user turn
+    (before, the probe passed it and feedback's first hint crashed mid-run)."""
     (tmp_path / "first-only").mkdir()
     released_tokenizer(tmp_path / "first-only", CHATML.replace(
         "{% for m in messages %}", "{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
         "{{ raise_exception('system first only') }}{% endif %}"))
-    with pytest.raises(M.TokenizerError) as e:
-        M.HFTokenizer(tmp_path / "first-only")
-    assert str(e.value).endswith("(system first only): it has no place for a system turn after a reply; map "
-                                 "it to a role it has, e.g. --chat-roles system=user"), str(e.value)
-    tok = M.HFTokenizer(tmp_path / "first-only", roles={"system": "user"})
+    tok = M.HFTokenizer(tmp_path / "first-only")
+    assert tok.mapping() == "hints as user turns"
     assert tok.render([("user", "U"), ("system", "H")], True).endswith(
         "<|im_start|>user\nU<|im_end|>\n<|im_start|>user\nH<|im_end|>\n<|im_start|>assistant\n")
     template, bos, eos, specials = RELEASED_TEMPLATES["deepseek-v3"]
     (tmp_path / "ds").mkdir()
     released_tokenizer(tmp_path / "ds", template, 300, specials, {"bos_token": bos, "eos_token": eos})
-    text = M.HFTokenizer(tmp_path / "ds", roles={"system": "user"}).render([("user", "U"), ("system", "H")], True)
+    text = M.HFTokenizer(tmp_path / "ds").render([("user", "U"), ("system", "H")], True)
     assert text.index("U") < text.index("H"), text
 
 
@@ -2436,7 +2930,7 @@ def test_a_template_that_rewrites_earlier_replies_starts_a_segment_there(tmp_pat
                         torch.Generator().manual_seed(0))
         for t in trajs:
             assert t.rewritten == len(t.segments) - 1 and len(t.spans) == 3, (name, t.rewritten)
-            assert t.retokenized == sum(retokenized(s.tokens, tok.rendered(s.messages)) for s in t.segments)
+            assert t.retokenized == sum(retokenized(s.tokens, tok.at_once(s)) for s in t.segments)
             assert all(contexts_exact(tok, t)) and all(sum(s.policy) > 0 for s in t.segments), name
         # every reply after the first starts a segment; a reply with capitals, before the next one
         assert [t.rewritten for t in trajs] == [2, 2] if name == "earlier" else \
@@ -2447,7 +2941,7 @@ def contexts_exact(tok, t):
     """For each reply of trajectory t: whether the tokens before it (each sampled message encoded anew from
     its text) are its segment's conversation before it rendered with a generation prompt."""
     from grpo import Segment
-    for (seg, start, _), (_, _, before) in zip(t.spans, t.openings):
+    for (seg, start, _), (_, _, before, _) in zip(t.spans, t.openings):
         s = t.segments[seg]
         seen = Segment(tokens=s.tokens[:start], policy=s.policy[:start])
         yield anew(tok, seen) == tok.rendered(s.messages[:before], True)
@@ -2472,35 +2966,36 @@ def anew(tok, seg):
 
 
 def test_a_released_model_without_a_usable_tokenizer_is_one_line(tmp_path):
-    """RL on a checkpoint whose tokenizer has more tokens than config.json's vocabulary, or whose chat
-    template renders no assistant turn: one line each, exit 2 (a folder without tokenizer.json: the bad
-    checkpoints test)."""
+    """RL on a checkpoint whose tokenizer has more tokens than config.json's vocabulary, whose chat template
+    renders no assistant turn, or holds one exchange only (no mapping of RL's turns can hold an episode), or
+    with template variables that are no JSON object: one line each, exit 2 (a folder without tokenizer.json:
+    the bad checkpoints test)."""
     needs_safetensors()
     good = tmp_path / "good"
     M.save_hf(tiny_model(seed=1, vocab_size=300), good, torch.float32)
     cases = {}
-    no_tools = CHATML.replace("{% for m in messages %}", "{% for m in messages %}{% if m.role == 'tool' %}"
-                              "{{ raise_exception('no tool role') }}{% endif %}")
+    one = CHATML.replace("{% for m in messages %}", "{% for m in messages %}{% if loop.index0 > 1 %}"
+                         "{{ raise_exception('one exchange') }}{% endif %}")
     for name, template, vocab, expected in (
             ("wide", CHATML, 320, "tokenizer.json has {size} tokens but config.json's vocab_size is 300"),
             ("no-assistant", CHATML
              .replace("{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}", "")
              .replace("{% for m in messages %}", "{% for m in messages if m.role != 'assistant' %}"), 300,
              "the chat template renders no assistant turn after a user turn"),
-            ("no-tools", no_tools, 300, "(no tool role): it has no place for a tool turn after a reply; map "
-                                        "it to a role it has, e.g. --chat-roles tool=user")):
+            ("one-exchange", one, 300, "(one exchange): it has no place for a tool turn after a reply")):
         shutil.copytree(good, tmp_path / name)
         size = released_tokenizer(tmp_path / name, template, vocab)
         cases[name] = expected.format(size=size)
-    shutil.copytree(tmp_path / "no-tools", tmp_path / "bad-roles")
-    cases["bad-roles"] = "--chat-roles 'tool=bash': pairs ROLE=ROLE of system, user, assistant, tool"
+    shutil.copytree(tmp_path / "one-exchange", tmp_path / "bad-kwargs")
+    cases["bad-kwargs"] = "--chat-template-kwargs '[1]': not a JSON object"
     for name, expected in cases.items():
         r = run_train("--init-from", str(tmp_path / name), "--stage", "rl", "--out",
                       str(tmp_path / f"o-{name}"),
-                      *(["--chat-roles", "tool=bash"] if name == "bad-roles" else []))
+                      *(["--chat-template-kwargs", "[1]"] if name == "bad-kwargs" else []))
         err = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(err) == 1 and expected in err[0] and err[0].startswith(
-            "error: --chat-roles" if name == "bad-roles" else f"error: --init-from {tmp_path / name}"), \
+            "error: --chat-template-kwargs" if name == "bad-kwargs" else
+            f"error: --init-from {tmp_path / name}"), \
             (name, r.stderr[-2000:])
 
 

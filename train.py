@@ -86,7 +86,7 @@ import tasks
 from feedback import RULES, Feedback, FeedbackConfig
 from grpo import (SUMMARY_REQUEST, Bridge, GRPOConfig, PeerLost, Weights, grpo_loss, logprobs, minibatches,
                   pack_policy, rollout, serve_rollouts)
-from model import (BYTES, PRESETS, ROLES, VOCAB_SIZE, CheckpointError, ContextParallel, HFTokenizer,
+from model import (BYTES, PRESETS, VOCAB_SIZE, CheckpointError, ContextParallel, HFTokenizer,
                    ModelConfig, TOKENIZER_FILES, TokenizerError, Transformer, encode, flops_per_token,
                    hf_config, load_hf, memory_plan, param_counts, save_hf)
 from muon import Muon, param_groups
@@ -2098,12 +2098,16 @@ def check(args):
     tokenizer = BYTES
     if args.init_from and args.stage != "pretrain" and not args.dry_run and (
             cfg.vocab_size != VOCAB_SIZE or Path(args.init_from, "tokenizer.json").exists()):
-        pairs = [pair.split("=") for pair in args.chat_roles.split(",") if pair]
-        roles = dict(p for p in pairs if len(p) == 2)
-        if len(roles) != len(pairs) or not {*roles, *roles.values()} <= set(ROLES):
-            die(f"--chat-roles {args.chat_roles!r}: pairs ROLE=ROLE of {', '.join(ROLES)}, comma separated")
         try:
-            tokenizer = HFTokenizer(args.init_from, cfg.vocab_size, roles)
+            kwargs = json.loads(args.chat_template_kwargs)
+        except json.JSONDecodeError:
+            kwargs = None
+        if not isinstance(kwargs, dict):
+            die(f"--chat-template-kwargs {args.chat_template_kwargs!r}: not a JSON object, e.g. "
+                "'{\"enable_thinking\": false}'")
+        try:
+            tokenizer = HFTokenizer(args.init_from, cfg.vocab_size, kwargs)
+            print0(f"chat template: {tokenizer.mapping()}")
         except TokenizerError as e:
             die(f"--init-from {e}")
     if args.stage == "rl" and not (args.resume or args.init_from) and args.init != "scratch":
@@ -2248,9 +2252,9 @@ def make_parser():
                         "K2.5, Moonlight); its config.json is the model. Needs the safetensors package; "
                         "pretraining needs --data shards made with its tokenizer, RL its tokenizer.json and "
                         "chat template (the tokenizers package)")
-    g.add_argument("--chat-roles", default="", metavar="ROLE=ROLE,...",
-                   help="turns after the first reply that the chat template has no place for, written as "
-                        "another role it has: e.g. system=user,tool=user (refused otherwise, in one line)")
+    g.add_argument("--chat-template-kwargs", default="{}", metavar="JSON",
+                   help="variables for the released model's chat template, as vLLM's chat_template_kwargs: "
+                        "e.g. '{\"enable_thinking\": false}' for a reasoning model without thinking")
     g.add_argument("--num-experts", type=int, default=None,
                    help="routed experts per MoE layer (default: the preset's)")
     g = parser.add_argument_group("run")
