@@ -5297,14 +5297,27 @@ class _Pair(tuple, enum.Enum):
     A = (1, 2)
 
 
+class _Observed(dict):
+    """A dict that tells a callback of each change (prettytable's ObservableDict)."""
+
+    def __init__(self, callback, *a):
+        self.callback = callback
+        super().__init__(*a)
+
+    def __setitem__(self, key, value):
+        self.callback(key)
+        super().__setitem__(key, value)
+
+
 def test_the_copier_takes_what_pickle_refuses():
     """What a recorded call's arguments hold and plain pickle refuses or gets wrong, copied as a copy can
     stand for it: a weak reference (held: nothing else holds its object in the copy) and the weak
     containers, a match (made again), the standard streams (the copy's own), an SQLite connection (its
     database copied), a tuple subclass whose __new__ takes other arguments than its items, an event loop (the
     copy's own), a thread pool (a new one), a class made in a function with its properties, class and static
-    methods, a file open for appending only (its content read from its path); structseq values and a tuple
-    enum keep their own way."""
+    methods, a file open for appending only (its content read from its path), a dict subclass whose
+    __setitem__ needs its state (prettytable's ObservableDict: pickle sets the items first); structseq values
+    and a tuple enum keep their own way."""
     import weakref
     db = sqlite3.connect(":memory:")
     db.execute("create table t(x)")
@@ -5324,6 +5337,7 @@ def test_the_copier_takes_what_pickle_refuses():
                 self.n = n
         return Phase
     values["phase"] = phase().make(3)
+    values["observed"] = _Observed(print, {"a": 1})
     values["pool"].submit(print).result()  # a pool with a thread: pickle refuses its lock and queue
     values["log"] = open(Path(tempfile.mkdtemp()) / "x.lock", "a")  # open for appending only (fasteners')
     values["log"].write("held\n")
@@ -5335,6 +5349,7 @@ def test_the_copier_takes_what_pickle_refuses():
     assert got["parsed"] == ("https", "/a") and type(got["parsed"]) is _Parsed and got["parsed"].ref == "ref"
     assert got["stat"] == values["stat"] and got["enum"] is _Pair.A
     assert got["phase"].size == 6 and type(got["phase"]).make(4).size == 8 and got["phase"].double(5) == 10
+    assert type(got["observed"]) is _Observed and got["observed"] == {"a": 1} and got["observed"].callback is print
     got["log"].write("again\n")
     got["log"].flush()
     assert got["log"].mode == "a" and Path(got["log"].name).read_text() == "held\nagain\n"

@@ -123,6 +123,12 @@ class Copier(pickle.Pickler):
             # a tuple subclass by its items and state, not through its own __new__, which may take other
             # arguments than its items (rfc3986's ParseResult: pickle's way calls it with the items alone)
             return tuple.__new__, (t, tuple(obj)), getattr(obj, "__dict__", None) or None
+        if isinstance(obj, (dict, list)) and t not in (dict, list) and any(
+                isinstance(getattr(t, m, None), types.FunctionType) for m in ("__setitem__", "append", "extend")):
+            # a dict or list subclass whose own __setitem__ or append needs its state (prettytable's
+            # ObservableDict calls self.callback): pickle's way sets the items first; here the state goes first
+            func, args, state, items, pairs = (*obj.__reduce_ex__(4), None, None, None)[:5]
+            return func, args, (state, list(items or pairs or ())), None, None, refill
         if isinstance(obj, asyncio.AbstractEventLoop):  # the loop the copy's coroutines run in
             return event_loop, ()
         if type(obj).__name__ == "ThreadPoolExecutor" and hasattr(obj, "_max_workers"):
@@ -184,6 +190,20 @@ def restore(obj, state):
         vars(obj).update(state)
 
 
+def refill(obj, state_items):
+    """Unpickling a dict or list subclass that Copier sent: its state as pickle sets one, then its items
+    through dict's or list's own methods (the subclass's may need the state)."""
+    state, items = state_items
+    if getattr(type(obj), "__setstate__", None) is not None:
+        type(obj).__setstate__(obj, state)
+    elif state is not None:
+        state, slots = state if isinstance(state, tuple) and len(state) == 2 else (state, None)
+        vars(obj).update(state or {})
+        for k, v in (slots or {}).items():
+            setattr(obj, k, v)
+    (dict.update if isinstance(obj, dict) else list.extend)(obj, items)
+
+
 def reopen(data, mode, at):
     """Unpickling an open file that Copier sent: the same content in a new temporary file, opened the same
     way (writing modes without truncating it) at the same place."""
@@ -229,11 +249,14 @@ def event_loop():
 
 
 # what a pickle of Copier's names these by, in the recorder and in the oracle's child alike
-COPY_MODULE = """sys.modules["_featdel_copy"] = types.ModuleType("_featdel_copy")
-for f in (restore, reopen, Held, rematch, database, event_loop):
+# what unpickling a copy calls: the copy module's, sent as source with Copier to the recorder and the child
+HELPERS = (restore, refill, reopen, Held, rematch, database, event_loop)
+COPY_MODULE = "\n".join([*map(inspect.getsource, (Copier, nested_codes, *HELPERS)), f"""
+sys.modules["_featdel_copy"] = types.ModuleType("_featdel_copy")
+for f in ({", ".join(f.__name__ for f in HELPERS)}):
     f.__module__ = "_featdel_copy"
     setattr(sys.modules["_featdel_copy"], f.__name__, f)
-"""
+"""])
 
 
 # What the child runs: `python -I -c ORACLE_CHILD MODE ROOT INPUTS FD`, in the sandbox, the solution's (or at
@@ -685,8 +708,7 @@ ORACLE_CHILD = "\n".join(["import contextlib, copy, copyreg, hashlib, importlib,
                           "import inspect, itertools, pickle, re, sys, tempfile, threading, types",
                           f"HELD_OUT_AT_LEAST, CLOCK_AT = {HELD_OUT_AT_LEAST}, {CLOCK_AT}",
                           "PLACES, PROBES = (), None",
-                          *map(inspect.getsource, (Copier, nested_codes, restore, reopen, Held, rematch,
-                                                   database, event_loop)), COPY_MODULE,
+                          COPY_MODULE,
                           *map(inspect.getsource, (canon, own_value, state_of, behaviour, slot_values,
                                                    mutants, like, attributes, oracle_main,
                                                    class_names, fixed_clock, drain, oracle_resolve)),

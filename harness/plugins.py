@@ -25,8 +25,7 @@ import threading
 from collections import Counter
 from pathlib import Path
 
-from harness.child import (COPY_MODULE, POOL_AT_MOST, RECORD_AT_MOST, Copier, Held, database, event_loop,
-                           nested_codes, rematch, reopen, restore)
+from harness.child import COPY_MODULE, POOL_AT_MOST, RECORD_AT_MOST, Copier
 from harness.env import collect_args, pytest_config
 from harness.repo import CONFIG, is_protected
 from harness.sandbox import scratch, tail
@@ -146,14 +145,6 @@ RECORD_AT_MOST, POOL_AT_MOST, CONFIG = {RECORD_AT_MOST}, {POOL_AT_MOST}, {CONFIG
 from collections import Counter
 from pathlib import Path
 {inspect.getsource(is_protected)}
-{inspect.getsource(Copier)}
-{inspect.getsource(nested_codes)}
-{inspect.getsource(restore)}
-{inspect.getsource(reopen)}
-{inspect.getsource(Held)}
-{inspect.getsource(rematch)}
-{inspect.getsource(database)}
-{inspect.getsource(event_loop)}
 {COPY_MODULE}
 {inspect.getsource(Recorder)}
 # popped: the tests never see them
