@@ -5349,7 +5349,8 @@ def test_the_copier_takes_what_pickle_refuses():
     assert got["parsed"] == ("https", "/a") and type(got["parsed"]) is _Parsed and got["parsed"].ref == "ref"
     assert got["stat"] == values["stat"] and got["enum"] is _Pair.A
     assert got["phase"].size == 6 and type(got["phase"]).make(4).size == 8 and got["phase"].double(5) == 10
-    assert type(got["observed"]) is _Observed and got["observed"] == {"a": 1} and got["observed"].callback is print
+    assert type(got["observed"]) is _Observed and got["observed"] == {"a": 1}
+    assert got["observed"].callback is print
     got["log"].write("again\n")
     got["log"].flush()
     assert got["log"].mode == "a" and Path(got["log"].name).read_text() == "held\nagain\n"

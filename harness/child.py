@@ -124,7 +124,8 @@ class Copier(pickle.Pickler):
             # arguments than its items (rfc3986's ParseResult: pickle's way calls it with the items alone)
             return tuple.__new__, (t, tuple(obj)), getattr(obj, "__dict__", None) or None
         if isinstance(obj, (dict, list)) and t not in (dict, list) and any(
-                isinstance(getattr(t, m, None), types.FunctionType) for m in ("__setitem__", "append", "extend")):
+                isinstance(getattr(t, m, None), types.FunctionType)
+                for m in ("__setitem__", "append", "extend")):
             # a dict or list subclass whose own __setitem__ or append needs its state (prettytable's
             # ObservableDict calls self.callback): pickle's way sets the items first; here the state goes first
             func, args, state, items, pairs = (*obj.__reduce_ex__(4), None, None, None)[:5]
