@@ -5309,6 +5309,17 @@ class _Observed(dict):
         super().__setitem__(key, value)
 
 
+class _Refusing:
+    """An object whose class refuses pickling, with slots (parsel's Selector)."""
+    __slots__ = ("root", "extra")
+
+    def __init__(self, root, extra):
+        self.root, self.extra = root, extra
+
+    def __getstate__(self):
+        raise TypeError("can't pickle _Refusing objects")
+
+
 def test_the_copier_takes_what_pickle_refuses():
     """What a recorded call's arguments hold and plain pickle refuses or gets wrong, copied as a copy can
     stand for it: a weak reference (held: nothing else holds its object in the copy) and the weak
@@ -5316,8 +5327,10 @@ def test_the_copier_takes_what_pickle_refuses():
     database copied), a tuple subclass whose __new__ takes other arguments than its items, an event loop (the
     copy's own), a thread pool (a new one), a class made in a function with its properties, class and static
     methods, a file open for appending only (its content read from its path), a dict subclass whose
-    __setitem__ needs its state (prettytable's ObservableDict: pickle sets the items first); structseq values
-    and a tuple enum keep their own way."""
+    __setitem__ needs its state (prettytable's ObservableDict: pickle sets the items first), an object whose
+    class refuses pickling (parsel's Selector: its attributes and slots), lxml elements (their document
+    written out, each found by its path); structseq values and a tuple enum keep their own way."""
+    from lxml import etree, html
     import weakref
     db = sqlite3.connect(":memory:")
     db.execute("create table t(x)")
@@ -5338,6 +5351,9 @@ def test_the_copier_takes_what_pickle_refuses():
         return Phase
     values["phase"] = phase().make(3)
     values["observed"] = _Observed(print, {"a": 1})
+    doc = html.document_fromstring("<html><body><p>x</p><a href='y'>hi</a></body></html>")
+    values["refusing"] = _Refusing(doc.xpath("//a")[0], {"b": 2})
+    values["xml"] = etree.fromstring("<r><s k='1'/><s k='2'>t</s></r>")[1]
     values["pool"].submit(print).result()  # a pool with a thread: pickle refuses its lock and queue
     values["log"] = open(Path(tempfile.mkdtemp()) / "x.lock", "a")  # open for appending only (fasteners')
     values["log"].write("held\n")
@@ -5351,6 +5367,10 @@ def test_the_copier_takes_what_pickle_refuses():
     assert got["phase"].size == 6 and type(got["phase"]).make(4).size == 8 and got["phase"].double(5) == 10
     assert type(got["observed"]) is _Observed and got["observed"] == {"a": 1}
     assert got["observed"].callback is print
+    assert type(got["refusing"]) is _Refusing and got["refusing"].extra == {"b": 2}
+    assert got["refusing"].root.get("href") == "y" and got["refusing"].root.text_content() == "hi"
+    assert got["refusing"].root.getparent().tag == "body" and type(got["refusing"].root) is html.HtmlElement
+    assert got["xml"].get("k") == "2" and got["xml"].text == "t" and got["xml"].getparent().tag == "r"
     got["log"].write("again\n")
     got["log"].flush()
     assert got["log"].mode == "a" and Path(got["log"].name).read_text() == "held\nagain\n"

@@ -162,6 +162,18 @@ class Copier(pickle.Pickler):
             rv = obj.__reduce_ex__(4)
             if isinstance(rv, tuple) and len(rv) >= 3 and isinstance(rv[2], dict):  # a dict's items kept
                 return rv[0], rv[1], rv[2], *(rv[3:5] + (None, None))[:2], restore
+        if t.__module__ in ("lxml.etree", "lxml.html") and hasattr(obj, "getroottree"):
+            # an lxml element, which pickle refuses: its document written out, the element found by its path
+            tree, html = obj.getroottree(), t.__module__ == "lxml.html"
+            data = sys.modules["lxml.etree"].tostring(tree, method="html" if html else "xml")
+            return element, (data, tree.getpath(obj), html)
+        if not isinstance(obj, type) and any(isinstance(getattr(t, m, None), types.FunctionType)
+                                             for m in ("__getstate__", "__reduce__", "__reduce_ex__")):
+            try:
+                obj.__reduce_ex__(4)
+            except TypeError:  # a class that refuses pickling (parsel's Selector): a copy of its attributes
+                return copyreg.__newobj__, (t,), (dict(getattr(obj, "__dict__", {})), slot_values(obj)), \
+                    None, None, restore
         return NotImplemented
 
 
@@ -172,6 +184,17 @@ def nested_codes(code):
         c = codes.pop()
         yield c
         codes += [x for x in c.co_consts if type(x) is types.CodeType]
+
+
+def slot_values(x):
+    """{name: value} of the slots x has set, in every class of its MRO."""
+    found = {}
+    for cls in type(x).__mro__:
+        slots = getattr(cls, "__slots__", ())
+        for name in [slots] if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and hasattr(x, name):
+                found[name] = getattr(x, name)
+    return found
 
 
 def restore(obj, state):
@@ -187,6 +210,12 @@ def restore(obj, state):
     elif isinstance(obj, type):
         for k, v in state.items():
             setattr(obj, k, v)
+    elif isinstance(state, tuple):  # (attributes, slots)
+        attrs, slots = state
+        if attrs:
+            vars(obj).update(attrs)
+        for k, v in slots.items():
+            object.__setattr__(obj, k, v)
     else:
         vars(obj).update(state)
 
@@ -203,6 +232,14 @@ def refill(obj, state_items):
         for k, v in (slots or {}).items():
             setattr(obj, k, v)
     (dict.update if isinstance(obj, dict) else list.extend)(obj, items)
+
+
+def element(data, path, html):
+    """Unpickling an lxml element that Copier sent: its document parsed again, the element at its path."""
+    from lxml import etree
+    from lxml import html as lxml_html
+    root = lxml_html.document_fromstring(data) if html else etree.fromstring(data)
+    return root.getroottree().xpath(path)[0]
 
 
 def reopen(data, mode, at):
@@ -251,8 +288,8 @@ def event_loop():
 
 # what a pickle of Copier's names these by, in the recorder and in the oracle's child alike
 # what unpickling a copy calls: the copy module's, sent as source with Copier to the recorder and the child
-HELPERS = (restore, refill, reopen, Held, rematch, database, event_loop)
-COPY_MODULE = "\n".join([*map(inspect.getsource, (Copier, nested_codes, *HELPERS)), f"""
+HELPERS = (restore, refill, element, reopen, Held, rematch, database, event_loop)
+COPY_MODULE = "\n".join([*map(inspect.getsource, (Copier, nested_codes, slot_values, *HELPERS)), f"""
 sys.modules["_featdel_copy"] = types.ModuleType("_featdel_copy")
 for f in ({", ".join(f.__name__ for f in HELPERS)}):
     f.__module__ = "_featdel_copy"
@@ -368,17 +405,6 @@ def behaviour(f, depth, seen):
         except Exception as e:
             out.append("raises " + type(e).__qualname__)
     return "(" + "; ".join(out) + ")"
-
-
-def slot_values(x):
-    """{name: value} of the slots x has set, in every class of its MRO."""
-    found = {}
-    for cls in type(x).__mro__:
-        slots = getattr(cls, "__slots__", ())
-        for name in [slots] if isinstance(slots, str) else slots:
-            if name not in ("__dict__", "__weakref__") and hasattr(x, name):
-                found[name] = getattr(x, name)
-    return found
 
 
 def mutants(value, rng, depth=0, read=frozenset(), consts=()):
@@ -710,7 +736,7 @@ ORACLE_CHILD = "\n".join(["import contextlib, copy, copyreg, hashlib, importlib,
                           f"HELD_OUT_AT_LEAST, CLOCK_AT = {HELD_OUT_AT_LEAST}, {CLOCK_AT}",
                           "PLACES, PROBES = (), None",
                           COPY_MODULE,
-                          *map(inspect.getsource, (canon, own_value, state_of, behaviour, slot_values,
-                                                   mutants, like, attributes, oracle_main,
-                                                   class_names, fixed_clock, drain, oracle_resolve)),
+                          *map(inspect.getsource, (canon, own_value, state_of, behaviour, mutants, like,
+                                                   attributes, oracle_main, class_names, fixed_clock, drain,
+                                                   oracle_resolve)),
                           "oracle_main(*sys.argv[1:])"])
