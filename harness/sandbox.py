@@ -53,8 +53,9 @@ NOBODY = 65534  # the uid and gid a run has when the host is root
 READ_AT_MOST = 64 << 20  # bytes the host reads of what a run wrote to a descriptor it was handed
 # sys.pycache_prefix: a folder that is not there, on a read-only mount
 NO_BYTECODE = "/usr/.featdel-no-bytecode"
-# Before the sandbox: join the run's pids cgroup, cap the address space, file size and processes, then become
-# the command (bubblewrap, or the interpreter unisolated). Arguments: cgroup or "", bytes, bytes, count or 0.
+# Before the sandbox: join the run's pids cgroup, cap the address space, file size and processes, turn address
+# randomization off, then become the command (bubblewrap, or the interpreter unisolated). Arguments: cgroup or
+# "", bytes, bytes, count or 0.
 LIMITS = """import os, resource, sys
 cg, memory, disk, nproc = sys.argv[1:5]
 if cg:
@@ -64,6 +65,11 @@ resource.setrlimit(resource.RLIMIT_AS, (int(memory), int(memory)))
 resource.setrlimit(resource.RLIMIT_FSIZE, (int(disk), int(disk)))
 if int(nproc):
     resource.setrlimit(resource.RLIMIT_NPROC, (int(nproc), int(nproc)))
+try:  # the same addresses in every run: Python 3.11 hashes None by address, so a set of tuples holding it
+    import ctypes  # iterates in an order address randomization changes, and with it a suite's test ids
+    ctypes.CDLL(None).personality(0x0040000)  # (isodate's parametrize over a set): ADDR_NO_RANDOMIZE
+except (OSError, AttributeError):
+    pass
 os.execvp(sys.argv[5], sys.argv[5:])
 """
 # The launcher, run with -I -S before anything of the repository: fills the tmpfs work folder from the
