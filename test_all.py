@@ -7277,7 +7277,8 @@ def test_cli_errors_are_one_line(tmp_path):
 def test_test_requirements_are_found_where_projects_declare_them(tmp_path):
     """Extras, PEP 735 groups, hatch environments, setup.cfg, tox, requirements files; Poetry's groups and
     dev-dependencies, PDM's, setup.py's tests_require; and the plugins the pytest configuration cannot run
-    without though nothing declares them (an addopts option, an ini key)."""
+    without though nothing declares them (an addopts option, an ini key). A requirements file tox names that
+    the sdist lacks (radon's test_requirements.txt) is left out: pip would refuse the whole install."""
     files = {"pyproject.toml": '[project]\nname = "x"\n[project.optional-dependencies]\n'
                                'tests = ["hypothesis"]\ndocs = ["sphinx"]\n'
                                '[dependency-groups]\nlint = ["ruff"]\n'
@@ -7293,9 +7294,11 @@ def test_test_requirements_are_found_where_projects_declare_them(tmp_path):
                                'asyncio_mode = "auto"\n',
              "setup.cfg": "[options.extras_require]\ntesting = freezegun\n",
              "setup.py": "from setuptools import setup\nsetup(tests_require=['mock>=1', 'nose'])\n",
-             "tox.ini": "[testenv]\ndeps =\n    pytest-xdist\n    -r requirements/ci.txt\n    {[base]deps}\n"
+             "tox.ini": "[testenv]\ndeps =\n    pytest-xdist\n    -r requirements/ci.txt\n    -r{toxinidir}/gone.txt\n"
+                        "    {[base]deps}\n"
                         "    docs: sphinx\n    py3{10,11}: typing-extensions\n",
-             "requirements-test.txt": "pytest-mock\n", "requirements/dev.txt": "tox\n"}
+             "requirements-test.txt": "pytest-mock\n", "requirements/dev.txt": "tox\n",
+             "requirements/ci.txt": "pytest-timeout\n"}
     for rel, text in files.items():
         Path(tmp_path, rel).parent.mkdir(exist_ok=True)
         Path(tmp_path, rel).write_text(text)
