@@ -6338,6 +6338,23 @@ attempt("connect", lambda: socket.create_connection(("127.0.0.1", {server.getsoc
 
 
 @sandboxed
+def test_node_ids_are_the_repositorys_however_a_run_names_its_files(tmp_path):
+    """A run that names test files (verify's, a deletion's) gets the node ids a run of the whole repository
+    gets, though the tests' folder holds a pyproject.toml of its own (doit's: pytest took that folder for the
+    root, `test_x.py::test_a` where the baseline had `tests/test_x.py::test_a`, and every try of the package
+    collected nothing: 0 of 9 made)."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "pkg/__init__.py").write_text("")
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "pkg"\n')
+    (tmp_path / "tests/pyproject.toml").write_text('[tool.doit]\nx = "1"\n')
+    (tmp_path / "tests/test_x.py").write_text("def test_a():\n    pass\n")
+    box = tasks.Sandbox(timeout=60, isolate=not harness.sandbox.sandbox_problem())
+    whole, named = box.pytest(tmp_path), box.pytest(tmp_path, ["tests/test_x.py"])
+    assert whole.passed == named.passed == box.pytest(tmp_path, select=whole.passed).passed == \
+        {"tests/test_x.py::test_a"}
+
+
 def test_a_test_that_never_ends_fails_alone(tmp_path):
     """A test that never ends (a wait on a flag nobody sets, a blocking accept) fails after a fifth of the run's
     timeout and the run goes on: a repository with one hanging test keeps the rest of its suite (cheroot's TLS

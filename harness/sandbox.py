@@ -43,8 +43,10 @@ from harness import TaskError
 
 # pytest's cache in the run's own fresh home, never in the tree (it names tests, and a planted one would steer
 # --lf); its options stay, as a configuration's addopts may name them (--cache-clear); a test file that fails
-# to collect costs its own tests, not the run's
-PYTEST = ["-m", "pytest", "-q", "-o", "cache_dir=~/.pytest_cache", "--continue-on-collection-errors"]
+# to collect costs its own tests, not the run's; node ids from the repository's root, however the run names
+# its files (a pyproject.toml in doit's tests/ made that folder the root of a run naming files in it)
+PYTEST = ["-m", "pytest", "-q", "-o", "cache_dir=~/.pytest_cache", "--continue-on-collection-errors",
+          "--rootdir=."]
 # what a sandboxed run sees of the host; with the network (installs), all of /etc
 SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64")
 ETC = ("passwd", "group", "hosts", "nsswitch.conf", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime",
