@@ -2051,6 +2051,13 @@ def test_rl_on_a_released_model_speaks_its_tokenizer(tmp_path):
         msgs[:1], tokenize=False, add_generation_prompt=True).endswith("<｜Assistant｜><think>\n")
 
 
+# DeepSeek-R1's special tokens (its tokenizer's; <think> is none)
+R1_TOKENS = ['<｜User｜>', '<｜Assistant｜>', '<｜end▁of▁sentence｜>', '<｜tool▁calls▁begin｜>',
+             '<｜tool▁calls▁end｜>', '<｜tool▁call▁begin｜>', '<｜tool▁call▁end｜>', '<｜tool▁sep｜>',
+             '<｜tool▁outputs▁begin｜>', '<｜tool▁outputs▁end｜>', '<｜tool▁output▁begin｜>',
+             '<｜tool▁output▁end｜>']
+
+
 # Chat templates of released model families (each one's source beside it), and a ChatML one that needs
 # jinja2's loop controls, as transformers enables them: {name: (template, bos, eos, special tokens)}.
 RELEASED_TEMPLATES = {
@@ -2366,9 +2373,7 @@ RELEASED_TEMPLATES = {
         "｜>'}}{%- endif %}{%- endif %}{%- endfor -%}{% if ns.is_tool %}{{'<｜tool▁outputs▁end｜>'}}{% endif"
         " %}{% if add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜>'}}{% endif %}"
         , '<｜begin▁of▁sentence｜>', '<｜end▁of▁sentence｜>',
-        ['<｜User｜>', '<｜Assistant｜>', '<｜end▁of▁sentence｜>', '<｜tool▁calls▁begin｜>', '<｜tool▁calls▁end｜>',
-         '<｜tool▁call▁begin｜>', '<｜tool▁call▁end｜>', '<｜tool▁sep｜>', '<｜tool▁outputs▁begin｜>',
-         '<｜tool▁outputs▁end｜>', '<｜tool▁output▁begin｜>', '<｜tool▁output▁end｜>']),
+        R1_TOKENS),
     # deepseek-ai/DeepSeek-R1-Distill-Qwen-32B's: a thinking block opened by the generation prompt
     # (ggml-org/llama.cpp models/templates/deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja at 20bdc4fa)
     'deepseek-r1-distill': (
@@ -2398,9 +2403,7 @@ RELEASED_TEMPLATES = {
         "dif -%}\n{%- endfor -%}\n{%- if ns.is_tool -%}{{'<｜tool▁outputs▁end｜>'}}\n{%- endif -%}\n{%- if "
         "add_generation_prompt and not ns.is_tool -%}{{'<｜Assistant｜><think>\\n'}}\n{%- endif %}"
         , '<｜begin▁of▁sentence｜>', '<｜end▁of▁sentence｜>',
-        ['<｜User｜>', '<｜Assistant｜>', '<｜end▁of▁sentence｜>', '<｜tool▁calls▁begin｜>', '<｜tool▁calls▁end｜>',
-         '<｜tool▁call▁begin｜>', '<｜tool▁call▁end｜>', '<｜tool▁sep｜>', '<｜tool▁outputs▁begin｜>',
-         '<｜tool▁outputs▁end｜>', '<｜tool▁output▁begin｜>', '<｜tool▁output▁end｜>']),
+        R1_TOKENS),
     # zai-org/GLM-4.5's, as llama.cpp ships it (ggml-org/llama.cpp models/templates/glm_4_5.jinja at 623f3dd0)
     'glm-4.5': (
         '[gMASK]<sop>\n{%- if tools -%}\n<|system|>\n# Tools\n\nYou may call one or more functions to ass'
