@@ -1553,7 +1553,9 @@ def oracle_run(box, tree, features, calls, mode="run", timeout=None, pool=()):
                     shutil.copyfile(Path(tree, rel), Path(view, rel))
         Path(view, "oracle-inputs.json").write_text(json.dumps({"features": features, "calls": calls,
                                                                 "pool": list(pool)}))
-        rc, out = box.run(["-I", "-c", ORACLE_CHILD, mode, view, str(Path(view, "oracle-inputs.json")),
+        # -s, not -I: the environment is the sandbox's own, and -I would drop its PYTHONHASHSEED (a set of
+        # strings, emoji's distinct_emoji_list, came back in another order from run to run)
+        rc, out = box.run(["-s", "-c", ORACLE_CHILD, mode, view, str(Path(view, "oracle-inputs.json")),
                            str(fd.fileno())], view, pass_fds=[fd.fileno()], timeout=timeout)
         lines = [parsed(line) for line in tail(fd, READ_AT_MOST).splitlines()]
     if mode == "mutate":

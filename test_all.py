@@ -5443,6 +5443,18 @@ def test_exception_classes_are_compared_by_names_that_lead_to_them(made, tmp_pat
     assert not tasks.agrees(gold, "raises builtins.ValueError")
 
 
+def test_every_oracle_run_has_the_tests_hash_seed(tmp_path):
+    """A result built from a set of strings is in their hash order (emoji's distinct_emoji_list): every oracle
+    run has the hash seed the tests' runs have, so make's record and verify's run agree. Before, the child
+    ran with -I, which drops PYTHONHASHSEED: a gold of the survey scored 0 at verify."""
+    Path(tmp_path, "dist").mkdir()
+    Path(tmp_path, "dist/__init__.py").write_text("def distinct(words):\n    return list(set(words))\n")
+    call = base64.b64encode(pickle.dumps(((["alpha", "beta", "gamma", "delta", "eps", "zeta"],), {}))).decode()
+    box = tasks.Sandbox(timeout=60, isolate=not harness.sandbox.sandbox_problem())
+    runs = [tasks.oracle_run(box, tmp_path, [["dist", "distinct"]], [[0, call]]) for _ in range(4)]
+    assert runs[0][0].startswith("returns [") and all(r == runs[0] for r in runs), runs
+
+
 @sandboxed
 def test_a_feature_that_takes_nothing_is_covered_by_the_call_the_tests_made(tmp_path):
     """Held-out inputs vary a feature's arguments; a function that takes none has no input but the one the
