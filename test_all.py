@@ -7497,7 +7497,8 @@ def test_env_installs_what_the_configuration_needs(tmp_path):
     has a compiled extension the tests import, and whose requirements file installs the project itself:
     without its environment make fails in one line naming the plugin and the fix; `env` installs the plugin
     (and the project once), builds the extension and keeps the compiled module for the
-    tests (the package's Python code leaves the venv), and make and verify run with its interpreter. A
+    tests (the package's Python code leaves the venv), and make and verify run with its interpreter. A test
+    module written for pytest 8 (Flask's: it imports `_pytest.monkeypatch.notset`, gone in 9) gets pytest 8. A
     --python that is not an interpreter and an install that fails are one line each (that install runs
     beside the rest: each waits on the package index)."""
     if not index_reachable():
@@ -7513,6 +7514,8 @@ def test_env_installs_what_the_configuration_needs(tmp_path):
                                                  "    from calc._speed import twice\n"
                                                  "    assert twice(21) == 42\n")
         (repo / "calc/_speed.c").write_text(SPEED_C)
+        (repo / "tests/test_old.py").write_text("from _pytest.monkeypatch import notset\n\n\n"
+                                                "def test_old():\n    assert notset is not None\n")
         (repo / "requirements-dev.txt").write_text("-e .[test]\n")  # the project itself, once more
         (repo / "setup.py").write_text('from setuptools import Extension, setup\n'
                                        'setup(ext_modules=[Extension("calc._speed", ["calc/_speed.c"])])\n')
@@ -7539,6 +7542,9 @@ def test_env_installs_what_the_configuration_needs(tmp_path):
         d = tmp_path / "out" / task["id"]
         # the task's interpreter; the test of the compiled module is required
         assert task["python"] == python and "tests/test_calc.py::test_twice" in task["pass_to_pass"]
+        assert "tests/test_old.py::test_old" in task["pass_to_pass"] and subprocess.run(
+            [python, "-c", "import pytest; print(pytest.__version__)"], capture_output=True,
+            text=True).stdout.startswith("8.")
         assert tasks.verify(d, patch=d / "gold.patch")[0] == 1 and tasks.verify(d, workdir=d / "repo")[0] == 0
         for bad in ("/bin/true", str(tmp_path / "nope")):
             with pytest.raises(tasks.TaskError, match=f"^--python {bad} is not a Python interpreter$"):
