@@ -2063,30 +2063,30 @@ R1_TOKENS = ['<｜User｜>', '<｜Assistant｜>', '<｜end▁of▁sentence｜>',
 RELEASED_TEMPLATES = {
     # deepseek-ai/DeepSeek-V3's tokenizer_config.json as released in Dec 2024
     'deepseek-v3': (
-        '{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %'
-        "}{% set ns = namespace(is_first=false, is_tool=false, is_output_first=true, system_prompt='', "
-        "is_first_sp=true) %}{%- for message in messages %}{%- if message['role'] == 'system' %}{%- if "
-        "ns.is_first_sp %}{% set ns.system_prompt = ns.system_prompt + message['content'] %}{% set ns.i"
-        "s_first_sp = false %}{%- else %}{% set ns.system_prompt = ns.system_prompt + '\\n\\n' + messag"
-        "e['content'] %}{%- endif %}{%- endif %}{%- endfor %}{{bos_token}}{{ns.system_prompt}}{%- for m"
-        "essage in messages %}{%- if message['role'] == 'user' %}{%- set ns.is_tool = false -%}{{'<｜Use"
-        "r｜>' + message['content']}}{%- endif %}{%- if message['role'] == 'assistant' and message['cont"
-        "ent'] is none %}{%- set ns.is_tool = false -%}{%- for tool in message['tool_calls']%}{%- if no"
-        "t ns.is_first %}{{'<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜t"
-        "ool▁sep｜>' + tool['function']['name'] + '\\n' + '```json' + '\\n' + tool['function']['argument"
-        "s'] + '\\n' + '```' + '<｜tool▁call▁end｜>'}}{%- set ns.is_first = true -%}{%- else %}{{'\\n' + "
-        "'<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '``"
-        "`json' + '\\n' + tool['function']['arguments'] + '\\n' + '```' + '<｜tool▁call▁end｜>'}}{{'<｜too"
-        "l▁calls▁end｜><｜end▁of▁sentence｜>'}}{%- endif %}{%- endfor %}{%- endif %}{%- if message['role']"
-        " == 'assistant' and message['content'] is not none %}{%- if ns.is_tool %}{{'<｜tool▁outputs▁end"
-        "｜>' + message['content'] + '<｜end▁of▁sentence｜>'}}{%- set ns.is_tool = false -%}{%- else %}{{'"
-        "<｜Assistant｜>' + message['content'] + '<｜end▁of▁sentence｜>'}}{%- endif %}{%- endif %}{%- if me"
-        "ssage['role'] == 'tool' %}{%- set ns.is_tool = true -%}{%- if ns.is_output_first %}{{'<｜tool▁o"
-        "utputs▁begin｜><｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}{%- set ns."
-        "is_output_first = false %}{%- else %}{{'\\n<｜tool▁output▁begin｜>' + message['content'] + '<｜to"
-        "ol▁output▁end｜>'}}{%- endif %}{%- endif %}{%- endfor -%}{% if ns.is_tool %}{{'<｜tool▁outputs▁e"
-        "nd｜>'}}{% endif %}{% if add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜>'}}{% endif"
-        ' %}'
+        '{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}{% '
+        "set ns = namespace(is_first=false, is_tool=false, is_output_first=true, system_prompt='', is_first"
+        "_sp=true) %}{%- for message in messages %}{%- if message['role'] == 'system' %}{%- if ns.is_first_"
+        "sp %}{% set ns.system_prompt = ns.system_prompt + message['content'] %}{% set ns.is_first_sp = fal"
+        "se %}{%- else %}{% set ns.system_prompt = ns.system_prompt + '\\n\\n' + message['content'] %}{%- e"
+        'ndif %}{%- endif %}{%- endfor %}{{bos_token}}{{ns.system_prompt}}{%- for message in messages %}{%-'
+        " if message['role'] == 'user' %}{%- set ns.is_tool = false -%}{{'<｜User｜>' + message['content'"
+        "]}}{%- endif %}{%- if message['role'] == 'assistant' and message['content'] is none %}{%- set ns.i"
+        "s_tool = false -%}{%- for tool in message['tool_calls']%}{%- if not ns.is_first %}{{'<｜Assistant"
+        "｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>'"
+        " + tool['function']['name'] + '\\n' + '```json' + '\\n' + tool['function']['arguments'] + '\\n' + "
+        "'```' + '<｜tool▁call▁end｜>'}}{%- set ns.is_first = true -%}{%- else %}{{'\\n' + '<｜tool"
+        "▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '`"
+        "``json' + '\\n' + tool['function']['arguments'] + '\\n' + '```' + '<｜tool▁call▁end｜>'}}{{'"
+        "<｜tool▁calls▁end｜><｜end▁of▁sentence｜>'}}{%- endif %}{%- endfor %}{%- endif %}{%- i"
+        "f message['role'] == 'assistant' and message['content'] is not none %}{%- if ns.is_tool %}{{'<｜t"
+        "ool▁outputs▁end｜>' + message['content'] + '<｜end▁of▁sentence｜>'}}{%- set ns.is_tool "
+        "= false -%}{%- else %}{{'<｜Assistant｜>' + message['content'] + '<｜end▁of▁sentence｜>'}}"
+        "{%- endif %}{%- endif %}{%- if message['role'] == 'tool' %}{%- set ns.is_tool = true -%}{%- if ns."
+        "is_output_first %}{{'<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>' + message['conte"
+        "nt'] + '<｜tool▁output▁end｜>'}}{%- set ns.is_output_first = false %}{%- else %}{{'\\n<｜to"
+        "ol▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}{%- endif %}{%- end"
+        "if %}{%- endfor -%}{% if ns.is_tool %}{{'<｜tool▁outputs▁end｜>'}}{% endif %}{% if add_gener"
+        "ation_prompt and not ns.is_tool %}{{'<｜Assistant｜>'}}{% endif %}"
         , '<｜begin▁of▁sentence｜>', '<｜end▁of▁sentence｜>',
         ['<｜begin▁of▁sentence｜>', '<｜end▁of▁sentence｜>', '<｜User｜>', '<｜Assistant｜>',
          '<｜tool▁calls▁begin｜>', '<｜tool▁call▁begin｜>', '<｜tool▁sep｜>', '<｜tool▁call▁end｜>',
@@ -2345,63 +2345,67 @@ RELEASED_TEMPLATES = {
         ['<start_of_turn>', '<end_of_turn>', '<start_of_image>', '<eos>']),
     # deepseek-ai/DeepSeek-R1's (huggingface/huggingface.js packages/jinja/test/e2e.test.js at fe42e680)
     'deepseek-r1': (
-        '{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}{'
-        "% set ns = namespace(is_first=false, is_tool=false, is_output_first=true, system_prompt='', is_f"
-        "irst_sp=true) %}{%- for message in messages %}{%- if message['role'] == 'system' %}{%- if ns.is_"
-        "first_sp %}{% set ns.system_prompt = ns.system_prompt + message['content'] %}{% set ns.is_first_"
-        "sp = false %}{%- else %}{% set ns.system_prompt = ns.system_prompt + '\\n\\n' + message['content"
-        "'] %}{%- endif %}{%- endif %}{%- endfor %}{{ bos_token }}{{ ns.system_prompt }}{%- for message i"
-        "n messages %}{%- if message['role'] == 'user' %}{%- set ns.is_tool = false -%}{{'<｜User｜>' + mes"
-        "sage['content']}}{%- endif %}{%- if message['role'] == 'assistant' and 'tool_calls' in message %"
-        "}{%- set ns.is_tool = false -%}{%- for tool in message['tool_calls'] %}{%- if not ns.is_first %}"
-        "{%- if message['content'] is none %}{{'<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + t"
-        "ool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '```json' + '\\n' + tool['func"
-        "tion']['arguments'] + '\\n' + '```' + '<｜tool▁call▁end｜>'}}{%- else %}{{'<｜Assistant｜>' + messag"
-        "e['content'] + '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool["
-        "'function']['name'] + '\\n' + '```json' + '\\n' + tool['function']['arguments'] + '\\n' + '```' "
-        "+ '<｜tool▁call▁end｜>'}}{%- endif %}{%- set ns.is_first = true -%}{%- else %}{{'\\n' + '<｜tool▁ca"
-        "ll▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '```json' + '\\"
-        "n' + tool['function']['arguments'] + '\\n' + '```' + '<｜tool▁call▁end｜>'}}{%- endif %}{%- endfor"
-        " %}{{'<｜tool▁calls▁end｜><｜end▁of▁sentence｜>'}}{%- endif %}{%- if message['role'] == 'assistant' "
-        "and 'tool_calls' not in message %}{%- if ns.is_tool %}{{'<｜tool▁outputs▁end｜>' + message['conten"
-        "t'] + '<｜end▁of▁sentence｜>'}}{%- set ns.is_tool = false -%}{%- else %}{% set content = message['"
-        "content'] %}{% if '</think>' in content %}{% set content = content.split('</think>')[-1] %}{% en"
-        "dif %}{{'<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>'}}{%- endif %}{%- endif %}{%- if messag"
-        "e['role'] == 'tool' %}{%- set ns.is_tool = true -%}{%- if ns.is_output_first %}{{'<｜tool▁outputs"
-        "▁begin｜><｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}{%- set ns.is_outpu"
-        "t_first = false %}{%- else %}{{'<｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end"
-        "｜>'}}{%- endif %}{%- endif %}{%- endfor -%}{% if ns.is_tool %}{{'<｜tool▁outputs▁end｜>'}}{% endif"
-        " %}{% if add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜>'}}{% endif %}"
+        '{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}{% '
+        "set ns = namespace(is_first=false, is_tool=false, is_output_first=true, system_prompt='', is_first"
+        "_sp=true) %}{%- for message in messages %}{%- if message['role'] == 'system' %}{%- if ns.is_first_"
+        "sp %}{% set ns.system_prompt = ns.system_prompt + message['content'] %}{% set ns.is_first_sp = fal"
+        "se %}{%- else %}{% set ns.system_prompt = ns.system_prompt + '\\n\\n' + message['content'] %}{%- e"
+        'ndif %}{%- endif %}{%- endfor %}{{ bos_token }}{{ ns.system_prompt }}{%- for message in messages %'
+        "}{%- if message['role'] == 'user' %}{%- set ns.is_tool = false -%}{{'<｜User｜>' + message['cont"
+        "ent']}}{%- endif %}{%- if message['role'] == 'assistant' and 'tool_calls' in message %}{%- set ns."
+        "is_tool = false -%}{%- for tool in message['tool_calls'] %}{%- if not ns.is_first %}{%- if message"
+        "['content'] is none %}{{'<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>'"
+        " + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '```json' + '\\n' + to"
+        "ol['function']['arguments'] + '\\n' + '```' + '<｜tool▁call▁end｜>'}}{%- else %}{{'<｜Assis"
+        "tant｜>' + message['content'] + '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool["
+        "'type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '```json' + '\\n' + tool['func"
+        "tion']['arguments'] + '\\n' + '```' + '<｜tool▁call▁end｜>'}}{%- endif %}{%- set ns.is_first"
+        " = true -%}{%- else %}{{'\\n' + '<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>"
+        "' + tool['function']['name'] + '\\n' + '```json' + '\\n' + tool['function']['arguments'] + '\\n' +"
+        " '```' + '<｜tool▁call▁end｜>'}}{%- endif %}{%- endfor %}{{'<｜tool▁calls▁end｜><｜en"
+        "d▁of▁sentence｜>'}}{%- endif %}{%- if message['role'] == 'assistant' and 'tool_calls' not in "
+        "message %}{%- if ns.is_tool %}{{'<｜tool▁outputs▁end｜>' + message['content'] + '<｜end▁o"
+        "f▁sentence｜>'}}{%- set ns.is_tool = false -%}{%- else %}{% set content = message['content'] %}"
+        "{% if '</think>' in content %}{% set content = content.split('</think>')[-1] %}{% endif %}{{'<｜A"
+        "ssistant｜>' + content + '<｜end▁of▁sentence｜>'}}{%- endif %}{%- endif %}{%- if message['r"
+        "ole'] == 'tool' %}{%- set ns.is_tool = true -%}{%- if ns.is_output_first %}{{'<｜tool▁outputs"
+        "▁begin｜><｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}{"
+        "%- set ns.is_output_first = false %}{%- else %}{{'<｜tool▁output▁begin｜>' + message['conten"
+        "t'] + '<｜tool▁output▁end｜>'}}{%- endif %}{%- endif %}{%- endfor -%}{% if ns.is_tool %}{{'<"
+        "｜tool▁outputs▁end｜>'}}{% endif %}{% if add_generation_prompt and not ns.is_tool %}{{'<｜A"
+        "ssistant｜>'}}{% endif %}"
         , '<｜begin▁of▁sentence｜>', '<｜end▁of▁sentence｜>',
         R1_TOKENS),
     # deepseek-ai/DeepSeek-R1-Distill-Qwen-32B's: a thinking block opened by the generation prompt
     # (ggml-org/llama.cpp models/templates/deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja at 20bdc4fa)
     'deepseek-r1-distill': (
-        '{% if not add_generation_prompt is defined -%}\n  {%- set add_generation_prompt = false -%}\n{%-'
-        ' endif -%}\n{%- set ns = namespace(is_first=false, is_tool=false, is_output_first=true, system_p'
-        "rompt='') -%}\n{%- for message in messages -%}\n  {%- if message['role'] == 'system' -%}\n    {%"
-        "- set ns.system_prompt = message['content'] -%}\n  {%- endif -%}\n{%- endfor -%}{{bos_token}}{{n"
-        "s.system_prompt}}\n{%- for message in messages -%}\n  {%- if message['role'] == 'user' -%}\n    "
-        "{%- set ns.is_tool = false -%}{{'<｜User｜>' + message['content']}}\n  {%- endif -%}\n  {%- if mes"
-        "sage['role'] == 'assistant' and message['tool_calls'] -%}\n    {%- set ns.is_tool = false -%}\n "
-        "   {%- for tool in message['tool_calls']-%}\n      {%- if not ns.is_first -%}\n        {{'<｜Assi"
-        "stant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function"
+        '{% if not add_generation_prompt is defined -%}\n  {%- set add_generation_prompt = false -%}\n{%- e'
+        'ndif -%}\n{%- set ns = namespace(is_first=false, is_tool=false, is_output_first=true, system_promp'
+        "t='') -%}\n{%- for message in messages -%}\n  {%- if message['role'] == 'system' -%}\n    {%- set "
+        "ns.system_prompt = message['content'] -%}\n  {%- endif -%}\n{%- endfor -%}{{bos_token}}{{ns.system"
+        "_prompt}}\n{%- for message in messages -%}\n  {%- if message['role'] == 'user' -%}\n    {%- set ns"
+        ".is_tool = false -%}{{'<｜User｜>' + message['content']}}\n  {%- endif -%}\n  {%- if message['ro"
+        "le'] == 'assistant' and message['tool_calls'] -%}\n    {%- set ns.is_tool = false -%}\n    {%- for"
+        " tool in message['tool_calls']-%}\n      {%- if not ns.is_first -%}\n        {{'<｜Assistant｜><"
+        "｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + to"
+        "ol['function']['name'] + '\\n' + '```json' + '\\n' + tool['function']['arguments'] + '\\n' + '```'"
+        " + '<｜tool▁call▁end｜>'}}\n        {%- set ns.is_first = true -%}\n      {%- else -%}\n    "
+        "    {{'\\n' + '<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function"
         "']['name'] + '\\n' + '```json' + '\\n' + tool['function']['arguments'] + '\\n' + '```' + '<｜tool"
-        "▁call▁end｜>'}}\n        {%- set ns.is_first = true -%}\n      {%- else -%}\n        {{'\\n' + '<"
-        "｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '```jso"
-        "n' + '\\n' + tool['function']['arguments'] + '\\n' + '```' + '<｜tool▁call▁end｜>'}}\n      {%- en"
-        "dif -%}\n    {%- endfor -%}\n    {{'<｜tool▁calls▁end｜><｜end▁of▁sentence｜>'}}\n  {%- endif -%}\n "
-        " {%- if message['role'] == 'assistant' and message['content'] is not none -%}\n    {%- if ns.is_"
-        "tool -%}{{'<｜tool▁outputs▁end｜>' + message['content'] + '<｜end▁of▁sentence｜>'}}\n      {%- set n"
-        "s.is_tool = false -%}\n    {%- else -%}\n      {%- set content = message['content'] -%}\n      {"
-        "%- if '</think>' in content -%}\n        {%- set content = content.split('</think>')[-1] -%}\n  "
-        "    {%- endif -%}{{'<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>'}}\n    {%- endif -%}\n  {%-"
-        " endif -%}\n  {%- if message['role'] == 'tool' -%}\n    {%- set ns.is_tool = true -%}\n    {%- i"
-        "f ns.is_output_first -%}{{'<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>' + message['content'] + '"
-        "<｜tool▁output▁end｜>'}}\n      {%- set ns.is_output_first = false -%}\n      {%- else -%}{{'\\n<｜"
-        "tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}\n    {%- endif -%}\n  {%- en"
-        "dif -%}\n{%- endfor -%}\n{%- if ns.is_tool -%}{{'<｜tool▁outputs▁end｜>'}}\n{%- endif -%}\n{%- if "
-        "add_generation_prompt and not ns.is_tool -%}{{'<｜Assistant｜><think>\\n'}}\n{%- endif %}"
+        "▁call▁end｜>'}}\n      {%- endif -%}\n    {%- endfor -%}\n    {{'<｜tool▁calls▁end｜><"
+        "｜end▁of▁sentence｜>'}}\n  {%- endif -%}\n  {%- if message['role'] == 'assistant' and messag"
+        "e['content'] is not none -%}\n    {%- if ns.is_tool -%}{{'<｜tool▁outputs▁end｜>' + message["
+        "'content'] + '<｜end▁of▁sentence｜>'}}\n      {%- set ns.is_tool = false -%}\n    {%- else -"
+        "%}\n      {%- set content = message['content'] -%}\n      {%- if '</think>' in content -%}\n      "
+        "  {%- set content = content.split('</think>')[-1] -%}\n      {%- endif -%}{{'<｜Assistant｜>' + "
+        "content + '<｜end▁of▁sentence｜>'}}\n    {%- endif -%}\n  {%- endif -%}\n  {%- if message['r"
+        "ole'] == 'tool' -%}\n    {%- set ns.is_tool = true -%}\n    {%- if ns.is_output_first -%}{{'<｜to"
+        "ol▁outputs▁begin｜><｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output"
+        "▁end｜>'}}\n      {%- set ns.is_output_first = false -%}\n      {%- else -%}{{'\\n<｜tool▁ou"
+        "tput▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}\n    {%- endif -%}\n  {%-"
+        " endif -%}\n{%- endfor -%}\n{%- if ns.is_tool -%}{{'<｜tool▁outputs▁end｜>'}}\n{%- endif -%}"
+        "\n{%- if add_generation_prompt and not ns.is_tool -%}{{'<｜Assistant｜><think>\\n'}}\n{%- endif "
+        '%}'
         , '<｜begin▁of▁sentence｜>', '<｜end▁of▁sentence｜>',
         R1_TOKENS),
     # zai-org/GLM-4.5's, as llama.cpp ships it (ggml-org/llama.cpp models/templates/glm_4_5.jinja at 623f3dd0)
@@ -2587,65 +2591,65 @@ RELEASED_TEMPLATES = {
          '<|media_pad|>', '<|media_end|>', '[EOS]']),
     # HuggingFaceTB/SmolLM3-3B's (huggingface/huggingface.js packages/jinja/test/e2e.test.js at fe42e680)
     'smollm3': (
-        '{# ───── defaults ───── #}\n{%- if enable_thinking is not defined -%}\n{%- set enable_thinking ='
-        ' true -%}\n{%- endif -%}\n\n{# ───── reasoning mode ───── #}\n{%- if enable_thinking -%}\n  {%- '
-        'set reasoning_mode = "/think" -%}\n{%- else -%}\n  {%- set reasoning_mode = "/no_think" -%}\n{%-'
-        ' endif -%}\n\n{# ───── header (system message) ───── #}\n{{- "<|im_start|>system\\n" -}}\n\n{%- '
-        'if messages[0].role == "system" -%}\n  {%- set system_message = messages[0].content -%}\n  {%- i'
-        'f "/no_think" in system_message -%}\n    {%- set reasoning_mode = "/no_think" -%}\n  {%- elif "/'
-        'think" in system_message -%}\n    {%- set reasoning_mode = "/think" -%}\n  {%- endif -%}\n  {%- '
-        'set custom_instructions = system_message.replace("/no_think", "").replace("/think", "").rstrip()'
-        ' -%}\n{%- endif -%}\n\n{%- if "/system_override" in system_message -%}\n  {{- custom_instruction'
-        's.replace("/system_override", "").rstrip() -}}\n  {{- "<|im_end|>\\n" -}}\n{%- else -%}\n  {{- "'
-        '## Metadata\\n\\n" -}}\n  {{- "Knowledge Cutoff Date: June 2025\\n" -}}\n  {%- set today = strft'
-        'ime_now("%d %B %Y") -%}\n  {{- "Today Date: " ~ today ~ "\\n" -}}\n  {{- "Reasoning Mode: " + re'
-        'asoning_mode + "\\n\\n" -}}\n  \n  {{- "## Custom Instructions\\n\\n" -}}\n  {%- if custom_instr'
-        'uctions -%}\n    {{- custom_instructions + "\\n\\n" -}}\n  {%- elif reasoning_mode == "/think" -'
-        '%}\n    {{- "You are a helpful AI assistant named SmolLM, trained by Hugging Face. Your role as '
-        'an assistant involves thoroughly exploring questions through a systematic thinking process befor'
-        'e providing the final precise and accurate solutions. This requires engaging in a comprehensive '
-        'cycle of analysis, summarizing, exploration, reassessment, reflection, backtracking, and iterati'
-        'on to develop well-considered thinking process. Please structure your response into two main sec'
-        'tions: Thought and Solution using the specified format: <think> Thought section </think> Solutio'
-        'n section. In the Thought section, detail your reasoning process in steps. Each step should incl'
-        'ude detailed considerations such as analysing questions, summarizing relevant findings, brainsto'
-        'rming new ideas, verifying the accuracy of the current steps, refining any errors, and revisitin'
-        'g previous steps. In the Solution section, based on various attempts, explorations, and reflecti'
-        'ons from the Thought section, systematically present the final solution that you deem correct. T'
-        'he Solution section should be logical, accurate, and concise and detail necessary steps needed t'
-        'o reach the conclusion.\\n\\n" -}}\n  {%- else -%}\n    {{- "You are a helpful AI assistant name'
-        'd SmolLM, trained by Hugging Face.\\n\\n" -}}\n  {%- endif -%}\n\n  {%- if xml_tools or python_t'
-        'ools or tools -%}\n    {{- "### Tools\\n\\n" -}}\n    {%- if xml_tools or tools -%}\n      {%- i'
-        'f tools -%}\n        {%- set xml_tools = tools -%}\n      {%- endif -%}\n      {%- set ns = name'
-        'space(xml_tool_string="You may call one or more functions to assist with the user query.\\nYou a'
-        're provided with function signatures within <tools></tools> XML tags:\\n\\n<tools>\\n") -%}\n   '
-        '   {%- for tool in xml_tools[:] -%} {# The slicing makes sure that xml_tools is a list #}\n     '
-        '   {%- set ns.xml_tool_string = ns.xml_tool_string ~ (tool | string) ~ "\\n" -%}\n      {%- endf'
-        'or -%}\n      {%- set xml_tool_string = ns.xml_tool_string + "</tools>\\n\\nFor each function ca'
-        'll, return a json object with function name and arguments within <tool_call></tool_call> XML tag'
-        's:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_c'
-        'all>" -%}\n      {{- xml_tool_string -}}\n    {%- endif -%}\n    {%- if python_tools -%}\n      '
-        '{%- set ns = namespace(python_tool_string="When you send a message containing Python code betwee'
-        "n '<code>' and '</code>' tags, it will be executed in a stateful Jupyter notebook environment, a"
-        'nd you will then be given the output to continued reasoning in an agentic loop.\\n\\nYou can use'
-        ' the following tools in your python code like regular functions:\\n<tools>\\n") -%}\n      {%- f'
-        'or tool in python_tools[:] -%} {# The slicing makes sure that python_tools is a list #}\n       '
-        ' {%- set ns.python_tool_string = ns.python_tool_string ~ (tool | string) ~ "\\n" -%}\n      {%- '
-        'endfor -%}\n      {%- set python_tool_string = ns.python_tool_string + "</tools>\\n\\nThe state '
-        'persists between code executions: so variables that you define in one step are still available t'
-        'hereafter." -%}\n      {{- python_tool_string -}}\n    {%- endif -%}\n    {{- "\\n\\n" -}}\n    '
-        '{{- "<|im_end|>\\n" -}}\n  {%- endif -%}\n{%- endif -%}\n{# ───── main loop ───── #}\n{%- for me'
-        'ssage in messages -%}\n    {%- set content = message.content if message.content is string else "'
-        '" -%}\n    {%- if message.role == "user" -%}\n        {{ "<|im_start|>" + message.role + "\\n"  '
-        '+ content + "<|im_end|>\\n" }}\n    {%- elif message.role == "assistant" -%}\n        {% generat'
-        'ion %}\n        {%- if reasoning_mode == "/think" -%}\n            {{ "<|im_start|>assistant\\n"'
-        ' + content.lstrip("\\n") + "<|im_end|>\\n" }}\n        {%- else -%}\n            {{ "<|im_start|'
-        '>assistant\\n" + "<think>\\n\\n</think>\\n" + content.lstrip("\\n") + "<|im_end|>\\n" }}\n      '
-        '  {%- endif -%}\n        {% endgeneration %}\n    {%- elif message.role == "tool" -%}\n    {{ "<'
-        '|im_start|>" + "user\\n"  + content + "<|im_end|>\\n" }}\n    {%- endif -%}\n{%- endfor -%}\n{# '
-        '───── generation prompt ───── #}\n{%- if add_generation_prompt -%}\n    {%- if reasoning_mode =='
-        ' "/think" -%}\n        {{ "<|im_start|>assistant\\n" }}\n    {%- else -%}\n        {{ "<|im_star'
-        't|>assistant\\n" + "<think>\\n\\n</think>\\n"  }}\n    {%- endif -%}\n{%- endif -%}'
+        '{# ───── defaults ───── #}\n{%- if enable_thinking is not defined -%}\n{%- set'
+        ' enable_thinking = true -%}\n{%- endif -%}\n\n{# ───── reasoning mode ───── #}'
+        '\n{%- if enable_thinking -%}\n  {%- set reasoning_mode = "/think" -%}\n{%- else -%}\n  {%- set rea'
+        'soning_mode = "/no_think" -%}\n{%- endif -%}\n\n{# ───── header (system message) ──'
+        '─── #}\n{{- "<|im_start|>system\\n" -}}\n\n{%- if messages[0].role == "system" -%}\n  {%- se'
+        't system_message = messages[0].content -%}\n  {%- if "/no_think" in system_message -%}\n    {%- se'
+        't reasoning_mode = "/no_think" -%}\n  {%- elif "/think" in system_message -%}\n    {%- set reasoni'
+        'ng_mode = "/think" -%}\n  {%- endif -%}\n  {%- set custom_instructions = system_message.replace("/'
+        'no_think", "").replace("/think", "").rstrip() -%}\n{%- endif -%}\n\n{%- if "/system_override" in s'
+        'ystem_message -%}\n  {{- custom_instructions.replace("/system_override", "").rstrip() -}}\n  {{- "'
+        '<|im_end|>\\n" -}}\n{%- else -%}\n  {{- "## Metadata\\n\\n" -}}\n  {{- "Knowledge Cutoff Date: Jun'
+        'e 2025\\n" -}}\n  {%- set today = strftime_now("%d %B %Y") -%}\n  {{- "Today Date: " ~ today ~ "\\'
+        'n" -}}\n  {{- "Reasoning Mode: " + reasoning_mode + "\\n\\n" -}}\n  \n  {{- "## Custom Instruction'
+        's\\n\\n" -}}\n  {%- if custom_instructions -%}\n    {{- custom_instructions + "\\n\\n" -}}\n  {%- '
+        'elif reasoning_mode == "/think" -%}\n    {{- "You are a helpful AI assistant named SmolLM, trained'
+        ' by Hugging Face. Your role as an assistant involves thoroughly exploring questions through a syst'
+        'ematic thinking process before providing the final precise and accurate solutions. This requires e'
+        'ngaging in a comprehensive cycle of analysis, summarizing, exploration, reassessment, reflection, '
+        'backtracking, and iteration to develop well-considered thinking process. Please structure your res'
+        'ponse into two main sections: Thought and Solution using the specified format: <think> Thought sec'
+        'tion </think> Solution section. In the Thought section, detail your reasoning process in steps. Ea'
+        'ch step should include detailed considerations such as analysing questions, summarizing relevant f'
+        'indings, brainstorming new ideas, verifying the accuracy of the current steps, refining any errors'
+        ', and revisiting previous steps. In the Solution section, based on various attempts, explorations,'
+        ' and reflections from the Thought section, systematically present the final solution that you deem'
+        ' correct. The Solution section should be logical, accurate, and concise and detail necessary steps'
+        ' needed to reach the conclusion.\\n\\n" -}}\n  {%- else -%}\n    {{- "You are a helpful AI assista'
+        'nt named SmolLM, trained by Hugging Face.\\n\\n" -}}\n  {%- endif -%}\n\n  {%- if xml_tools or pyt'
+        'hon_tools or tools -%}\n    {{- "### Tools\\n\\n" -}}\n    {%- if xml_tools or tools -%}\n      {%'
+        '- if tools -%}\n        {%- set xml_tools = tools -%}\n      {%- endif -%}\n      {%- set ns = nam'
+        'espace(xml_tool_string="You may call one or more functions to assist with the user query.\\nYou ar'
+        'e provided with function signatures within <tools></tools> XML tags:\\n\\n<tools>\\n") -%}\n      '
+        '{%- for tool in xml_tools[:] -%} {# The slicing makes sure that xml_tools is a list #}\n        {%'
+        '- set ns.xml_tool_string = ns.xml_tool_string ~ (tool | string) ~ "\\n" -%}\n      {%- endfor -%}'
+        '\n      {%- set xml_tool_string = ns.xml_tool_string + "</tools>\\n\\nFor each function call, retu'
+        'rn a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool'
+        '_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call>" -%}\n '
+        '     {{- xml_tool_string -}}\n    {%- endif -%}\n    {%- if python_tools -%}\n      {%- set ns = n'
+        'amespace(python_tool_string="When you send a message containing Python code between \'<code>\' and'
+        " '</code>' tags, it will be executed in a stateful Jupyter notebook environment, and you will then"
+        ' be given the output to continued reasoning in an agentic loop.\\n\\nYou can use the following too'
+        'ls in your python code like regular functions:\\n<tools>\\n") -%}\n      {%- for tool in python_to'
+        'ols[:] -%} {# The slicing makes sure that python_tools is a list #}\n        {%- set ns.python_too'
+        'l_string = ns.python_tool_string ~ (tool | string) ~ "\\n" -%}\n      {%- endfor -%}\n      {%- se'
+        't python_tool_string = ns.python_tool_string + "</tools>\\n\\nThe state persists between code exec'
+        'utions: so variables that you define in one step are still available thereafter." -%}\n      {{- p'
+        'ython_tool_string -}}\n    {%- endif -%}\n    {{- "\\n\\n" -}}\n    {{- "<|im_end|>\\n" -}}\n  {%-'
+        ' endif -%}\n{%- endif -%}\n{# ───── main loop ───── #}\n{%- for message in mes'
+        'sages -%}\n    {%- set content = message.content if message.content is string else "" -%}\n    {%-'
+        ' if message.role == "user" -%}\n        {{ "<|im_start|>" + message.role + "\\n"  + content + "<|i'
+        'm_end|>\\n" }}\n    {%- elif message.role == "assistant" -%}\n        {% generation %}\n        {%'
+        '- if reasoning_mode == "/think" -%}\n            {{ "<|im_start|>assistant\\n" + content.lstrip("'
+        '\\n") + "<|im_end|>\\n" }}\n        {%- else -%}\n            {{ "<|im_start|>assistant\\n" + "<th'
+        'ink>\\n\\n</think>\\n" + content.lstrip("\\n") + "<|im_end|>\\n" }}\n        {%- endif -%}\n      '
+        '  {% endgeneration %}\n    {%- elif message.role == "tool" -%}\n    {{ "<|im_start|>" + "user\\n" '
+        ' + content + "<|im_end|>\\n" }}\n    {%- endif -%}\n{%- endfor -%}\n{# ───── generation '
+        'prompt ───── #}\n{%- if add_generation_prompt -%}\n    {%- if reasoning_mode == "/think"'
+        ' -%}\n        {{ "<|im_start|>assistant\\n" }}\n    {%- else -%}\n        {{ "<|im_start|>assistan'
+        't\\n" + "<think>\\n\\n</think>\\n"  }}\n    {%- endif -%}\n{%- endif -%}'
         , None, '<|im_end|>',
         ['<|im_start|>', '<|im_end|>', '<think>', '</think>']),
     # ibm-granite/granite-3.2-8b-instruct's
