@@ -6374,6 +6374,19 @@ def test_node_ids_are_the_repositorys_however_a_run_names_its_files(tmp_path):
         {"tests/test_x.py::test_a"}
 
 
+def test_a_test_that_patches_json_leaves_the_report_whole(tmp_path):
+    """A test whose fixture patches json.dumps until its teardown (radon's, with pytest-mock's mocker) does not
+    break the verifier's report: the reporter bound json.dumps when it loaded. Before, the report of the
+    test's call raised inside pytest, the session never finished, and every gold of the package scored 0."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests/test_j.py").write_text(
+        "from unittest import mock\nimport pytest\n\n\n@pytest.fixture\ndef patched():\n"
+        "    with mock.patch('json.dumps'):\n        yield\n\n\ndef test_a(patched):\n    pass\n\n\n"
+        "def test_b():\n    pass\n")
+    r = tasks.Sandbox(timeout=60, isolate=not harness.sandbox.sandbox_problem()).pytest(tmp_path)
+    assert r.end == 0 and r.passed == {"tests/test_j.py::test_a", "tests/test_j.py::test_b"}, r.out[-2000:]
+
+
 def test_a_test_that_never_ends_fails_alone(tmp_path):
     """A test that never ends (a wait on a flag nobody sets, a blocking accept) fails after a fifth of the run's
     timeout and the run goes on: a repository with one hanging test keeps the rest of its suite (cheroot's TLS

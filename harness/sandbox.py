@@ -428,6 +428,7 @@ class Reporter:
 
     def __init__(self, fd, select, limit):
         self.out = os.fdopen(int(fd), "w", buffering=1) if fd else None
+        self.dumps = json.dumps  # bound now: a test may patch json.dumps (radon's: a MagicMock while it runs)
         self.select = set(json.loads(open(select).read())) if select else None
         self.limit = float(limit or 0)
 
@@ -472,11 +473,11 @@ class Reporter:
 
     def pytest_runtest_logreport(self, report):
         if self.out:
-            self.out.write(json.dumps([report.nodeid, report.when, report.outcome]) + "\n")
+            self.out.write(self.dumps([report.nodeid, report.when, report.outcome]) + "\n")
 
     def pytest_sessionfinish(self, session, exitstatus):
         if self.out:
-            self.out.write(json.dumps(["<end>", "", int(exitstatus)]) + "\n")
+            self.out.write(self.dumps(["<end>", "", int(exitstatus)]) + "\n")
 
 
 REPORTER = f"""import json, os, signal, sys, threading
