@@ -806,7 +806,9 @@ def protected_paths(root, need=()):
     return out
 
 
-BINDS_AT_MOST = 5000  # read-only binds of single files a run gets; past that, whole folders
+# read-only binds of single files a run gets; past that, whole folders (bubblewrap takes at most 9000
+# arguments, 3 a bind: Pygments' 3,000-odd test files made every run of its suite fail to start)
+BINDS_AT_MOST = 2500
 
 
 def add_canaries(work, need):

@@ -6387,6 +6387,19 @@ def test_a_test_that_patches_json_leaves_the_report_whole(tmp_path):
     assert r.end == 0 and r.passed == {"tests/test_j.py::test_a", "tests/test_j.py::test_b"}, r.out[-2000:]
 
 
+@sandboxed
+def test_a_suite_with_thousands_of_test_files_runs_in_the_sandbox(tmp_path):
+    """A repository with more test files than bubblewrap has arguments for, one read-only bind each (3 a bind,
+    9000 at most: Pygments' example files), runs with its test folders bound whole, read-only."""
+    (tmp_path / "tests/data").mkdir(parents=True)
+    for i in range(3200):
+        (tmp_path / f"tests/data/f{i}.txt").write_text("x")
+    (tmp_path / "tests/test_a.py").write_text("def test_a():\n    pass\n")
+    paths = tasks.protected_paths(tmp_path)
+    r = tasks.Sandbox(timeout=60).pytest(tmp_path, readonly=paths)
+    assert len(paths) < 3000 and r.passed == {"tests/test_a.py::test_a"}, r.out[-500:]
+
+
 def test_a_test_that_never_ends_fails_alone(tmp_path):
     """A test that never ends (a wait on a flag nobody sets, a blocking accept) fails after a fifth of the run's
     timeout and the run goes on: a repository with one hanging test keeps the rest of its suite (cheroot's TLS
