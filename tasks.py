@@ -789,11 +789,13 @@ def mend_edits(src, names, modules=(), package="", was=None):
 def protected_paths(root, need=()):
     """The files of the tests (all of a test folder's), the configuration files and the files of required
     tests (documentation with doctests) in root: a run may read them, not change them. The folders stay
-    writable, since many suites write output beside their tests (xlwt's tests/output/); a tree with more
-    than BINDS_AT_MOST such files gets its outermost test folders read-only instead."""
+    writable, since many suites write output beside their tests (xlwt's tests/output/); a tree whose binds
+    would take more than BIND_ARGS_AT_MOST of bubblewrap's arguments (3 a file, 4 a folder it makes for them)
+    gets its outermost test folders read-only instead."""
     tested = {t.split("::")[0] for t in need}
     files = [Path(root, rel) for rel in walk(root) if is_protected(rel) or rel in tested]
-    if len(files) <= BINDS_AT_MOST:
+    folders = {d for f in files for d in f.relative_to(root).parents[:-1]}
+    if 3 * len(files) + 4 * len(folders) <= BIND_ARGS_AT_MOST:
         return files
     out = []
     for rel in walk(root):
@@ -806,9 +808,10 @@ def protected_paths(root, need=()):
     return out
 
 
-# read-only binds of single files a run gets; past that, whole folders (bubblewrap takes at most 9000
-# arguments, 3 a bind: Pygments' 3,000-odd test files made every run of its suite fail to start)
-BINDS_AT_MOST = 2500
+# bubblewrap's arguments a run's read-only binds of single files may take; past that, whole folders
+# (bubblewrap takes at most 9000 in all: Pygments' 2,363 test files in 600-odd folders made every run of its
+# suite fail to start)
+BIND_ARGS_AT_MOST = 7500
 
 
 def add_canaries(work, need):
