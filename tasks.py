@@ -644,6 +644,10 @@ def serving(task, min_strength=MIN_STRENGTH):
     elif not oracle.get("covered"):
         why.append(f"its oracle has fewer than {HELD_OUT_AT_LEAST} held-out inputs on a feature"
                    + "".join(f"; {w}" for w in oracle.get("why", [])))
+    again = task.get("verified_again")  # a survey's second verify: a gold or a snapshot that changed its mind
+    if again and (again["gold"], again["untouched"]) != (1, 0):
+        why.append(f"verified again, its gold scored {again['gold']} and its untouched snapshot "
+                   f"{again['untouched']} (1 and 0 expected)")
     if strong is None:
         why.append("its strength was never measured (tasks.py strength)")
     elif strong["score"] < min_strength:
@@ -1877,10 +1881,15 @@ def strength(task_dir, k=STRENGTH_K, box=None, seed=0, jobs=2, gold_s=None):
             per[c[0]] += 1
         task["oracle"].update(held_out=task["oracle"]["held_out"] + len(added), covered=task["oracle"][
             "covered"] or all(x >= HELD_OUT_AT_LEAST for x in per))
-    temp = task_dir / f".task.json.{secrets.token_hex(4)}"
-    temp.write_text(json.dumps(task, indent=1))
-    os.replace(temp, task_dir / "task.json")  # a reader sees the old task.json or the new, never half of one
+    write_task(task_dir, task)
     return result
+
+
+def write_task(task_dir, task):
+    """task.json replaced whole: a reader sees the old one or the new, never half of one."""
+    temp = Path(task_dir) / f".task.json.{secrets.token_hex(4)}"
+    temp.write_text(json.dumps(task, indent=1))
+    os.replace(temp, Path(task_dir) / "task.json")
 
 
 WIDER_AT_MOST = 400  # inputs of the wider set that tells a surviving mutant apart from the gold
@@ -3642,6 +3651,9 @@ def survey_one(spec, root, n, timeout, isolate):
                     reward, why = verify(tdir, box=box, **kw)
                     row[key].append(reward)
                     log(f"verify {key} {t['id']}: reward {reward}: {why}")
+                # kept with the task: one whose gold fails a second verify is not served
+                again = {"gold": row["gold"][-1], "untouched": row["untouched"][-1]}
+                write_task(tdir, {**json.loads((tdir / "task.json").read_text()), "verified_again": again})
                 st = t.get("strength", {})
                 row["strength"].append([st.get("score_tests"), st.get("score")])
             row["served"] = len(served(d / "tasks")) if made else 0

@@ -5065,8 +5065,12 @@ def test_strength_counts_the_gold_mutants_the_tests_and_the_oracle_kill(made, tm
     assert 'raise IndexError("pop from an empty Stack")` -> `pass`' in survivor["mutant"]
     assert survivor["diff"].startswith("--- a/calc/core.py\n+++ b/calc/core.py\n@@ ")
     assert [line[0] for line in survivor["diff"].splitlines()[3:] if line[:1] in "-+"] == ["-", "+"]
-    # served: covered and measured at or above the bar
+    # served: covered and measured at or above the bar; not where a survey's second verify failed its gold
     assert tasks.served(tmp_path) == [d, pop] and tasks.served(tmp_path, min_strength=1.01) == []
+    tasks.write_task(pop, {**json.loads((pop / "task.json").read_text()),
+                           "verified_again": {"gold": 0, "untouched": 0}})
+    assert tasks.served(tmp_path) == [d] and tasks.serving(json.loads((pop / "task.json").read_text())) == [
+        "verified again, its gold scored 0 and its untouched snapshot 0 (1 and 0 expected)"]
     # bad input: one line, exit 2
     here = Path(tasks.__file__)
     for args in [["strength", str(tmp_path / "nope")], ["strength", str(d), "--k", "0"]]:
