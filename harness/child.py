@@ -210,11 +210,11 @@ def restore(obj, state):
     elif isinstance(obj, type):
         for k, v in state.items():
             setattr(obj, k, v)
-    elif isinstance(state, tuple):  # (attributes, slots)
+    elif isinstance(state, tuple):  # (attributes, slots), as pickle's
         attrs, slots = state
         if attrs:
             vars(obj).update(attrs)
-        for k, v in slots.items():
+        for k, v in (slots or {}).items():
             object.__setattr__(obj, k, v)
     else:
         vars(obj).update(state)
@@ -227,10 +227,7 @@ def refill(obj, state_items):
     if getattr(type(obj), "__setstate__", None) is not None:
         type(obj).__setstate__(obj, state)
     elif state is not None:
-        state, slots = state if isinstance(state, tuple) and len(state) == 2 else (state, None)
-        vars(obj).update(state or {})
-        for k, v in (slots or {}).items():
-            setattr(obj, k, v)
+        restore(obj, state if isinstance(state, tuple) else (state, None))
     (dict.update if isinstance(obj, dict) else list.extend)(obj, items)
 
 
@@ -286,8 +283,8 @@ def event_loop():
     return home.loop
 
 
-# what a pickle of Copier's names these by, in the recorder and in the oracle's child alike
-# what unpickling a copy calls: the copy module's, sent as source with Copier to the recorder and the child
+# what unpickling a copy calls, by the names a pickle of Copier's gives them: the copy module's, sent as source
+# with Copier to the recorder and the oracle's child alike
 HELPERS = (restore, refill, element, reopen, Held, rematch, database, event_loop)
 COPY_MODULE = "\n".join([*map(inspect.getsource, (Copier, nested_codes, slot_values, *HELPERS)), f"""
 sys.modules["_featdel_copy"] = types.ModuleType("_featdel_copy")
@@ -297,7 +294,7 @@ for f in ({", ".join(f.__name__ for f in HELPERS)}):
 """])
 
 
-# What the child runs: `python -I -c ORACLE_CHILD MODE ROOT INPUTS FD`, in the sandbox, the solution's (or at
+# What the child runs: `python -s -c ORACLE_CHILD MODE ROOT INPUTS FD`, in the sandbox, the solution's (or at
 # make time the gold's) packages under ROOT. MODE "run": one line [k, encoding] per call to FD; MODE
 # "mutate": lines [feature, base64 pickle] of held-out inputs; both with the clock at CLOCK_AT. Its
 # functions are plain code here, sent as source.
