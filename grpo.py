@@ -88,7 +88,7 @@ class Segment:
 class Trajectory:
     segments: list
     reward: float = 0.0
-    turns: list = field(default_factory=list)  # (role, text), what feedback rules read
+    turns: list = field(default_factory=list)  # (role, text) as the environment read them: feedback's rules
     env: object = None
     prompt: list = field(default_factory=list)  # the first segment's opening tokens, where a summary restarts
     written: int = 0  # policy tokens so far
@@ -408,6 +408,14 @@ def finish_turns(tok, t):
     t.retokenized = sum(retokenized(s.tokens, tok.at_once(s)) for s in t.segments)
 
 
+def env_text(tok, env, text):
+    """A reply as its environment reads it: a call in the model's own format (a chat template's, tok.call) as
+    the environment's text call, any other reply as the template shows it (a reasoning model's, without its
+    thinking)."""
+    call = tok.call(text) if hasattr(env, "text_call") else None
+    return env.text_call(*call) if call else tok.shown(text)
+
+
 def rollout(policy, envs, cfg, gen, sharded=False):
     """Run one episode per env, all batched, until each ends or writes max_gen_tokens. -> [Trajectory]
     With cfg.sampler_bits the policy samples with its fake-quantised Weights loaded. sharded: the policy is
@@ -420,7 +428,7 @@ def rollout(policy, envs, cfg, gen, sharded=False):
         trajs = []
         for env in envs:  # a segment's turns since its last reply wait: the tokens they add are taken with
             # what follows them (the next reply's generation prompt, or the end), as the template renders both
-            t = Trajectory([Segment(messages=list(env.first_turns()))], env=env)
+            t = Trajectory([Segment(messages=[*tok.declare(env), *env.first_turns()])], env=env)
             t.turns, t.prompt = list(t.segments[0].messages), tok.delta([], t.segments[0].messages)
             trajs.append(t)
         # one cache row a live trajectory, kept across its messages: each message prefills only what came
@@ -450,7 +458,7 @@ def rollout(policy, envs, cfg, gen, sharded=False):
                     cache.reset(row)
                     t.done = t.written >= cfg.max_gen_tokens
                     continue
-                t.turns.append(("assistant", text))
+                t.turns.append(("assistant", env_text(tok, t.env, text)))  # as the environment reads it
                 t.spans.append((len(t.segments) - 1, start, start + len(ids)))
                 stepping.append(t)
             # the environments answer side by side (a coding episode's test run waits on a subprocess)

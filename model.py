@@ -121,6 +121,15 @@ class ByteTokenizer:
         ended: its last sampled token is `end`): (the ids to add, the text they close the reply with)."""
         return ([] if ended else [self.end]), "<|end|>"
 
+    def declare(self, env):  # tools are named in the opening's text
+        return []
+
+    def call(self, text):  # calls are text: `call name(args)`
+        return None
+
+    def shown(self, text):  # a reply is all the environment's to read
+        return text
+
     def rendered(self, messages, prompt=False):
         """The whole conversation's ids at once: what the ids built turn by turn must equal."""
         return self.delta([], messages, prompt)
@@ -1256,6 +1265,109 @@ def article(role):
     return ("an " if role == "assistant" else "a ") + role
 
 
+# -----------------------------------------------------------------------------
+# Tool calls in a model's own format: where a template renders an assistant's `tool_calls`, the policy writes
+# a call as the template writes one (Qwen's <tool_call>{"name": ..., "arguments": {...}}</tool_call>,
+# DeepSeek's, GLM's key and value pairs), the rollout parses it back into (name, arguments) for the
+# environment, and the conversation gives the template the call as a structured `tool_calls` entry, the
+# environment's tools as its `tools` (as vLLM serves such a model).
+
+NAME = r"(?P<name>[A-Za-z_]\w{0,63})"  # a tool's name in a call
+PROBE_NAME, PROBE_ARGS = "QqNAMEqQ", {"QqKEYqQ": "QqVALqQ", "QqK2qQ": "QqV2qQ"}  # markers any template keeps
+PROBE_TOOLS = [{"type": "function", "function": {"name": PROBE_NAME, "description": "QqDOCqQ", "parameters": {
+    "type": "object", "properties": {k: {"type": "string"} for k in PROBE_ARGS}, "required": []}}}]
+# a call's id as templates want it (the id, its pattern): 9 letters or digits (Mistral's), or
+# "functions.NAME:N" (Kimi's, whose template writes the name only there)
+CALL_IDS = ((lambda name, n: f"{n:09d}", "[A-Za-z0-9]{9}"),
+            (lambda name, n: f"functions.{name}:{n}", rf"functions\.{NAME}:\d+"))
+
+
+class CallFormat:
+    """How a chat template writes one tool call, read off its rendering of a call with marker texts (`text`):
+    a pattern where the markers were (the name; the arguments as a JSON object, or as key and value pairs
+    between the texts the template puts around each; the id) and literal text elsewhere. how: how the
+    template takes a call (call_message's); answer: the role of the call's output."""
+
+    def __init__(self, text, how, answer):
+        self.how, self.answer, self.pair = how, answer, None
+        make_id, id_pattern = CALL_IDS[how[0]]
+        spans = self.arguments(text)  # [(start, end, pattern)] of the arguments, then the id and the name
+        if spans is None:
+            raise ValueError("the template writes a call's arguments neither as JSON nor as pairs")
+        free = lambda m: not any(a < m.end() and m.start() < b for a, b, _ in spans)
+        for mark, pattern in ((make_id(PROBE_NAME, 0), id_pattern), (PROBE_NAME, NAME)):  # the id first (it
+            # may hold the name), then the name where no other part holds it
+            spans += [(m.start(), m.end(), pattern) for m in re.finditer(re.escape(mark), text) if free(m)]
+        spans, named = sorted(spans), False  # the name's first place captures it, the others repeat it
+        for i, (a, b, pattern) in enumerate(spans):
+            spans[i] = (a, b, pattern.replace(NAME, "(?P=name)") if named else pattern)
+            named = named or NAME in pattern
+        if not named:
+            raise ValueError("the template writes no call's name")
+        out, at = "", 0
+        for a, b, pattern in spans:
+            out, at = out + re.escape(text[at:a]) + pattern, b
+        self.pattern, self.opens = re.compile(out + re.escape(text[at:]), re.S), text[:spans[0][0]]
+        if self.parse(text) != (PROBE_NAME, PROBE_ARGS, ""):
+            raise ValueError("the template's call does not read back")
+
+    def arguments(self, text):
+        """Where the probe's arguments lie in text, as a JSON object, or as key and value pairs (the text
+        before a key, between a key and its value, after a value: GLM's <arg_key>k</arg_key>...)."""
+        decoder = json.JSONDecoder()
+        for m in re.finditer(r"\{", text):
+            try:
+                value, end = decoder.raw_decode(text, m.start())
+            except ValueError:
+                continue
+            if value == PROBE_ARGS:
+                return [(m.start(), end, r"(?P<args>\{.*\})")]
+        (k1, v1), (k2, v2) = PROBE_ARGS.items()
+        at = [text.find(x) for x in (k1, v1, k2, v2)]
+        if -1 in at or at != sorted(at):
+            return None
+        ends = [a + len(x) for a, x in zip(at, (k1, v1, k2, v2))]
+        mid, between, head, tail = text[ends[0]:at[1]], text[ends[1]:at[2]], text[:at[0]], text[ends[3]:]
+        pre = between[len(between) - len(os.path.commonprefix([between[::-1], head[::-1]])):]
+        post = between[:len(between) - len(pre)]
+        if mid != text[ends[2]:at[3]] or not tail.startswith(post) or not pre + mid + post:
+            return None
+        self.pair = re.compile(f"{re.escape(pre)}(.*?){re.escape(mid)}(.*?){re.escape(post)}", re.S)
+        return [(at[0] - len(pre), ends[3] + len(post), "(?P<args>.*)")]  # pairs read by parse
+
+    def parse(self, text):
+        """A reply that ends in one call in this format -> (name, arguments, the text before the call), else
+        None (a reply in any other words is text for the environment). The call is looked for from the last
+        place its opening text appears (one pattern match a place: time linear in the reply's length each)."""
+        starts = [i for i in range(len(text)) if text.startswith(self.opens, i)]
+        for start in reversed(starts):
+            m = self.pattern.match(text, start)
+            if m is None or text[m.end():].strip():
+                continue
+            if self.pair is None:
+                try:
+                    args = json.loads(m["args"])
+                except ValueError:
+                    continue
+            else:  # key and value pairs, one after another, nothing else
+                pairs = list(self.pair.finditer(m["args"]))
+                args = {p[1]: p[2] for p in pairs} if "".join(p[0] for p in pairs) == m["args"] else None
+            if isinstance(args, dict):
+                return m["name"], args, text[:start]
+        return None
+
+
+def call_message(how, content, name, args, n):
+    """The assistant turn a template is given for the n-th call of a conversation. how: (the id's form in
+    CALL_IDS, whether the arguments are JSON text rather than an object, the content where there is none: ""
+    or None, no content at all)."""
+    ident, as_json, empty = how
+    call = {"type": "function", "id": CALL_IDS[ident][0](name, n),
+            "function": {"name": name, "arguments": json.dumps(args) if as_json else args}}
+    content = content.rstrip() or empty  # None: no content, as transformers drops a key whose value is None
+    return {"role": "assistant", **({} if content is None else {"content": content}), "tool_calls": [call]}
+
+
 class HFTokenizer(ByteTokenizer):
     """A released model's tokenizer, read from its checkpoint folder: tokenizer.json (through the
     `tokenizers` package) and the chat template of tokenizer_config.json (or chat_template.jinja), rendered
@@ -1295,10 +1407,13 @@ class HFTokenizer(ByteTokenizer):
                                  f"vocab_size is {vocab_size}: the tokenizer is not this model's")
         token = lambda k: config[k].get("content") if isinstance(config.get(k), dict) else config.get(k)
         self.template, self.where = chat_template(template, folder), folder
+        self.thinks = "</think>" in template  # a reasoning template: a reply's thinking is the model's own
         self.tokens = {**(kwargs or {}), **{k: token(k) for k in ("bos_token", "eos_token")}}
         added = self.fast.get_added_tokens_decoder()  # {id: AddedToken}
         self.specials = {i for i, t in added.items() if t.special}
+        self.calls = None  # tool calls as text until the probe finds the template's own format
         self.end = self.probe()
+        self.calls = self.call_format()
         pad = token("pad_token") or token("eos_token")
         self.pad = self.fast.token_to_id(pad) if pad and self.fast.token_to_id(pad) is not None else self.end
 
@@ -1312,7 +1427,10 @@ class HFTokenizer(ByteTokenizer):
         """The conversation as the template is given it, in the turns the probe chose: after the opening (the
         system turns and the first user turn) each role as `roles` maps it, an opening system turn as
         `opening`, a summary (a reply that another reply follows) as `restart`, and where `join`, turns of
-        one role in a row as one turn. -> [{"role", "content"}]"""
+        one role in a row as one turn; a reply that is a call in the template's format as its `tool_calls`,
+        the tool's output after it with the call's id and name. A ("tools", JSON) turn is the template's
+        `tools` (render's), no turn. -> [{"role", "content", ...}]"""
+        messages = [m for m in messages if m[0] != "tools"]
         first = next((i for i, (role, _) in enumerate(messages) if role != "system"), len(messages))
         msgs: list[dict] = []
         for i, (role, text) in enumerate(messages):
@@ -1320,22 +1438,83 @@ class HFTokenizer(ByteTokenizer):
             follows = messages[i + 1][0] if i + 1 < len(messages) else "assistant" if prompt else None
             if role == "assistant" == follows:
                 role = self.restart
-            if self.join and msgs and msgs[-1]["role"] == role != "assistant":
+            call = self.calls.parse(text) if self.calls and role == "assistant" else None
+            if call:
+                n = sum("tool_calls" in m for m in msgs)  # the conversation's calls so far
+                msgs.append(call_message(self.calls.how, call[2], *call[:2], n))
+            elif messages[i][0] == "tool" and self.calls and msgs and "tool_calls" in msgs[-1]:
+                called = msgs[-1]["tool_calls"][0]
+                msgs.append({"role": self.calls.answer, "content": text, "tool_call_id": called["id"],
+                             "name": called["function"]["name"]})
+            elif self.join and msgs and msgs[-1]["role"] == role != "assistant":
                 msgs[-1]["content"] += "\n\n" + text
             else:
                 msgs.append({"role": role, "content": text})
         return msgs
 
     def render(self, messages, prompt=False):
-        """The template's text of a conversation (chat's turns); TokenizerError where it refuses them."""
+        """The template's text of a conversation (chat's turns, a ("tools", JSON) turn's tools)."""
+        tools = next((json.loads(text) for role, text in messages if role == "tools"), None)
+        return self.fill(self.chat(messages, prompt), tools, prompt)
+
+    def fill(self, msgs, tools=None, prompt=False):
+        """The template rendered on messages as transformers renders it; TokenizerError where it refuses."""
         import jinja2
-        msgs = self.chat(messages, prompt)
         try:
-            return self.template.render(messages=msgs, tools=None, documents=None,  # as transformers does
+            return self.template.render(messages=msgs, tools=tools, documents=None,
                                         add_generation_prompt=prompt, **self.tokens)
-        except (jinja2.TemplateError, TypeError, KeyError, IndexError) as e:
+        except (jinja2.TemplateError, TypeError, KeyError, IndexError, AttributeError) as e:
             raise TokenizerError(f"{self.where}: the chat template refuses the conversation "
                                  f"{[m['role'] for m in msgs]} ({e})") from None
+
+    def declare(self, env):
+        """The turns that declare an environment's tools ([("tools", JSON)]), where calls are in the
+        template's format."""
+        return [("tools", json.dumps(env.declared()))] if self.calls and hasattr(env, "declared") else []
+
+    def call(self, text):
+        """A reply that is a call in the template's own format -> (name, arguments), else None."""
+        call = self.calls.parse(text) if self.calls else None
+        return call and call[:2]
+
+    def shown(self, text):
+        """A reply as the model's user (the environment) reads it: where the template writes thinking blocks,
+        the text after the last one's end, as a server's reasoning parser splits a reply."""
+        return text.rsplit("</think>", 1)[-1].lstrip("\n") if self.thinks else text
+
+    def call_format(self):
+        """How the template writes an assistant's tool call (CallFormat), tried in each way templates take one
+        (the id's form, the arguments as an object or as JSON text, no content as "" or none, the call's
+        output in the template's tool turn or the turn the probe mapped tool outputs to). None where it writes
+        no call, or cannot hold an episode of calls (a call, its output, a user turn, a call, its output, a
+        hint; a summary restart's call): a call is text then, `call name(args)`."""
+        ways = itertools.product(range(len(CALL_IDS)), (False, True), ("", None))
+        for how, answer in itertools.product(ways, dict.fromkeys(("tool", self.roles["tool"]))):
+            try:
+                text = self.written_call(PROBE_NAME, PROBE_ARGS, how)
+                self.calls = CallFormat(text, how, answer)
+                a, u, tools = ("assistant", text), ("user", "QqUSER1qQ"), ("tools", json.dumps(PROBE_TOOLS))
+                t0, t1 = ("tool", "QqTOOL0qQ"), ("tool", "QqTOOL1qQ")
+                hint, summary = ("system", "QqHINTqQ"), ("assistant", "QqSUMMARYqQ")
+                for episode in ([u, a, t0, u, a, t1, hint], [u, summary, a, t0]):
+                    rendered = self.render([tools, *episode], True)
+                    if rendered.count(PROBE_NAME) < episode.count(a) or "QqTOOL0qQ" not in rendered:
+                        raise ValueError("the template drops a call of the episode")
+                return self.calls
+            except (TokenizerError, ValueError):
+                self.calls = None
+        return None
+
+    def written_call(self, name, args, how=None):
+        """The text of a call as the template writes it in a reply: what the call adds to a reply with no
+        content, between what precedes a reply and what closes one (or the end token a reply stops on)."""
+        user = {"role": "user", "content": "QqUSERqQ"}
+        head, closing = self.fill([user, {"role": "assistant", "content": "QqREPLYqQ"}], PROBE_TOOLS).split(
+            "QqREPLYqQ")
+        called = self.fill([user, call_message(how or self.calls.how, "", name, args, 0)], PROBE_TOOLS)
+        start = len(self.common([head, called]))
+        text = called[start:len(called) - len(self.common([closing, called[start:]], last=True))]
+        return text.split(self.mark, 1)[0]  # a reply stops on its end token
 
     def added(self, before, after):
         """What the rendering `after` adds to the rendering `before`: the text after their common start (all
@@ -1349,12 +1528,14 @@ class HFTokenizer(ByteTokenizer):
     def at_once(self, seg):
         return self.encode(seg.text)
 
-    def common(self, texts):
-        """The longest common start of texts that ends where their tokens do (never in a special token)."""
-        start = os.path.commonprefix(texts)
-        while start and any(self.encode(x)[:len(self.encode(start))] != self.encode(start) for x in texts):
-            start = start[:-1]
-        return start
+    def common(self, texts, last=False):
+        """The longest common start (last: end) of texts that ends (starts) where their tokens do (never in a
+        special token)."""
+        both = os.path.commonprefix([x[::-1] for x in texts])[::-1] if last else os.path.commonprefix(texts)
+        part = lambda ids, n: ids[len(ids) - n:] if last else ids[:n]
+        while both and any(part(self.encode(x), len(self.encode(both))) != self.encode(both) for x in texts):
+            both = both[1:] if last else both[:-1]
+        return both
 
     def closing(self, seen, messages, text, ended):
         # after the reply as the policy saw and wrote it: what the template writes there both where the
@@ -1438,7 +1619,8 @@ class HFTokenizer(ByteTokenizer):
         said += ["an opening system turn as a user turn"] * (self.opening != "system")
         said += ["a summary as a user turn"] * (self.restart != "assistant")
         said += ["turns of one role in a row joined"] * self.join
-        return "; ".join(said) or "every turn in its own role"
+        return ("; ".join(said) or "every turn in its own role") + \
+            ("; tool calls in the template's own format" if self.calls else "; tool calls as text")
 
     def replies(self, messages):
         """Refuses a template that has no place for a reply after messages. One that writes text of its own

@@ -2366,11 +2366,40 @@ class Env(Protocol):
     def first_turns(self) -> list[Turn]: ...
     def step(self, assistant_text: str) -> tuple[Optional[str], bool]: ...  # (reply or None, done)
     def reward(self) -> float: ...
+    # and, to take calls in a model's own format: declared() -> [tool schema];
+    # text_call(name, arguments) -> the text call
 
 
 def render(turns: list[Turn]) -> str:
     # The exact strings of model.SPECIALS; the tokenizer maps each to a single token.
     return "".join(f"<|{role}|>{text}<|end|>" for role, text in turns)
+
+
+# A released model whose chat template has a tool-call format of its own writes its calls in that format
+# (model.CallFormat); rollout hands the environment the call's (name, arguments), which the environment reads
+# as its text call. An environment declares its tools as such templates take them (OpenAI function schemas),
+# the parameters in the order its text call takes them; `lines` is the text below the call (replace, insert).
+
+
+def declaration(name, doc, **params):
+    """A tool as a chat template's `tools` lists it. params: name -> (JSON type, description); a parameter
+    whose description says "(optional)" may be left out."""
+    return {"type": "function", "function": {"name": name, "description": doc, "parameters": {
+        "type": "object", "properties": {p: {"type": t, "description": d} for p, (t, d) in params.items()},
+        "required": [p for p, (_, d) in params.items() if "(optional)" not in d]}}}
+
+
+def text_call(declared, name, arguments):
+    """A call in a model's own format as the text call an environment reads: `call name(v1,v2)`, the values in
+    the declared order (then any others), a `lines` value below the call. Any names and values: what they
+    spell gets the environment's usual answer (an error for a malformed call)."""
+    order = next((list(d["function"]["parameters"]["properties"]) for d in declared
+                  if d["function"]["name"] == name), [])
+    args = {str(k): v for k, v in arguments.items()}
+    lines = args.pop("lines", None)
+    values = [args.pop(p) for p in order if p in args] + list(args.values())
+    call = f"call {name}({','.join(map(str, values))})"
+    return call if lines is None else f"{call}\n{lines}"
 
 
 # -----------------------------------------------------------------------------
@@ -2385,6 +2414,20 @@ def render(turns: list[Turn]) -> str:
 # flags the trajectory. Replies are cut to a budget a small model's context holds.
 
 CODE_TOOLS = ["ls", "read", "grep", "replace", "insert", "test", "submit"]
+PATH, LINES = ("string", "a file's path in the repository"), ("string", "the new lines")
+CODE_DECLARED = {d["function"]["name"]: d for d in (
+    declaration("ls", "list the repository's files"),
+    declaration("read", "a file's lines, numbered", path=PATH, first=("integer", "first line (optional)"),
+                last=("integer", "last line (optional)")),
+    declaration("grep", "the lines of every file that hold the text", text=("string", "the text")),
+    declaration("replace", "replace lines first to last of a file with new lines", path=PATH,
+                first=("integer", "first line"), last=("integer", "last line"), lines=LINES),
+    declaration("insert", "insert new lines after a line of a file (0: at its top, or a new file)", path=PATH,
+                line=("integer", "the line they follow"), lines=LINES),
+    declaration("test", "run tests: the task's, or those named",
+                targets=("string", "test files or node ids, comma-separated (optional)")),
+    declaration("delete", "delete a file", path=PATH),
+    declaration("submit", "end the episode: the tree as it is now is the solution"))}
 # the call on the first line; replace and insert take the new lines below it
 CODE_CALL = re.compile(r"([Cc])all ([a-z_]{1,16})\(([^()\n]{0,256})\)(?:\n(.*))?", re.S)
 CODE_MALFORMED = "error: malformed call. use: call TOOL(ARGS), new lines below a replace or an insert"
@@ -2458,6 +2501,13 @@ class CodeEnv:
 
     def first_turns(self) -> list[Turn]:
         return [("user", opening(self.task))]
+
+    def declared(self):
+        """The tools as a chat template's `tools` lists them."""
+        return [CODE_DECLARED[name] for name in self.tools]
+
+    def text_call(self, name, arguments):
+        return text_call(self.declared(), name, arguments)
 
     def __getstate__(self):  # to a trainer: the outcome, not the pool
         self.reward()
@@ -3318,6 +3368,8 @@ class TaskPool:
 
 TOOLS = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
          "max": max, "min": min, "mod": lambda a, b: a % b}
+TOOL_DOCS = {"add": "a + b", "sub": "a - b", "mul": "a * b", "max": "the larger of a and b",
+             "min": "the smaller of a and b", "mod": "a modulo b"}
 MAX_DIFFICULTY = 4
 # A call may open "Call" (a prose habit): the environment accepts it, a style guide wants "call". Same length,
 # same reply: the reward cannot see it at all (feedback.py's capital rule can).
@@ -3380,6 +3432,14 @@ class ToolEnv:
 
     def first_turns(self) -> list[Turn]:
         return [("user", self.task.question)]
+
+    def declared(self):
+        """The tools offered, as a chat template's `tools` lists them."""
+        return [declaration(name, TOOL_DOCS[name], a=("integer", "a"), b=("integer", "b"))
+                for name in self.task.tools]
+
+    def text_call(self, name, arguments):
+        return text_call(self.declared(), name, arguments)
 
     def step(self, assistant_text: str) -> tuple[Optional[str], bool]:
         if self.done:

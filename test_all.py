@@ -56,8 +56,8 @@ import harness.env
 import harness.sandbox
 import model as M
 import tasks
-from tasks import (MALFORMED, TOOLS, DifficultySampler, ToolEnv, corpus, gold_transcript, make_tool_task,
-                   render)
+from tasks import (CODE_DECLARED, MALFORMED, TOOLS, DifficultySampler, ToolEnv, ToolTask, corpus,
+                   gold_transcript, make_tool_task, render, text_call)
 from muon import CLASSIC, POLAR_EXPRESS, Muon, msign, ns_band, ns_flops, param_groups
 
 HERE = Path(__file__).resolve().parent
@@ -2036,7 +2036,8 @@ def test_rl_on_a_released_model_speaks_its_tokenizer(tmp_path):
             start_train(*run, "--rollout-ranks", "1", "--out", str(tmp_path / "w2"), world=2)]
     for r in map(finish, runs):
         assert r.returncode == 0, r.stderr[-3000:]
-        assert "chat template: hints as user turns" in r.stdout.splitlines()
+        assert "chat template: hints as user turns; tool calls in the template's own format" in \
+            r.stdout.splitlines()
     (one,), (two,) = ([r for r in read_metrics(tmp_path / w) if r.get("stage") == "rl"] for w in ("w1", "w2"))
     assert one["loss"] == pytest.approx(two["loss"], rel=1e-6) and one["loss"] != 0, (one, two)
     assert one["gen_tokens"] == two["gen_tokens"] > 0 and one["rewritten"] == two["rewritten"] > 0
@@ -2805,6 +2806,12 @@ FAMILIES = {"deepseek-v3": ({}, HINTS, True), "kimi-k2": ({}, OWN, True), "moonl
             "smollm3/no-thinking": (OFF, HINTS, True), "granite-3": ({}, OWN, True),
             "nemotron-nano-v2": (ON, HINTS, False), "nemotron-nano-v2/no-thinking": (OFF, HINTS, False)}
 THINK = "<think>\nI add them.\n</think>\n\n"  # a reasoning family's reply, thinking on
+# the families whose template writes an assistant's tool calls in a format of its own and holds an episode of
+# them (DeepSeek-V3's renders calls only in a turn with no content key, which transformers never gives it;
+# Mistral-7B-v0.3's wants a user turn and a reply to alternate even around tool results)
+CALLS = {"llama-3", "qwen2.5", "qwen3", "qwen3/no-thinking", "deepseek-r1", "deepseek-r1-distill", "glm-4.5",
+         "glm-4.5/no-thinking", "mistral-small-3.1", "kimi-k2-thinking", "nemotron-nano-v2",
+         "nemotron-nano-v2/no-thinking"}
 
 
 def test_released_chat_templates_give_the_conversation_token_for_token(tmp_path):
@@ -2833,7 +2840,8 @@ def test_released_chat_templates_give_the_conversation_token_for_token(tmp_path)
             assert "\n" not in str(e.value)
             continue
         tok, chat = M.HFTokenizer(folder, kwargs=kwargs), tf.PreTrainedTokenizerFast.from_pretrained(folder)
-        assert tok.mapping() == mapping, name
+        assert tok.mapping() == mapping + ("; tool calls in the template's own format" if name in CALLS
+                                           else "; tool calls as text"), name
         prompt = lambda msgs: chat(chat.apply_chat_template(tok.chat(msgs, True), tokenize=False,
                                                             add_generation_prompt=True, **kwargs),
                                    add_special_tokens=False)["input_ids"]
@@ -2880,6 +2888,72 @@ def test_released_chat_templates_give_the_conversation_token_for_token(tmp_path)
             assert all(contexts_exact(tok, t)), name
 
 
+def test_tool_calls_in_each_familys_own_format(tmp_path):
+    """Where a template writes an assistant's tool calls in a format of its own (Qwen's <tool_call> JSON,
+    DeepSeek's, GLM's key and value pairs, Kimi's ids, Llama's, Mistral's), the policy's call in that format
+    is read back into (name, arguments) and the environment answers it as its text call; the conversation
+    gives the template the call as `tool_calls`, its output with the call's id, and the environment's tools as
+    `tools`: at every reply the policy's context is transformers' rendering of that, id for id. A reasoning
+    reply's thinking is not the environment's to read. Elsewhere calls stay text. No reply, however hostile,
+    raises: a text that is no call is the environment's to answer."""
+    from grpo import Segment, Trajectory, close_turn, env_text, finish_turns, open_turn
+    tf = pytest.importorskip("transformers", reason="pip install transformers")
+    for name, (kwargs, mapping, _) in FAMILIES.items():
+        template, bos, eos, specials = RELEASED_TEMPLATES[name.split("/")[0]]
+        folder = tmp_path / name.replace("/", "-")
+        folder.mkdir()
+        released_tokenizer(folder, template, 300, specials, {"bos_token": bos, "eos_token": eos})
+        if " turn" not in mapping:  # refused (test above)
+            continue
+        tok, chat = M.HFTokenizer(folder, kwargs=kwargs), tf.PreTrainedTokenizerFast.from_pretrained(folder)
+        assert (tok.calls is not None) == (name in CALLS), name
+        env = ToolEnv(ToolTask("tools: add, mul. compute (2+3)*4", ["add", "mul"], 20, 1, []))
+        tools = env.declared() if tok.calls else None
+        t = Trajectory([Segment(messages=[*tok.declare(env), *env.first_turns()])], env=env)
+        think = THINK if kwargs.get("enable_thinking") else ""
+        call = tok.written_call if tok.calls else lambda f, a: f"call {f}({a['a']},{a['b']})"
+        for text in (call("add", {"a": 2, "b": 3}), call("mul", {"a": 5, "b": 4}), "answer 20"):
+            open_turn(tok, t)
+            seg = t.segments[-1]
+            want = chat.apply_chat_template(tok.chat(seg.messages, True), tools=tools, tokenize=False,
+                                            add_generation_prompt=True, **kwargs)
+            assert seg.tokens == chat(want, add_special_tokens=False)["input_ids"], (name, text)
+            close_turn(tok, seg, tok.encode(think + text) + [tok.end])
+            t.turns.append(("assistant", env_text(tok, env, think + text)))
+            reply, _ = env.step(t.turns[-1][1])
+            if reply is not None:
+                seg.messages.append(("tool", reply))
+        finish_turns(tok, t)
+        assert t.retokenized == 0 and env.reward() == 1.0, name
+        said = [x for r, x in env.turns if r == "assistant"]
+        assert said == ["call add(2,3)", "call mul(5,4)", "answer 20"], name
+        calls = [m["tool_calls"][0]["function"] for m in tok.chat(t.segments[-1].messages)
+                 if "tool_calls" in m]
+        args = [json.loads(c["arguments"]) if isinstance(c["arguments"], str) else c["arguments"]
+                for c in calls]
+        assert [(c["name"], {k: int(v) for k, v in a.items()}) for c, a in zip(calls, args)] == \
+            ([("add", {"a": 2, "b": 3}), ("mul", {"a": 5, "b": 4})] if tok.calls else []), name
+        if tok.calls and "tools" in template:  # the tools declared as the template lists them
+            assert "a * b" in tok.render(t.segments[0].messages[:2], True) and "a modulo b" not in \
+                tok.render(t.segments[0].messages[:2], True), name
+        if tok.calls:  # replies no call reads from: each is the environment's to answer
+            rng, good = random.Random(name), tok.written_call("add", {"a": 1, "b": 2})
+            junk = [good.replace("{", "[", 1), good * 2, tok.written_call("x" * 300, {}), good[:30] * 300,
+                    tok.written_call("add", {"a": "\n)(", "b": 2}), good + "tail"]
+            junk += ["".join(rng.choice(good + "\x00\ud800{}[]\"") for _ in range(rng.randint(0, 80)))
+                     for _ in range(50)]
+            for text in junk:
+                env = ToolEnv(ToolTask("tools: add. compute 1+2", ["add"], 3, 1, []))
+                reply, _ = env.step(env_text(tok, env, text))
+                assert reply is None or reply.startswith(("error:", "3")), (name, text, reply)
+    # a call's arguments as the coding environment reads them: in the declared order, `lines` below the call
+    declared = list(CODE_DECLARED.values())
+    args = {"lines": "x = 1\ny = 2", "last": 4, "path": "a.py", "first": 3}
+    assert text_call(declared, "replace", args) == "call replace(a.py,3,4)\nx = 1\ny = 2"
+    assert text_call(declared, "read", {"path": "a.py"}) == "call read(a.py)"
+    assert text_call(declared, "submit", {}) == "call submit()"
+
+
 def test_a_template_that_wants_roles_to_alternate_gets_them_joined(tmp_path):
     """Gemma's template refuses a system turn and two turns of one role in a row: the probe writes an opening
     system turn, a tool's output, a hint and a summary as user turns and joins turns of one role in a row,
@@ -2906,7 +2980,7 @@ def test_a_first_hint_takes_the_mapped_role_as_a_later_one_does(tmp_path):
         "{% for m in messages %}", "{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
         "{{ raise_exception('system first only') }}{% endif %}"))
     tok = M.HFTokenizer(tmp_path / "first-only")
-    assert tok.mapping() == "hints as user turns"
+    assert tok.mapping() == "hints as user turns; tool calls as text"
     assert tok.render([("user", "U"), ("system", "H")], True).endswith(
         "<|im_start|>user\nU<|im_end|>\n<|im_start|>user\nH<|im_end|>\n<|im_start|>assistant\n")
     template, bos, eos, specials = RELEASED_TEMPLATES["deepseek-v3"]
