@@ -2896,7 +2896,7 @@ def test_tool_calls_in_each_familys_own_format(tmp_path):
     `tools`: at every reply the policy's context is transformers' rendering of that, id for id. A reasoning
     reply's thinking is not the environment's to read. Elsewhere calls stay text. No reply, however hostile,
     raises: a text that is no call is the environment's to answer."""
-    from grpo import Segment, Trajectory, close_turn, env_text, finish_turns, open_turn
+    from grpo import GRPOConfig, Segment, Trajectory, close_turn, env_text, finish_turns, open_turn, rollout
     tf = pytest.importorskip("transformers", reason="pip install transformers")
     for name, (kwargs, mapping, _) in FAMILIES.items():
         template, bos, eos, specials = RELEASED_TEMPLATES[name.split("/")[0]]
@@ -2936,6 +2936,12 @@ def test_tool_calls_in_each_familys_own_format(tmp_path):
         if tok.calls and "tools" in template:  # the tools declared as the template lists them
             assert "a * b" in tok.render(t.segments[0].messages[:2], True) and "a modulo b" not in \
                 tok.render(t.segments[0].messages[:2], True), name
+        if name in ("qwen3", "glm-4.5", "kimi-k2-thinking"):  # a random policy's rollout on a tool task, its
+            # tools declared (JSON, pairs, the name in the id): exact at every reply
+            cfg = GRPOConfig(group_size=1, max_message_tokens=8, context_budget=400, tokenizer=tok)
+            t, = rollout(tiny_model(vocab_size=300, n_layer=2), [ToolEnv(make_tool_task(random.Random(0), 1))],
+                         cfg, torch.Generator().manual_seed(0))
+            assert t.segments[0].messages[0][0] == "tools" and len(t.spans) > 2 and all(contexts_exact(tok, t))
         if tok.calls:  # replies no call reads from: each is the environment's to answer
             rng, good = random.Random(name), tok.written_call("add", {"a": 1, "b": 2})
             junk = [good.replace("{", "[", 1), good * 2, tok.written_call("x" * 300, {}), good[:30] * 300,
