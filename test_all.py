@@ -5544,6 +5544,33 @@ def test_every_oracle_run_has_the_tests_hash_seed(tmp_path):
 
 
 @sandboxed
+def test_an_exceptions_init_gets_held_out_inputs(tmp_path):
+    """An __init__'s receiver is recorded blank (built by __new__: its __init__ is the feature). The held-out
+    inputs made from such a call write it blank again: an exception class whose __init__ takes an argument
+    (pkginfo's NoSuchFile(fqp)) cannot be built again from its empty args, so before, every held-out input
+    failed to copy: 0 made from 2 recorded, the task never served."""
+    Path(tmp_path, "errs").mkdir()
+    Path(tmp_path, "errs/__init__.py").write_text(
+        "class NoSuchFile(ValueError):\n    def __init__(self, fqp):\n        self.fqp = fqp\n"
+        "        super().__init__(f'No such file: {fqp}')\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        from errs import NoSuchFile
+        calls = []
+        for path in ("dist/a.tar.gz", "/nonesuch"):
+            buffer, receiver = io.BytesIO(), NoSuchFile.__new__(NoSuchFile)
+            harness.child.Copier(buffer, fresh=receiver).dump(((receiver, path), {}))
+            calls.append([0, base64.b64encode(buffer.getvalue()).decode()])
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("errs", None)
+    oracle, summary = tasks.make_oracle(tmp_path, [("errs/__init__.py", "NoSuchFile.__init__")], calls,
+                                        tasks.Sandbox(timeout=60))
+    assert summary["covered"] and summary["held_out_per_feature"][0] >= tasks.HELD_OUT_AT_LEAST, summary
+    assert all(c[2].startswith("returns") for c in oracle["calls"]), oracle["calls"]  # the state: fqp too
+
+
+@sandboxed
 def test_a_feature_that_takes_nothing_is_covered_by_the_call_the_tests_made(tmp_path):
     """Held-out inputs vary a feature's arguments; a function that takes none has no input but the one the
     tests gave it (its world: the clock, the environment), so that call covers it. One that takes any needs

@@ -576,12 +576,15 @@ def oracle_main(mode, root, inputs, fd):
         made = []
         for (i, given), pool in zip(calls, pools):
             made.append([])
+            # an __init__'s receiver is yet to be built: written as the recorder wrote it, a blank instance (an
+            # exception that takes arguments cannot be built again from its empty args)
+            fresh = given.get(0) if spec["features"][i][1].endswith(".__init__") else None
             for key, m in pool[:20 * HELD_OUT_AT_LEAST]:  # bounded: a pool of inputs seen before is tried no
                 new = {**given, key: m}                      # further
                 with contextlib.suppress(Exception):
                     buffer = io.BytesIO()
-                    Copier(buffer).dump((tuple(v for p, v in new.items() if isinstance(p, int)),
-                                         {n: v for n, v in new.items() if isinstance(n, str)}))
+                    Copier(buffer, fresh=fresh).dump((tuple(v for p, v in new.items() if isinstance(p, int)),
+                                                      {n: v for n, v in new.items() if isinstance(n, str)}))
                     value = canon(pickle.loads(buffer.getvalue()))  # a copy: canon may consume an iterator
                     if value not in known:
                         known.add(value)
