@@ -44,6 +44,7 @@ import types
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
+from unittest import mock
 
 if "PYTEST_XDIST_WORKER" in os.environ:  # -n N: N test processes share the cores, one thread each (read when
     os.environ["OMP_NUM_THREADS"] = "1"  # torch loads); more would spin against each other
@@ -5568,6 +5569,35 @@ def test_an_exceptions_init_gets_held_out_inputs(tmp_path):
                                         tasks.Sandbox(timeout=60))
     assert summary["covered"] and summary["held_out_per_feature"][0] >= tasks.HELD_OUT_AT_LEAST, summary
     assert all(c[2].startswith("returns") for c in oracle["calls"]), oracle["calls"]  # the state: fqp too
+
+
+@sandboxed
+def test_held_out_inputs_of_a_receiver_holding_a_mock(tmp_path):
+    """A receiver that holds a mock (oauthlib's endpoints hold a MagicMock validator): making variants of
+    the arguments asks things of the mock, which records them, and its records do not load again; each
+    variant is written with the other arguments loaded afresh. Before, 0 held-out inputs from 7 recorded."""
+    Path(tmp_path, "ends").mkdir()
+    Path(tmp_path, "ends/__init__.py").write_text(
+        "class Request:\n    def __init__(self, token):\n        self.token = token\n\n\n"
+        "class Endpoint:\n    def __init__(self, validator):\n        self.validator = validator\n\n"
+        "    def check(self, request):\n        return bool(self.validator.ok(request.token)) and "
+        "len(request.token) > 3\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        from ends import Endpoint, Request
+        recorder = dict(vars(harness.child))  # the copy module as the recorder runs it (its helpers named
+        exec(harness.child.COPY_MODULE, recorder)  # as the child knows them)
+        calls = []
+        for token in ("abcd", "xy"):
+            buffer = io.BytesIO()
+            recorder["Copier"](buffer).dump(((Endpoint(mock.MagicMock()), Request(token)), {}))
+            calls.append([0, base64.b64encode(buffer.getvalue()).decode()])
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("ends", None)
+    oracle, summary = tasks.make_oracle(tmp_path, [("ends/__init__.py", "Endpoint.check")], calls,
+                                        tasks.Sandbox(timeout=60))
+    assert summary["covered"] and summary["held_out_per_feature"][0] >= tasks.HELD_OUT_AT_LEAST, summary
 
 
 @sandboxed

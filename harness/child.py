@@ -533,11 +533,14 @@ def oracle_main(mode, root, inputs, fd):
     fixed_clock(CLOCK_AT)  # before the packages import: they may bind time.time or datetime as they do
     funcs = [oracle_resolve(module, qualname) for module, qualname in spec["features"]]
     if mode == "mutate":
-        calls, known = [], set()  # [feature, {position or name: argument}]; the inputs there are, by value
-        for i, data in spec["calls"]:  # (two pickles of one input may differ in their bytes)
+        def given_as(data):  # {position or name: argument}
+            args, kwargs = pickle.loads(base64.b64decode(data))
+            return {**dict(enumerate(args)), **kwargs}
+        calls, sources, known = [], [], set()  # [feature, given], their pickles; the inputs, by value (two
+        for i, data in spec["calls"]:          # pickles of one input may differ in their bytes)
             with contextlib.suppress(Exception):
-                args, kwargs = pickle.loads(base64.b64decode(data))
-                calls.append((i, {**dict(enumerate(args)), **kwargs}))
+                calls.append((i, given_as(data)))
+                sources.append(data)
                 known.add(canon(pickle.loads(base64.b64decode(data))))
         by_type = collections.defaultdict(list)  # the values of each type the calls and the pool hold
         for data in spec["pool"]:
@@ -574,14 +577,16 @@ def oracle_main(mode, root, inputs, fd):
         # new inputs: twice what a feature needs (a run may drop some) from each call, written round by round
         # so that the host's cap on a feature's inputs takes from every call alike
         made = []
-        for (i, given), pool in zip(calls, pools):
+        for (i, _), data, pool in zip(calls, sources, pools):
             made.append([])
-            # an __init__'s receiver is yet to be built: written as the recorder wrote it, a blank instance (an
-            # exception that takes arguments cannot be built again from its empty args)
-            fresh = given.get(0) if spec["features"][i][1].endswith(".__init__") else None
             for key, m in pool[:20 * HELD_OUT_AT_LEAST]:  # bounded: a pool of inputs seen before is tried no
-                new = {**given, key: m}                      # further
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(Exception):       # further
+                    # the other arguments loaded afresh: making variants may have touched them (a mock records
+                    # what was asked of it, and its records do not load again)
+                    new = {**given_as(data), key: m}
+                    # an __init__'s receiver is yet to be built: written as the recorder wrote it, a blank
+                    # instance (an exception that takes arguments cannot be built from its empty args)
+                    fresh = new.get(0) if spec["features"][i][1].endswith(".__init__") else None
                     buffer = io.BytesIO()
                     Copier(buffer, fresh=fresh).dump((tuple(v for p, v in new.items() if isinstance(p, int)),
                                                       {n: v for n, v in new.items() if isinstance(n, str)}))
