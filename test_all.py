@@ -5544,29 +5544,38 @@ def test_every_oracle_run_has_the_tests_hash_seed(tmp_path):
     assert runs[0][0].startswith("returns [") and all(r == runs[0] for r in runs), runs
 
 
+def oracle_of(tmp_path, pkg, source, qualname, calls_of):
+    """make_oracle on a package written into tmp_path, its recorded calls copied as the recorder copies them:
+    calls_of(the package) -> [(arguments, the receiver an __init__ is yet to build, or None)]."""
+    Path(tmp_path, pkg).mkdir()
+    Path(tmp_path, pkg, "__init__.py").write_text(source)
+    recorder = dict(vars(harness.child))  # the copy module as the recorder runs it (its helpers named as the
+    exec(harness.child.COPY_MODULE, recorder)  # oracle's child knows them)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        calls = []
+        for args, fresh in calls_of(importlib.import_module(pkg)):
+            buffer = io.BytesIO()
+            recorder["Copier"](buffer, fresh=fresh).dump((args, {}))
+            calls.append([0, base64.b64encode(buffer.getvalue()).decode()])
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop(pkg, None)
+    return tasks.make_oracle(tmp_path, [(f"{pkg}/__init__.py", qualname)], calls, tasks.Sandbox(timeout=60))
+
+
 @sandboxed
 def test_an_exceptions_init_gets_held_out_inputs(tmp_path):
     """An __init__'s receiver is recorded blank (built by __new__: its __init__ is the feature). The held-out
     inputs made from such a call write it blank again: an exception class whose __init__ takes an argument
     (pkginfo's NoSuchFile(fqp)) cannot be built again from its empty args, so before, every held-out input
     failed to copy: 0 made from 2 recorded, the task never served."""
-    Path(tmp_path, "errs").mkdir()
-    Path(tmp_path, "errs/__init__.py").write_text(
-        "class NoSuchFile(ValueError):\n    def __init__(self, fqp):\n        self.fqp = fqp\n"
-        "        super().__init__(f'No such file: {fqp}')\n")
-    sys.path.insert(0, str(tmp_path))
-    try:
-        from errs import NoSuchFile
-        calls = []
-        for path in ("dist/a.tar.gz", "/nonesuch"):
-            buffer, receiver = io.BytesIO(), NoSuchFile.__new__(NoSuchFile)
-            harness.child.Copier(buffer, fresh=receiver).dump(((receiver, path), {}))
-            calls.append([0, base64.b64encode(buffer.getvalue()).decode()])
-    finally:
-        sys.path.remove(str(tmp_path))
-        sys.modules.pop("errs", None)
-    oracle, summary = tasks.make_oracle(tmp_path, [("errs/__init__.py", "NoSuchFile.__init__")], calls,
-                                        tasks.Sandbox(timeout=60))
+    def calls(errs):
+        blank = lambda: errs.NoSuchFile.__new__(errs.NoSuchFile)
+        return [((r, path), r) for path in ("dist/a.tar.gz", "/nonesuch") for r in [blank()]]
+    source = ("class NoSuchFile(ValueError):\n    def __init__(self, fqp):\n        self.fqp = fqp\n"
+              "        super().__init__(f'No such file: {fqp}')\n")
+    oracle, summary = oracle_of(tmp_path, "errs", source, "NoSuchFile.__init__", calls)
     assert summary["covered"] and summary["held_out_per_feature"][0] >= tasks.HELD_OUT_AT_LEAST, summary
     assert all(c[2].startswith("returns") for c in oracle["calls"]), oracle["calls"]  # the state: fqp too
 
@@ -5576,27 +5585,12 @@ def test_held_out_inputs_of_a_receiver_holding_a_mock(tmp_path):
     """A receiver that holds a mock (oauthlib's endpoints hold a MagicMock validator): making variants of
     the arguments asks things of the mock, which records them, and its records do not load again; each
     variant is written with the other arguments loaded afresh. Before, 0 held-out inputs from 7 recorded."""
-    Path(tmp_path, "ends").mkdir()
-    Path(tmp_path, "ends/__init__.py").write_text(
-        "class Request:\n    def __init__(self, token):\n        self.token = token\n\n\n"
-        "class Endpoint:\n    def __init__(self, validator):\n        self.validator = validator\n\n"
-        "    def check(self, request):\n        return bool(self.validator.ok(request.token)) and "
-        "len(request.token) > 3\n")
-    sys.path.insert(0, str(tmp_path))
-    try:
-        from ends import Endpoint, Request
-        recorder = dict(vars(harness.child))  # the copy module as the recorder runs it (its helpers named
-        exec(harness.child.COPY_MODULE, recorder)  # as the child knows them)
-        calls = []
-        for token in ("abcd", "xy"):
-            buffer = io.BytesIO()
-            recorder["Copier"](buffer).dump(((Endpoint(mock.MagicMock()), Request(token)), {}))
-            calls.append([0, base64.b64encode(buffer.getvalue()).decode()])
-    finally:
-        sys.path.remove(str(tmp_path))
-        sys.modules.pop("ends", None)
-    oracle, summary = tasks.make_oracle(tmp_path, [("ends/__init__.py", "Endpoint.check")], calls,
-                                        tasks.Sandbox(timeout=60))
+    source = ("class Request:\n    def __init__(self, token):\n        self.token = token\n\n\n"
+              "class Endpoint:\n    def __init__(self, validator):\n        self.validator = validator\n\n"
+              "    def check(self, request):\n        return bool(self.validator.ok(request.token)) and "
+              "len(request.token) > 3\n")
+    _, summary = oracle_of(tmp_path, "ends", source, "Endpoint.check", lambda ends: [
+        ((ends.Endpoint(mock.MagicMock()), ends.Request(token)), None) for token in ("abcd", "xy")])
     assert summary["covered"] and summary["held_out_per_feature"][0] >= tasks.HELD_OUT_AT_LEAST, summary
 
 
