@@ -5595,6 +5595,20 @@ def test_held_out_inputs_of_a_receiver_holding_a_mock(tmp_path):
 
 
 @sandboxed
+def test_code_that_tests_its_arguments_types_gets_an_argument_of_another_type(tmp_path):
+    """A feature whose code tests an argument's type (jsonpath's `RegexPattern.__rmatmul__`: a str is matched,
+    anything else is False) gets held-out inputs with an argument of another type, so a mutant of that
+    branch (`return False` -> `return None`) is told apart; before, only strs: the task's strength 57%."""
+    source = ("import re\n\n\nclass Pattern:\n    def __init__(self, p):\n        self.p = p\n\n"
+              "    def __rmatmul__(self, other):\n        if isinstance(other, str):\n"
+              "            return bool(re.search(self.p, other))\n        return False\n")
+    oracle, _ = oracle_of(tmp_path, "pat", source, "Pattern.__rmatmul__", lambda pat: [
+        ((pat.Pattern(""), text), None) for text in ("abc", "xyz")])
+    others = [c for c in oracle["calls"] if not json.loads(c[2].split("; after ", 1)[1])[1].startswith("'")]
+    assert others and all(c[2].startswith("returns False") and c[3] == "held-out" for c in others), others
+
+
+@sandboxed
 def test_a_feature_that_takes_nothing_is_covered_by_the_call_the_tests_made(tmp_path):
     """Held-out inputs vary a feature's arguments; a function that takes none has no input but the one the
     tests gave it (its world: the clock, the environment), so that call covers it. One that takes any needs

@@ -572,6 +572,11 @@ def oracle_main(mode, root, inputs, fd):
                 with contextlib.suppress(Exception):
                     others += [(key, c[key]) for j, c in calls if j == i and key in c and c[key] != old]
                 others += [(key, v) for v in by_type[type(old)] if v is not old]
+                if "isinstance" in reads[i] and not (key == 0 and "." in spec["features"][i][1]):
+                    # code that tests its arguments' types: an argument of another type (None, or a value of
+                    # another type the calls and the pool hold), what its other branch is written for
+                    others += [(key, v) for v in [None, *(vs[0] for t, vs in by_type.items()
+                                                          if t is not type(old))][:3] if old is not None]
             rng.shuffle(others)
             pools.append([x for row in itertools.zip_longest(*rows, others) for x in row if x is not None])
         # new inputs: twice what a feature needs (a run may drop some) from each call, written round by round
