@@ -125,7 +125,8 @@ from harness.repo import (CONFIG, fresh_git, inside, is_protected, linked, lstat
                           walk)
 from harness.sandbox import (PYTEST, READ_AT_MOST, STOPPING, Report, Sandbox, first_error, parsed, scratch,
                              stop, stoppable, tail)
-from harness.survey import SURVEY_PACKAGES, fetch_sdist, survey, unnamed, valid_tasks
+from harness.survey import (SURVEY_PACKAGES, die_with_parent, fetch_sdist, index, merge, package_dir,
+                            survey, unnamed, valid_tasks, write_whole)
 
 
 # -----------------------------------------------------------------------------
@@ -1886,10 +1887,7 @@ def strength(task_dir, k=STRENGTH_K, box=None, seed=0, jobs=2, gold_s=None):
 
 
 def write_task(task_dir, task):
-    """task.json replaced whole: a reader sees the old one or the new, never half of one."""
-    temp = Path(task_dir) / f".task.json.{secrets.token_hex(4)}"
-    temp.write_text(json.dumps(task, indent=1))
-    os.replace(temp, Path(task_dir) / "task.json")
+    write_whole(Path(task_dir) / "task.json", task)
 
 
 WIDER_AT_MOST = 400  # inputs of the wider set that tells a surviving mutant apart from the gold
@@ -3684,24 +3682,30 @@ class DifficultySampler:
 # verify of each task's gold patch (1 expected) and of its untouched snapshot (0 expected), the strength of
 # each, how many are served, and the one-line reason of whatever failed.
 
-def survey_one(spec, root, n, timeout, isolate):
-    """One package through download, env, make and verify: its row (a dict), its log in root/spec/log.txt."""
-    d = Path(root, spec.replace("==", "-"))
+def survey_one(spec, root, n, timeout, isolate, python=None, strength_k=STRENGTH_K):
+    """One package (name==version off the index, or a local repository's folder) through download (a copy),
+    env (or the interpreter given), make and verify: its row (a dict), its log in root/NAME/log.txt, and its
+    record root/NAME/row.json, written whole at the end: a package whose record is on disk is done."""
+    d = Path(root, package_dir(spec))
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
     row = {"package": spec, "tests": None, "env_s": None, "make_s": None, "made": 0, "tried": 0, "gold": [],
-           "untouched": [], "executed": None, "strength": [], "served": 0, "why": ""}
+           "untouched": [], "executed": None, "strength": [], "served": 0, "tasks": [], "why": ""}
     with open(d / "log.txt", "w", buffering=1) as f:
         def log(line):
             f.write(line + "\n")
         try:
-            repo = fetch_sdist(spec, d)
+            if Path(spec).is_dir():
+                repo = Path(shutil.copytree(spec, d / "src" / Path(spec).resolve().name, symlinks=True,
+                                            ignore=shutil.ignore_patterns(".git")))
+            else:
+                repo = fetch_sdist(spec, d)
             fresh_git(repo)
             t0 = time.time()
-            python = make_env(repo, d / "venv", isolate, log=log)
+            python = python or make_env(repo, d / "venv", isolate, log=log)
             row["env_s"], t0, stats = time.time() - t0, time.time(), {}
             box = Sandbox(python, isolate, timeout)
-            made = make(repo, d / "tasks", n=n, box=box, log=log, stats=stats, strength_k=STRENGTH_K)
+            made = make(repo, d / "tasks", n=n, box=box, log=log, stats=stats, strength_k=strength_k)
             row.update(make_s=time.time() - t0, made=len(made), tests=stats.get("tests"),
                        tried=stats.get("tried"), executed=stats.get("executed"))
             for t in made:
@@ -3716,7 +3720,12 @@ def survey_one(spec, root, n, timeout, isolate):
                 write_task(tdir, {**json.loads((tdir / "task.json").read_text()), "verified_again": again})
                 st = t.get("strength", {})
                 row["strength"].append([st.get("score_tests"), st.get("score")])
-            row["served"] = len(served(d / "tasks")) if made else 0
+            refused: dict = {}
+            ok = served(d / "tasks", refused) if made else []
+            row["served"] = len(ok)
+            row["tasks"] = [{"id": t["id"], "strength": s, "served": True if Path(d, "tasks", t["id"]) in ok
+                             else refused.get(Path(d, "tasks", t["id"]), "not served")}
+                            for t, s in zip(made, row["strength"])]
             if len(made) < n:
                 row["why"] = (collections.Counter(stats["reasons"]).most_common(1)[0][0] if stats["reasons"]
                               else f"only {stats['candidates']} candidate features (functions reached by 1.."
@@ -3727,11 +3736,65 @@ def survey_one(spec, root, n, timeout, isolate):
             log(traceback.format_exc())
             row["why"] = f"{type(e).__name__}: {e}"
         log(json.dumps(row))
+    write_whole(d / "row.json", row)
     return row
 
 
 # -----------------------------------------------------------------------------
 # Appendix: running and measuring it: the command line (python tasks.py make|verify|...) and a demo
+
+def survey_cli(a):
+    """`tasks.py survey`: one process, a shard of a job array (--shard K/N), or every rank of a torchrun
+    launch (gloo: only the rows travel; the tasks are files in --out, which every rank must share)."""
+    specs = list(a.specs)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if a.shard:
+        m = re.fullmatch(r"(\d+)/(\d+)", a.shard)
+        if not m or not int(m[1]) < int(m[2]) or world > 1:
+            raise TaskError(f"--shard {a.shard}: K/N with 0 <= K < N, and not under torchrun")
+        rank, world = int(m[1]), int(m[2])
+    if a.draw:
+        if not 0 < a.draw <= len(SURVEY_PACKAGES):
+            raise TaskError(f"--draw must be in 1..{len(SURVEY_PACKAGES)}")
+        pool = unnamed(SURVEY_PACKAGES, a.exclude)
+        if a.draw > len(pool):
+            raise TaskError(f"--draw {a.draw}: only {len(pool)} packages are left to draw from")
+        specs += random.Random(a.seed).sample(sorted(pool), a.draw)
+        if rank == 0:
+            print(f"drew {a.draw} of {len(pool)} packages with --seed {a.seed}: " + " ".join(specs))
+    if not specs or a.n < 1 or a.jobs < 1:
+        raise TaskError("survey needs package specs or --draw, and --n, --jobs >= 1")
+    bad = [x for x in specs if not Path(x).is_dir() and not re.fullmatch(r"[A-Za-z0-9][\w.-]*==[\w.!+-]+", x)]
+    if bad:
+        raise TaskError(f"package spec {bad[0]!r} is not name==version nor a folder")
+    specs = [str(Path(x).resolve()) if Path(x).is_dir() else x for x in specs]
+    command = lambda spec: [sys.executable, str(Path(__file__).resolve()), "survey-one", spec, "--out", a.out,
+                            "--n", str(a.n), "--timeout", str(a.timeout), "--strength-k", str(a.strength_k),
+                            *(["--python", a.python] if a.python else []), *(["--no-sandbox"] * a.no_sandbox)]
+    group = world > 1 and not a.shard
+    if group:  # a long timeout: a rank through its share waits for the slowest one's
+        import datetime
+        import torch.distributed as dist
+        dist.init_process_group("gloo", timeout=datetime.timedelta(days=7))
+    try:
+        rows = survey(specs, a.out, command, rank, world, a.jobs, a.package_timeout)
+        if a.shard:
+            Path(a.out, "shards").mkdir(exist_ok=True)
+            write_whole(Path(a.out, "shards", f"{rank}-of-{world}.json"),
+                        {"rank": rank, "world": world, "n": a.n, "specs": specs[rank::world]})
+            print(f"shard {rank}/{world}: {len(rows)} packages; the index: tasks.py merge --out {a.out}")
+            return 0
+        if group:
+            everyone = [None] * world if rank == 0 else None
+            dist.gather_object(rows, everyone, dst=0)
+            rows = [r for share in everyone or [] for r in share]
+        if rank == 0:
+            index(rows, a.out, a.n)
+        return 0 if all(valid_tasks(r) >= a.n for r in rows) else 1
+    finally:
+        if group:
+            dist.destroy_process_group()
+
 
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, no usage block, no traceback
@@ -3813,18 +3876,37 @@ def cli(argv=None) -> int:
     s.add_argument("--site-packages", action="store_true",
                    help="also look for installed copies of the package")
     su = sub.add_parser("survey", help="make tasks from packages off the index: sdist, env, make, verify; "
-                                       "a row per package")
-    su.add_argument("specs", nargs="*", help="packages as name==version")
+                                       "a row per package (under torchrun: each rank a share, one index)")
+    su.add_argument("specs", nargs="*", help="packages as name==version, or local repositories' folders")
     su.add_argument("--draw", type=int, help=f"draw this many from the {len(SURVEY_PACKAGES)} packages "
                                              f"in SURVEY_PACKAGES (less --exclude's)")
     su.add_argument("--seed", type=int, default=0, help="seed of the draw")
     su.add_argument("--exclude", nargs="+", default=[], metavar="FILE",
                     help="draw none of the packages these files name (a fresh draw: none this project chose)")
     su.add_argument("--out", required=True, help="folder for each package's sdist, venv, tasks and log")
-    su.add_argument("--n", type=int, default=3, help="tasks to make per package")
+    su.add_argument("--n", "--per-package", dest="n", type=int, default=3,
+                    help="tasks to make per package (--per-package under torchrun: --n is its flags' prefix)")
     su.add_argument("--jobs", type=int, default=2, help="packages run side by side")
     su.add_argument("--timeout", type=int, default=300, help="seconds allowed for one test-suite run")
+    su.add_argument("--package-timeout", type=int, default=4 * 3600,
+                    help="seconds allowed for one package (past them its run is killed, and tried once more)")
+    su.add_argument("--shard", metavar="K/N", help="run only the K-th of N shares (0-based; a job array, "
+                                                   "say), then `tasks.py merge --out DIR` writes the index")
+    su.add_argument("--python", help="interpreter with the packages' test requirements, instead of an env "
+                                     "each (local repositories)")
+    su.add_argument("--strength-k", type=int, default=STRENGTH_K, help="mutants a task's strength takes")
     su.add_argument("--no-sandbox", action="store_true", help="run everything without bubblewrap")
+    s1 = sub.add_parser("survey-one", help="one package of a survey, in a process of its own: writes "
+                                           "OUT/NAME/row.json")
+    s1.add_argument("spec", help="name==version, or a local repository's folder")
+    s1.add_argument("--out", required=True)
+    s1.add_argument("--n", type=int, default=3)
+    s1.add_argument("--timeout", type=int, default=300)
+    s1.add_argument("--python")
+    s1.add_argument("--strength-k", type=int, default=STRENGTH_K)
+    s1.add_argument("--no-sandbox", action="store_true")
+    mg = sub.add_parser("merge", help="the index of a survey run in shards (--shard K/N), from their records")
+    mg.add_argument("--out", required=True, help="the shards' output folder")
     mo = sub.add_parser("monitor",
                         help="flag trajectory steps that read leak sources or tamper with the verifier")
     mo.add_argument("trajectory",
@@ -3871,24 +3953,15 @@ def cli(argv=None) -> int:
             reward, why = verify(a.task_dir, a.workdir, a.patch, task_box(a, a.task_dir, a.timeout))
             print(f"reward {reward}: {why}")
             return 0
+        if a.cmd == "survey-one":
+            die_with_parent()
+            survey_one(a.spec, a.out, a.n, a.timeout, not a.no_sandbox, a.python, a.strength_k)
+            return 0
+        if a.cmd == "merge":
+            rows, n = merge(a.out)
+            return 0 if all(valid_tasks(r) >= n for r in rows) else 1
         if a.cmd == "survey":
-            specs = list(a.specs)
-            if a.draw:
-                if not 0 < a.draw <= len(SURVEY_PACKAGES):
-                    raise TaskError(f"--draw must be in 1..{len(SURVEY_PACKAGES)}")
-                pool = unnamed(SURVEY_PACKAGES, a.exclude)
-                if a.draw > len(pool):
-                    raise TaskError(f"--draw {a.draw}: only {len(pool)} packages are left to draw from")
-                specs += random.Random(a.seed).sample(sorted(pool), a.draw)
-                print(f"drew {a.draw} of {len(pool)} packages with --seed {a.seed}: " + " ".join(specs))
-            if not specs or a.n < 1 or a.jobs < 1:
-                raise TaskError("survey needs package specs or --draw, and --n, --jobs >= 1")
-            bad = [x for x in specs if not re.fullmatch(r"[A-Za-z0-9][\w.-]*==[\w.!+-]+", x)]
-            if bad:
-                raise TaskError(f"package spec {bad[0]!r} is not name==version")
-            one = lambda spec: survey_one(spec, a.out, a.n, a.timeout, not a.no_sandbox)
-            rows = survey(specs, a.out, one, a.n, a.jobs)
-            return 0 if all(valid_tasks(r) >= a.n for r in rows) else 1
+            return survey_cli(a)
         if a.cmd == "scan":
             if not Path(a.dir).is_dir():
                 raise TaskError(f"not a directory: {a.dir}")
@@ -3915,8 +3988,8 @@ def cli(argv=None) -> int:
 
 
 def main():
-    if sys.argv[1:2] and sys.argv[1] in ("env", "make", "delete-spec", "verify", "strength", "survey", "scan",
-                                         "monitor"):
+    if sys.argv[1:2] and sys.argv[1] in ("env", "make", "delete-spec", "verify", "strength", "survey",
+                                         "survey-one", "merge", "scan", "monitor"):
         # a SIGTERM unwinds like an exception, so temporary folders and cgroups go (after SIGKILL, the next
         # start's sweep removes them)
         signal.signal(signal.SIGTERM, stop)

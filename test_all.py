@@ -7470,6 +7470,67 @@ def test_make_refuses_bad_repositories_in_one_line_and_never_touches_the_source(
     assert not (d / "repo/.benchmarks").exists()
 
 
+def processes(*command, variable):
+    """The pids of this user's processes whose command line holds each of command and whose environment has
+    variable (NAME=VALUE)."""
+    for p in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):
+            if all(c in (p / "cmdline").read_bytes() for c in command) and \
+                    variable in (p / "environ").read_bytes().split(b"\0"):
+                yield int(p.name)
+
+
+@sandboxed
+def test_the_survey_on_torchrun_after_a_rank_dies_and_in_shards(tmp_path):
+    """The survey of three local packages (the fixture, a task each) in one process; under torchrun on 2 gloo
+    processes with rank 0 killed mid-package (its first package's record on disk, its second under way) and
+    one restart; as --shard 0/2 and 1/2 then merge: the same index, seconds aside. The restart runs again
+    only what was under way: a record on disk before the kill is not written again."""
+    specs = [str(write_fixture(tmp_path / f"calc{k}")) for k in range(3)]
+    flags = [*specs, "--python", sys.executable, "--per-package", "1", "--strength-k", "2", "--jobs", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    started = []
+
+    def survey(out, *more, launch=()):
+        started.append(subprocess.Popen([sys.executable, *launch, str(HERE / "tasks.py"), "survey", *flags,
+                                         "--out", str(tmp_path / out), *more], env=env, text=True,
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        start_new_session=True))
+        return started[-1]
+    try:
+        ranks = survey("ranks", launch=["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                                        "--max-restarts=1"])
+        first = tmp_path / "ranks/calc0/row.json"  # rank 0's first package (rank 0: calc0, calc2; 1: calc1)
+        deadline = time.time() + 240
+        while not first.is_file() and ranks.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        kept = {p: p.stat().st_mtime_ns for p in (tmp_path / "ranks").glob("*/row.json")}
+        rank0 = list(processes(f"survey\0{specs[0]}".encode(), f"--out\0{tmp_path / 'ranks'}".encode(),
+                               variable=b"RANK=0"))
+        assert first in kept and len(rank0) == 1 and not (tmp_path / "ranks/calc2/row.json").is_file(), rank0
+        os.kill(rank0[0], signal.SIGKILL)
+        survey("one")
+        for k in range(2):
+            survey("shards", "--shard", f"{k}/2")
+        for p in started:
+            out, _ = p.communicate(timeout=600)
+            assert p.returncode == 0, out[-3000:]
+    finally:
+        for p in started:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+    merged = subprocess.run([sys.executable, str(HERE / "tasks.py"), "merge", "--out",
+                             str(tmp_path / "shards")], capture_output=True, text=True, env=env)
+    assert merged.returncode == 0 and "3 of 3 packages gave 1 valid tasks" in merged.stdout, merged.stderr
+    outcome = lambda run: [{k: v for k, v in row.items() if not k.endswith("_s")}
+                           for row in json.loads((tmp_path / run / "survey.json").read_text())]
+    assert outcome("ranks") == outcome("one") == outcome("shards") and len(outcome("one")) == 3
+    assert all(r["made"] == 1 and r["tasks"][0]["served"] is True for r in outcome("one")), outcome("one")
+    assert all(p.stat().st_mtime_ns == mtime for p, mtime in kept.items())  # not made again
+    assert (tmp_path / "ranks/.tries/calc0").read_text() == "1" and \
+        (tmp_path / "ranks/.tries/calc2").read_text() == "2"  # under way at the kill: run again
+
+
 def test_cli_errors_are_one_line(tmp_path):
     here = Path(tasks.__file__)
     cases = [["make", "--repo", str(tmp_path / "nope"), "--out", str(tmp_path)],

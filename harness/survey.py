@@ -10,16 +10,20 @@ few at a time, and prints a row as each finishes.
 import concurrent.futures
 import hashlib
 import json
+import os
 import re
+import signal
 import statistics
+import subprocess
 import tarfile
+import threading
 import urllib.parse
 import urllib.request
 import zipfile
 from pathlib import Path
 
 from harness import TaskError
-from harness.sandbox import stoppable
+from harness.sandbox import LIVE, RUNS, STOPPING, stoppable
 
 # 248 popular pure-Python projects (in the index's top 10,000 by downloads) whose newest sdist ships a tests/
 # or test/ folder of at least 5 test files, needs no compiler and admits Python 3.11, each at that release;
@@ -132,26 +136,128 @@ def survey_line(r):
             f"{num(r['executed'], '%7d'):>7} {killed:>23} {r.get('served', 0):>6}  {r['why']}")
 
 
-def survey(specs, root, one, n=3, jobs=2, log=print):
-    """Every spec through one(spec) -> its row (tasks.py's survey_one), up to jobs at once; prints a row as
-    each finishes and the table at the end. Returns the rows."""
-    Path(root).mkdir(parents=True, exist_ok=True)
-    head = (f"{'package':<32} {'tests':>6} {'env s':>5} {'make s':>6} made  valid gold untc   execs "
-            f"{'% killed: tests/+oracle':>23} served  why")
-    log(head)
+def package_dir(spec):
+    """A package's folder in a survey's output: name-version, or a local repository's folder name."""
+    return Path(spec).resolve().name if Path(spec).is_dir() else spec.replace("==", "-")
+
+
+def write_whole(path, data):
+    """JSON written to a temporary file and renamed over path: a reader (a restart, merge) sees the old
+    file or the new, never half of one."""
+    temp = Path(path).with_name(f".{Path(path).name}.{os.getpid()}.{threading.get_ident()}")
+    temp.write_text(json.dumps(data, indent=1))
+    os.replace(temp, path)
+
+
+TRIES = 2  # runs of a package a survey starts; a package no run of which wrote its record is failed
+
+
+def survey(specs, root, command, rank=0, world=1, jobs=2, timeout=None, log=print):
+    """This rank's share of specs (every world-th from its rank: the same split on every rank, from the list
+    and the world size), each package in a process of its own (command(spec) -> its argv, which writes the
+    package's record root/NAME/row.json), up to jobs at once, killed with what it started past timeout
+    seconds. A package whose record is on disk is not run again (a restart goes on from the records); one
+    whose runs ended TRIES times without a record (killed, out of memory, past its time, or the run around
+    it killed) gets a record saying so. Prints a row as each finishes; -> this rank's rows."""
+    Path(root, ".tries").mkdir(parents=True, exist_ok=True)
+
+    def one(spec):
+        record, tries = Path(root, package_dir(spec), "row.json"), Path(root, ".tries", package_dir(spec))
+        why = "no record"
+        while not record.is_file():
+            done = int(tries.read_text()) if tries.is_file() else 0
+            if done >= TRIES:
+                Path(record.parent).mkdir(parents=True, exist_ok=True)
+                write_whole(record, {**FAILED, "package": spec, "why": f"failed {TRIES} times: {why}"})
+                break
+            write_whole(tries, done + 1)  # before the run: a run the whole process dies in counts too
+            why = run_whole(command(spec), timeout)
+            if STOPPING.is_set():  # the process was stopped (SIGTERM, as torchrun stops the other ranks
+                write_whole(tries, done)  # when one dies): no try of the package's
+                raise TaskError("stopped by a signal")
+        return json.loads(record.read_text())
+
+    log(HEAD)
+    rows = []
     with stoppable(jobs) as pool:
-        futs = [pool.submit(one, spec) for spec in specs]
-        for fut in concurrent.futures.as_completed(futs):
-            log(survey_line(fut.result()))
-    rows = [f.result() for f in futs]
+        for fut in concurrent.futures.as_completed([pool.submit(one, spec) for spec in specs[rank::world]]):
+            rows.append(fut.result())
+            log(survey_line(rows[-1]))
+    return rows
+
+
+FAILED = {"tests": None, "env_s": None, "make_s": None, "made": 0, "tried": 0, "gold": [], "untouched": [],
+          "executed": None, "strength": [], "served": 0, "tasks": []}
+HEAD = (f"{'package':<32} {'tests':>6} {'env s':>5} {'make s':>6} made  valid gold untc   execs "
+        f"{'% killed: tests/+oracle':>23} served  why")
+
+
+def die_with_parent():
+    """This process is killed when the one that started it dies (Linux's PR_SET_PDEATHSIG): a package's run
+    never outlives the survey process running it, which a restart replaces with one that runs it again."""
+    import ctypes
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before that took hold
+        os._exit(1)
+
+
+def run_whole(argv, timeout):
+    """argv in a session of its own, killed whole past timeout seconds; SIGTERM's stop() kills it too. ->
+    why it ended, in words."""
+    with RUNS:
+        if STOPPING.is_set():
+            raise TaskError("stopped by a signal")
+        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, start_new_session=True, text=True, errors="replace")
+        LIVE.add(p)
+    try:
+        _, err = p.communicate(timeout=timeout)
+        return f"exit status {p.returncode}: {(err.strip().splitlines() or [''])[-1][:200]}"
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        return f"past the package's {timeout} s"
+    finally:
+        LIVE.discard(p)
+
+
+def index(rows, root, n=3, log=print):
+    """Every package's outcome in one index, root/survey.json (sorted by package: the same whatever the split
+    that made it), each task's strength and serving verdict in its row; prints the table and the summary."""
+    rows = sorted(rows, key=lambda r: r["package"])
     good = sum(valid_tasks(r) >= n for r in rows)
-    log("\n" + "\n".join([head, *map(survey_line, rows)]))
+    log("\n" + "\n".join([HEAD, *map(survey_line, rows)]))
     log(f"{good} of {len(rows)} packages gave {n} valid tasks (gold 1, untouched 0)")
     scores = [x for r in rows for x in r["strength"] if None not in x]
     if scores:
         both, alone = (100 * statistics.median(x[i] for x in scores) for i in (1, 0))
+        served, made = (sum(r[k] for r in rows) for k in ("served", "made"))
         log(f"mutants killed on the median task: {both:.0f}% by tests and oracle, {alone:.0f}% by the tests "
-            f"alone; "
-            f"{sum(r['served'] for r in rows)} of {sum(r['made'] for r in rows)} tasks made are served")
-    (Path(root) / "survey.json").write_text(json.dumps(rows, indent=1))
+            f"alone; {served} of {made} tasks made are served")
+    write_whole(Path(root, "survey.json"), rows)
     return rows
+
+
+def merge(root, log=print):
+    """The index from the records of a survey run in shards (--shard K/N, each writing root/shards/K-of-N.json
+    with its packages when it is through): the same index as one run's. -> (its rows, --n). TaskError naming
+    a shard not through or a package without its record."""
+    shards = sorted(Path(root, "shards").glob("*-of-*.json")) if Path(root, "shards").is_dir() else []
+    if not shards:
+        raise TaskError(f"{root}: no shard records (shards/K-of-N.json): run tasks.py survey --shard K/N")
+    parts = [json.loads(f.read_text()) for f in shards]
+    world = parts[0]["world"]
+    missing = sorted(set(range(world)) - {p["rank"] for p in parts if p["world"] == world})
+    if missing or any(p["world"] != world for p in parts):
+        raise TaskError(f"{root}: shards {', '.join(f'{k}/{world}' for k in missing) or 'of other counts'} "
+                        "have not written their records")
+    rows = []
+    for spec in (s for p in parts for s in p["specs"]):
+        record = Path(root, package_dir(spec), "row.json")
+        if not record.is_file():
+            raise TaskError(f"{root}: {spec} has no record ({record})")
+        rows.append(json.loads(record.read_text()))
+    return index(rows, root, parts[0]["n"], log), parts[0]["n"]
