@@ -7538,6 +7538,7 @@ def test_cli_errors_are_one_line(tmp_path):
              ["verify", str(tmp_path), "--workdir", str(tmp_path)],
              ["verify", str(tmp_path / "nope"), "--patch", str(tmp_path / "nope/gold.patch")],
              ["survey", "--out", str(tmp_path), "not-a-spec"],
+             ["survey", "--out", str(tmp_path), "--shard", "2/2", "x==1"], ["merge", "--out", str(tmp_path)],
              ["scan", str(tmp_path / "nope")],
              ["monitor", str(here)]]
     for args in cases:
