@@ -297,14 +297,15 @@ def prompt_for(ents, f2p):
     return "\n".join(parts)
 
 
-def make_task(work, out, tid, feats, mode, stable, reach, box, source, splice=None):
+def make_task(work, out, tid, feats, mode, stable, reach, box, source, splice=None, seconds=None):
     """(task, "ok") with out/tid written, or (None, why) with nothing left behind. Built aside and moved in
-    whole on success, replacing a task of that id: a failed build never removes one made before."""
+    whole on success, replacing a task of that id: a failed build never removes one made before. seconds:
+    where the oracle's recording and runs add their time (clocked)."""
     Path(out).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out, prefix=f".making-{tid}-") as aside:
         try:
             task, why = build_task(work, Path(aside, tid), tid, feats, mode, stable, reach, box, source,
-                                   splice)
+                                   splice, seconds)
         except (SyntaxError, AttributeError, TypeError, ValueError, OSError) as e:
             task, why = None, f"splice failed: {e!r}"
         if task is not None:
@@ -315,7 +316,7 @@ def make_task(work, out, tid, feats, mode, stable, reach, box, source, splice=No
     return task, why
 
 
-def build_task(work, tdir, tid, feats, mode, stable, reach, box, source, splice=None):
+def build_task(work, tdir, tid, feats, mode, stable, reach, box, source, splice=None, seconds=None):
     """Delete feats from a copy of work and validate it: the tests that reach them (reach: node ids, from the
     trace) run with the feature deleted and again on the gold code; every other stable test's
     outcome is known from the baseline, as the trace says it never calls the feature. In remove mode the whole
@@ -364,8 +365,9 @@ def build_task(work, tdir, tid, feats, mode, stable, reach, box, source, splice=
             Path(g, rel).write_bytes(src)
         git(g, "add", "--intent-to-add", "--", *originals)  # a file the deletion removed is new in the diff
         (tdir / "gold.patch").write_bytes(git(g, "diff", "--binary"))
-        r, records = record_calls(g, feats, box, reach)
-        oracle, task["oracle"] = make_oracle(g, feats, records, box)
+        with clocked(seconds, "oracle"):
+            r, records = record_calls(g, feats, box, reach)
+            oracle, task["oracle"] = make_oracle(g, feats, records, box)
     pkgs = packages(snap)
     # a doctest in a file the solution may edit is never a required test: rewriting it would pass it
     kept = {t for t in stable & (r.passed | unrun) if not editable(t.split("::")[0], pkgs)}
@@ -504,6 +506,7 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reac
     unmeasured task is not served; the command line measures STRENGTH_K); size: "def" (a function or method,
     with group-1 related ones) or "module" (a class with its helpers, or a module, removed whole: units)."""
     stats = {} if stats is None else stats
+    seconds = stats.setdefault("seconds", {})  # by phase (clocked)
     repo, out, box = Path(repo), Path(out), box or Sandbox()
     if not repo.is_dir():
         raise TaskError(f"--repo is not a directory: {repo}")
@@ -547,7 +550,8 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reac
         for pkg in packages(work) if compiled.is_dir() else []:
             if (compiled / package_name(pkg)).is_dir() and not pkg.endswith(".py"):
                 shutil.copytree(compiled / package_name(pkg), work / pkg, dirs_exist_ok=True)
-        stable, calls, at_import = baseline(work, box, repo, log)
+        with clocked(seconds, "trace"):
+            stable, calls, at_import = baseline(work, box, repo, log)
         stats["tests"] = len(stable)
         # by default a fifth of the suite, more while there are fewer than 2n candidates (a small library
         # whose every function most tests use); a given --reach is kept as given
@@ -583,13 +587,13 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reac
             cut, fns, reaching = feats
             tid = f"{repo.resolve().name}-{i:03d}-" + hashlib.sha1(repr(cut).encode()).hexdigest()[:8]
             task, why = make_task(work, out, tid, fns, mode, stable, reaching, box, source,
-                                  lambda snap: delete_features(snap, cut, mode))
+                                  lambda snap: delete_features(snap, cut, mode), seconds)
             if task and size == "module" and len(task["fail_to_pass"]) > limit:  # removed, it breaks what
                 shutil.rmtree(out / tid, ignore_errors=True)  # imports it: no feature of its own any more
                 task, why = None, f"it breaks {len(task['fail_to_pass'])} tests, more than {limit} (--reach)"
             return tid, (task, why)
         tasks, tried, reasons = [], 0, []
-        with stoppable(jobs) as pool:
+        with clocked(seconds, "tries"), stoppable(jobs) as pool:
             todo = iter(enumerate(groups))
             running = collections.deque((feats, pool.submit(attempt, i, feats))
                                         for i, feats in itertools.islice(todo, jobs))
@@ -624,11 +628,28 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reac
     gold_s = [task.pop("gold_s") for task in tasks]  # (not in task.json: this machine's time, not the task's)
     for task, s in zip(tasks, gold_s) if strength_k else []:
         try:
-            task["strength"] = strength(out / task["id"], strength_k, box, jobs=jobs, gold_s=s)
+            with clocked(seconds, "strength"):
+                task["strength"] = strength(out / task["id"], strength_k, box, jobs=jobs, gold_s=s)
             log(strength_lines(task["id"], task["strength"]))
         except TaskError as e:  # a gold that fails now (a flaky test, say): that task is not served
             log(f"{task['id']}: strength not measured, not served: {e}")
     return tasks
+
+
+PHASES = threading.Lock()
+
+
+@contextlib.contextmanager
+def clocked(seconds, phase):
+    """The block's wall seconds added to seconds[phase] (seconds None: nothing), from any thread: where a
+    package's time goes (the survey's throughput by phase)."""
+    t0 = time.time()
+    try:
+        yield
+    finally:
+        if seconds is not None:
+            with PHASES:
+                seconds[phase] = seconds.get(phase, 0.0) + time.time() - t0
 
 
 SIZES = ("def", "module")
@@ -3704,15 +3725,18 @@ def survey_one(spec, root, n, timeout, isolate, python=None, strength_k=STRENGTH
             t0 = time.time()
             python = python or make_env(repo, d / "venv", isolate, log=log)
             row["env_s"], t0, stats = time.time() - t0, time.time(), {}
+            row["seconds"] = {"env": row["env_s"]}
             box = Sandbox(python, isolate, timeout)
             made = make(repo, d / "tasks", n=n, box=box, log=log, stats=stats, strength_k=strength_k)
             row.update(make_s=time.time() - t0, made=len(made), tests=stats.get("tests"),
                        tried=stats.get("tried"), executed=stats.get("executed"))
+            row["seconds"].update(stats["seconds"])
             for t in made:
                 tdir = d / "tasks" / t["id"]
                 for key, kw in (("gold", {"patch": tdir / "gold.patch"}),
                                 ("untouched", {"workdir": tdir / "repo"})):
-                    reward, why = verify(tdir, box=box, **kw)
+                    with clocked(row["seconds"], "verify"):
+                        reward, why = verify(tdir, box=box, **kw)
                     row[key].append(reward)
                     log(f"verify {key} {t['id']}: reward {reward}: {why}")
                 # kept with the task: one whose gold fails a second verify is not served

@@ -7,6 +7,7 @@ few at a time, and prints a row as each finishes.
     python tasks.py survey --draw 30 --seed S --exclude README.md experiments.md test_all.py --out DIR
 """
 
+import collections
 import concurrent.futures
 import hashlib
 import json
@@ -237,8 +238,19 @@ def index(rows, root, n=3, log=print):
         served, made = (sum(r[k] for r in rows) for k in ("served", "made"))
         log(f"mutants killed on the median task: {both:.0f}% by tests and oracle, {alone:.0f}% by the tests "
             f"alone; {served} of {made} tasks made are served")
+    seconds = collections.Counter()
+    for r in rows:
+        seconds.update(r.get("seconds", {}))
+    total, made = sum(v for k, v in seconds.items() if k != "oracle"), sum(r["made"] for r in rows)
+    if total:  # the oracle's time is part of the tries'
+        log(f"{made} tasks in {total / 3600:.2f} hours of package processes ({3600 * made / total:.1f} an "
+            "hour of one): " + ", ".join(f"{k} {100 * seconds[k] / total:.0f}%" for k in PHASES if seconds[k])
+            + (f" (the oracle {100 * seconds['oracle'] / total:.0f}%)" if seconds["oracle"] else ""))
     write_whole(Path(root, "survey.json"), rows)
     return rows
+
+
+PHASES = ("env", "trace", "tries", "strength", "verify")  # a package's time, in order (tasks.py's clocked)
 
 
 def merge(root, log=print):
