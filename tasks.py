@@ -37,7 +37,8 @@ The map, in file order:
                    (the deletion role's, on a spec), Verifier (judges in a pool, at the pace of sampling)
     Micro          micro-repositories, their gold episodes, TaskPool (tasks made while training runs)
     Tool use       the arithmetic tool-use family (below), its transcripts and the DifficultySampler
-    Survey         survey_one: a package off the index through env, make and verify
+    Survey         survey_one: a package off the index (or a local repository) through env, make and
+                   verify, in a process of its own; survey_cli: one process, a shard, or torchrun's ranks
     Appendix       the command line (cli) and the demo
 
 Tool use over small integers: the question is a nested expression such as `mul(add(3,4),2)`, the episode
@@ -57,7 +58,9 @@ writable, a timeout), harness/env.py (a venv per repository with its test requir
 harness/repo.py (which files are source, a work tree read without trusting it), harness/child.py and
 harness/plugins.py (the code that runs inside the sandboxed processes: the oracle's child, the tracer and
 recorder plugins) and harness/survey.py (packages off the index). make takes a git checkout (each task records
-the commit) and runs its tests with the interpreter from `env`.
+the commit) and runs its tests with the interpreter from `env`. Tool calls: text here (`call add(3,4)`);
+for a released model whose chat template has a format of its own, rollout hands an environment the call
+parsed from it (declared(), text_call()).
 
     python tasks.py                # tool use: tasks, gold transcripts, a long chain, a scripted episode,
                                    # the difficulty sampler
@@ -71,6 +74,8 @@ the commit) and runs its tests with the interpreter from `env`.
     python tasks.py scan DIR [--task TASK.json] [--site-packages]
     python tasks.py monitor TRAJECTORY.jsonl [--task TASK_DIR]
     python tasks.py survey --draw 30 --out DIR  # make and verify on packages nobody here chose
+    torchrun --nnodes N --nproc_per_node P tasks.py survey ... --out SHARED   # a share a rank, one index
+    python tasks.py survey ... --shard K/N --out SHARED; python tasks.py merge --out SHARED   # job arrays
 """
 
 import argparse
