@@ -13,7 +13,9 @@ imports it.
     child.py     the oracle's sandboxed child: the copier, canonical results, held-out inputs by mutation
     plugins.py   plugins inside the repository's pytest run: the tracer (test -> feature map) and the
                  recorder (the feature's inputs while the gold code runs)
-    survey.py    packages from the index: the list a survey draws from, sdists fetched and checked, the table
+    survey.py    packages from the index: the list a survey draws from, sdists fetched and checked; a rank's
+                 share, each package in a process of its own, its record on disk (a restart goes on from
+                 them); the index and the table
 
 Standard library only. The two errors every mechanism raises are defined here.
 """
