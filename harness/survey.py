@@ -3,7 +3,7 @@ release's sdist fetched from the package index, checked against its SHA-256 and 
 its folder, and the survey's table. What a package's row measures (env, make, verify of each task's gold and
 of its untouched snapshot, strength, served) is tasks.py's survey_one; this file runs it over a rank's share
 of the packages, each in a process of its own that writes the package's record, a few at a time, and writes
-the index (SWE-rebench's pipeline makes its tasks the same way: a package a unit of work, its outcome a file).
+the index.
 
     python tasks.py survey --draw 30 --seed S --exclude README.md experiments.md test_all.py --out DIR
     torchrun --nproc_per_node 4 --max-restarts 2 tasks.py survey --draw 30 --out DIR   # a restart resumes
