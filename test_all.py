@@ -5609,6 +5609,17 @@ def test_code_that_tests_its_arguments_types_gets_an_argument_of_another_type(tm
 
 
 @sandboxed
+def test_a_text_argument_gets_a_blank_held_out_input(tmp_path):
+    """A text made of spaces alone is a held-out input (inflect's plural_adj returns a blank text as it is,
+    a branch no test and no other variant reached: its `return text` -> `return None` mutant survived and the
+    task's strength was 75%). The empty text is no stand-in: a type check may refuse it first."""
+    source = "def shout(text):\n    if not text.strip():\n        return text\n    return text.upper() + '!'\n"
+    oracle, _ = oracle_of(tmp_path, "loud", source, "shout", lambda loud: [((w,), None) for w in ("cat", "dog")])
+    blank = [c for c in oracle["calls"] if re.fullmatch(r"returns ' +'.*", c[2], re.S)]
+    assert blank and {c[3] for c in blank} == {"held-out"}, oracle["calls"]
+
+
+@sandboxed
 def test_a_feature_that_takes_nothing_is_covered_by_the_call_the_tests_made(tmp_path):
     """Held-out inputs vary a feature's arguments; a function that takes none has no input but the one the
     tests gave it (its world: the clock, the environment), so that call covers it. One that takes any needs

@@ -461,8 +461,8 @@ def mutants(value, rng, depth=0, read=frozenset(), consts=()):
     elif isinstance(value, (str, bytes, bytearray, list, tuple)):
         out = [value[:0], value + value[:1], value[1:], value[::-1], value[:1] + value]
         text = not isinstance(value, (list, tuple))
-        if text:  # what the code compares with, put in the middle or alone; then a separator, capitals, a
-            half = len(value) // 2  # letter beyond ASCII, the value twice
+        if text:  # spaces alone; what the code compares with, put in the middle or alone; then a separator,
+            half = len(value) // 2  # capitals, a letter beyond ASCII, the value twice
             word = type(value[:0])
             held = [c if word is str else c.encode() for c in consts if type(c) is str and 0 < len(c) <= 16
                     and (word is str or c.isascii())]
@@ -471,6 +471,7 @@ def mutants(value, rng, depth=0, read=frozenset(), consts=()):
                 value[:half] + m + value[half:] for m in marks[:2]] + held[:2]
             out += [value.upper() if value.upper() != value else value.lower(), marks[-1] + value,
                     value + marks[1] + value]
+            out.insert(1, marks[1] * max(1, min(len(value), 3)))  # blank, beside the empty one
             out = [m for k, m in enumerate(out) if m not in out[:k]]  # each once
         digits = "0123456789" if isinstance(value, str) else b"0123456789"
         spots = [i for i in range(len(value)) if not text or value[i:i + 1] in digits]
