@@ -1577,10 +1577,11 @@ def module_name(rel):
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def oracle_run(box, tree, features, calls, mode="run", timeout=None, pool=()):
+def oracle_run(box, tree, features, calls, mode="run", timeout=None, pool=(), layout=0):
     """ORACLE_CHILD in the sandbox over a copy of tree's packages (their tests and everything else left
     out): {call index: result line} for "run", [[feature, base64 input]] for "mutate". calls: [[feature,
-    base64 input]]; pool: base64 values that "mutate" may put in place of an argument of their type."""
+    base64 input]]; pool: base64 values that "mutate" may put in place of an argument of their type; layout:
+    bytes the child takes before it imports anything of the packages (its objects then lie elsewhere)."""
     with scratch() as view, tempfile.TemporaryFile() as fd:
         for pkg in packages(tree):
             for rel in package_files(tree, pkg):
@@ -1592,7 +1593,8 @@ def oracle_run(box, tree, features, calls, mode="run", timeout=None, pool=()):
         # -s, not -I: the environment is the sandbox's own, and -I would drop its PYTHONHASHSEED (a set of
         # strings, emoji's distinct_emoji_list, came back in another order from run to run)
         rc, out = box.run(["-s", "-c", ORACLE_CHILD, mode, view, str(Path(view, "oracle-inputs.json")),
-                           str(fd.fileno())], view, pass_fds=[fd.fileno()], timeout=timeout)
+                           str(fd.fileno())], view, pass_fds=[fd.fileno()], timeout=timeout,
+                          extra_env={"FEATDEL_LAYOUT": str(layout)})
         lines = [parsed(line) for line in tail(fd, READ_AT_MOST).splitlines()]
     if mode == "mutate":
         return [x for x in lines if isinstance(x, list) and len(x) == 2]
@@ -1603,7 +1605,8 @@ def oracle_run(box, tree, features, calls, mode="run", timeout=None, pool=()):
     return got
 
 
-WORDS, WORD = re.compile(r"\w+|\W"), re.compile(r"\w")  # a result's words and the characters between them
+# a result's words (a number with its sign) and the characters between them
+WORDS, WORD = re.compile(r"-?\d\w*|\w+|\W"), re.compile(r"-?\w")
 CONSTANTS = {"True", "False", "None"}
 
 
@@ -1678,12 +1681,17 @@ def make_oracle(gold, feats, records, box):
     return {"encoding": ENCODING, "features": features, "calls": kept}, summary
 
 
+LAYOUT = 1 << 16  # bytes the second gold run takes first: address-dependent values move
+
+
 def gold_results(box, gold, features, calls):
     """The gold's results on calls, run twice (a result that depends on a temporary name, a random draw or
-    the time a call takes differs; the date does not: every oracle run's clock starts at CLOCK_AT): (the
-    first run's {k: line}, [expected line, a pattern where the runs differ in some words, or None where they
-    differ otherwise])."""
-    first, second = (oracle_run(box, gold, features, calls, "run") for _ in range(2))
+    the time a call takes differs; the date does not: every oracle run's clock starts at CLOCK_AT), the second
+    with its objects elsewhere in memory (a hash of an object's address, soupsieve's `_hash` of its classes,
+    differs: with the same layout twice it agreed at make and not at verify, whose inputs file is another
+    size): (the first run's {k: line}, [expected line, a pattern where the runs differ in some words, or None
+    where they differ otherwise])."""
+    first, second = (oracle_run(box, gold, features, calls, "run", layout=n) for n in (0, LAYOUT))
     return first, [first.get(k) if first.get(k) == second.get(k) else pattern(first.get(k), second.get(k))
                    for k in range(len(calls))]
 

@@ -303,6 +303,7 @@ CLOCK_AT = 1767268800  # 2026-01-01 12:00 UTC: where the clock of every oracle r
 
 PLACES = ()  # in the child: (path, name) of the folders its run was given, named alike in every run
 PROBES = None  # in the child's "run" mode: the arguments of the call under way, on which canon calls closures
+LAYOUT: list = []  # in the child: what it takes before it imports the packages (oracle_run's layout)
 
 
 def canon(x, depth=0, seen=(), only=None):
@@ -529,6 +530,8 @@ def oracle_main(mode, root, inputs, fd):
     sys.path[:0] = [root, os.path.join(root, "src")]
     PLACES = sorted(((p, name) for d, name in ((root, "<root>"), (os.environ.get("HOME", ""), "<home>")) if d
                      for p in {d, os.path.realpath(d)}), key=lambda x: -len(x[0]))  # the longest first
+    pad = int(os.environ.get("FEATDEL_LAYOUT", "0"))  # kept for the run: the heap and the small objects'
+    LAYOUT[:] = [bytearray(pad), [(i,) for i in range(pad // 64)]]  # arenas move
     spec = json.load(open(inputs))
     out = os.fdopen(int(fd), "w", buffering=1)
     fixed_clock(CLOCK_AT)  # before the packages import: they may bind time.time or datetime as they do
@@ -745,7 +748,7 @@ ORACLE_CHILD = "\n".join(["import contextlib, copy, copyreg, hashlib, importlib,
                           "import asyncio, collections, datetime, decimal, enum, fractions, functools",
                           "import inspect, itertools, pickle, re, sys, tempfile, threading, types",
                           f"HELD_OUT_AT_LEAST, CLOCK_AT = {HELD_OUT_AT_LEAST}, {CLOCK_AT}",
-                          "PLACES, PROBES = (), None",
+                          "PLACES, PROBES, LAYOUT = (), None, []",
                           COPY_MODULE,
                           *map(inspect.getsource, (canon, own_value, state_of, behaviour, mutants, like,
                                                    attributes, oracle_main, class_names, fixed_clock, drain,
