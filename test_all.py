@@ -2940,9 +2940,10 @@ def test_tool_calls_in_each_familys_own_format(tmp_path):
         if name in ("qwen3", "glm-4.5", "kimi-k2-thinking"):  # a random policy's rollout on a tool task, its
             # tools declared (JSON, pairs, the name in the id): exact at every reply
             cfg = GRPOConfig(group_size=1, max_message_tokens=8, context_budget=400, tokenizer=tok)
-            t, = rollout(tiny_model(vocab_size=300, n_layer=2), [ToolEnv(make_tool_task(random.Random(0), 1))],
-                         cfg, torch.Generator().manual_seed(0))
-            assert t.segments[0].messages[0][0] == "tools" and len(t.spans) > 2 and all(contexts_exact(tok, t))
+            env = ToolEnv(make_tool_task(random.Random(0), 1))
+            t, = rollout(tiny_model(vocab_size=300, n_layer=2), [env], cfg, torch.Generator().manual_seed(0))
+            assert t.segments[0].messages[0][0] == "tools" and len(t.spans) > 2
+            assert all(contexts_exact(tok, t))
         if tok.calls:  # replies no call reads from: each is the environment's to answer
             rng, good = random.Random(name), tok.written_call("add", {"a": 1, "b": 2})
             junk = [good.replace("{", "[", 1), good * 2, tok.written_call("x" * 300, {}), good[:30] * 300,
@@ -5613,8 +5614,10 @@ def test_a_text_argument_gets_a_blank_held_out_input(tmp_path):
     """A text made of spaces alone is a held-out input (inflect's plural_adj returns a blank text as it is,
     a branch no test and no other variant reached: its `return text` -> `return None` mutant survived and the
     task's strength was 75%). The empty text is no stand-in: a type check may refuse it first."""
-    source = "def shout(text):\n    if not text.strip():\n        return text\n    return text.upper() + '!'\n"
-    oracle, _ = oracle_of(tmp_path, "loud", source, "shout", lambda loud: [((w,), None) for w in ("cat", "dog")])
+    source = ("def shout(text):\n    if not text.strip():\n        return text\n"
+              "    return text.upper() + '!'\n")
+    oracle, _ = oracle_of(tmp_path, "loud", source, "shout",
+                          lambda loud: [((w,), None) for w in ("cat", "dog")])
     blank = [c for c in oracle["calls"] if re.fullmatch(r"returns ' +'.*", c[2], re.S)]
     assert blank and {c[3] for c in blank} == {"held-out"}, oracle["calls"]
 
