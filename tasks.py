@@ -130,8 +130,8 @@ from harness.repo import (CONFIG, fresh_git, inside, is_protected, linked, lstat
                           walk)
 from harness.sandbox import (PYTEST, READ_AT_MOST, STOPPING, Report, Sandbox, first_error, parsed, scratch,
                              stop, stoppable, tail)
-from harness.survey import (SURVEY_PACKAGES, die_with_parent, fetch_sdist, index, merge, package_dir,
-                            survey, unnamed, valid_tasks, write_whole)
+from harness.survey import (SURVEY_PACKAGES, blank_row, die_with_parent, fetch_sdist, index, merge,
+                            package_dir, survey, unnamed, valid_tasks, write_whole)
 
 
 # -----------------------------------------------------------------------------
@@ -3723,8 +3723,7 @@ def survey_one(spec, root, n, timeout, isolate, python=None, strength_k=STRENGTH
     d = Path(root, package_dir(spec))
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
-    row = {"package": spec, "tests": None, "env_s": None, "make_s": None, "made": 0, "tried": 0, "gold": [],
-           "untouched": [], "executed": None, "strength": [], "served": 0, "tasks": [], "why": ""}
+    row = blank_row(spec)
     with open(d / "log.txt", "w", buffering=1) as f:
         def log(line):
             f.write(line + "\n")

@@ -7515,7 +7515,7 @@ def processes(*command, variable):
 def test_the_survey_on_torchrun_after_a_rank_dies_and_in_shards(tmp_path):
     """The survey of three local packages (the fixture, a task each) in one process; under torchrun on 2 gloo
     processes with rank 0 killed mid-package (its first package's record on disk, its second under way) and
-    one restart; as --shard 0/2 and 1/2 then merge: the same index, seconds aside. The restart runs again
+    a restart; as --shard 0/2 and 1/2 then merge: the same index, seconds aside. The restart runs again
     only what was under way: a record on disk before the kill is not written again."""
     specs = [str(write_fixture(tmp_path / f"calc{k}")) for k in range(3)]
     flags = [*specs, "--python", sys.executable, "--per-package", "1", "--strength-k", "2", "--jobs", "1"]
@@ -7530,7 +7530,8 @@ def test_the_survey_on_torchrun_after_a_rank_dies_and_in_shards(tmp_path):
         return started[-1]
     try:
         ranks = survey("ranks", launch=["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                                        "--max-restarts=1"])
+                                        "--max-restarts=2"])  # one for the kill, one for a gloo
+        # connection refused while the restarted ranks join (seen once under load; no package runs then)
         first = tmp_path / "ranks/calc0/row.json"  # rank 0's first package (rank 0: calc0, calc2; 1: calc1)
         deadline = time.time() + 240
         while not first.is_file() and ranks.poll() is None and time.time() < deadline:

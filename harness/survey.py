@@ -171,7 +171,7 @@ def survey(specs, root, command, rank=0, world=1, jobs=2, timeout=None, log=prin
             done = int(tries.read_text()) if tries.is_file() else 0
             if done >= TRIES:
                 Path(record.parent).mkdir(parents=True, exist_ok=True)
-                write_whole(record, {**FAILED, "package": spec, "why": f"failed {TRIES} times: {why}"})
+                write_whole(record, blank_row(spec, f"failed {TRIES} times: {why}"))
                 break
             write_whole(tries, done + 1)  # before the run: a run the whole process dies in counts too
             why = run_whole(command(spec), timeout)
@@ -189,8 +189,12 @@ def survey(specs, root, command, rank=0, world=1, jobs=2, timeout=None, log=prin
     return rows
 
 
-FAILED = {"tests": None, "env_s": None, "make_s": None, "made": 0, "tried": 0, "gold": [], "untouched": [],
-          "executed": None, "strength": [], "served": 0, "tasks": []}
+def blank_row(spec, why=""):
+    """A package's row before anything of it is made (survey_one fills it in)."""
+    return {"package": spec, "tests": None, "env_s": None, "make_s": None, "made": 0, "tried": 0, "gold": [],
+            "untouched": [], "executed": None, "strength": [], "served": 0, "tasks": [], "why": why}
+
+
 HEAD = (f"{'package':<32} {'tests':>6} {'env s':>5} {'make s':>6} made  valid gold untc   execs "
         f"{'% killed: tests/+oracle':>23} served  why")
 
