@@ -847,9 +847,12 @@ BIND_ARGS_AT_MOST = 7500
 
 def add_canaries(work, need):
     """Append a must-pass and a must-fail test to one of the required tests' files in work, named from the
-    words of that file's tests after the solution is fixed: (must-pass id, must-fail id)."""
+    words of that file's tests after the solution is fixed: (must-pass id, must-fail id). A file whose
+    required tests are its doctests (`mod.py::pkg.mod.f`, under --doctest-modules) is a source module, where
+    pytest collects no test function: not one of them."""
     rng = random.Random(secrets.randbits(64))
-    files = sorted({t.split("::")[0] for t in need if "::" in t and t.split("::")[0].endswith(".py")})
+    test_function = lambda t: "::" in t and "." not in re.sub(r"\[.*", "", t.partition("::")[2])
+    files = sorted({t.split("::")[0] for t in need if test_function(t) and t.split("::")[0].endswith(".py")})
     home = rng.choice(files) if files else f"test_{secrets.token_hex(3)}.py"
     text = Path(work, home).read_text() if files else ""
     words = sorted({w for name in re.findall(r"^\s*def test_(\w+)", text, re.M)

@@ -6652,6 +6652,31 @@ def test_canaries_are_judged_in_every_instance_a_conftest_makes(tmp_path):
 
 
 @sandboxed
+def test_canaries_go_to_a_test_file_not_a_module_whose_doctests_are_required(tmp_path):
+    """Under --doctest-modules a source module's doctests are required tests too (`pkg/m.py::pkg.m.f`); a
+    canary appended there is never collected (no test function is, outside the test files), so the gold
+    failed verify half the time (diceware: "a canary did not behave (None, None)"). The canaries go to the
+    test file, every time."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg/__init__.py").write_text("")
+    (tmp_path / "pkg/m.py").write_text('def f():\n    """\n    >>> f()\n    1\n    """\n    return 1\n')
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests/test_m.py").write_text("from pkg.m import f\n\ndef test_f():\n    assert f() == 1\n")
+    (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = --doctest-modules\n")
+    need = ["pkg/m.py::pkg.m.f", "tests/test_m.py::test_f[1.5]"]
+    originals = {p: p.read_text() for p in (tmp_path / "pkg/m.py", tmp_path / "tests/test_m.py")}
+    for _ in range(8):
+        must_pass, must_fail = tasks.add_canaries(tmp_path, need)
+        assert must_pass.startswith("tests/test_m.py::") and must_fail.startswith("tests/test_m.py::")
+        assert (tmp_path / "pkg/m.py").read_text() == originals[tmp_path / "pkg/m.py"]
+        (tmp_path / "tests/test_m.py").write_text(originals[tmp_path / "tests/test_m.py"])
+    must_pass, must_fail = tasks.add_canaries(tmp_path, need[:1] + ["tests/test_m.py::test_f"])
+    r = tasks.Sandbox(timeout=30).pytest(tmp_path, select=[*need[:1], "tests/test_m.py::test_f", must_pass,
+                                                           must_fail])
+    assert tasks.canaries_behave(r.outcomes, must_pass, must_fail), r.out
+
+
+@sandboxed
 def test_no_gold_within_reach_of_the_task_or_its_interpreter(made, tmp_path):
     """The gold in no form a sandboxed run can read. An interpreter holding the repository's packages (an
     installed copy, a module's orphaned __pycache__ entry that a loader runs without its source, an editable
