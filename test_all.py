@@ -7799,15 +7799,25 @@ def test_env_installs_what_the_configuration_needs(tmp_path):
     tests (the package's Python code leaves the venv), and make and verify run with its interpreter. A test
     module written for pytest 8 (Flask's: it imports `_pytest.monkeypatch.notset`, gone in 9) gets pytest 8. A
     --python that is not an interpreter and an install that fails are one line each (that install runs
-    beside the rest: each waits on the package index)."""
+    beside the rest: each waits on the package index). An sdist that does not build (its setup.py reads a
+    file it does not ship: aiobreaker's) gets its release's wheel, whose code leaves the venv too."""
     if not index_reachable():
         pytest.skip("package index unreachable")
     broken = write_fixture(tmp_path / "broken")
     (broken / "pyproject.toml").write_text('[project]\nname = "calc"\nversion = "0.1"\n'
                                            '[project.optional-dependencies]\n'
                                            'test = ["featdel-no-such-package-anywhere"]\n')
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    sdist = tmp_path / "six-1.17.0"
+    (sdist / "tests").mkdir(parents=True)
+    (sdist / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: six\nVersion: 1.17.0\n")
+    (sdist / "setup.py").write_text("from setuptools import setup\nsetup(name='six', version='1.17.0', "
+                                    "long_description=open('readme.rst').read(), py_modules=['six'])\n")
+    (sdist / "six.py").write_text("PY3 = True\n")
+    (sdist / "tests/test_six.py").write_text("import six\n\ndef test_py3():\n    assert six.PY3\n")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
         failing = pool.submit(tasks.make_env, broken, tmp_path / "venv2", log=lambda s: None)
+        said = []
+        wheel = pool.submit(tasks.make_env, sdist, tmp_path / "venv3", log=said.append)
         repo = write_fixture(tmp_path / "calc")
         (repo / "tests/test_calc.py").write_text(TESTS.split("def test_flaky")[0] + "def test_twice():\n"
                                                  "    from calc._speed import twice\n"
@@ -7851,6 +7861,10 @@ def test_env_installs_what_the_configuration_needs(tmp_path):
         with pytest.raises(tasks.TaskError, match=r"^pip install failed in .*venv2: ERROR: No matching "
                                                   r"distribution found for featdel-no-such-package-anywhere"):
             failing.result()
+        python = wheel.result()
+        assert "installing the wheel of six==1.17.0" in " ".join(said), said
+        assert list(tmp_path.glob("venv3/lib/python3*/site-packages/six-1.17.0.dist-info"))
+        assert tasks.interpreter_copies(python, True, ("six",)) == []
 
 
 # -----------------------------------------------------------------------------
