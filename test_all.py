@@ -6677,6 +6677,19 @@ def test_canaries_go_to_a_test_file_not_a_module_whose_doctests_are_required(tmp
 
 
 @sandboxed
+def test_a_read_only_configuration_the_sdist_ships_as_0600_is_read(tmp_path):
+    """Read-only paths are mounted as they are on the host: an sdist's files of mode 0600 (httpretty's tox.ini)
+    were unreadable to the sandbox's user when the host is root, and every verify crashed in pytest's setup."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests/test_a.py").write_text("def test_a():\n    pass\n")
+    (tmp_path / "tox.ini").write_text("[pytest]\naddopts = -q\n")
+    for f in ("tox.ini", "tests/test_a.py", "tests"):
+        os.chmod(tmp_path / f, 0o700 if f == "tests" else 0o600)
+    r = tasks.Sandbox(timeout=30).pytest(tmp_path, readonly=[tmp_path / "tox.ini", tmp_path / "tests"])
+    assert r.end == 0 and r.outcomes["tests/test_a.py::test_a"]["call"] == "passed", r.out[-800:]
+
+
+@sandboxed
 def test_no_gold_within_reach_of_the_task_or_its_interpreter(made, tmp_path):
     """The gold in no form a sandboxed run can read. An interpreter holding the repository's packages (an
     installed copy, a module's orphaned __pycache__ entry that a loader runs without its source, an editable

@@ -30,6 +30,7 @@ import re
 import secrets
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -286,6 +287,7 @@ class Sandbox:
                 cmd = self.bwrap(root, home, path, writable, readonly, network) + cmd
                 os.chmod(root, os.stat(root).st_mode | 0o555)  # the sandbox's user reads its view of root
                 owner(writable, NOBODY) if os.getuid() == 0 else None
+                readable(readonly) if os.getuid() == 0 else None
             if cg:
                 cg.mkdir()
                 Path(cg, "pids.max").write_text(str(self.processes))
@@ -389,6 +391,18 @@ def tail(f, limit):
     f.seek(max(0, f.seek(0, os.SEEK_END) - limit))
     data = f.read()
     return data.decode("utf-8", "replace") if isinstance(data, bytes) else data
+
+
+def readable(paths):
+    """Make paths inside a run's folder, mounted as they are, readable by the sandbox's user (httpretty's
+    sdist ships its tox.ini as 0600: verify's read-only configuration could not be read); links untouched."""
+    for top in paths:
+        walk = [] if os.path.islink(top) else os.walk(top)  # nothing for a file
+        inside = [Path(d, x) for d, dirs, files in walk for x in dirs + files]
+        for x in [Path(top), *inside]:
+            st = os.lstat(x)
+            if not stat.S_ISLNK(st.st_mode):
+                os.chmod(x, st.st_mode | (0o555 if stat.S_ISDIR(st.st_mode) else 0o444))
 
 
 def owner(folders, uid):
