@@ -5663,15 +5663,19 @@ def test_a_feature_that_takes_nothing_is_covered_by_the_call_the_tests_made(tmp_
         "import time\nfrom datetime import date, datetime, timezone\n\n\ndef valid(exp):\n"
         "    return time.time() < exp\n\n\ndef valid_utc(exp):\n"
         "    return datetime.now(timezone.utc).timestamp() < exp\n\n\ndef today(sep):\n"
-        "    return date.today().isoformat().replace('-', sep) + time.strftime(' %H') + time.ctime()[-5:]\n")
+        "    return date.today().isoformat().replace('-', sep) + time.strftime(' %H') + time.ctime()[-5:]\n"
+        "\n\ndef deadline(period):\n    return int(time.monotonic() + period), int(time.perf_counter_ns() // 1e9)\n")
     at = harness.child.CLOCK_AT
     soon, gone = (base64.b64encode(pickle.dumps(((at + d,), {}))).decode() for d in (3600, -3600))
-    feats = [("stamp/clock.py", "valid"), ("stamp/clock.py", "valid_utc"), ("stamp/clock.py", "today")]
+    feats = [("stamp/clock.py", f) for f in ("valid", "valid_utc", "today", "deadline")]
     slash = base64.b64encode(pickle.dumps((("/",), {}))).decode()
-    oracle, summary = tasks.make_oracle(tmp_path, feats, [[0, soon], [1, gone], [2, slash]], box)
+    oracle, summary = tasks.make_oracle(tmp_path, feats, [[0, soon], [1, gone], [2, slash], [3, one]], box)
     traced = {c[0]: c[2] for c in oracle["calls"] if c[3] == "traced"}
-    assert summary["traced"] == 3 and traced[0].startswith("returns True;"), (summary, traced)
+    assert summary["traced"] == 4 and traced[0].startswith("returns True;"), (summary, traced)
     assert traced[1].startswith("returns False;") and traced[2].startswith("returns '2026/01/01 12 2026';")
+    # and the monotonic clocks start at UPTIME_AT whatever the host's uptime (throttler's state)
+    up = harness.child.UPTIME_AT
+    assert traced[3].startswith(f"returns ({up + 1}, {up});"), traced[3]
 
 
 SHELF = """import os, sys, tempfile

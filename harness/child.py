@@ -300,6 +300,7 @@ for f in ({", ".join(f.__name__ for f in HELPERS)}):
 # functions are plain code here, sent as source.
 
 CLOCK_AT = 1767268800  # 2026-01-01 12:00 UTC: where the clock of every oracle run starts, make's and verify's
+UPTIME_AT = 86400  # and where its monotonic clocks start (a machine up a day), whatever the host's uptime
 
 PLACES = ()  # in the child: (path, name) of the folders its run was given, named alike in every run
 PROBES = None  # in the child's "run" mode: the arguments of the call under way, on which canon calls closures
@@ -679,14 +680,16 @@ def fixed_clock(at):
     """The clock of the code that runs after this starts at `at` (seconds since the epoch, UTC) and runs on
     from there, in UTC: time.time and time_ns (date.today and datetime.today read them); localtime, gmtime,
     ctime, asctime and strftime without a time; datetime.now and utcnow (datetime.datetime becomes a subclass
-    of that name whose two read time.time, and of which every datetime counts as an instance). Durations
-    (monotonic, perf_counter) stay real."""
+    of that name whose two read time.time, and of which every datetime counts as an instance). monotonic and
+    perf_counter start at UPTIME_AT (throttler keeps `monotonic() + period` in its state: verify on another
+    day read the host's uptime there). Durations stay real."""
     import time as clock
     os.environ["TZ"] = "UTC"
     clock.tzset()
-    real, start = clock.time_ns, clock.time_ns()
-    clock.time_ns = lambda: at * 10 ** 9 + real() - start
-    clock.time = lambda: clock.time_ns() / 1e9
+    for name, since in (("time", at), ("monotonic", UPTIME_AT), ("perf_counter", UPTIME_AT)):
+        ns = getattr(clock, name + "_ns")
+        setattr(clock, name + "_ns", lambda ns=ns, start=ns(), since=since: since * 10 ** 9 + ns() - start)
+        setattr(clock, name, lambda ns=getattr(clock, name + "_ns"): ns() / 1e9)
     for name in ("localtime", "gmtime", "ctime"):
         setattr(clock, name, lambda secs=None, f=getattr(clock, name): f(clock.time() if secs is None else secs))
     clock.asctime = lambda t=None, f=clock.asctime: f(clock.localtime() if t is None else t)
@@ -748,6 +751,7 @@ ORACLE_CHILD = "\n".join(["import contextlib, copy, copyreg, hashlib, importlib,
                           "import asyncio, collections, datetime, decimal, enum, fractions, functools",
                           "import inspect, itertools, pickle, re, sys, tempfile, threading, types",
                           f"HELD_OUT_AT_LEAST, CLOCK_AT = {HELD_OUT_AT_LEAST}, {CLOCK_AT}",
+                          f"UPTIME_AT = {UPTIME_AT}",
                           "PLACES, PROBES, LAYOUT = (), None, []",
                           COPY_MODULE,
                           *map(inspect.getsource, (canon, own_value, state_of, behaviour, mutants, like,
