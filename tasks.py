@@ -711,6 +711,11 @@ def apply_edits(src, edits):
     return src
 
 
+def parameters(args):
+    """A def's parameter names, in order (ast.arguments)."""
+    return [a.arg for a in [*args.posonlyargs, *args.args, args.vararg, *args.kwonlyargs, args.kwarg] if a]
+
+
 def find_def(tree, qualname):
     """The definition qualname names in tree: at each level the last of that name, the one Python binds
     (before it: `@overload` stubs, or a definition a later one replaces). -> the node, or None."""
@@ -1664,7 +1669,8 @@ def make_oracle(gold, feats, records, box):
     kept = [[i, data, expected[k], "traced" if k < len(traced) else "held-out"]
             for k, (i, data) in enumerate(calls) if ok[k]]
     per = [sum(c[0] == i and c[3] == "held-out" for c in kept) for i in range(len(feats))]
-    takes = [ast.unparse(find_def(ast.parse(Path(gold, rel).read_bytes()), q).args) for rel, q in feats]
+    takes = [parameters(find_def(ast.parse(Path(gold, rel).read_bytes()), q).args)[q.endswith(".__init__"):]
+             for rel, q in feats]  # an __init__'s receiver is written blank: no input
     enough = [n >= HELD_OUT_AT_LEAST or not takes[i] and any(c[0] == i for c in kept)
               for i, n in enumerate(per)]
     kinds = Counter(c[3] for c in kept)

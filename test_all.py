@@ -5579,6 +5579,13 @@ def test_an_exceptions_init_gets_held_out_inputs(tmp_path):
     oracle, summary = oracle_of(tmp_path, "errs", source, "NoSuchFile.__init__", calls)
     assert summary["covered"] and summary["held_out_per_feature"][0] >= tasks.HELD_OUT_AT_LEAST, summary
     assert all(c[2].startswith("returns") for c in oracle["calls"]), oracle["calls"]  # the state: fqp too
+    # an __init__ that takes nothing but its (blank) receiver takes nothing: the tests' call covers it, as a
+    # function's without parameters does (jiwer's RemovePunctuation.__init__: never served before)
+    source = ("class Strip:\n    def __init__(self):\n        self.chars = ''.join(sorted(set('.,;')))\n")
+    oracle, summary = oracle_of(tmp_path, "strip", source, "Strip.__init__",
+                                lambda m: [((r,), r) for r in [m.Strip.__new__(m.Strip)]])
+    assert summary["covered"] and summary["held_out_per_feature"] == [0], summary
+    assert oracle["calls"][0][2].startswith("returns None; after"), oracle["calls"]
 
 
 @sandboxed
