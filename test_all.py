@@ -5589,6 +5589,16 @@ def test_an_exceptions_init_gets_held_out_inputs(tmp_path):
 
 
 @sandboxed
+def test_an_async_closure_is_compared_by_what_awaiting_it_gives(tmp_path):
+    """A decorator's async wrapper is a result compared by what it returns on probes, awaited: before, the
+    coroutine it returned was compared, so throttler's `return await func(...)` dropped survived (67%)."""
+    source = "def scaled(k):\n    async def f(x):\n        return x * k\n    return f\n"
+    oracle, _ = oracle_of(tmp_path, "scale", source, "scaled", lambda m: [((3,), None)])
+    traced = next(c[2] for c in oracle["calls"] if c[3] == "traced")
+    assert "returns 9" in traced and "returns -6" in traced, traced
+
+
+@sandboxed
 def test_held_out_inputs_of_a_receiver_holding_a_mock(tmp_path):
     """A receiver that holds a mock (oauthlib's endpoints hold a MagicMock validator): making variants of
     the arguments asks things of the mock, which records them, and its records do not load again; each

@@ -385,7 +385,8 @@ def state_of(x, only=None):
 def behaviour(f, depth, seen):
     """What a function made at run time (a closure, a lambda, a decorator's wrapper) returns or raises on a
     few inputs: the arguments of the call that made it and some plain values (PROBES, set per call in "run"
-    mode; elsewhere no function is called). A closure that is a table of the tests' answers fails them."""
+    mode; elsewhere no function is called); an async one's, awaited (throttler's timing decorators). A
+    closure that is a table of the tests' answers fails them."""
     if PROBES is None or depth > 2:
         return ""
     try:
@@ -398,7 +399,10 @@ def behaviour(f, depth, seen):
     for i in range(6 if n else 1):
         try:
             args = copy.deepcopy(tuple(values[(i + 3 * j) % len(values)] for j in range(n)))
-            out.append("returns " + canon(f(*args), depth + 1, seen))
+            r = f(*args)
+            if inspect.iscoroutine(r) or inspect.isasyncgen(r):  # an async wrapper's: what awaiting it gives
+                r = event_loop().run_until_complete(r if inspect.iscoroutine(r) else drain(r))
+            out.append("returns " + canon(r, depth + 1, seen))
         except SystemExit as e:
             out.append(f"exits {e.code!r}")
         except Exception as e:
