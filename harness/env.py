@@ -111,9 +111,11 @@ def make_env(repo, venv, isolate=True, log=print):
                               extra_env=keep)
             rc, out = (rc, out) if rc else box.run([*pip, "--no-build-isolation", target, *reqs, "pytest"],
                                                     src, writable=[venv], network=True, extra_env=keep)
-        name, version = release(src) if sdist and rc and f"Failed to build 'file://{src}" in out else (0, 0)
-        if name and version:  # an sdist that does not build (aiobreaker's setup.py reads a readme it does not
-            # ship): the same release's wheel, with the same dependencies; its code is taken out below
+        name, version = release(src) if sdist and rc else (None, None)
+        if name and version and (f"Failed to build 'file://{src}" in out  # an sdist that does not build
+                                 or f"failed building wheel for {name.lower()}" in out.lower()):
+            # (aiobreaker's setup.py reads a readme it does not ship; bumpver's build needs lib3to6): the same
+            # release's wheel, with the same dependencies; its code is taken out below
             log(f"its sdist does not build ({pip_failure(out)}): installing the wheel of {name}=={version}")
             rc, out = box.run([*pip, "--only-binary", name, f"{name}{target[len(str(src)):]}=={version}", *reqs,
                                "pytest"], src, writable=[venv], network=True, extra_env=keep)
