@@ -5624,6 +5624,15 @@ def test_code_that_tests_its_arguments_types_gets_an_argument_of_another_type(tm
         ((pat.Pattern(""), text), None) for text in ("abc", "xyz")])
     others = [c for c in oracle["calls"] if not json.loads(c[2].split("; after ", 1)[1])[1].startswith("'")]
     assert others and all(c[2].startswith("returns False") and c[3] == "held-out" for c in others), others
+    # code that tests an argument for None (tableschema's check_minimum: `if value is None: return True`, a
+    # branch no test took, its mutants survived: 67%) gets None for it; code that tests neither, none
+    for test, held in (("value is None", True), ("value == 0", False)):
+        source = f"def at_least(bound, value):\n    if {test}:\n        return True\n    return value >= bound\n"
+        (tmp_path / test[-1]).mkdir()
+        oracle, _ = oracle_of(tmp_path / test[-1], "low", source, "at_least", lambda low: [((1, 2), None),
+                                                                                         ((3, 2), None)])
+        nones = [c for c in oracle["calls"] if c[2].endswith(', "None"]')]
+        assert bool(nones) == held and all(c[2].startswith("returns True") for c in nones), oracle["calls"]
 
 
 @sandboxed

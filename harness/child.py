@@ -24,6 +24,7 @@ import copy
 import copyreg
 import datetime
 import decimal
+import dis
 import enum
 import fractions
 import functools
@@ -562,6 +563,12 @@ def oracle_main(mode, root, inputs, fd):
         # the names each feature's code uses, its inner functions' too
         reads = [frozenset(n for c in nested_codes(f.__code__) for n in (*c.co_names, *c.co_varnames))
                  if hasattr(f, "__code__") else frozenset() for f in funcs]
+        # whether it tests a value for None (`x is None`: a jump on None, or `is` with None): None for an
+        # argument is what that branch is written for (tableschema's `if value is None: return True`)
+        nones = [any("_NONE" in ins.opname or ins.opname == "IS_OP" and prev.argval is None and
+                     prev.opname == "LOAD_CONST" for c in nested_codes(f.__code__)
+                     for prev, ins in itertools.pairwise(dis.get_instructions(c)))
+                 if hasattr(f, "__code__") else False for f in funcs]
         # and the short strings and the numbers it holds: what its branches compare an input with
         consts = [tuple(dict.fromkeys(k for c in nested_codes(f.__code__) for k in c.co_consts
                                       if type(k) is str and 0 < len(k) <= 16
@@ -573,7 +580,7 @@ def oracle_main(mode, root, inputs, fd):
             # one argument changed (a method's receiver too, by an attribute): mutated (each argument's
             # variants in their order, what the feature reads first), or as another of the feature's calls
             # gave it, or another value of its type (of any call, or the pool), taken in turn
-            rows, others = [], []
+            rows, others, aimed = [], [], []
             for key, old in given.items():
                 with contextlib.suppress(Exception):
                     rows.append([(key, m) for m in mutants(old, rng, read=reads[i], consts=consts[i])
@@ -581,13 +588,16 @@ def oracle_main(mode, root, inputs, fd):
                 with contextlib.suppress(Exception):
                     others += [(key, c[key]) for j, c in calls if j == i and key in c and c[key] != old]
                 others += [(key, v) for v in by_type[type(old)] if v is not old]
-                if "isinstance" in reads[i] and not (key == 0 and "." in spec["features"][i][1]):
+                typed = "isinstance" in reads[i]
+                if (typed or nones[i]) and not (key == 0 and "." in spec["features"][i][1]):
                     # code that tests its arguments' types: an argument of another type (None, or a value of
-                    # another type the calls and the pool hold), what its other branch is written for
-                    others += [(key, v) for v in [None, *(vs[0] for t, vs in by_type.items()
-                                                          if t is not type(old))][:3] if old is not None]
+                    # another type the calls and the pool hold), what its other branch is written for: first,
+                    # before the cap on a feature's inputs
+                    types = [vs[0] for t, vs in by_type.items() if t is not type(old)] if typed else []
+                    aimed += [(key, v) for v in [None, *types][:3] if old is not None]
             rng.shuffle(others)
-            pools.append([x for row in itertools.zip_longest(*rows, others) for x in row if x is not None])
+            mixed = [x for row in itertools.zip_longest(*rows, others) for x in row if x is not None]
+            pools.append(aimed + mixed)
         # new inputs: twice what a feature needs (a run may drop some) from each call, written round by round
         # so that the host's cap on a feature's inputs takes from every call alike
         made = []
@@ -753,7 +763,7 @@ def oracle_resolve(module, qualname):
 ORACLE_CHILD = "\n".join(["import contextlib, copy, copyreg, hashlib, importlib, io, json, marshal, os",
                           "import weakref",
                           "import asyncio, collections, datetime, decimal, enum, fractions, functools",
-                          "import inspect, itertools, pickle, re, sys, tempfile, threading, types",
+                          "import dis, inspect, itertools, pickle, re, sys, tempfile, threading, types",
                           f"HELD_OUT_AT_LEAST, CLOCK_AT = {HELD_OUT_AT_LEAST}, {CLOCK_AT}",
                           f"UPTIME_AT = {UPTIME_AT}",
                           "PLACES, PROBES, LAYOUT = (), None, []",
