@@ -3790,7 +3790,7 @@ def survey_one(spec, root, n, timeout, isolate, python=None, strength_k=STRENGTH
 
 def survey_cli(a):
     """`tasks.py survey`: one process, a shard of a job array (--shard K/N), or every rank of a torchrun
-    launch (gloo: only the rows travel; the tasks are files in --out, which every rank must share)."""
+    launch (the ranks meet in --out, which every rank must share: records and tasks are files there)."""
     specs = list(a.specs)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if a.shard:
@@ -3816,29 +3816,25 @@ def survey_cli(a):
     command = lambda spec: [sys.executable, str(Path(__file__).resolve()), "survey-one", spec, "--out", a.out,
                             "--n", str(a.n), "--timeout", str(a.timeout), "--strength-k", str(a.strength_k),
                             *(["--python", a.python] if a.python else []), *(["--no-sandbox"] * a.no_sandbox)]
-    group = world > 1 and not a.shard
-    if group:  # a long timeout: a rank through its share waits for the slowest one's
-        import datetime
-        import torch.distributed as dist
-        dist.init_process_group("gloo", timeout=datetime.timedelta(days=7))
-    try:
-        rows = survey(specs, a.out, command, rank, world, a.jobs, a.package_timeout)
-        if a.shard:
-            Path(a.out, "shards").mkdir(exist_ok=True)
-            write_whole(Path(a.out, "shards", f"{rank}-of-{world}.json"),
-                        {"rank": rank, "world": world, "n": a.n, "specs": specs[rank::world]})
-            print(f"shard {rank}/{world}: {len(rows)} packages; the index: tasks.py merge --out {a.out}")
-            return 0
-        if group:
-            everyone = [None] * world if rank == 0 else None
-            dist.gather_object(rows, everyone, dst=0)
-            rows = [r for share in everyone or [] for r in share]
-        if rank == 0:
-            index(rows, a.out, a.n)
-        return 0 if all(valid_tasks(r) >= a.n for r in rows) else 1
-    finally:
-        if group:
-            dist.destroy_process_group()
+    group = world > 1 and not a.shard  # the ranks meet on the disk: no process group (restarted ranks could
+    # hang joining gloo's, seen under load); every package's record is a file in --out, which all ranks see
+    rows = survey(specs, a.out, command, rank, world, a.jobs, a.package_timeout)
+    if a.shard:
+        Path(a.out, "shards").mkdir(exist_ok=True)
+        write_whole(Path(a.out, "shards", f"{rank}-of-{world}.json"),
+                    {"rank": rank, "world": world, "n": a.n, "specs": specs[rank::world]})
+        print(f"shard {rank}/{world}: {len(rows)} packages; the index: tasks.py merge --out {a.out}")
+        return 0
+    if group and rank == 0:  # rank 0 waits for every rank's records, then reads them: the index
+        records = [Path(a.out, package_dir(s), "row.json") for s in specs]
+        while not all(r.is_file() for r in records):
+            time.sleep(2)
+        rows = [json.loads(r.read_text()) for r in records]
+    elif group:
+        rows = []
+    if rank == 0:
+        index(rows, a.out, a.n)
+    return 0 if all(valid_tasks(r) >= a.n for r in rows) else 1
 
 
 class Parser(argparse.ArgumentParser):

@@ -7601,8 +7601,9 @@ def test_the_survey_on_torchrun_after_a_rank_dies_and_in_shards(tmp_path):
                                         "--max-restarts=2"])  # one for the kill, one for a gloo
         # connection refused while the restarted ranks join (seen once under load; no package runs then)
         first = tmp_path / "ranks/calc0/row.json"  # rank 0's first package (rank 0: calc0, calc2; 1: calc1)
+        second = tmp_path / "ranks/.tries/calc2"  # and its second, under way once its try is counted
         deadline = time.time() + 240
-        while not first.is_file() and ranks.poll() is None and time.time() < deadline:
+        while not (first.is_file() and second.is_file()) and ranks.poll() is None and time.time() < deadline:
             time.sleep(0.2)
         kept = {p: p.stat().st_mtime_ns for p in (tmp_path / "ranks").glob("*/row.json")}
         rank0 = list(processes(f"survey\0{specs[0]}".encode(), f"--out\0{tmp_path / 'ranks'}".encode(),
