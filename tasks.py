@@ -131,7 +131,7 @@ from harness.repo import (CONFIG, fresh_git, inside, is_protected, linked, lstat
 from harness.sandbox import (PYTEST, READ_AT_MOST, STOPPING, Report, Sandbox, first_error, parsed, scratch,
                              stop, stoppable, tail)
 from harness.survey import (SURVEY_PACKAGES, blank_row, die_with_parent, fetch_sdist, index, merge,
-                            package_dir, survey, unnamed, valid_tasks, write_whole)
+                            package_dir, record_of, survey, unnamed, valid_tasks, write_whole)
 
 
 # -----------------------------------------------------------------------------
@@ -3826,7 +3826,7 @@ def survey_cli(a):
         print(f"shard {rank}/{world}: {len(rows)} packages; the index: tasks.py merge --out {a.out}")
         return 0
     if group and rank == 0:  # rank 0 waits for every rank's records, then reads them: the index
-        records = [Path(a.out, package_dir(s), "row.json") for s in specs]
+        records = [record_of(a.out, s) for s in specs]
         while not all(r.is_file() for r in records):
             time.sleep(2)
         rows = [json.loads(r.read_text()) for r in records]

@@ -191,6 +191,11 @@ def package_dir(spec):
     return Path(spec).resolve().name if Path(spec).is_dir() else spec.replace("==", "-")
 
 
+def record_of(root, spec):
+    """Where a package's record is: root/NAME/row.json."""
+    return Path(root, package_dir(spec), "row.json")
+
+
 def write_whole(path, data):
     """JSON written to a temporary file and renamed over path: a reader (a restart, merge) sees the old
     file or the new, never half of one."""
@@ -212,7 +217,7 @@ def survey(specs, root, command, rank=0, world=1, jobs=2, timeout=None, log=prin
     Path(root, ".tries").mkdir(parents=True, exist_ok=True)
 
     def one(spec):
-        record, tries = Path(root, package_dir(spec), "row.json"), Path(root, ".tries", package_dir(spec))
+        record, tries = record_of(root, spec), Path(root, ".tries", package_dir(spec))
         why = "no record"
         while not record.is_file():
             done = int(tries.read_text()) if tries.is_file() else 0
@@ -321,7 +326,7 @@ def merge(root, log=print):
                         "have not written their records")
     rows = []
     for spec in (s for p in parts for s in p["specs"]):
-        record = Path(root, package_dir(spec), "row.json")
+        record = record_of(root, spec)
         if not record.is_file():
             raise TaskError(f"{root}: {spec} has no record ({record})")
         rows.append(json.loads(record.read_text()))
