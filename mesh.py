@@ -110,18 +110,28 @@ def init_distributed(device_type=None, rollout_ranks=0):
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend, bridge = "nccl" if device.type == "cuda" else "gloo", None
-    if rollout_ranks and not dist.is_initialized():
-        store = next(dist.rendezvous("env://"))[0]  # torchrun's store: MASTER_ADDR, MASTER_PORT
-        trainers = world_size - rollout_ranks
-        role, role_rank, role_size = (("train", rank, trainers) if rank < trainers else
-                                      ("rollout", rank - trainers, rollout_ranks))
-        bridge = dist.ProcessGroupGloo(dist.PrefixStore("bridge", store), rank, world_size)
-        dist.init_process_group(backend, store=dist.PrefixStore(role, store), rank=role_rank,
-                                world_size=role_size, device_id=device if device.type == "cuda" else None)
-        rank, world_size = role_rank, role_size
-    elif world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    if world_size > 1 and not dist.is_initialized():
+        store, device_id = attempt_store(), device if device.type == "cuda" else None
+        if rollout_ranks:
+            trainers = world_size - rollout_ranks
+            role, role_rank, role_size = (("train", rank, trainers) if rank < trainers else
+                                          ("rollout", rank - trainers, rollout_ranks))
+            bridge = dist.ProcessGroupGloo(dist.PrefixStore("bridge", store), rank, world_size)
+            dist.init_process_group(backend, store=dist.PrefixStore(role, store), rank=role_rank,
+                                    world_size=role_size, device_id=device_id)
+            rank, world_size = role_rank, role_size
+        else:
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                    device_id=device_id)
     return rank, local_rank, world_size, device, bridge
+
+
+def attempt_store():
+    """torchrun's store (MASTER_ADDR, MASTER_PORT), its keys under this attempt's name. The launcher keeps one
+    store across its restarts (--max-restarts) and the groups' keys keep their names: without the attempt's
+    name a restarted rank finds a dead peer's address and hangs or fails joining (3 of 3 restarts here)."""
+    store = next(dist.rendezvous("env://"))[0]
+    return dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def build_meshes(layout: Layout, device_type: str):

@@ -131,7 +131,7 @@ from harness.repo import (CONFIG, fresh_git, inside, is_protected, linked, lstat
 from harness.sandbox import (PYTEST, READ_AT_MOST, STOPPING, Report, Sandbox, first_error, parsed, scratch,
                              stop, stoppable, tail)
 from harness.survey import (SURVEY_PACKAGES, blank_row, die_with_parent, fetch_sdist, index, merge,
-                            package_dir, record_of, survey, unnamed, valid_tasks, write_whole)
+                            package_dir, survey, unnamed, valid_tasks, write_whole)
 
 
 # -----------------------------------------------------------------------------
@@ -549,6 +549,9 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reac
         work = Path(tmp, "repo")
         # leaks and all (the scan before scrubbing reports them), test-run debris aside
         shutil.copytree(repo, work, symlinks=True, ignore=shutil.ignore_patterns(*DEBRIS))
+        for meta in [*work.glob("*.egg-info"), *work.glob("src/*.egg-info")]:  # an sdist's build metadata,
+            shutil.rmtree(meta) if meta.is_dir() else meta.unlink()  # beside the venv's: its entry points
+            # found twice (plaster-pastedeploy); the snapshot never holds it (scrub)
         for line in old_config(work):
             log(line)
         compiled = Path(box.prefix, COMPILED)  # from `env`: the package's compiled modules, put beside it
@@ -3790,7 +3793,7 @@ def survey_one(spec, root, n, timeout, isolate, python=None, strength_k=STRENGTH
 
 def survey_cli(a):
     """`tasks.py survey`: one process, a shard of a job array (--shard K/N), or every rank of a torchrun
-    launch (the ranks meet in --out, which every rank must share: records and tasks are files there)."""
+    launch (gloo: only the rows travel; the tasks are files in --out, which every rank must share)."""
     specs = list(a.specs)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if a.shard:
@@ -3816,25 +3819,34 @@ def survey_cli(a):
     command = lambda spec: [sys.executable, str(Path(__file__).resolve()), "survey-one", spec, "--out", a.out,
                             "--n", str(a.n), "--timeout", str(a.timeout), "--strength-k", str(a.strength_k),
                             *(["--python", a.python] if a.python else []), *(["--no-sandbox"] * a.no_sandbox)]
-    group = world > 1 and not a.shard  # the ranks meet on the disk: no process group (restarted ranks could
-    # hang joining gloo's, seen under load); every package's record is a file in --out, which all ranks see
-    rows = survey(specs, a.out, command, rank, world, a.jobs, a.package_timeout)
-    if a.shard:
-        Path(a.out, "shards").mkdir(exist_ok=True)
-        write_whole(Path(a.out, "shards", f"{rank}-of-{world}.json"),
-                    {"rank": rank, "world": world, "n": a.n, "specs": specs[rank::world]})
-        print(f"shard {rank}/{world}: {len(rows)} packages; the index: tasks.py merge --out {a.out}")
-        return 0
-    if group and rank == 0:  # rank 0 waits for every rank's records, then reads them: the index
-        records = [record_of(a.out, s) for s in specs]
-        while not all(r.is_file() for r in records):
-            time.sleep(2)
-        rows = [json.loads(r.read_text()) for r in records]
-    elif group:
-        rows = []
-    if rank == 0:
-        index(rows, a.out, a.n)
-    return 0 if all(valid_tasks(r) >= a.n for r in rows) else 1
+    group = world > 1 and not a.shard
+    if group:  # only the rows travel; a long timeout: a rank through its share waits for the slowest one's
+        import datetime
+        import torch.distributed as dist
+        # torchrun's store, its keys under this attempt's name (mesh.attempt_store: a restarted rank otherwise
+        # finds a dead peer's address there and hangs joining)
+        store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
+                                 next(dist.rendezvous("env://"))[0])
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(days=7))
+    try:
+        rows = survey(specs, a.out, command, rank, world, a.jobs, a.package_timeout)
+        if a.shard:
+            Path(a.out, "shards").mkdir(exist_ok=True)
+            write_whole(Path(a.out, "shards", f"{rank}-of-{world}.json"),
+                        {"rank": rank, "world": world, "n": a.n, "specs": specs[rank::world]})
+            print(f"shard {rank}/{world}: {len(rows)} packages; the index: tasks.py merge --out {a.out}")
+            return 0
+        if group:
+            everyone = [None] * world if rank == 0 else None
+            dist.gather_object(rows, everyone, dst=0)
+            rows = [r for share in everyone or [] for r in share]
+        if rank == 0:
+            index(rows, a.out, a.n)
+        return 0 if all(valid_tasks(r) >= a.n for r in rows) else 1
+    finally:
+        if group:
+            dist.destroy_process_group()
 
 
 class Parser(argparse.ArgumentParser):
