@@ -167,7 +167,7 @@ class Copier(pickle.Pickler):
             # an lxml element, which pickle refuses: its document written out, the element found by its path
             tree, html = obj.getroottree(), t.__module__ == "lxml.html"
             data = sys.modules["lxml.etree"].tostring(tree, method="html" if html else "xml")
-            return element, (data, tree.getpath(obj), html)
+            return element, (data, tree.getelementpath(obj), html)
         if not isinstance(obj, type) and any(isinstance(getattr(t, m, None), types.FunctionType)
                                              for m in ("__getstate__", "__reduce__", "__reduce_ex__")):
             try:
@@ -237,7 +237,7 @@ def element(data, path, html):
     from lxml import etree
     from lxml import html as lxml_html
     root = lxml_html.document_fromstring(data) if html else etree.fromstring(data)
-    return root.getroottree().xpath(path)[0]
+    return root.getroottree().find(path)  # an ElementPath: namespaces by URI, no prefix to resolve
 
 
 def reopen(data, mode, at):
