@@ -5443,7 +5443,8 @@ def test_the_copier_takes_what_pickle_refuses():
     methods, a file open for appending only (its content read from its path), a dict subclass whose
     __setitem__ needs its state (prettytable's ObservableDict: pickle sets the items first), an object whose
     class refuses pickling (parsel's Selector: its attributes and slots), lxml elements (their document
-    written out, each found by its path, namespaces by URI); structseq values and a tuple enum keep their own way."""
+    written out, each found by its path, namespaces by URI); structseq values and a tuple enum keep their own
+    way."""
     from lxml import etree, html
     import weakref
     db = sqlite3.connect(":memory:")
@@ -5469,7 +5470,8 @@ def test_the_copier_takes_what_pickle_refuses():
     values["refusing"] = _Refusing(doc.xpath("//a")[0], {"b": 2})
     values["xml"] = etree.fromstring("<r><s k='1'/><s k='2'>t</s></r>")[1]
     # an element under namespace prefixes (ezodf's documents: a path by prefixes did not resolve again)
-    values["ns"] = etree.fromstring("<o:r xmlns:o='urn:o' xmlns='urn:d'><o:m/><o:m><k>t</k></o:m></o:r>")[1][0]
+    values["ns"] = etree.fromstring("<o:r xmlns:o='urn:o' xmlns='urn:d'><o:m/><o:m><k>t</k></o:m></o:r>")
+    values["ns"] = values["ns"][1][0]
     values["pool"].submit(print).result()  # a pool with a thread: pickle refuses its lock and queue
     values["log"] = open(Path(tempfile.mkdtemp()) / "x.lock", "a")  # open for appending only (fasteners')
     values["log"].write("held\n")
@@ -5487,7 +5489,8 @@ def test_the_copier_takes_what_pickle_refuses():
     assert got["refusing"].root.get("href") == "y" and got["refusing"].root.text_content() == "hi"
     assert got["refusing"].root.getparent().tag == "body" and type(got["refusing"].root) is html.HtmlElement
     assert got["xml"].get("k") == "2" and got["xml"].text == "t" and got["xml"].getparent().tag == "r"
-    assert got["ns"].tag == "{urn:d}k" and got["ns"].text == "t" and got["ns"].getparent().getprevious() is not None
+    assert got["ns"].tag == "{urn:d}k" and got["ns"].text == "t"
+    assert got["ns"].getparent().getprevious() is not None
     got["log"].write("again\n")
     got["log"].flush()
     assert got["log"].mode == "a" and Path(got["log"].name).read_text() == "held\nagain\n"
