@@ -5434,6 +5434,21 @@ class _Refusing:
         raise TypeError("can't pickle _Refusing objects")
 
 
+class _Block:
+    """Slots, one of them a dict that __getattr__ reads (python-pcapng's blocks)."""
+    __slots__ = ("magic", "_decoded")
+
+    def __init__(self, **fields):
+        self._decoded = fields
+
+    def __getattr__(self, name):
+        return self._decoded[name]
+
+
+class _Header(_Block):
+    magic = 0x0A0D0D0A  # a class attribute over the base's slot
+
+
 def test_the_copier_takes_what_pickle_refuses():
     """What a recorded call's arguments hold and plain pickle refuses or gets wrong, copied as a copy can
     stand for it: a weak reference (held: nothing else holds its object in the copy) and the weak
@@ -5443,8 +5458,9 @@ def test_the_copier_takes_what_pickle_refuses():
     methods, a file open for appending only (its content read from its path), a dict subclass whose
     __setitem__ needs its state (prettytable's ObservableDict: pickle sets the items first), an object whose
     class refuses pickling (parsel's Selector: its attributes and slots), lxml elements (their document
-    written out, each found by its path, namespaces by URI); structseq values and a tuple enum keep their own
-    way."""
+    written out, each found by its path, namespaces by URI), an object with slots whose __getattr__ reads one
+    (python-pcapng's blocks, one slot a class attribute of the subclass); structseq values and a tuple enum
+    keep their own way."""
     from lxml import etree, html
     import weakref
     db = sqlite3.connect(":memory:")
@@ -5472,6 +5488,7 @@ def test_the_copier_takes_what_pickle_refuses():
     # an element under namespace prefixes (ezodf's documents: a path by prefixes did not resolve again)
     values["ns"] = etree.fromstring("<o:r xmlns:o='urn:o' xmlns='urn:d'><o:m/><o:m><k>t</k></o:m></o:r>")
     values["ns"] = values["ns"][1][0]
+    values["block"] = _Header(length=32)
     values["pool"].submit(print).result()  # a pool with a thread: pickle refuses its lock and queue
     values["log"] = open(Path(tempfile.mkdtemp()) / "x.lock", "a")  # open for appending only (fasteners')
     values["log"].write("held\n")
@@ -5491,6 +5508,7 @@ def test_the_copier_takes_what_pickle_refuses():
     assert got["xml"].get("k") == "2" and got["xml"].text == "t" and got["xml"].getparent().tag == "r"
     assert got["ns"].tag == "{urn:d}k" and got["ns"].text == "t"
     assert got["ns"].getparent().getprevious() is not None
+    assert type(got["block"]) is _Header and got["block"].length == 32 and got["block"].magic == 0x0A0D0D0A
     got["log"].write("again\n")
     got["log"].flush()
     assert got["log"].mode == "a" and Path(got["log"].name).read_text() == "held\nagain\n"

@@ -160,8 +160,12 @@ class Copier(pickle.Pickler):
             # unpickling asks an object for __setstate__, which a __getattr__ that makes attributes on demand
             # may never answer: restore() sets its state instead (a class goes by name, even one whose
             # metaclass has a __getattr__: an Enum)
-            rv = obj.__reduce_ex__(4)
-            if isinstance(rv, tuple) and len(rv) >= 3 and isinstance(rv[2], dict):  # a dict's items kept
+            rv, two = obj.__reduce_ex__(4), (type(None), dict)
+            if isinstance(rv, tuple) and len(rv) >= 3 and (isinstance(rv[2], dict) or type(rv[2]) is tuple
+                                                            and len(rv[2]) == 2 and isinstance(rv[2][0], two)
+                                                            and isinstance(rv[2][1], dict)):
+                # its __dict__, or (its __dict__, its slots) (python-pcapng's blocks: __getattr__ reads a slot
+                # not yet set); a dict's items kept
                 return rv[0], rv[1], rv[2], *(rv[3:5] + (None, None))[:2], restore
         if t.__module__ in ("lxml.etree", "lxml.html") and hasattr(obj, "getroottree"):
             # an lxml element, which pickle refuses: its document written out, the element found by its path
@@ -216,7 +220,8 @@ def restore(obj, state):
         if attrs:
             vars(obj).update(attrs)
         for k, v in (slots or {}).items():
-            object.__setattr__(obj, k, v)
+            with contextlib.suppress(AttributeError):  # a slot a subclass holds as a class attribute: its own
+                object.__setattr__(obj, k, v)
     else:
         vars(obj).update(state)
 
