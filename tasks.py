@@ -121,7 +121,7 @@ from pathlib import Path
 from typing import Optional, Protocol
 
 from harness import Refused, TaskError
-from harness.child import HELD_OUT_AT_LEAST, ORACLE_CHILD, RECORD_AT_MOST
+from harness.child import HELD_OUT_AT_LEAST, INPUTS_AT_MOST, ORACLE_CHILD, RECORD_AT_MOST
 from harness.env import (COMPILED, collect_args, installed_copies, interpreter_copies, make_env, old_config,
                          plugin_for, pytest_config)
 from harness.plugins import RECORDER_MODULE, TRACER_MODULE, plugin_run
@@ -1662,10 +1662,13 @@ def make_oracle(gold, feats, records, box):
     pool = [r[1] for r in records if isinstance(r, list) and len(r) == 2 and r[0] is None]
     known = {r[1] for r in traced}
     held = []
+    size = Counter()  # the held-out inputs' base64 bytes, by feature: as many as the recorded ones, at most
     for i, data in oracle_run(box, gold, features, traced, "mutate", pool=pool):
-        if data not in known and sum(h[0] == i for h in held) < 2 * RECORD_AT_MOST:
+        if data not in known and sum(h[0] == i for h in held) < 2 * RECORD_AT_MOST \
+                and size[i] + len(data) <= INPUTS_AT_MOST * 4 // 3:
             known.add(data)
             held.append([i, data])
+            size[i] += len(data)
     calls = traced + held
     first, expected = gold_results(box, gold, features, calls)
     ok = [(e or "").startswith(("returns", "raises", "exits", "matches")) for e in expected]

@@ -5876,6 +5876,32 @@ def test_async_features_are_recorded_and_run_on_the_loop_their_receiver_holds(tm
 
 
 @sandboxed
+def test_a_feature_given_a_large_input_is_recorded_within_a_budget(tmp_path):
+    """An input whose copy is over 64 KiB (pgzip's tests compress 85 KB of text) is recorded and held-out
+    inputs are made of it: before, nothing was recorded and the task was never served. A feature's recorded
+    inputs, and its held-out ones, stay within INPUTS_AT_MOST bytes (tests that pass many large inputs)."""
+    repo = tmp_path / "repo"
+    tests = ("from gauge import count\n\n\ndef test_one():\n    assert count(b'ab ' * 30000) == 30000\n\n\n"
+             "def test_many():\n    for k in range(40):\n"
+             "        assert count(bytes([65 + k]) * 300000 + b' ') == 1\n")
+    for rel, text in {"gauge/__init__.py": "def count(data, byte=32):\n    return data.count(byte)\n",
+                      "tests/test_gauge.py": tests}.items():
+        Path(repo, rel).parent.mkdir(parents=True, exist_ok=True)
+        Path(repo, rel).write_text(text)
+    box, feats = tasks.Sandbox(timeout=60), [("gauge/__init__.py", "count")]
+    r, records = tasks.record_calls(repo, feats, box, select=["tests/test_gauge.py::test_one"])
+    assert len(records) == 1 and len(records[0][1]) > 4 / 3 * (1 << 16), r.out
+    oracle, summary = tasks.make_oracle(repo, feats, records, box)
+    assert summary["covered"] and summary["held_out"] >= tasks.HELD_OUT_AT_LEAST, summary
+    assert any(c[3] == "held-out" and not c[2].startswith("returns 30000") for c in oracle["calls"]), oracle
+    r, records = tasks.record_calls(repo, feats, box)
+    assert 10 <= len(records) < 20, len(records)  # 300 KB each, 4 MiB a feature
+    oracle, summary = tasks.make_oracle(repo, feats, records, box)
+    held = [c[1] for c in oracle["calls"] if c[3] == "held-out"]
+    assert summary["covered"] and 0 < sum(map(len, held)) <= tasks.INPUTS_AT_MOST * 4 / 3, summary
+
+
+@sandboxed
 def test_held_out_inputs_from_generators_and_the_values_other_calls_take_and_results_that_vary(tmp_path):
     """What a feature's own calls cannot give, the oracle finds elsewhere: a generator argument is recorded by
     its items (the call still gets them all); an argument the tests only gave empty gets the values of its

@@ -49,6 +49,8 @@ from harness.repo import is_protected
 RECORD_AT_MOST = 40  # distinct inputs kept per feature from the tests (2 held-out ones made of each, or more)
 POOL_AT_MOST = 20  # distinct values kept per type from the other calls into the packages
 HELD_OUT_AT_LEAST = 3  # held-out inputs the oracle compares on each feature of a task that is served
+INPUT_AT_MOST = 1 << 20  # bytes of one input's copy, recorded or held out (pgzip's tests compress 85 KB)
+INPUTS_AT_MOST = 4 << 20  # bytes of a feature's recorded inputs' copies, and of its held-out ones'
 
 
 class Copier(pickle.Pickler):
@@ -619,6 +621,8 @@ def oracle_main(mode, root, inputs, fd):
                     buffer = io.BytesIO()
                     Copier(buffer, fresh=fresh).dump((tuple(v for p, v in new.items() if isinstance(p, int)),
                                                       {n: v for n, v in new.items() if isinstance(n, str)}))
+                    if len(buffer.getvalue()) >= INPUT_AT_MOST:
+                        continue
                     value = canon(pickle.loads(buffer.getvalue()))  # a copy: canon may consume an iterator
                     if value not in known:
                         known.add(value)
@@ -770,6 +774,7 @@ ORACLE_CHILD = "\n".join(["import contextlib, copy, copyreg, hashlib, importlib,
                           "import asyncio, collections, datetime, decimal, enum, fractions, functools",
                           "import dis, inspect, itertools, pickle, re, sys, tempfile, threading, types",
                           f"HELD_OUT_AT_LEAST, CLOCK_AT = {HELD_OUT_AT_LEAST}, {CLOCK_AT}",
+                          f"INPUT_AT_MOST = {INPUT_AT_MOST}",
                           f"UPTIME_AT = {UPTIME_AT}",
                           "PLACES, PROBES, LAYOUT = (), None, []",
                           COPY_MODULE,

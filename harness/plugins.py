@@ -25,7 +25,7 @@ import threading
 from collections import Counter
 from pathlib import Path
 
-from harness.child import COPY_MODULE, POOL_AT_MOST, RECORD_AT_MOST, Copier
+from harness.child import COPY_MODULE, INPUT_AT_MOST, INPUTS_AT_MOST, POOL_AT_MOST, RECORD_AT_MOST, Copier
 from harness.env import collect_args, pytest_config
 from harness.repo import CONFIG, is_protected
 from harness.sandbox import scratch, tail
@@ -51,9 +51,11 @@ class Recorder:
                 data = buffer.getvalue()
             except Exception:  # locks, open files, generators: not copyable, not recorded
                 return
-            if len(data) < 1 << 16 and (key, data) not in seen and tries[key, "kept"] < most:
+            if len(data) < INPUT_AT_MOST and tries[key, "bytes"] + len(data) <= INPUTS_AT_MOST \
+                    and (key, data) not in seen and tries[key, "kept"] < most:
                 seen.add((key, data))
                 tries[key, "kept"] += 1
+                tries[key, "bytes"] += len(data)
                 self.records.append([key if type(key) is int else None, base64.b64encode(data).decode()])
 
         def own_source(path):  # a file of the packages' own source (not their tests)
@@ -142,6 +144,7 @@ class Recorder:
 RECORDER_MODULE = f"""import asyncio, contextlib, copyreg, enum, importlib, inspect, io, json, marshal, os, pickle, re
 import sys, tempfile, threading, types, weakref
 RECORD_AT_MOST, POOL_AT_MOST, CONFIG = {RECORD_AT_MOST}, {POOL_AT_MOST}, {CONFIG!r}
+INPUT_AT_MOST, INPUTS_AT_MOST = {INPUT_AT_MOST}, {INPUTS_AT_MOST}
 from collections import Counter
 from pathlib import Path
 {inspect.getsource(is_protected)}
