@@ -7768,6 +7768,18 @@ def test_test_requirements_are_found_where_projects_declare_them(tmp_path):
     assert harness.env.without(args, tmp_path, "pytest_mock") == args
     assert Path(tmp_path, "requirements-test.txt").read_text() == "\n"
     assert harness.env.without(args, tmp_path, "numpy") is None
+    # ...and one from a repository this machine cannot reach (pytest-socket's `mutmut @ git+https://...`)
+    failed = "ERROR: Failed to build 'mutmut' when git clone --filter=blob:none --quiet https://x.org/m.git\n"
+    assert harness.env.unreachable(failed) == "mutmut"
+    assert harness.env.without(["mutmut @ git+https://github.com/boxed/mutmut.git@1d11c1b", "mypy"], tmp_path,
+                               harness.env.unreachable(failed)) == ["mypy"]
+    assert harness.env.unreachable("ERROR: No matching distribution found for gunicorn_h1c") == "gunicorn_h1c"
+    assert not harness.env.unreachable("ERROR: Failed building wheel for calc\n")
+    # a collection that needs an older pytest: a plugin that does not load with this one (pytest-cases 3.10)
+    loading = ('Error while loading plugin "pytest11".\n    _idval = IdMaker([], [], None, None, None, None, '
+               'None)._idval\nE   TypeError: IdMaker.__init__() takes 7 positional arguments but 8 were '
+               'given\n')
+    assert harness.env.OLD_PYTEST.search(loading) and not harness.env.OLD_PYTEST.search("1 error in 0.1s")
     # pip's own crash: the cause is the traceback's last line, not "ERROR: Exception:"
     crash = ("ERROR: Exception:\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
              "pip._vendor.packaging.requirements.InvalidRequirement: Expected end or semicolon\n")
@@ -7922,7 +7934,8 @@ def test_env_installs_what_the_configuration_needs(tmp_path):
     module written for pytest 8 (Flask's: it imports `_pytest.monkeypatch.notset`, gone in 9) gets pytest 8. A
     --python that is not an interpreter and an install that fails are one line each (that install runs
     beside the rest: each waits on the package index). An sdist that does not build (its setup.py reads a
-    file it does not ship: aiobreaker's) gets its release's wheel, whose code leaves the venv too."""
+    file it does not ship: aiobreaker's) gets its release's wheel, whose code leaves the venv too. An sdist
+    whose tests' imports fail in a dependency newer than it gets what the index held a day after it."""
     if not index_reachable():
         pytest.skip("package index unreachable")
     broken = write_fixture(tmp_path / "broken")
@@ -7936,10 +7949,30 @@ def test_env_installs_what_the_configuration_needs(tmp_path):
                                     "long_description=open('readme.rst').read(), py_modules=['six'])\n")
     (sdist / "six.py").write_text("PY3 = True\n")
     (sdist / "tests/test_six.py").write_text("import six\n\ndef test_py3():\n    assert six.PY3\n")
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    unbuilt = tmp_path / "unbuilt" / "six-1.17.0"  # ...or whose setup_requires fails (pyrtf3's)
+    shutil.copytree(sdist, unbuilt)
+    (unbuilt / "setup.py").write_text("from setuptools import setup\nsetup(name='six', version='1.17.0', "
+                                      "setup_requires=['setuptools-markdown'], py_modules=['six'], "
+                                      "long_description_markdown_filename='README.md')\n")
+    # an sdist of June 2022 whose tests import what pydantic 2 dropped (openapi-schema-pydantic's): its venv
+    # made again with what the index held then
+    old = tmp_path / "oldschema-1.0"
+    (old / "tests").mkdir(parents=True)
+    (old / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: oldschema\nVersion: 1.0\n")
+    (old / "setup.py").write_text("from setuptools import setup\nsetup(name='oldschema', version='1.0', "
+                                  "py_modules=['oldschema'], install_requires=['pydantic'])\n")
+    (old / "oldschema.py").write_text("from pydantic import BaseModel\n\n\nclass Point(BaseModel):\n"
+                                      "    x: int = 0\n")
+    (old / "tests/test_old.py").write_text("from pydantic.schema import schema\nimport oldschema\n\n\n"
+                                           "def test_schema():\n    assert schema([oldschema.Point])\n")
+    os.utime(old / "PKG-INFO", (1656506781, 1656506781))  # 2022-06-29
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
         failing = pool.submit(tasks.make_env, broken, tmp_path / "venv2", log=lambda s: None)
-        said = []
+        said, dated = [], []
         wheel = pool.submit(tasks.make_env, sdist, tmp_path / "venv3", log=said.append)
+        then = pool.submit(tasks.make_env, old, tmp_path / "venv4", log=dated.append)
+        unbuilt_said = []
+        other = pool.submit(tasks.make_env, unbuilt, tmp_path / "venv5", log=unbuilt_said.append)
         repo = write_fixture(tmp_path / "calc")
         (repo / "tests/test_calc.py").write_text(TESTS.split("def test_flaky")[0] + "def test_twice():\n"
                                                  "    from calc._speed import twice\n"
@@ -7987,6 +8020,13 @@ def test_env_installs_what_the_configuration_needs(tmp_path):
         assert "installing the wheel of six==1.17.0" in " ".join(said), said
         assert list(tmp_path.glob("venv3/lib/python3*/site-packages/six-1.17.0.dist-info"))
         assert tasks.interpreter_copies(python, True, ("six",)) == []
+        other.result()
+        assert "installing the wheel of six==1.17.0" in " ".join(unbuilt_said), unbuilt_said
+        python = then.result()
+        assert "installing what the package index held on 2022-06-30" in " ".join(dated), dated
+        version = subprocess.run([python, "-c", "from pydantic.schema import schema; import pydantic; "
+                                  "print(pydantic.VERSION)"], capture_output=True, text=True).stdout
+        assert version.startswith("1."), version
 
 
 # -----------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import ast
 import configparser
 import contextlib
 import csv
+import datetime
 import email.parser
 import fnmatch
 import functools
@@ -61,12 +62,14 @@ SELF_REQUIREMENT = re.compile(r"\s*(-e\s+|--editable[=\s]\s*)?\.(/)?(\[[^\]]*\])
 COMPILED = "featdel-compiled"  # in a venv from `env`: the package's compiled modules, kept for its tests
 
 
-def make_env(repo, venv, isolate=True, log=print):
+def make_env(repo, venv, isolate=True, log=print, as_of=None):
     """Create venv with this interpreter's venv module, upgrade its pip, install repo[test extras], the test
     requirements it declares and pytest into it (network allowed, nothing writable but the venv and a copy of
     the repo), then what its tests import and is still missing (best effort). The repository's own packages
     are taken out again; compiled modules of theirs that have no Python twin are kept in venv/COMPILED, for
-    make to put beside the sources. Returns the venv's interpreter."""
+    make to put beside the sources. Returns the venv's interpreter. as_of: an ISO time; what the package
+    index held then is installed (pip's --uploaded-prior-to), made again so when a dependency newer than
+    an sdist broke its tests' imports."""
     repo, venv = Path(repo).resolve(), Path(venv).resolve()
     if not repo.is_dir() or not packages(repo):
         raise TaskError(f"--repo {repo} is not a directory with a Python package (a folder with __init__.py) "
@@ -81,6 +84,9 @@ def make_env(repo, venv, isolate=True, log=print):
     box = Sandbox(python=python, isolate=isolate, timeout=1800)
     keep = {k: v for k, v in os.environ.items() if k.startswith("PIP_") or k.lower().endswith("_proxy")}
     pip = ["-m", "pip", "install", "--no-input", "--disable-pip-version-check"]
+    # the index alone where a time is given: local folders and file indexes carry no upload times
+    dated = keep | {"PIP_FIND_LINKS": " ", "PIP_EXTRA_INDEX_URL": " "} if as_of else keep
+    then = ["--uploaded-prior-to", as_of] if as_of else []
     with scratch() as tmp:
         # the build writes into its source folder: a copy, so the repository is untouched; an sdist's copy
         # without the git history it was given, whose missing tags would make setuptools-scm call it 0.1.dev1
@@ -97,14 +103,15 @@ def make_env(repo, venv, isolate=True, log=print):
         target = f"{src}[{','.join(extras)}]" if extras else str(src)
         log(f"installing {repo.name}{'[' + ','.join(extras) + ']' if extras else ''} {' '.join(reqs)} pytest")
         for _ in range(5) if not rc else ():
-            rc, out = box.run([*pip, target, *reqs, "pytest"], src, writable=[venv], network=True,
-                              extra_env=keep)
-            missing = rc and re.search(r"No matching distribution found for ([A-Za-z0-9][\w.-]*)", out)
-            left = without(reqs, src, missing[1]) if missing else None
+            rc, out = box.run([*pip, *then, target, *reqs, "pytest"], src, writable=[venv], network=True,
+                              extra_env=dated)
+            name = rc and unreachable(out)
+            left = without(reqs, src, name) if name else None
             if left is None:  # installed, another failure, or a dependency of the project itself
                 break
             reqs = left
-            log(f"{missing[1]}, a test requirement, is not on the package index for this Python: left out")
+            log(f"{name}, a test requirement, is not on the package index for this Python or not reachable: "
+                f"left out")
         if rc and "No module named 'pkg_resources'" in out:  # an old setup.py; setuptools 81 dropped it
             log("its build needs pkg_resources: building with setuptools<81 in the venv instead")
             rc, out = box.run([*pip, "setuptools<81", "wheel"], src, writable=[venv], network=True,
@@ -113,12 +120,15 @@ def make_env(repo, venv, isolate=True, log=print):
                                                     src, writable=[venv], network=True, extra_env=keep)
         name, version = release(src) if sdist and rc else (None, None)
         if name and version and (f"Failed to build 'file://{src}" in out  # an sdist that does not build
-                                 or f"failed building wheel for {name.lower()}" in out.lower()):
-            # (aiobreaker's setup.py reads a readme it does not ship; bumpver's build needs lib3to6): the same
-            # release's wheel, with the same dependencies; its code is taken out below
+                                 or f"failed building wheel for {name.lower()}" in out.lower()
+                                 or "metadata-generation-failed" in out and f"from file://{src}" in out):
+            # (aiobreaker's setup.py reads a readme it does not ship; bumpver's build needs lib3to6; pyrtf3's
+            # setup_requires, setuptools-markdown, fails): the same release's wheel, with the same
+            # dependencies; its code is taken out below
             log(f"its sdist does not build ({pip_failure(out)}): installing the wheel of {name}=={version}")
-            rc, out = box.run([*pip, "--only-binary", name, f"{name}{target[len(str(src)):]}=={version}", *reqs,
-                               "pytest"], src, writable=[venv], network=True, extra_env=keep)
+            wheel = f"{name}{target[len(str(src)):]}=={version}"
+            rc, out = box.run([*pip, *then, "--only-binary", name, wheel, *reqs, "pytest"], src,
+                              writable=[venv], network=True, extra_env=dated)
         if rc:
             raise TaskError(f"pip install failed in {venv}: {pip_failure(out)}")
         # a pin older than this interpreter (pytest<6 on Python 3.11 cannot rewrite an assert): the newest
@@ -145,7 +155,7 @@ def make_env(repo, venv, isolate=True, log=print):
             log(f"the tests import {', '.join(missing)}, which nothing declares: installing "
                 + " ".join(dists))
             for d in dists:  # one at a time: a name that is no distribution must not stop the others
-                rc, out = box.run([*pip, d], src, writable=[venv], network=True, extra_env=keep)
+                rc, out = box.run([*pip, *then, d], src, writable=[venv], network=True, extra_env=dated)
                 if rc:
                     log(f"  {d}: {pip_failure(out)}")
         # a suite written for an older pytest (Flask's tests import _pytest.monkeypatch.notset, gone in 9;
@@ -161,6 +171,18 @@ def make_env(repo, venv, isolate=True, log=print):
             if rc:
                 raise TaskError(f"pip install failed in {venv}: {pip_failure(out)}")
             rc, out = collect()
+        stale = NEWER_DEPENDENCY.search(out)
+        if stale and not as_of and (repo / "PKG-INFO").is_file():
+            # a dependency released after the sdist broke its tests' imports (openapi-schema-pydantic's
+            # `from pydantic.schema import schema`, gone in pydantic 2): what the index held a day after the
+            # sdist was built (its PKG-INFO's time), in a new venv
+            built = datetime.datetime.fromtimestamp((repo / "PKG-INFO").stat().st_mtime, datetime.UTC)
+            as_of = (built + datetime.timedelta(days=1)).strftime("%Y-%m-%dT%H:%M:%SZ")
+            if built < datetime.datetime.now(datetime.UTC) - datetime.timedelta(days=30):
+                log(f"its tests' imports fail in a dependency ({stale[0].strip()}): installing what the "
+                    f"package index held on {as_of[:10]}")
+                shutil.rmtree(venv)
+                return make_env(repo, venv, isolate, log, as_of)
     kept, names = 0, [package_name(pkg) for pkg in packages(repo)]
     for name in names:
         installed = site_dir.joinpath(*name.split("."))
@@ -179,8 +201,21 @@ def make_env(repo, venv, isolate=True, log=print):
 
 
 # what a collection says when the suite needs an older pytest than the newest: a name pytest no longer has,
-# a deprecation its configuration turns into an error
-OLD_PYTEST = re.compile(r"(ImportError|AttributeError)\b[^\n]*\b_?pytest\b|PytestRemovedIn\d+Warning")
+# a deprecation its configuration turns into an error, a plugin that does not load (pytest-cases calls
+# pytest's IdMaker with the arguments pytest 8 took)
+OLD_PYTEST = re.compile(r"(ImportError|AttributeError)\b[^\n]*\b_?pytest\b|PytestRemovedIn\d+Warning|"
+                        r"Error while loading plugin")
+# ...and when a dependency installed into the venv lacks a name its tests import
+NEWER_DEPENDENCY = re.compile(r"ImportError: cannot import name [^\n]* from '[\w.]+' "
+                              r"\([^\n)]*/site-packages/")
+
+
+def unreachable(out):
+    """The requirement a failed install could not get, or None: one the index lacks for this Python, or one
+    from a repository this machine cannot reach (pytest-socket's dev group takes mutmut from GitHub)."""
+    m = re.search(r"No matching distribution found for ([A-Za-z0-9][\w.-]*)|"
+                  r"Failed to build '([A-Za-z0-9][\w.-]*)' when git clone", out)
+    return m and (m[1] or m[2])
 
 
 def without(reqs, src, name):
