@@ -5,6 +5,7 @@ mesh.py, grpo.py, feedback.py, tasks.py); each section's first line names the fi
     # a test process a core (pytest-xdist), one thread each; a free process takes tests from a busy one
     python -m pytest -q -n auto --dist worksteal test_all.py
 """
+import abc
 import ast
 import asyncio
 import base64
@@ -5481,6 +5482,18 @@ def test_the_copier_takes_what_pickle_refuses():
                 self.n = n
         return Phase
     values["phase"] = phase().make(3)
+
+    def double():  # an abstract class's subclass made in a function (the tests' doubles of an ABC)
+        class Source(abc.ABC):
+            @abc.abstractmethod
+            def read(self): ...
+
+        class Fake(Source):
+            def read(self):
+                return self.text
+        return Fake()
+    values["double"] = double()
+    values["double"].text = "t"
     values["observed"] = _Observed(print, {"a": 1})
     doc = html.document_fromstring("<html><body><p>x</p><a href='y'>hi</a></body></html>")
     values["refusing"] = _Refusing(doc.xpath("//a")[0], {"b": 2})
@@ -5501,6 +5514,7 @@ def test_the_copier_takes_what_pickle_refuses():
     assert got["stat"] == values["stat"] and got["enum"] is _Pair.A
     assert got["phase"].size == 6 and type(got["phase"]).make(4).size == 8 and got["phase"].double(5) == 10
     assert type(got["observed"]) is _Observed and got["observed"] == {"a": 1}
+    assert got["double"].read() == "t" and isinstance(got["double"], abc.ABC) and type(got["double"])()
     assert got["observed"].callback is print
     assert type(got["refusing"]) is _Refusing and got["refusing"].extra == {"b": 2}
     assert got["refusing"].root.get("href") == "y" and got["refusing"].root.text_content() == "hi"

@@ -104,7 +104,8 @@ class Copier(pickle.Pickler):
                 return property, (obj.fget, obj.fset, obj.fdel, obj.__doc__)
             return t, (obj.__func__,)
         if isinstance(obj, type) and self.by_value(obj):
-            attrs = {k: v for k, v in vars(obj).items() if k not in ("__dict__", "__weakref__")}
+            # (an abstract class's _abc_impl, which pickle refuses, its metaclass makes again)
+            attrs = {k: v for k, v in vars(obj).items() if k not in ("__dict__", "__weakref__", "_abc_impl")}
             shell = {k: attrs.pop(k) for k in ("__module__", "__qualname__", "__slots__") if k in attrs}
             return t, (obj.__name__, obj.__bases__, shell), attrs, None, None, restore
         # what pickle refuses but a copy can stand for: weak references (held: in the copy nothing else holds
