@@ -175,10 +175,14 @@ def make_env(repo, venv, isolate=True, log=print, as_of=None):
         if stale and not as_of and (repo / "PKG-INFO").is_file():
             # a dependency released after the sdist broke its tests' imports (openapi-schema-pydantic's
             # `from pydantic.schema import schema`, gone in pydantic 2): what the index held a day after the
-            # sdist was built (its PKG-INFO's time), in a new venv
+            # sdist was built (its PKG-INFO's time), or once this Python had been out a season where that is
+            # later (pydantic 1.9 of June 2022 does not run on 3.11), in a new venv
             built = datetime.datetime.fromtimestamp((repo / "PKG-INFO").stat().st_mtime, datetime.UTC)
-            as_of = (built + datetime.timedelta(days=1)).strftime("%Y-%m-%dT%H:%M:%SZ")
-            if built < datetime.datetime.now(datetime.UTC) - datetime.timedelta(days=30):
+            out = PYTHON_RELEASED.get(sys.version_info[1], "2000-01-01")
+            python_out = datetime.datetime.fromisoformat(out + "T00:00:00+00:00")
+            when = max(built + datetime.timedelta(days=1), python_out + datetime.timedelta(days=90))
+            as_of = when.strftime("%Y-%m-%dT%H:%M:%SZ")
+            if when < datetime.datetime.now(datetime.UTC) - datetime.timedelta(days=30):
                 log(f"its tests' imports fail in a dependency ({stale[0].strip()}): installing what the "
                     f"package index held on {as_of[:10]}")
                 shutil.rmtree(venv)
@@ -205,6 +209,8 @@ def make_env(repo, venv, isolate=True, log=print, as_of=None):
 # pytest's IdMaker with the arguments pytest 8 took)
 OLD_PYTEST = re.compile(r"(ImportError|AttributeError)\b[^\n]*\b_?pytest\b|PytestRemovedIn\d+Warning|"
                         r"Error while loading plugin")
+# when each Python 3 minor version came out: a venv made as of a date takes nothing older than ran on it
+PYTHON_RELEASED = {10: "2021-10-04", 11: "2022-10-24", 12: "2023-10-02", 13: "2024-10-07", 14: "2025-10-07"}
 # ...and when a dependency installed into the venv lacks a name its tests import
 NEWER_DEPENDENCY = re.compile(r"ImportError: cannot import name [^\n]* from '[\w.]+' "
                               r"\([^\n)]*/site-packages/")
