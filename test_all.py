@@ -7939,6 +7939,17 @@ PyMODINIT_FUNC PyInit__speed(void) { return PyModule_Create(&module); }
 """
 
 
+def small_sdist(path, name, version, setup_args, module, test):
+    """An unpacked one-module sdist at path: its PKG-INFO, a setup.py given setup_args, the module, a test."""
+    (path / "tests").mkdir(parents=True)
+    (path / "PKG-INFO").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    (path / "setup.py").write_text(f"from setuptools import setup\nsetup(name={name!r}, version={version!r}, "
+                                   f"py_modules=[{name!r}], {setup_args})\n")
+    (path / f"{name}.py").write_text(module)
+    (path / f"tests/test_{name}.py").write_text(test)
+    return path
+
+
 @sandboxed
 def test_env_installs_what_the_configuration_needs(tmp_path):
     """A repository whose pytest configuration needs pytest-timeout, which nothing declares, and whose package
@@ -7957,29 +7968,18 @@ def test_env_installs_what_the_configuration_needs(tmp_path):
     (broken / "pyproject.toml").write_text('[project]\nname = "calc"\nversion = "0.1"\n'
                                            '[project.optional-dependencies]\n'
                                            'test = ["featdel-no-such-package-anywhere"]\n')
-    sdist = tmp_path / "six-1.17.0"
-    (sdist / "tests").mkdir(parents=True)
-    (sdist / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: six\nVersion: 1.17.0\n")
-    (sdist / "setup.py").write_text("from setuptools import setup\nsetup(name='six', version='1.17.0', "
-                                    "long_description=open('readme.rst').read(), py_modules=['six'])\n")
-    (sdist / "six.py").write_text("PY3 = True\n")
-    (sdist / "tests/test_six.py").write_text("import six\n\ndef test_py3():\n    assert six.PY3\n")
-    unbuilt = tmp_path / "unbuilt" / "six-1.17.0"  # ...or whose setup_requires fails (pyrtf3's)
-    shutil.copytree(sdist, unbuilt)
-    (unbuilt / "setup.py").write_text("from setuptools import setup\nsetup(name='six', version='1.17.0', "
-                                      "setup_requires=['setuptools-markdown'], py_modules=['six'], "
-                                      "long_description_markdown_filename='README.md')\n")
+    six = ("PY3 = True\n", "import six\n\ndef test_py3():\n    assert six.PY3\n")
+    sdist = small_sdist(tmp_path / "six-1.17.0", "six", "1.17.0",
+                        "long_description=open('readme.rst').read()", *six)
+    # ...or whose setup_requires fails (pyrtf3's)
+    unbuilt = small_sdist(tmp_path / "unbuilt/six-1.17.0", "six", "1.17.0", "setup_requires=['setuptools-"
+                          "markdown'], long_description_markdown_filename='README.md'", *six)
     # an sdist of June 2022 whose tests import what pydantic 2 dropped (openapi-schema-pydantic's): its venv
     # made again with what the index held then
-    old = tmp_path / "oldschema-1.0"
-    (old / "tests").mkdir(parents=True)
-    (old / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: oldschema\nVersion: 1.0\n")
-    (old / "setup.py").write_text("from setuptools import setup\nsetup(name='oldschema', version='1.0', "
-                                  "py_modules=['oldschema'], install_requires=['pydantic'])\n")
-    (old / "oldschema.py").write_text("from pydantic import BaseModel\n\n\nclass Point(BaseModel):\n"
-                                      "    x: int = 0\n")
-    (old / "tests/test_old.py").write_text("from pydantic.schema import schema\nimport oldschema\n\n\n"
-                                           "def test_schema():\n    assert schema([oldschema.Point])\n")
+    old = small_sdist(tmp_path / "oldschema-1.0", "oldschema", "1.0", "install_requires=['pydantic']",
+                      "from pydantic import BaseModel\n\n\nclass Point(BaseModel):\n    x: int = 0\n",
+                      "from pydantic.schema import schema\nimport oldschema\n\n\n"
+                      "def test_schema():\n    assert schema([oldschema.Point])\n")
     os.utime(old / "PKG-INFO", (1656506781, 1656506781))  # 2022-06-29
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         failing = pool.submit(tasks.make_env, broken, tmp_path / "venv2", log=lambda s: None)
