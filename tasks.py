@@ -3828,10 +3828,10 @@ def survey_cli(a):
         import torch.distributed as dist
         # torchrun's store, its keys under this attempt's name (mesh.attempt_store: a restarted rank otherwise
         # finds a dead peer's address there and hangs joining)
+        week = datetime.timedelta(days=7)
         store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
-                                 next(dist.rendezvous("env://"))[0])
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(days=7))
+                                 next(dist.rendezvous("env://", timeout=week))[0])
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=week)
     try:
         rows = survey(specs, a.out, command, rank, world, a.jobs, a.package_timeout)
         if a.shard:

@@ -178,15 +178,14 @@ def make_env(repo, venv, isolate=True, log=print, as_of=None):
             # sdist was built (its PKG-INFO's time), or once this Python had been out a season where that is
             # later (pydantic 1.9 of June 2022 does not run on 3.11), in a new venv
             built = datetime.datetime.fromtimestamp((repo / "PKG-INFO").stat().st_mtime, datetime.UTC)
-            out = PYTHON_RELEASED.get(sys.version_info[1], "2000-01-01")
-            python_out = datetime.datetime.fromisoformat(out + "T00:00:00+00:00")
-            when = max(built + datetime.timedelta(days=1), python_out + datetime.timedelta(days=90))
-            as_of = when.strftime("%Y-%m-%dT%H:%M:%SZ")
+            released = datetime.datetime.fromisoformat(PYTHON_RELEASED.get(sys.version_info[1], "2000-01-01")
+                                                       + "T00:00:00+00:00")
+            when = max(built + datetime.timedelta(days=1), released + datetime.timedelta(days=90))
             if when < datetime.datetime.now(datetime.UTC) - datetime.timedelta(days=30):
                 log(f"its tests' imports fail in a dependency ({stale[0].strip()}): installing what the "
-                    f"package index held on {as_of[:10]}")
+                    f"package index held on {when:%Y-%m-%d}")
                 shutil.rmtree(venv)
-                return make_env(repo, venv, isolate, log, as_of)
+                return make_env(repo, venv, isolate, log, when.strftime("%Y-%m-%dT%H:%M:%SZ"))
     kept, names = 0, [package_name(pkg) for pkg in packages(repo)]
     for name in names:
         installed = site_dir.joinpath(*name.split("."))
