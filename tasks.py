@@ -534,12 +534,9 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reac
     if n < 1 or group < 1 or jobs < 1 or reach is not None and not 0 < reach <= 1 or size not in SIZES:
         raise TaskError(f"--n, --group and --jobs must be >= 1, --reach in (0, 1], --size one of {SIZES}")
     source = git_source(repo)
-    for rel in source_files(repo):  # every module must parse: candidates and splices read them all
-        try:
-            ast.parse(Path(repo, rel).read_bytes())
-        except (SyntaxError, ValueError) as e:
-            why = e.msg if isinstance(e, SyntaxError) else e
-            raise TaskError(f"{repo / rel} is not Python source this interpreter can parse ({why})") from None
+    unparsed = sorted(set(source_files(repo, parse=False)) - set(source_files(repo)))
+    if unparsed:
+        log(f"left out, not Python this interpreter parses: {' '.join(unparsed)}")
     if box.sees(out):
         raise TaskError(f"--out {out} lies where the sandbox can read it: task files must be out of its "
                         f"reach")
@@ -588,7 +585,15 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reac
                 tests = set().union(*(cands[g] for g in cut)) if size == "def" else cands[f]
                 groups.append((cut, fns, tests))
                 taken |= set(cut)
-        groups = groups[:3 * n]  # a repository that keeps failing is not worth hours
+        # those whose every function the oracle can vary first: a task it cannot cover is made, then not served
+        with clocked(seconds, "trace"):
+            ready = coverable(work, sorted({fn for _, fns, _ in groups for fn in fns}), box,
+                              set().union(*(tests for *_, tests in groups)))
+        stats["coverable"] = sum(set(fns) <= ready for _, fns, _ in groups)
+        log(f"{stats['coverable']} of {len(groups)} disjoint features have {HELD_OUT_AT_LEAST} inputs the "
+            f"oracle can make on each function: tried first")
+        groups = sorted(groups, key=lambda g: not set(g[1]) <= ready)[:3 * n]  # a repository that keeps
+        # failing is not worth hours
         mode = mode if size == "def" else "remove"
 
         def attempt(i, feats):
@@ -1675,9 +1680,7 @@ def make_oracle(gold, feats, records, box):
     kept = [[i, data, expected[k], "traced" if k < len(traced) else "held-out"]
             for k, (i, data) in enumerate(calls) if ok[k]]
     per = [sum(c[0] == i and c[3] == "held-out" for c in kept) for i in range(len(feats))]
-    takes = [parameters(find_def(ast.parse(Path(gold, rel).read_bytes()), q).args)[q.endswith(".__init__"):]
-             for rel, q in feats]  # an __init__'s receiver is written blank: no input
-    enough = [n >= HELD_OUT_AT_LEAST or not takes[i] and any(c[0] == i for c in kept)
+    enough = [n >= HELD_OUT_AT_LEAST or not inputs_of(gold, *feats[i]) and any(c[0] == i for c in kept)
               for i, n in enumerate(per)]
     kinds = Counter(c[3] for c in kept)
     summary = {"traced": kinds["traced"], "held_out": kinds["held-out"], "recorded": len(traced),
@@ -1711,14 +1714,36 @@ def gold_results(box, gold, features, calls):
                    for k in range(len(calls))]
 
 
-def record_calls(root, feats, box, select=None):
-    """One pytest run of root (the gold code; select: those tests only) with Recorder on feats: (report,
-    recorded calls)."""
+def coverable(root, feats, box, select, each=3):
+    """The features of feats ([(file, qualname)]) whose oracle would be covered, as far as one recording run
+    of the select tests (each feature's first `each` inputs kept) and the held-out inputs made from those
+    tell: HELD_OUT_AT_LEAST made, or a call recorded of one that takes no input. make tries these first: as
+    SWE-smith keeps the candidates its validation can judge, a task its oracle cannot cover is not served."""
+    if not feats:
+        return set()
+    _, records = record_calls(root, feats, box, select, each)
+    traced = [r for r in records if isinstance(r, list) and len(r) == 2 and type(r[0]) is int]
+    pool = [r[1] for r in records if isinstance(r, list) and len(r) == 2 and r[0] is None]
+    made = Counter(i for i, _ in oracle_run(box, root, [[module_name(rel), q] for rel, q in feats], traced,
+                                            "mutate", pool=pool))
+    called = {i for i, _ in traced}
+    return {f for i, f in enumerate(feats)
+            if made[i] >= HELD_OUT_AT_LEAST or i in called and not inputs_of(root, *f)}
+
+
+def inputs_of(root, rel, q):
+    """The parameters a feature takes (an __init__'s receiver is built, not given: left out)."""
+    return parameters(find_def(ast.parse(Path(root, rel).read_bytes()), q).args)[q.endswith(".__init__"):]
+
+
+def record_calls(root, feats, box, select=None, each=RECORD_AT_MOST):
+    """One pytest run of root (the gold code; select: those tests only) with Recorder on feats, keeping each
+    distinct inputs a feature: (report, recorded calls)."""
     root = Path(root).resolve()
     targets = [[os.path.realpath(root / rel), q, i] for i, (rel, q) in enumerate(feats)]
     r, out = plugin_run(box, root, "_featdel_recorder", RECORDER_MODULE, {
         "FEATDEL_TARGETS": json.dumps(targets), "FEATDEL_REPO": os.path.realpath(root) + os.sep,
-        "FEATDEL_ROOTS": package_roots(root)}, select=select)
+        "FEATDEL_ROOTS": package_roots(root), "FEATDEL_EACH": str(each)}, select=select)
     records = parsed(out or "[]")
     return r, records if isinstance(records, list) else []
 

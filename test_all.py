@@ -5726,6 +5726,38 @@ def test_a_result_that_hashes_an_address_is_compared_without_it(tmp_path):
 
 
 @sandboxed
+@sandboxed
+def test_make_tries_first_the_features_its_oracle_can_vary(tmp_path):
+    """A feature whose every call takes an argument no copy stands for (an object holding a lock) gives a task
+    whose oracle has no held-out input: made, then never served. make's recording run over every candidate
+    says which features the oracle can vary, and those are tried first, whatever the seed's order."""
+    Path(tmp_path, "r/tally").mkdir(parents=True)
+    Path(tmp_path, "r/tally/__init__.py").write_text(
+        "def locked_total(box):\n    with box.lock:\n        return sum(box.items)\n\n\n"
+        "def doubled_total(xs):\n    out = [2 * x for x in xs]\n    return sum(out)\n\n\n"
+        "def name():\n    return 'tally'\n")
+    Path(tmp_path, "r/tests").mkdir()
+    Path(tmp_path, "r/tests/test_tally.py").write_text(
+        "import threading\nimport tally\n\n\nclass Box:\n    def __init__(self, items):\n"
+        "        self.lock, self.items = threading.Lock(), items\n\n\n"
+        "def test_locked():\n    assert tally.locked_total(Box([1, 2])) == 3\n\n\n"
+        "def test_doubled():\n    assert tally.doubled_total([1, 2]) == 6\n\n\n"
+        + "".join(f"def test_name_{i}():\n    assert tally.name() == 'tally'\n\n\n" for i in range(3)))
+    repo = commit(tmp_path / "r")
+    feats = sorted([("tally/__init__.py", "locked_total"), ("tally/__init__.py", "doubled_total")])
+
+    def first(s):  # the feature make's order with seed s puts first
+        order = list(feats)
+        random.Random(s).shuffle(order)
+        return order[0][1]
+    seed = next(s for s in range(100) if first(s) == "locked_total")
+    lines = []
+    made = tasks.make(repo, tmp_path / "out", n=1, seed=seed, box=tasks.Sandbox(timeout=60), log=lines.append)
+    assert "1 of 2 disjoint features have 3 inputs the oracle can make on each function: tried first" in lines
+    assert [e["qualname"] for e in made[0]["deleted"]] == ["doubled_total"], lines
+    assert made[0]["oracle"]["covered"]
+
+
 def test_a_feature_that_takes_nothing_is_covered_by_the_call_the_tests_made(tmp_path):
     """Held-out inputs vary a feature's arguments; a function that takes none has no input but the one the
     tests gave it (its world: the clock, the environment), so that call covers it. One that takes any needs
@@ -7583,21 +7615,18 @@ def test_monitor_allows_what_verify_allows_and_git_on_the_work_tree(tmp_path):
 
 @sandboxed
 def test_make_refuses_bad_repositories_in_one_line_and_never_touches_the_source(tmp_path):
-    """Not a git repository, a module that is not Python source (binary), test files only pytest's
+    """Not a git repository, test files only pytest's
     python_files names, no test files, no tests, no test or only one passing twice, a baseline where most
     tests fail, a test file that does not collect, no feature few enough tests reach, a suite past the
     timeout (its test turns off the per-test limit), a configuration that needs a missing plugin: one line
     each. A make that succeeds keeps binary data files as they are, leaves test-run debris out, records the
-    source commit, and leaves the source repository byte-identical, .git included."""
+    source commit, leaves out of its reach a module that is not Python it parses (Python 2, binary, Latin-1),
+    and leaves the source repository byte-identical, .git included."""
     def tree(root):
         return {p.relative_to(root): (p.stat().st_mode, p.read_bytes())
                 for p in sorted(root.rglob("*")) if p.is_file()}
 
     cases = {"is not a git repository (tasks record the commit": {},
-             "calc/blob.py is not Python source this interpreter can parse (source code string cannot "
-             "contain null bytes)": {"calc/blob.py": b"\x7fELF\x02\x01\x00\x00"},
-             "calc/latin.py is not Python source this interpreter can parse":
-                 {"calc/latin.py": b"X = '\xe9t\xe9'\n"},
              "pytest collected no tests": {"tests/test_calc.py": b""},
              "no test passes twice in": {"tests/test_calc.py": b"import sys\n"
                                          b"def test_p(): assert sys.getprofile() is None\n"},
@@ -7651,10 +7680,18 @@ def test_make_refuses_bad_repositories_in_one_line_and_never_touches_the_source(
     (repo / "tests/test_meta.py").write_text(
         "import importlib.metadata\n\n\ndef test_one_copy_of_the_metadata():\n"
         "    assert 'calc-sdist' not in [d.metadata['Name'] for d in importlib.metadata.distributions()]\n")
+    unparsed = {"calc/blob.py": b"\x7fELF\x02\x01\x00\x00", "calc/latin.py": b"X = '\xe9t\xe9'\n",
+                "calc/compat2.py": b"def reraise(e, tb):\n    raise e, None, tb\n"}
+    for rel, data in unparsed.items():
+        (repo / rel).write_bytes(data)
     commit(repo)
     before, head = tree(repo), subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True,
                                               text=True).stdout
-    (task,) = tasks.make(repo, tmp_path / "made", n=1, seed=0, log=lambda s: None)
+    lines = []
+    (task,) = tasks.make(repo, tmp_path / "made", n=1, seed=0, log=lines.append)
+    assert "left out, not Python this interpreter parses: calc/blob.py calc/compat2.py calc/latin.py" in lines
+    assert all(Path(tmp_path, "made", task["id"], "repo", rel).read_bytes() == data
+               for rel, data in unparsed.items())
     assert tree(repo) == before and any(".git" in p.parts for p in before)
     assert task["source"] == {"repo": "git-repo", "commit": head.strip()}
     d = tmp_path / "made" / task["id"]

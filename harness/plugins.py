@@ -35,13 +35,14 @@ class Recorder:
     source into the module loaded with -p). targets: {(file, qualname): feature index}; out: where the records
     go, [[feature index, base64 pickle of (args, kwargs)], ...], and [null, base64 pickle of a value] for the
     pool: the values of the types the features take (or the packages define) that the tests pass to any other
-    function of the packages, which mutation may put in place of a feature's argument."""
+    function of the packages, which mutation may put in place of a feature's argument. each: the distinct
+    inputs kept for a feature."""
 
-    def __init__(self, targets, out, repo, pkgs):
+    def __init__(self, targets, out, repo, pkgs, each=RECORD_AT_MOST):
         import base64, dis, io
         self.out, self.records, seen, tries, starts, ours, taken = out, [], set(), Counter(), {}, {}, set()
 
-        def keep(key, value, fresh=None, most=RECORD_AT_MOST):  # a copy of value, under key
+        def keep(key, value, fresh=None, most=each):  # a copy of value, under key
             if tries[key] >= 10 * most:
                 return
             tries[key] += 1
@@ -90,7 +91,7 @@ class Recorder:
                 kwargs.update(loc[names[k]])
             fresh = args[0] if code.co_name == "__init__" and args else None  # a receiver yet to be built
             if i is not None:
-                if tries[i] >= 10 * RECORD_AT_MOST or tries[i, "kept"] >= RECORD_AT_MOST:
+                if tries[i] >= 10 * each or tries[i, "kept"] >= each:
                     return
                 for j, x in enumerate(names[:n + code.co_kwonlyargcount]):
                     if inspect.isgenerator(loc[x]):  # recorded as an iterator over its items; the call gets
@@ -153,7 +154,8 @@ from pathlib import Path
 # popped: the tests never see them
 _recorder = Recorder({{(p, q): i for p, q, i in json.loads(os.environ.pop("FEATDEL_TARGETS"))}},
                      os.environ.pop("FEATDEL_OUT"), os.environ.pop("FEATDEL_REPO"),
-                     tuple(os.environ.pop("FEATDEL_ROOTS").split(os.pathsep)))
+                     tuple(os.environ.pop("FEATDEL_ROOTS").split(os.pathsep)),
+                     int(os.environ.pop("FEATDEL_EACH")))
 pytest_sessionfinish = _recorder.pytest_sessionfinish
 """
 

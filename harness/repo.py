@@ -109,9 +109,19 @@ def package_roots(root):
                            for p in packages(root))
 
 
-def source_files(root):
+def source_files(root, parse=True):
+    """The packages' modules, their tests left out; parse: only those this interpreter parses (a module of
+    Python 2 that a version check keeps from import, func-timeout's, is never a feature nor cut from)."""
     return [r for pkg in packages(root) for r in package_files(root, pkg)
-            if r.endswith(".py") and not is_protected(r)]
+            if r.endswith(".py") and not is_protected(r) and (not parse or parses(Path(root, r)))]
+
+
+def parses(path):
+    try:
+        ast.parse(path.read_bytes())
+        return True
+    except (SyntaxError, ValueError, RecursionError, MemoryError, OSError):
+        return False
 # -----------------------------------------------------------------------------
 # A work tree read without trusting it (the docstring says how), and a solution's tree rebuilt from the snapshot.
 
