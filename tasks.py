@@ -433,9 +433,10 @@ def timed(test):
 
 def baseline(work, box, repo, log):
     """The suite run twice, once traced, past test files that fail to collect: (the tests that pass both
-    times, less those that measure time, {test: functions it calls}, the functions called at import). A
-    suite that mostly fails is refused with pytest's first error: a broken environment (a compiled extension
-    missing) is no baseline."""
+    times, less those that measure time, {test: functions it calls}, the functions called at import). Tasks
+    stand on the tests that pass, as SWE-bench's PASS_TO_PASS does: a suite that mostly fails (an sdist
+    without its tests' helper module, a dependency nothing declares) is said, with pytest's first error, and
+    what passes is the baseline; one where fewer than 2 pass is refused."""
     r1, calls, at_import = trace_tests(work, box)
     r2 = box.pytest(work, collect_args(work))
     stable = {t for t in r1.passed & r2.passed if not timed(t)}
@@ -443,10 +444,9 @@ def baseline(work, box, repo, log):
     log(f"baseline: {len(stable)} stable passing tests, {len(r1.passed ^ r2.passed)} flaky dropped"
         + (f", {len(bad)} failing ({first_error(r2.out)})" if bad else ""))
     if len(bad) > len(r2.passed):
-        fix = "; make its environment with `python tasks.py env --repo DIR --venv DIR`, pass --python"
-        raise TaskError(f"the baseline is broken: {len(bad)} of {len(r2.outcomes)} tests fail and "
-                        f"{len(r2.passed)} pass in {repo} ({first_error(r2.out)})"
-                        + (fix if box.prefix == box.base else ""))
+        log(f"  most of the suite fails in {repo}: tasks stand on the {len(stable)} tests that pass"
+            + ("; a missing dependency? make its environment with `python tasks.py env --repo DIR --venv DIR`"
+               " and pass --python" if box.prefix == box.base else ""))
     if len(stable) < 2:  # a task needs a test that fails without its feature and one that keeps passing
         raise TaskError(f"{'only 1' if stable else 'no'} test passes twice in {repo} "
                         f"({len(r1.passed)} passed in the first run, {len(r2.passed)} in the second; a task "

@@ -7616,13 +7616,13 @@ def test_monitor_allows_what_verify_allows_and_git_on_the_work_tree(tmp_path):
 
 @sandboxed
 def test_make_refuses_bad_repositories_in_one_line_and_never_touches_the_source(tmp_path):
-    """Not a git repository, test files only pytest's
-    python_files names, no test files, no tests, no test or only one passing twice, a baseline where most
-    tests fail, a test file that does not collect, no feature few enough tests reach, a suite past the
-    timeout (its test turns off the per-test limit), a configuration that needs a missing plugin: one line
-    each. A make that succeeds keeps binary data files as they are, leaves test-run debris out, records the
-    source commit, leaves out of its reach a module that is not Python it parses (Python 2, binary, Latin-1),
-    and leaves the source repository byte-identical, .git included."""
+    """Not a git repository, test files only pytest's python_files names, no test files, no tests, no test or
+    only one passing twice (the rest failing, say), a test file that does not collect, no feature few enough
+    tests reach, a suite past the timeout (its test turns off the per-test limit), a configuration that needs
+    a missing plugin: one line each. A make that succeeds keeps binary data files as they are, leaves
+    test-run debris out, records the source commit, stands on the tests that pass where most fail, leaves out
+    of its reach a module that is not Python it parses (Python 2, binary, Latin-1), and leaves the source
+    repository byte-identical, .git included."""
     def tree(root):
         return {p.relative_to(root): (p.stat().st_mode, p.read_bytes())
                 for p in sorted(root.rglob("*")) if p.is_file()}
@@ -7640,7 +7640,7 @@ def test_make_refuses_bad_repositories_in_one_line_and_never_touches_the_source(
                  "check_calc.py": b"import calc\ndef test_add(): assert calc.add(1, 2) == 3\n"},
              "has no test files (test_*.py, *_test.py, tests.py, or .py files in a tests/ or test/ folder)": {
                  "tests/test_calc.py": None},
-             "the baseline is broken: 2 of 3 tests fail and 1 pass in": {
+             "(1 passed in the first run, 1 in the second; a task needs 2): FAILED tests/test_calc.py::test_no": {
                  "tests/test_calc.py": b"def test_no(): assert False\ndef test_no2(): assert 0\n"
                                        b"def test_yes(): pass\n"},
              # pytest's first error, not just that nothing passed (a missing dependency; an sdist that left
@@ -7685,12 +7685,18 @@ def test_make_refuses_bad_repositories_in_one_line_and_never_touches_the_source(
                 "calc/compat2.py": b"def reraise(e, tb):\n    raise e, None, tb\n"}
     for rel, data in unparsed.items():
         (repo / rel).write_bytes(data)
+    # an sdist without its tests' data: most of the suite fails, and tasks stand on the tests that pass
+    (repo / "tests/test_data.py").write_text("".join(f"def test_sample_{i}():\n    open('tests/data/{i}.bin')"
+                                                     f"\n\n\n" for i in range(30)))
     commit(repo)
     before, head = tree(repo), subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True,
                                               text=True).stdout
     lines = []
     (task,) = tasks.make(repo, tmp_path / "made", n=1, seed=0, log=lines.append)
     assert "left out, not Python this interpreter parses: calc/blob.py calc/compat2.py calc/latin.py" in lines
+    assert any(re.match(r"  most of the suite fails in .*: tasks stand on the 1\d tests that pass; a missing "
+                        r"dependency\?", line) for line in lines), lines
+    assert not any("test_data" in t for t in task["fail_to_pass"] + task["pass_to_pass"])
     assert all(Path(tmp_path, "made", task["id"], "repo", rel).read_bytes() == data
                for rel, data in unparsed.items())
     assert tree(repo) == before and any(".git" in p.parts for p in before)
