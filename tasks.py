@@ -502,14 +502,17 @@ def trace_tests(root, box, tries=3):
 
 
 def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reach=None, jobs=1,
-         stats=None, min_lines=2, strength_k=0, size="def"):
+         stats=None, min_lines=2, strength_k=0, size="def", deadline=None):
     """Up to n validated, scan-clean tasks from repo into out/; returns the task dicts. box: how the
     repository's tests run (default: this interpreter, in bubblewrap, 300 s a run); reach: the largest share
     of the suite a feature may be reached by (default: REACH_STEPS); jobs: tries run side by side; stats: a
     dict that gets the suite's size, the candidates, the tries and the test executions; strength_k: mutants
     each made task's strength is measured with (a verify each; 0, the default here, measures none, and an
     unmeasured task is not served; the command line measures STRENGTH_K); size: "def" (a function or method,
-    with group-1 related ones) or "module" (a class with its helpers, or a module, removed whole: units)."""
+    with group-1 related ones) or "module" (a class with its helpers, or a module, removed whole: units);
+    deadline: the time (time.time()) by which a survey's package must be done: a task's strength is measured
+    only where it fits in what is left, the survey's two verifies of each task kept aside (a task not
+    measured is made, not served)."""
     stats = {} if stats is None else stats
     seconds = stats.setdefault("seconds", {})  # by phase (clocked)
     repo, out, box = Path(repo), Path(out), box or Sandbox()
@@ -640,6 +643,11 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reac
            f"{collections.Counter(reasons).most_common(1)[0][0]}"))
     gold_s = [task.pop("gold_s") for task in tasks]  # (not in task.json: this machine's time, not the task's)
     for task, s in zip(tasks, gold_s) if strength_k else []:
+        need = strength_k * s / jobs + 2 * sum(gold_s)  # its mutants' verifies, jobs at a time, and the rest
+        if deadline and time.time() + need > deadline:
+            log(f"{task['id']}: strength not measured, not served: it takes about {need:.0f} s, more than the "
+                f"{max(0, deadline - time.time()):.0f} s the package has left")
+            continue
         try:
             with clocked(seconds, "strength"):
                 task["strength"] = strength(out / task["id"], strength_k, box, jobs=jobs, gold_s=s)
@@ -3756,10 +3764,12 @@ class DifficultySampler:
 # verify of each task's gold patch (1 expected) and of its untouched snapshot (0 expected), the strength of
 # each, how many are served, and the one-line reason of whatever failed.
 
-def survey_one(spec, root, n, timeout, isolate, python=None, strength_k=STRENGTH_K):
+def survey_one(spec, root, n, timeout, isolate, python=None, strength_k=STRENGTH_K, seconds=None):
     """One package (name==version off the index, or a local repository's folder) through download (a copy),
     env (or the interpreter given), make and verify: its row (a dict), its log in root/NAME/log.txt, and its
-    record root/NAME/row.json, written whole at the end: a package whose record is on disk is done."""
+    record root/NAME/row.json, written whole at the end: a package whose record is on disk is done. seconds:
+    the package's time (the survey's --package-timeout), which make's strength measures keep within."""
+    deadline = time.time() + seconds if seconds else None
     d = Path(root, package_dir(spec))
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
@@ -3779,7 +3789,8 @@ def survey_one(spec, root, n, timeout, isolate, python=None, strength_k=STRENGTH
             row["env_s"], t0, stats = time.time() - t0, time.time(), {}
             row["seconds"] = {"env": row["env_s"]}
             box = Sandbox(python, isolate, timeout)
-            made = make(repo, d / "tasks", n=n, box=box, log=log, stats=stats, strength_k=strength_k)
+            made = make(repo, d / "tasks", n=n, box=box, log=log, stats=stats, strength_k=strength_k,
+                        deadline=deadline)
             row.update(make_s=time.time() - t0, made=len(made), tests=stats.get("tests"),
                        tried=stats.get("tried"), executed=stats.get("executed"))
             row["seconds"].update(stats["seconds"])
@@ -3846,6 +3857,7 @@ def survey_cli(a):
     specs = [str(Path(x).resolve()) if Path(x).is_dir() else x for x in specs]
     command = lambda spec: [sys.executable, str(Path(__file__).resolve()), "survey-one", spec, "--out", a.out,
                             "--n", str(a.n), "--timeout", str(a.timeout), "--strength-k", str(a.strength_k),
+                            "--seconds", str(a.package_timeout),
                             *(["--python", a.python] if a.python else []), *(["--no-sandbox"] * a.no_sandbox)]
     group = world > 1 and not a.shard
     if group:  # only the rows travel; a long timeout: a rank through its share waits for the slowest one's
@@ -3970,7 +3982,8 @@ def cli(argv=None) -> int:
     su.add_argument("--jobs", type=int, default=2, help="packages run side by side")
     su.add_argument("--timeout", type=int, default=300, help="seconds allowed for one test-suite run")
     su.add_argument("--package-timeout", type=int, default=4 * 3600,
-                    help="seconds allowed for one package (past them its run is killed, and tried once more)")
+                    help="seconds allowed for one package (strength is measured within them; past them its "
+                         "run is killed, and tried once more)")
     su.add_argument("--shard", metavar="K/N", help="run only the K-th of N shares (0-based; a job array, "
                                                    "say), then `tasks.py merge --out DIR` writes the index")
     su.add_argument("--python", help="interpreter with the packages' test requirements, instead of an env "
@@ -3985,6 +3998,7 @@ def cli(argv=None) -> int:
     s1.add_argument("--timeout", type=int, default=300)
     s1.add_argument("--python")
     s1.add_argument("--strength-k", type=int, default=STRENGTH_K)
+    s1.add_argument("--seconds", type=int, help="the package's time: strength is measured within it")
     s1.add_argument("--no-sandbox", action="store_true")
     mg = sub.add_parser("merge", help="the index of a survey run in shards (--shard K/N), from their records")
     mg.add_argument("--out", required=True, help="the shards' output folder")
@@ -4036,7 +4050,7 @@ def cli(argv=None) -> int:
             return 0
         if a.cmd == "survey-one":
             die_with_parent()
-            survey_one(a.spec, a.out, a.n, a.timeout, not a.no_sandbox, a.python, a.strength_k)
+            survey_one(a.spec, a.out, a.n, a.timeout, not a.no_sandbox, a.python, a.strength_k, a.seconds)
             return 0
         if a.cmd == "merge":
             rows, n = merge(a.out)

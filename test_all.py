@@ -5731,7 +5731,9 @@ def test_a_result_that_hashes_an_address_is_compared_without_it(tmp_path):
 def test_make_tries_first_the_features_its_oracle_can_vary(tmp_path):
     """A feature whose every call takes an argument no copy stands for (an object holding a lock) gives a task
     whose oracle has no held-out input: made, then never served. make's recording run over every candidate
-    says which features the oracle can vary, and those are tried first, whatever the seed's order."""
+    says which features the oracle can vary, and those are tried first, whatever the seed's order. A survey's
+    package has its time (make's deadline): a strength that does not fit in what is left is not measured,
+    and the task is made, not served (a package killed at its time loses every task it made)."""
     Path(tmp_path, "r/tally").mkdir(parents=True)
     Path(tmp_path, "r/tally/__init__.py").write_text(
         "def locked_total(box):\n    with box.lock:\n        return sum(box.items)\n\n\n"
@@ -5753,10 +5755,13 @@ def test_make_tries_first_the_features_its_oracle_can_vary(tmp_path):
         return order[0][1]
     seed = next(s for s in range(100) if first(s) == "locked_total")
     lines = []
-    made = tasks.make(repo, tmp_path / "out", n=1, seed=seed, box=tasks.Sandbox(timeout=60), log=lines.append)
+    made = tasks.make(repo, tmp_path / "out", n=1, seed=seed, box=tasks.Sandbox(timeout=60), log=lines.append,
+                      strength_k=2, deadline=time.time() + 1)
     assert "1 of 2 disjoint features have 3 inputs the oracle can make on each function: tried first" in lines
     assert [e["qualname"] for e in made[0]["deleted"]] == ["doubled_total"], lines
-    assert made[0]["oracle"]["covered"]
+    assert made[0]["oracle"]["covered"] and "strength" not in made[0]
+    assert any(re.fullmatch(rf"{made[0]['id']}: strength not measured, not served: it takes about \d+ s, "
+                            rf"more than the 0 s the package has left", line) for line in lines), lines
 
 
 def test_a_feature_that_takes_nothing_is_covered_by_the_call_the_tests_made(tmp_path):
