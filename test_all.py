@@ -7870,7 +7870,11 @@ def test_single_module_projects_and_documentation_doctests(tmp_path):
     # an older project's encoding (xlwt's): a re-implementation may keep it
     (repo / "calc.py").write_bytes(("# -*- coding: windows-1252 -*-\n" + CORE + "\n\n" + TEXT)
                                    .encode("cp1252"))
-    (repo / "setup.py").write_text("from setuptools import setup\nsetup(name='calc', py_modules=['calc'])\n")
+    # setup.py's helper beside it (python-jsonschema-objects' register.py, for the release): no module of the
+    # project's, which is what its tests import
+    (repo / "setup.py").write_text("import register\nfrom setuptools import setup\n"
+                                   "setup(name='calc', py_modules=['calc'])\n")
+    (repo / "register.py").write_text("import pandoc\n")
     (repo / "tests/test_calc.py").write_text(
         "import calc\n\n\ndef test_mean(): assert calc.mean([1, 3]) == 2\n"
         + "".join(f"def test_{i}(): assert calc.add({i}, 1) == {i + 1}\n" for i in range(8))

@@ -66,7 +66,9 @@ def packages(root):
               and ours(p) and not (p / "__init__.py").exists() and not list(p.glob("*.py"))
               and any((s / "__init__.py").is_file() for s in p.iterdir())]
     if loose or spaces:  # a single-module project, or a namespace's portions: what the tests import
-        imported = imports(root, lambda rel: rel.endswith(".py") and is_protected(rel), ast.walk)
+        # by the tests: their files and conftest.py, not setup.py's helpers (a release script beside it)
+        imported = imports(root, lambda rel: rel.endswith(".py") and is_protected(rel)
+                           and Path(rel).name not in CONFIG - {"conftest.py"}, ast.walk)
         found += [p for p in loose if p.stem in imported and p.stem not in {f.name for f in found}]
         found += [s for p in spaces if p.name in imported for s in sorted(p.iterdir())
                   if (s / "__init__.py").is_file() and ours(s)]
