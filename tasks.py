@@ -595,8 +595,8 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reac
         stats["coverable"] = sum(set(fns) <= ready for _, fns, _ in groups)
         log(f"{stats['coverable']} of {len(groups)} disjoint features have {HELD_OUT_AT_LEAST} inputs the "
             f"oracle can make on each function: tried first")
-        groups = sorted(groups, key=lambda g: not set(g[1]) <= ready)[:3 * n]  # a repository that keeps
-        # failing is not worth hours
+        # (at most 3n tries: a repository that keeps failing is not worth hours)
+        groups = sorted(groups, key=lambda g: not set(g[1]) <= ready)[:3 * n]
         mode = mode if size == "def" else "remove"
 
         def attempt(i, feats):
