@@ -5800,6 +5800,19 @@ def test_a_feature_that_takes_nothing_is_covered_by_the_call_the_tests_made(tmp_
     # and the monotonic clocks start at UPTIME_AT whatever the host's uptime (throttler's state)
     up = harness.child.UPTIME_AT
     assert traced[3].startswith(f"returns ({up + 1}, {up});"), traced[3]
+    # a compiled module made while the clock is fixed finds the C datetime type (pandas' Timestamp subclasses
+    # it in C: built on the clock's Python subclass it crashed the oracle child, rc 139), the code after it
+    # the fixed one
+    probe = ("import _imp, datetime, os, sys, sysconfig\nfrom harness.child import fixed_clock, CLOCK_AT\n"
+             "real, seen = datetime.datetime, []\nfixed_clock(CLOCK_AT)\nmake = _imp.create_dynamic\n"
+             "_imp.create_dynamic = lambda *a: (seen.append(datetime.datetime is real), make(*a))[1]\n"
+             "d = os.path.join(sysconfig.get_path('platstdlib'), 'lib-dynload')\n"
+             "name = next(n for n in (f.split('.')[0] for f in sorted(os.listdir(d)))\n"
+             "            if n in ('_bisect', '_csv', '_heapq', '_json', '_statistics', '_struct')\n"
+             "            and n not in sys.modules)\n__import__(name)\n"
+             "print(name, seen, datetime.datetime is real, datetime.datetime.now().year)\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=HERE)
+    assert out.stdout.split()[1:] == ["[True]", "False", "2026"], (out.stdout, out.stderr[-500:])
 
 
 SHELF = """import os, sys, tempfile

@@ -739,6 +739,17 @@ def fixed_clock(at):
     Fixed.__name__, Fixed.__qualname__, Fixed.__module__ = "datetime.datetime", "datetime", "datetime"  # its repr
     datetime.datetime = Fixed
 
+    def on_the_c_type(load):  # a compiled module subclasses the C type itself (pandas' Timestamp: on Fixed it
+        def call(*args):      # crashes the interpreter), so while one is made datetime.datetime is the C type
+            was, datetime.datetime = datetime.datetime, base
+            try:
+                return load(*args)
+            finally:
+                datetime.datetime = was  # Fixed, or the C type while an outer compiled module is made
+        return call
+    from importlib.machinery import ExtensionFileLoader as compiled
+    compiled.create_module, compiled.exec_module = map(on_the_c_type, (compiled.create_module, compiled.exec_module))
+
 
 async def drain(agen, limit=1000):
     """An async generator's first items, as canon takes an iterator's."""
