@@ -5800,6 +5800,15 @@ def test_a_feature_that_takes_nothing_is_covered_by_the_call_the_tests_made(tmp_
     # and the monotonic clocks start at UPTIME_AT whatever the host's uptime (throttler's state)
     up = harness.child.UPTIME_AT
     assert traced[3].startswith(f"returns ({up + 1}, {up});"), traced[3]
+    # a timestamp an object keeps is the same however late in the run, however busy the machine: each call's
+    # wall clock reads CLOCK_AT until the call has run a whole second (robotspy's `_time`: 1767268800.02 in
+    # make, .03 in verify)
+    Path(tmp_path, "stamp/late.py").write_text(
+        "import time\n\n\ndef stamped(wait):\n    time.sleep(wait)\n    return time.time_ns(), time.time()\n")
+    waits = [base64.b64encode(pickle.dumps(((w,), {}))).decode() for w in (0.3, 0.01, 0.2)]
+    oracle, _ = tasks.make_oracle(tmp_path, [("stamp/late.py", "stamped")], [[0, w] for w in waits], box)
+    traced = [c[2] for c in oracle["calls"] if c[3] == "traced"]
+    assert traced == [f'returns ({at * 10 ** 9}, {at}); after ["{w}"]' for w in (0.3, 0.01, 0.2)], traced
     # a compiled module made while the clock is fixed finds the C datetime type (pandas' Timestamp subclasses
     # it in C: built on the clock's Python subclass it crashed the oracle child, rc 139), the code after it
     # the fixed one

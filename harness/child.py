@@ -548,7 +548,7 @@ def oracle_main(mode, root, inputs, fd):
     LAYOUT[:] = [bytearray(pad), [(i,) for i in range(pad // 64)]]  # arenas move
     spec = json.load(open(inputs))
     out = os.fdopen(int(fd), "w", buffering=1)
-    fixed_clock(CLOCK_AT)  # before the packages import: they may bind time.time or datetime as they do
+    restart = fixed_clock(CLOCK_AT)  # before the packages import: they may bind time.time or datetime
     funcs = [oracle_resolve(module, qualname) for module, qualname in spec["features"]]
     if mode == "mutate":
         def given_as(data):  # {position or name: argument}
@@ -642,6 +642,7 @@ def oracle_main(mode, root, inputs, fd):
 
     signal.signal(signal.SIGALRM, alarm)
     for k, (i, data) in enumerate(spec["calls"]):
+        restart()  # a call's wall clock reads `at` until it has run a whole second, however late it runs
         sys.stdout = printed = io.StringIO()  # before the input is made: an argument may hold the stream
         try:
             args, kwargs = pickle.loads(base64.b64decode(data))
@@ -702,17 +703,22 @@ def class_names(cls):
 
 def fixed_clock(at):
     """The clock of the code that runs after this starts at `at` (seconds since the epoch, UTC) and runs on
-    from there, in UTC: time.time and time_ns (date.today and datetime.today read them); localtime, gmtime,
-    ctime, asctime and strftime without a time; datetime.now and utcnow (datetime.datetime becomes a subclass
-    of that name whose two read time.time, and of which every datetime counts as an instance). monotonic and
-    perf_counter start at UPTIME_AT (throttler keeps `monotonic() + period` in its state: verify on another
-    day read the host's uptime there). Durations stay real."""
+    from there in whole seconds, in UTC, from the last call of the function this returns: time.time and
+    time_ns (date.today and datetime.today read them); localtime, gmtime, ctime, asctime and strftime without
+    a time; datetime.now and utcnow (datetime.datetime becomes a subclass of that name whose two read
+    time.time, and of which every datetime counts as an instance). So a timestamp an object keeps (robotspy's
+    `_time`) is the same in make's and verify's runs however busy the machine. monotonic and perf_counter
+    start at UPTIME_AT (throttler keeps `monotonic() + period` in its state: verify on another day read the
+    host's uptime there) and run on in real time: asyncio's loop waits by them."""
     import time as clock
     os.environ["TZ"] = "UTC"
     clock.tzset()
-    for name, since in (("time", at), ("monotonic", UPTIME_AT), ("perf_counter", UPTIME_AT)):
+    real, began = clock.monotonic_ns, [clock.monotonic_ns()]
+    clock.time_ns = lambda: at * 10 ** 9 + (real() - began[0]) // 10 ** 9 * 10 ** 9
+    for name in ("monotonic", "perf_counter"):
         ns = getattr(clock, name + "_ns")
-        setattr(clock, name + "_ns", lambda ns=ns, start=ns(), since=since: since * 10 ** 9 + ns() - start)
+        setattr(clock, name + "_ns", lambda ns=ns, start=ns(): UPTIME_AT * 10 ** 9 + ns() - start)
+    for name in ("time", "monotonic", "perf_counter"):
         setattr(clock, name, lambda ns=getattr(clock, name + "_ns"): ns() / 1e9)
     for name in ("localtime", "gmtime", "ctime"):
         setattr(clock, name, lambda secs=None, f=getattr(clock, name): f(clock.time() if secs is None else secs))
@@ -749,6 +755,7 @@ def fixed_clock(at):
         return call
     from importlib.machinery import ExtensionFileLoader as compiled
     compiled.create_module, compiled.exec_module = map(on_the_c_type, (compiled.create_module, compiled.exec_module))
+    return lambda: began.__setitem__(0, real())  # the wall clock starts again at `at`
 
 
 async def drain(agen, limit=1000):
