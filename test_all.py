@@ -6755,6 +6755,18 @@ def test_a_suite_with_thousands_of_test_files_runs_in_the_sandbox(tmp_path):
     paths = tasks.protected_paths(tmp_path)
     r = tasks.Sandbox(timeout=60).pytest(tmp_path, readonly=paths)
     assert len(paths) < 10 and r.passed == {"tests/test_a.py::test_a"}, r.out[-500:]
+    # a product of parameters (requests-oauth2client: 130,405 cases of 30-odd tests) keeps CASES_AT_MOST
+    # cases of each test, evenly spaced, in every run of whole files; a run that selects ids runs those
+    (tmp_path / "tests/test_b.py").write_text(
+        "import pytest\n\n\n@pytest.mark.parametrize('a', range(30))\n@pytest.mark.parametrize('b', range(8))\n"
+        "def test_many(a, b):\n    pass\n\n\n@pytest.mark.parametrize('a', range(3))\ndef test_few(a):\n    pass\n")
+    box, most = tasks.Sandbox(timeout=60), harness.sandbox.CASES_AT_MOST
+    many = {t for t in box.pytest(tmp_path, ["tests/test_b.py"]).passed if "many" in t}
+    assert len(many) == most and many == {t for t in box.pytest(tmp_path).passed if "many" in t}
+    assert len({t.split("-")[0] for t in many}) == 8 and len({t.split("-")[1] for t in many}) > 20, many
+    assert len(box.pytest(tmp_path).passed) == 1 + most + 3
+    rest = ["tests/test_b.py::test_many[0-1]", "tests/test_b.py::test_many[7-29]"]
+    assert box.pytest(tmp_path, select=rest).passed == set(rest)
 
 
 def test_a_test_that_never_ends_fails_alone(tmp_path):
