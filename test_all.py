@@ -5738,26 +5738,29 @@ def test_make_tries_first_the_features_its_oracle_can_vary(tmp_path):
     Path(tmp_path, "r/tally/__init__.py").write_text(
         "def locked_total(box):\n    with box.lock:\n        return sum(box.items)\n\n\n"
         "def doubled_total(xs):\n    out = [2 * x for x in xs]\n    return sum(out)\n\n\n"
-        "def name():\n    return 'tally'\n")
+        "def name():\n    return 'tally'\n\n\ndef version():\n    v = 'v' + str(1)\n    return v\n")
     Path(tmp_path, "r/tests").mkdir()
     Path(tmp_path, "r/tests/test_tally.py").write_text(
         "import threading\nimport tally\n\n\nclass Box:\n    def __init__(self, items):\n"
         "        self.lock, self.items = threading.Lock(), items\n\n\n"
         "def test_locked():\n    assert tally.locked_total(Box([1, 2])) == 3\n\n\n"
         "def test_doubled():\n    assert tally.doubled_total([1, 2]) == 6\n\n\n"
-        + "".join(f"def test_name_{i}():\n    assert tally.name() == 'tally'\n\n\n" for i in range(3)))
+        + "".join(f"def test_name_{i}():\n    assert tally.name() == 'tally'\n\n\n" for i in range(3))
+        + "def test_version():\n    assert tally.version() == 'v1'\n")
     repo = commit(tmp_path / "r")
-    feats = sorted([("tally/__init__.py", "locked_total"), ("tally/__init__.py", "doubled_total")])
+    feats = sorted(("tally/__init__.py", f) for f in ("locked_total", "doubled_total", "version"))
 
-    def first(s):  # the feature make's order with seed s puts first
+    def order(s):  # the features in make's order with seed s
         order = list(feats)
         random.Random(s).shuffle(order)
-        return order[0][1]
-    seed = next(s for s in range(100) if first(s) == "locked_total")
+        return [f for _, f in order]
+    # (and one that takes nothing, covered by the tests' own call, after the one whose inputs the oracle varies:
+    # aiologic's current_green_task, no held-out input, 33% of its mutants killed)
+    seed = next(s for s in range(100) if order(s) == ["locked_total", "version", "doubled_total"])
     lines = []
     made = tasks.make(repo, tmp_path / "out", n=1, seed=seed, box=tasks.Sandbox(timeout=60), log=lines.append,
                       strength_k=2, deadline=time.time() + 1)
-    assert "1 of 2 disjoint features have 3 inputs the oracle can make on each function: tried first" in lines
+    assert "2 of 3 disjoint features have 3 inputs the oracle can make on each function: tried first" in lines
     assert [e["qualname"] for e in made[0]["deleted"]] == ["doubled_total"], lines
     assert made[0]["oracle"]["covered"] and "strength" not in made[0]
     assert any(re.fullmatch(rf"{made[0]['id']}: strength not measured, not served: it takes about \d+ s, "
