@@ -7925,6 +7925,20 @@ def test_single_module_projects_and_documentation_doctests(tmp_path):
     (repo / "pyproject.toml").write_text('[tool.pytest.ini_options]\ntestpaths = ["tests", "docs"]\n'
                                          'addopts = "--doctest-glob=*.rst"\n')
     assert tasks.packages(commit(repo)) == ["calc.py"]
+    # a module the tests never import by name (pytest-dependency: a pytest plugin its tests load through
+    # pytester) is the project's where its build configuration declares it: setuptools' py_modules
+    for config, text in [("setup.py", "from setuptools import setup\nsetup(package_dir={'': 'src'}, "
+                                      "py_modules=['plug'])\n"),
+                         ("setup.cfg", "[options]\npy_modules =\n    plug\n"),
+                         ("pyproject.toml", "[tool.setuptools]\npy-modules = ['plug']\n")]:
+        other = tmp_path / config
+        (other / "src").mkdir(parents=True)
+        (other / "src/plug.py").write_text("def pytest_configure(config):\n    pass\n")
+        (other / "src/helper.py").write_text("X = 1\n")
+        (other / "tests").mkdir()
+        (other / "tests/test_plug.py").write_text("def test_it(pytester):\n    pytester.runpytest('-p', 'plug')\n")
+        (other / config).write_text(text)
+        assert tasks.packages(other) == ["src/plug.py"], config
     logs = []
     (task,) = tasks.make(repo, tmp_path / "out", n=1, seed=0, log=logs.append)
     d = tmp_path / "out" / task["id"]

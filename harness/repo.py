@@ -69,10 +69,30 @@ def packages(root):
         # by the tests: their files and conftest.py, not setup.py's helpers (a release script beside it)
         imported = imports(root, lambda rel: rel.endswith(".py") and is_protected(rel)
                            and Path(rel).name not in CONFIG - {"conftest.py"}, ast.walk)
-        found += [p for p in loose if p.stem in imported and p.stem not in {f.name for f in found}]
+        found += [p for p in loose if p.stem in imported | declared_modules(root)
+                  and p.stem not in {f.name for f in found}]
         found += [s for p in spaces if p.name in imported for s in sorted(p.iterdir())
                   if (s / "__init__.py").is_file() and ours(s)]
     return [str(p.relative_to(root)) for p in found]
+
+
+def declared_modules(root):
+    """The single modules a project's build configuration declares as its own: setuptools' py_modules, in
+    setup.py (read, never run), setup.cfg or pyproject.toml."""
+    import configparser, tomllib
+    names = set()
+    with contextlib.suppress(SyntaxError, ValueError, OSError):
+        for n in ast.walk(ast.parse(Path(root, "setup.py").read_bytes())):
+            if isinstance(n, ast.keyword) and n.arg == "py_modules" and isinstance(n.value, (ast.List, ast.Tuple)):
+                names |= {e.value for e in n.value.elts if isinstance(e, ast.Constant) and type(e.value) is str}
+    with contextlib.suppress(configparser.Error, OSError, UnicodeDecodeError):
+        config = configparser.ConfigParser()
+        config.read(Path(root, "setup.cfg"))
+        names |= set(config.get("options", "py_modules", fallback="").replace(",", " ").split())
+    with contextlib.suppress(tomllib.TOMLDecodeError, OSError, UnicodeDecodeError, AttributeError, TypeError):
+        declared = tomllib.loads(Path(root, "pyproject.toml").read_text()).get("tool", {}).get("setuptools", {})
+        names |= {m for m in declared.get("py-modules", []) if type(m) is str}
+    return names
 
 
 def imports(root, which, nodes):
