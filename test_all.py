@@ -7679,7 +7679,8 @@ def test_make_refuses_bad_repositories_in_one_line_and_never_touches_the_source(
              "pytest configuration names test files (python_files = check_*.py) that are not tests by their "
              "names or folder, e.g. check_calc.py": {
                  "pyproject.toml": b'[tool.pytest.ini_options]\npython_files = ["check_*.py"]\n',
-                 "check_calc.py": b"import calc\ndef test_add(): assert calc.add(1, 2) == 3\n"},
+                 "check_calc.py": b"import calc\ndef test_add(): assert calc.add(1, 2) == 3\n",
+                 "tests/test_calc.py": None},
              "has no test files (test_*.py, *_test.py, tests.py, or .py files in a tests/ or test/ folder)": {
                  "tests/test_calc.py": None},
              "(1 passed in the first run, 1 in the second; a task needs 2): FAILED tests/test_calc.py::test_no": {
@@ -7727,6 +7728,11 @@ def test_make_refuses_bad_repositories_in_one_line_and_never_touches_the_source(
                 "calc/compat2.py": b"def reraise(e, tb):\n    raise e, None, tb\n"}
     for rel, data in unparsed.items():
         (repo / rel).write_bytes(data)
+    # python_files naming the project's modules too, with doctests in them (packageurl-python's `*.py`): its
+    # tests are the test files (its modules, collected as tests, held no test of their own to require)
+    (repo / "pyproject.toml").write_text('[tool.pytest.ini_options]\ntestpaths = ["tests", "calc"]\n'
+                                         'python_files = ["*.py"]\naddopts = "--doctest-modules"\n')
+    (repo / "calc/extra.py").write_text("def test_in_the_package():\n    assert 1\n")
     # an sdist without its tests' data: most of the suite fails, and tasks stand on the tests that pass
     (repo / "tests/test_data.py").write_text("".join(f"def test_sample_{i}():\n    open('tests/data/{i}.bin')"
                                                      f"\n\n\n" for i in range(30)))
@@ -7736,6 +7742,8 @@ def test_make_refuses_bad_repositories_in_one_line_and_never_touches_the_source(
     lines = []
     (task,) = tasks.make(repo, tmp_path / "made", n=1, seed=0, log=lines.append)
     assert "left out, not Python this interpreter parses: calc/blob.py calc/compat2.py calc/latin.py" in lines
+    assert "python_files = *.py names the project's modules too (e.g. calc/__init__.py): its tests are the " \
+           "test files" in lines, lines
     assert any(re.match(r"  most of the suite fails in .*: tasks stand on the 1\d tests that pass; a missing "
                         r"dependency\?", line) for line in lines), lines
     assert not any("test_data" in t for t in task["fail_to_pass"] + task["pass_to_pass"])
@@ -7747,6 +7755,7 @@ def test_make_refuses_bad_repositories_in_one_line_and_never_touches_the_source(
     assert (d / "repo/calc/logo.png").read_bytes() == logo and tasks.verify(d, patch=d / "gold.patch")[0] == 1
     assert not (d / "repo/.benchmarks").exists() and not (d / "repo/calc.egg-info").exists()
     assert "tests/test_meta.py::test_one_copy_of_the_metadata" in task["pass_to_pass"]
+    assert not any(t.startswith("calc/") for t in task["fail_to_pass"] + task["pass_to_pass"])
 
 
 def processes(*command, variable):

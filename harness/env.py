@@ -347,9 +347,14 @@ def old_config(root):
 def collect_args(root):
     """pytest options that collect the test modules the configured python_files patterns miss (a project's
     root tests.py, tests/tests.py: a user runs them by name): modules in test folders, or named tests.py or
-    test.py, that define tests (test_ functions, Test classes or unittest cases) and import the packages."""
+    test.py, that define tests (test_ functions, Test classes or unittest cases) and import the packages.
+    Patterns that name the project's own modules too (packageurl-python's `python_files = *.py`) are
+    pytest's defaults here: its tests are the test files, found by the same rule."""
     named = pytest_config(root).get("python_files") or "test_*.py *_test.py"
     pats = named if isinstance(named, list) else str(named).replace(",", " ").split()
+    wide = any(rel.endswith(".py") and not is_protected(rel) and any(fnmatch.fnmatch(Path(rel).name, pat)
+                                                                    for pat in pats) for rel in walk(root))
+    pats = ["test_*.py", "*_test.py"] if wide else pats
     own = {package_name(p).split(".")[0] for p in packages(root)}
     extra = set()
     for rel in walk(root):
@@ -368,7 +373,7 @@ def collect_args(root):
                      if isinstance(n, ast.ImportFrom) and n.module}
             if tests and uses & own:  # by its path: another file of that name may be no test
                 extra.add(str(Path(root).resolve() / rel))
-    return ["-o", "python_files=" + " ".join([*pats, *sorted(extra)])] if extra else []
+    return ["-o", "python_files=" + " ".join([*pats, *sorted(extra)])] if extra or wide else []
 
 
 def pytest_config(repo):
