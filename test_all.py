@@ -8063,6 +8063,24 @@ def small_sdist(path, name, version, setup_args, module, test):
     return path
 
 
+def test_env_finds_the_plugins_whose_marks_and_fixtures_the_tests_use(tmp_path):
+    """A suite that uses a plugin's mark or fixture that nothing declares (wait-for2: @pytest.mark.asyncio
+    and no pytest-asyncio, every test failed) names that plugin's module among what its tests need, which
+    env installs as it installs an undeclared import; pytest's own marks and a conftest's fixtures name none."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests/conftest.py").write_text("import pytest\n\n\n@pytest.fixture\ndef box(tmp_path):\n"
+                                                "    return tmp_path\n")
+    (tmp_path / "tests/test_a.py").write_text(
+        "import pytest\nfrom pytest import mark\n\n\n@pytest.mark.parametrize('x', [1])\n@pytest.mark.skipif(0, "
+        "reason='')\ndef test_plain(x, box, monkeypatch):\n    pass\n")
+    assert harness.env.test_imports(tmp_path) == {"pytest"}
+    (tmp_path / "tests/test_b.py").write_text(
+        "import pytest\nfrom pytest import mark\n\n\n@pytest.mark.asyncio\nasync def test_wait():\n    pass\n\n\n"
+        "@mark.trio\nasync def test_trio():\n    pass\n\n\ndef test_mocked(mocker, benchmark):\n    pass\n")
+    assert harness.env.test_imports(tmp_path) == {"pytest", "pytest_asyncio", "pytest_trio", "pytest_mock",
+                                            "pytest_benchmark"}
+
+
 @sandboxed
 def test_env_installs_what_the_configuration_needs(tmp_path):
     """A repository whose pytest configuration needs pytest-timeout, which nothing declares, and whose package

@@ -51,6 +51,10 @@ PLUGIN_OPTIONS = {"--cov": "pytest-cov", "-n": "pytest-xdist", "--numprocesses":
 INI_PLUGINS = {"asyncio_mode": "pytest-asyncio", "asyncio_default_fixture_loop_scope": "pytest-asyncio",
                "timeout": "pytest-timeout", "env": "pytest-env", "mock_use_standalone_module": "pytest-mock",
                "doctest_plus": "pytest-doctestplus", "xdist_auto_num_workers": "pytest-xdist"}
+# a mark or fixture a test uses -> the module of the plugin that gives it (wait-for2's @pytest.mark.asyncio,
+# pytest-asyncio declared nowhere: every test failed, "async def functions are not natively supported")
+PLUGIN_MODULES = {"asyncio": "pytest_asyncio", "trio": "pytest_trio", "anyio": "anyio", "mocker": "pytest_mock",
+                  "benchmark": "pytest_benchmark", "requests_mock": "requests_mock", "httpserver": "pytest_httpserver"}
 # a test's import -> the distribution that provides it, where the two names differ
 DISTRIBUTIONS = {"yaml": "pyyaml", "dateutil": "python-dateutil", "PIL": "pillow", "attr": "attrs",
                  "bs4": "beautifulsoup4", "jwt": "pyjwt", "pytest_mock": "pytest-mock", "dns": "dnspython",
@@ -152,7 +156,7 @@ def make_env(repo, venv, isolate=True, log=print, as_of=None):
                          if not (site_dir / m).exists() and not list(site_dir.glob(m + ".*")))
         if missing:
             dists = [DISTRIBUTIONS.get(m, m.replace("_", "-")) for m in missing]
-            log(f"the tests import {', '.join(missing)}, which nothing declares: installing "
+            log(f"the tests import or use {', '.join(missing)}, which nothing declares: installing "
                 + " ".join(dists))
             for d in dists:  # one at a time: a name that is no distribution must not stop the others
                 rc, out = box.run([*pip, *then, d], src, writable=[venv], network=True, extra_env=dated)
@@ -408,9 +412,19 @@ def plugin_for(option):
 
 def test_imports(repo):
     """Top-level modules the test modules and conftests import unconditionally (at module level, outside
-    try); not what other scripts among the tests import (a test may run one only where it can)."""
-    names = imports(repo, lambda rel: re.fullmatch(r"test_.*\.py|.*_test\.py|conftest\.py", Path(rel).name),
-                    lambda tree: tree.body)
+    try), and the plugins whose marks and fixtures they use (PLUGIN_MODULES); not what other scripts among
+    the tests import (a test may run one only where it can)."""
+    tests = lambda rel: re.fullmatch(r"test_.*\.py|.*_test\.py|conftest\.py", Path(rel).name)
+    names = imports(repo, tests, lambda tree: tree.body)
+    for rel in filter(tests, walk(repo)):
+        with contextlib.suppress(SyntaxError, ValueError, OSError):
+            for n in ast.walk(ast.parse(Path(repo, rel).read_bytes())):
+                if isinstance(n, ast.Attribute) and "mark" in (getattr(n.value, "attr", None),
+                                                               getattr(n.value, "id", None)):
+                    names.add(PLUGIN_MODULES.get(n.attr, ""))  # @pytest.mark.asyncio, @mark.trio
+                elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    names |= {PLUGIN_MODULES.get(a.arg, "") for a in n.args.args}  # def test_x(mocker)
+    names.discard("")
     local = {part for rel in walk(repo) for part in Path(rel).with_suffix("").parts}  # helpers, conftest
     return names - local - set(sys.stdlib_module_names) - {"__future__"}
 
