@@ -7890,6 +7890,10 @@ def test_test_requirements_are_found_where_projects_declare_them(tmp_path):
                'None)._idval\nE   TypeError: IdMaker.__init__() takes 7 positional arguments but 8 were '
                'given\n')
     assert harness.env.OLD_PYTEST.search(loading) and not harness.env.OLD_PYTEST.search("1 error in 0.1s")
+    # ...or what this pytest removed, where it says so (ciscoconfparse: a mark on a fixture, an error in 9)
+    removed = ("Failed: Marks cannot be applied to fixtures.\nSee docs: https://docs.pytest.org/en/stable/"
+               "deprecations.html#applying-a-mark-to-a-fixture-function\n")
+    assert harness.env.OLD_PYTEST.search(removed)
     # pip's own crash: the cause is the traceback's last line, not "ERROR: Exception:"
     crash = ("ERROR: Exception:\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
              "pip._vendor.packaging.requirements.InvalidRequirement: Expected end or semicolon\n")

@@ -211,7 +211,7 @@ def make_env(repo, venv, isolate=True, log=print, as_of=None):
 # a deprecation its configuration turns into an error, a plugin that does not load (pytest-cases calls
 # pytest's IdMaker with the arguments pytest 8 took)
 OLD_PYTEST = re.compile(r"(ImportError|AttributeError)\b[^\n]*\b_?pytest\b|PytestRemovedIn\d+Warning|"
-                        r"Error while loading plugin")
+                        r"Error while loading plugin|docs\.pytest\.org/en/stable/deprecations\.html#")
 # when each Python 3 minor version came out: a venv made as of a date takes nothing older than ran on it
 PYTHON_RELEASED = {10: "2021-10-04", 11: "2022-10-24", 12: "2023-10-02", 13: "2024-10-07", 14: "2025-10-07"}
 # ...and when a dependency installed into the venv lacks a name its tests import
