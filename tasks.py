@@ -344,9 +344,9 @@ def build_task(work, tdir, tid, feats, mode, stable, reach, box, source, splice=
     before = scan(snap, task)
     scrub(snap, before)
     # Validate on the scrubbed snapshot: imports, collects, breaks some tests, keeps others.
-    for pkg in packages(snap):
-        rc, log = box.run(["-c", f"import {package_name(pkg)}"], snap)
-        if rc:
+    for pkg in packages(snap):  # one that did not import before either (click-configfile's invoke tasks/
+        rc, log = box.run(["-c", f"import {package_name(pkg)}"], snap)  # folder, invoke not installed) aside
+        if rc and not box.run(["-c", f"import {package_name(pkg)}"], work)[0]:
             return None, f"package no longer imports: {log.strip().splitlines()[-1:]}"
     unrun = stable - reach  # their outcome is the baseline's
     with scratch() as tmp:  # tests may write files: run them on a throwaway copy
@@ -1184,7 +1184,7 @@ def judge_deletion(spec_dir, workdir, box=None):
             return 0, f"not a deletion: {why}"
         for pkg in packages(snap):
             rc, log = box.run(["-c", f"import {package_name(pkg)}"], work)
-            if rc:
+            if rc and not box.run(["-c", f"import {package_name(pkg)}"], snap)[0]:
                 return 0, f"{package_name(pkg)} no longer imports: {log.strip().splitlines()[-1:]}"
         left = [(f["path"], f["evidence"]) for f in scan(work, spec) if f["kind"] == "text"]
         left += feature_left(work, spec)

@@ -7733,6 +7733,10 @@ def test_make_refuses_bad_repositories_in_one_line_and_never_touches_the_source(
     (repo / "pyproject.toml").write_text('[tool.pytest.ini_options]\ntestpaths = ["tests", "calc"]\n'
                                          'python_files = ["*.py"]\naddopts = "--doctest-modules"\n')
     (repo / "calc/extra.py").write_text("def test_in_the_package():\n    assert 1\n")
+    # a folder of release tasks beside the package that needs a tool the environment lacks (click-configfile's
+    # invoke `tasks/`): it did not import before the deletion either, so no try is refused for it
+    (repo / "tasks").mkdir()
+    (repo / "tasks/__init__.py").write_text("import invoke_not_installed\n")
     # an sdist without its tests' data: most of the suite fails, and tasks stand on the tests that pass
     (repo / "tests/test_data.py").write_text("".join(f"def test_sample_{i}():\n    open('tests/data/{i}.bin')"
                                                      f"\n\n\n" for i in range(30)))
