@@ -3212,7 +3212,8 @@ def test_a_restarted_launch_joins_its_group_again(tmp_path):
                       "import mesh, torch.distributed as dist\n"
                       "rank, _, world, _, _ = mesh.init_distributed('cpu')\n"
                       "if rank == 1 and os.environ['TORCHELASTIC_RESTART_COUNT'] == '0':\n    os._exit(3)\n"
-                      "dist.barrier()\nprint('joined', rank, os.environ['TORCHELASTIC_RESTART_COUNT'])\n")
+                      # one write each (the ranks share the pipe: print's pieces interleaved, 'joinedjoined 1 1')
+                      "dist.barrier()\nos.write(1, f\"joined {rank} {os.environ['TORCHELASTIC_RESTART_COUNT']}\\n\".encode())\n")
     p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                           "--max-restarts=1", str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
