@@ -599,9 +599,9 @@ def make(repo, out, n=1, seed=0, mode="stub", group=1, box=None, log=print, reac
         stats["coverable"] = sum(set(fns) <= held.keys() for _, fns, _ in groups)
         log(f"{stats['coverable']} of {len(groups)} disjoint features have {HELD_OUT_AT_LEAST} inputs the "
             f"oracle can make on each function: tried first")
-        # and of those, the ones whose every function takes an input before the ones the tests' own call covers
-        # (no held-out input checks more than the tests: aiologic's current_green_task, 33% of its mutants
-        # killed); at most 3n tries: a repository that keeps failing is not worth hours
+        # and of those, the ones whose every function takes an input before the ones the tests' own call
+        # covers (no held-out input checks more than the tests: aiologic's current_green_task, 33% of its
+        # mutants killed); at most 3n tries: a repository that keeps failing is not worth hours
         groups = sorted(groups, key=lambda g: (not set(g[1]) <= held.keys(),
                                                min(held.get(f, 0) for f in g[1]) == 0))[:3 * n]
         mode = mode if size == "def" else "remove"
@@ -1731,10 +1731,10 @@ def gold_results(box, gold, features, calls):
 
 def coverable(root, feats, box, select, each=3):
     """{feature: held-out inputs made} of the features of feats ([(file, qualname)]) whose oracle would be
-    covered, as far as one recording run of the select tests (each feature's first `each` inputs kept) and the
-    held-out inputs made from those tell: HELD_OUT_AT_LEAST made, or a call recorded of one that takes no input
-    (0 made). make tries these first: as SWE-smith keeps the candidates its validation can judge, a task its
-    oracle cannot cover is not served."""
+    covered, as far as one recording run of the select tests (each feature's first `each` inputs kept) and
+    the held-out inputs made from those tell: HELD_OUT_AT_LEAST made, or a call recorded of one that takes no
+    input (0 made). make tries these first: as SWE-smith keeps the candidates its validation can judge, a task
+    its oracle cannot cover is not served."""
     if not feats:
         return {}
     _, records = record_calls(root, feats, box, select, each)

@@ -754,7 +754,8 @@ def fixed_clock(at):
                 datetime.datetime = was  # Fixed, or the C type while an outer compiled module is made
         return call
     from importlib.machinery import ExtensionFileLoader as compiled
-    compiled.create_module, compiled.exec_module = map(on_the_c_type, (compiled.create_module, compiled.exec_module))
+    compiled.create_module = on_the_c_type(compiled.create_module)
+    compiled.exec_module = on_the_c_type(compiled.exec_module)
     return lambda: began.__setitem__(0, real())  # the wall clock starts again at `at`
 
 

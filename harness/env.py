@@ -53,8 +53,9 @@ INI_PLUGINS = {"asyncio_mode": "pytest-asyncio", "asyncio_default_fixture_loop_s
                "doctest_plus": "pytest-doctestplus", "xdist_auto_num_workers": "pytest-xdist"}
 # a mark or fixture a test uses -> the module of the plugin that gives it (wait-for2's @pytest.mark.asyncio,
 # pytest-asyncio declared nowhere: every test failed, "async def functions are not natively supported")
-PLUGIN_MODULES = {"asyncio": "pytest_asyncio", "trio": "pytest_trio", "anyio": "anyio", "mocker": "pytest_mock",
-                  "benchmark": "pytest_benchmark", "requests_mock": "requests_mock", "httpserver": "pytest_httpserver"}
+PLUGIN_MODULES = {"asyncio": "pytest_asyncio", "trio": "pytest_trio", "anyio": "anyio",
+                  "mocker": "pytest_mock", "benchmark": "pytest_benchmark", "requests_mock": "requests_mock",
+                  "httpserver": "pytest_httpserver"}
 # a test's import -> the distribution that provides it, where the two names differ
 DISTRIBUTIONS = {"yaml": "pyyaml", "dateutil": "python-dateutil", "PIL": "pillow", "attr": "attrs",
                  "bs4": "beautifulsoup4", "jwt": "pyjwt", "pytest_mock": "pytest-mock", "dns": "dnspython",

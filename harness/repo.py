@@ -83,14 +83,17 @@ def declared_modules(root):
     names = set()
     with contextlib.suppress(SyntaxError, ValueError, OSError):
         for n in ast.walk(ast.parse(Path(root, "setup.py").read_bytes())):
-            if isinstance(n, ast.keyword) and n.arg == "py_modules" and isinstance(n.value, (ast.List, ast.Tuple)):
-                names |= {e.value for e in n.value.elts if isinstance(e, ast.Constant) and type(e.value) is str}
+            listed = isinstance(n, ast.keyword) and isinstance(n.value, (ast.List, ast.Tuple))
+            if listed and n.arg == "py_modules":
+                names |= {e.value for e in n.value.elts
+                          if isinstance(e, ast.Constant) and type(e.value) is str}
     with contextlib.suppress(configparser.Error, OSError, UnicodeDecodeError):
         config = configparser.ConfigParser()
         config.read(Path(root, "setup.cfg"))
         names |= set(config.get("options", "py_modules", fallback="").replace(",", " ").split())
     with contextlib.suppress(tomllib.TOMLDecodeError, OSError, UnicodeDecodeError, AttributeError, TypeError):
-        declared = tomllib.loads(Path(root, "pyproject.toml").read_text()).get("tool", {}).get("setuptools", {})
+        declared = tomllib.loads(Path(root, "pyproject.toml").read_text()).get("tool", {})
+        declared = declared.get("setuptools", {})
         names |= {m for m in declared.get("py-modules", []) if type(m) is str}
     return names
 
