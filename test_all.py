@@ -3212,8 +3212,10 @@ def test_a_restarted_launch_joins_its_group_again(tmp_path):
                       "import mesh, torch.distributed as dist\n"
                       "rank, _, world, _, _ = mesh.init_distributed('cpu')\n"
                       "if rank == 1 and os.environ['TORCHELASTIC_RESTART_COUNT'] == '0':\n    os._exit(3)\n"
-                      # one write each (the ranks share the pipe: print's pieces interleaved, 'joinedjoined 1 1')
-                      "dist.barrier()\nos.write(1, f\"joined {rank} {os.environ['TORCHELASTIC_RESTART_COUNT']}\\n\".encode())\n")
+                      # one write each (the ranks share the pipe: print's pieces interleaved,
+                      # 'joinedjoined 1 1')
+                      "dist.barrier()\nn = os.environ['TORCHELASTIC_RESTART_COUNT']\n"
+                      "os.write(1, f'joined {rank} {n}\\n'.encode())\n")
     p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                           "--max-restarts=1", str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
@@ -5755,8 +5757,8 @@ def test_make_tries_first_the_features_its_oracle_can_vary(tmp_path):
         order = list(feats)
         random.Random(s).shuffle(order)
         return [f for _, f in order]
-    # (and one that takes nothing, covered by the tests' own call, after the one whose inputs the oracle varies:
-    # aiologic's current_green_task, no held-out input, 33% of its mutants killed)
+    # (and one that takes nothing, covered by the tests' own call, after the one whose inputs the oracle
+    # varies: aiologic's current_green_task, no held-out input, 33% of its mutants killed)
     seed = next(s for s in range(100) if order(s) == ["locked_total", "version", "doubled_total"])
     lines = []
     made = tasks.make(repo, tmp_path / "out", n=1, seed=seed, box=tasks.Sandbox(timeout=60), log=lines.append,
@@ -6762,8 +6764,9 @@ def test_a_suite_with_thousands_of_test_files_runs_in_the_sandbox(tmp_path):
     # a product of parameters (requests-oauth2client: 130,405 cases of 30-odd tests) keeps CASES_AT_MOST
     # cases of each test, evenly spaced, in every run of whole files; a run that selects ids runs those
     (tmp_path / "tests/test_b.py").write_text(
-        "import pytest\n\n\n@pytest.mark.parametrize('a', range(30))\n@pytest.mark.parametrize('b', range(8))\n"
-        "def test_many(a, b):\n    pass\n\n\n@pytest.mark.parametrize('a', range(3))\ndef test_few(a):\n    pass\n")
+        "import pytest\n\n\n@pytest.mark.parametrize('a', range(30))\n"
+        "@pytest.mark.parametrize('b', range(8))\ndef test_many(a, b):\n    pass\n\n\n"
+        "@pytest.mark.parametrize('a', range(3))\ndef test_few(a):\n    pass\n")
     box, most = tasks.Sandbox(timeout=60), harness.sandbox.CASES_AT_MOST
     many = {t for t in box.pytest(tmp_path, ["tests/test_b.py"]).passed if "many" in t}
     assert len(many) == most and many == {t for t in box.pytest(tmp_path).passed if "many" in t}
@@ -7954,7 +7957,8 @@ def test_single_module_projects_and_documentation_doctests(tmp_path):
         (other / "src/plug.py").write_text("def pytest_configure(config):\n    pass\n")
         (other / "src/helper.py").write_text("X = 1\n")
         (other / "tests").mkdir()
-        (other / "tests/test_plug.py").write_text("def test_it(pytester):\n    pytester.runpytest('-p', 'plug')\n")
+        (other / "tests/test_plug.py").write_text(
+            "def test_it(pytester):\n    pytester.runpytest('-p', 'plug')\n")
         (other / config).write_text(text)
         assert tasks.packages(other) == ["src/plug.py"], config
     logs = []
@@ -8075,16 +8079,18 @@ def small_sdist(path, name, version, setup_args, module, test):
 def test_env_finds_the_plugins_whose_marks_and_fixtures_the_tests_use(tmp_path):
     """A suite that uses a plugin's mark or fixture that nothing declares (wait-for2: @pytest.mark.asyncio
     and no pytest-asyncio, every test failed) names that plugin's module among what its tests need, which
-    env installs as it installs an undeclared import; pytest's own marks and a conftest's fixtures name none."""
+    env installs as it installs an undeclared import; pytest's own marks and a conftest's fixtures name
+    none."""
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests/conftest.py").write_text("import pytest\n\n\n@pytest.fixture\ndef box(tmp_path):\n"
                                                 "    return tmp_path\n")
     (tmp_path / "tests/test_a.py").write_text(
-        "import pytest\nfrom pytest import mark\n\n\n@pytest.mark.parametrize('x', [1])\n@pytest.mark.skipif(0, "
-        "reason='')\ndef test_plain(x, box, monkeypatch):\n    pass\n")
+        "import pytest\nfrom pytest import mark\n\n\n@pytest.mark.parametrize('x', [1])\n"
+        "@pytest.mark.skipif(0, reason='')\ndef test_plain(x, box, monkeypatch):\n    pass\n")
     assert harness.env.test_imports(tmp_path) == {"pytest"}
     (tmp_path / "tests/test_b.py").write_text(
-        "import pytest\nfrom pytest import mark\n\n\n@pytest.mark.asyncio\nasync def test_wait():\n    pass\n\n\n"
+        "import pytest\nfrom pytest import mark\n\n\n@pytest.mark.asyncio\n"
+        "async def test_wait():\n    pass\n\n\n"
         "@mark.trio\nasync def test_trio():\n    pass\n\n\ndef test_mocked(mocker, benchmark):\n    pass\n")
     assert harness.env.test_imports(tmp_path) == {"pytest", "pytest_asyncio", "pytest_trio", "pytest_mock",
                                             "pytest_benchmark"}
